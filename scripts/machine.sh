@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Prepare this machine for lucia-supervisor and its tests, as root: Debian packages, a running
+# dockerd, and the project's virtual environment in .venv. Safe to run again: it only does what
+# is missing.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+log_dir=${LUCIA_MACHINE_LOGS:-/var/log/lucia-machine}
+
+say() { printf '==> %s\n' "$*"; }
+die() { printf 'machine.sh: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (it installs packages and starts dockerd)"
+mkdir -p "$log_dir"
+
+install_packages() {
+    local missing=()
+    command -v dockerd >/dev/null || missing+=(docker.io)
+    command -v busybox >/dev/null || missing+=(busybox-static)
+    command -v git >/dev/null || missing+=(git)
+    [ "${#missing[@]}" -eq 0 ] && return
+    say "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >"$log_dir/apt.log" 2>&1 \
+        || { tail -20 "$log_dir/apt.log" >&2; die "apt-get install failed"; }
+}
+
+start_dockerd() {
+    if docker info >/dev/null 2>&1; then
+        return
+    fi
+    say "starting dockerd (log: $log_dir/dockerd.log)"
+    nohup dockerd >"$log_dir/dockerd.log" 2>&1 </dev/null &
+    for _ in $(seq 1 120); do
+        docker info >/dev/null 2>&1 && return
+        sleep 0.5
+    done
+    tail -20 "$log_dir/dockerd.log" >&2
+    die "dockerd did not answer within 60 s"
+}
+
+install_project() {
+    local python=${PYTHON:-python3}
+    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || die "Python >= 3.11 is needed ($python is $("$python" --version 2>&1))"
+    if [ ! -x "$root/.venv/bin/python" ]; then
+        say "creating $root/.venv"
+        "$python" -m venv "$root/.venv"
+    fi
+    say "installing lucia-supervisor and its test tools into .venv"
+    "$root/.venv/bin/pip" install -q --disable-pip-version-check -e "$root[test]" \
+        2> >(grep -v '^WARNING: Location' >&2)
+}
+
+install_packages
+start_dockerd
+install_project
+say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

@@ -1,0 +1,119 @@
+"""The host's side of the protocol: write requests, read answers. It never touches Docker."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Final, Literal
+
+from .files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
+from .protocol import (
+    SCHEMA_VERSION,
+    DesiredFile,
+    DesiredState,
+    InvalidDocument,
+    Status,
+    dump,
+    parse_desired,
+    parse_status,
+    utc_now,
+)
+
+STALE_AFTER: Final = timedelta(seconds=60)
+DESIRED: Final = "desired.json"
+STATUS: Final = "status.json"
+_REQUEST_LOCK: Final = ".request.lock"
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+
+Answer = Literal["current", "pending", "unavailable"]
+
+
+class BadName(ValueError):
+    pass
+
+
+def check_name(name: str) -> str:
+    """Engine names become directory, unit and container names: keep them boring."""
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise BadName(
+            f"invalid engine name {name!r}: use lowercase letters, digits, '-', '_' and '.', "
+            "starting with a letter or digit, at most 63 characters"
+        )
+    return name
+
+
+def engine_dir(data_dir: Path, name: str) -> Path:
+    return data_dir / check_name(name)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the host knows about one engine: the answer kind, the status, and why."""
+
+    answer: Answer
+    status: Status | None
+    reason: str
+
+
+def read_desired(directory: Path) -> DesiredFile | None:
+    """The current request, or None when there is none or it cannot be read."""
+    try:
+        return parse_desired(read_text(directory / DESIRED))
+    except (FileNotFoundError, FileRefused, InvalidDocument):
+        return None
+
+
+def load_status(directory: Path) -> Status | None:
+    try:
+        return parse_status(read_text(directory / STATUS))
+    except (FileNotFoundError, FileRefused, InvalidDocument):
+        return None
+
+
+def request(data_dir: Path, name: str, desired: DesiredState) -> int:
+    """Write the next generation of desired.json and return it; the first request is 1.
+
+    A lock around read-increment-write means concurrent requesters never issue the same
+    generation. The next generation is above both the last request and the last applied status,
+    so a lost or hand-edited desired.json cannot make a new request look already answered.
+    """
+    directory = ensure_dir(engine_dir(data_dir, name))
+    with FileLock(directory / _REQUEST_LOCK):
+        previous = read_desired(directory)
+        status = load_status(directory)
+        generation = 1 + max(
+            previous.generation if previous else 0, status.generation if status else 0
+        )
+        document = DesiredFile.model_validate(
+            {"schemaVersion": SCHEMA_VERSION, "generation": generation, "desired": desired}
+        )
+        write_atomic(directory / DESIRED, dump(document))
+    return generation
+
+
+def classify(status: Status | None, generation: int, now: datetime) -> Reading:
+    """Pure: does this status answer this generation, and is its worker alive?"""
+    if status is None:
+        return Reading("unavailable", None, "no status yet: is the worker running?")
+    age = now - status.checked_at
+    if age > STALE_AFTER:
+        return Reading(
+            "unavailable", status, f"worker unavailable: last heartbeat {age.total_seconds():.0f}s ago"
+        )
+    if status.generation != generation:
+        return Reading(
+            "pending",
+            status,
+            f"waiting for generation {generation}; the worker answers {status.generation}",
+        )
+    return Reading("current", status, status.message)
+
+
+def read_status(
+    data_dir: Path, name: str, generation: int, now: datetime | None = None
+) -> Reading:
+    """Classify the engine's status against a generation; time is a parameter for tests."""
+    status = load_status(engine_dir(data_dir, name))
+    return classify(status, generation, now if now is not None else utc_now())

@@ -1,0 +1,201 @@
+"""The file protocol between the host and the workers: the only definition of the contract.
+
+desired.json is written by the host, status.json by the worker, and the file_sd file by the worker
+for Prometheus. JSON Schemas in schemas/ are generated from these models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    RootModel,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+SCHEMA_VERSION: Final = 1
+MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly
+MAX_MESSAGE: Final = 500
+
+DesiredState = Literal["running", "stopped"]
+State = Literal["starting", "running", "stopping", "stopped", "failed"]
+STATES: Final[tuple[State, ...]] = ("starting", "running", "stopping", "stopped", "failed")
+SETTLED: Final[dict[DesiredState, State]] = {"running": "running", "stopped": "stopped"}
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _iso_utc(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+UtcTime = Annotated[
+    AwareDatetime,
+    PlainSerializer(_iso_utc, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def clean_message(text: str) -> str:
+    """One human line: terminal escapes and control characters removed, at most 500 characters."""
+    parts = []
+    for raw in _ESCAPES.sub("", text.replace("\r\n", "\n")).split("\n"):
+        # A carriage return redraws the line (progress bars): show only the last redraw.
+        redraws = [seg for seg in (_CONTROLS.sub("", s).strip() for s in raw.split("\r")) if seg]
+        if redraws:
+            parts.append(redraws[-1])
+    line = " ".join(parts)
+    if len(line) > MAX_MESSAGE:
+        line = line[: MAX_MESSAGE - 1] + "…"
+    return line
+
+
+class DesiredFile(BaseModel):
+    """desired.json: what the host asks for. Closed: nothing else can be said here."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_version: Literal[1] = Field(alias="schemaVersion")
+    generation: int = Field(ge=0, le=MAX_GENERATION)
+    desired: DesiredState
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _integer_version(cls, value: object) -> object:
+        # Literal[1] compares by equality, so true, 1.0 and 1e0 would pass even in strict mode.
+        if type(value) is not int:
+            raise PydanticCustomError("literal_error", "Input should be 1")
+        return value
+
+
+class Status(BaseModel):
+    """status.json: the worker's heartbeat and its answer to one generation."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="ignore", alias_generator=to_camel, populate_by_name=True
+    )
+
+    generation: int = Field(ge=0, le=MAX_GENERATION)
+    state: State
+    since: UtcTime
+    message: str = Field(max_length=MAX_MESSAGE)
+    url: str | None = None
+    checked_at: UtcTime
+    refused: str | None = Field(
+        default=None,
+        max_length=MAX_MESSAGE,
+        description="Why the current desired.json was refused; null while it is valid.",
+    )
+
+    @model_validator(mode="after")
+    def _url_only_when_running(self) -> Status:
+        if self.url is not None and self.state != "running":
+            raise ValueError("url must be null unless state is running")
+        return self
+
+
+class TargetGroup(BaseModel):
+    """One Prometheus file_sd target group."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    targets: list[str]
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class FileSd(RootModel[list[TargetGroup]]):
+    """A Prometheus file_sd file: a list of target groups (empty when nothing runs)."""
+
+
+class InvalidDocument(ValueError):
+    """A protocol file whose content breaks the contract; str() is one line naming the problem."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise InvalidDocument(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _no_constants(name: str) -> Any:
+    raise InvalidDocument(f"{name} is not valid JSON")
+
+
+def check_json(text: str) -> None:
+    """Reject what a lenient parser would accept: a BOM, duplicate keys, NaN and Infinity."""
+    if text.startswith("\ufeff"):
+        raise InvalidDocument("starts with a byte-order mark; save it as plain UTF-8")
+    if not text.strip():
+        raise InvalidDocument("is empty")
+    try:
+        json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise InvalidDocument(f"is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in err["loc"]) or "document"
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {where!r}"
+    if err["type"] == "missing":
+        return f"missing field {where!r}"
+    given = err.get("input")
+    shown = json.dumps(given)[:60] if isinstance(given, str | int | float | bool) else None
+    detail = err["msg"][0].lower() + err["msg"][1:]
+    return f"{where}: {detail}" + (f" (got {shown})" if shown is not None else "")
+
+
+def parse_desired(text: str) -> DesiredFile:
+    check_json(text)
+    try:
+        # by_name=False: on the wire only "schemaVersion" (the alias) exists, as the schema says.
+        return DesiredFile.model_validate_json(text, strict=True, by_name=False)
+    except ValidationError as exc:
+        raise InvalidDocument(_first_error(exc)) from None
+
+
+def parse_status(text: str) -> Status:
+    check_json(text)
+    try:
+        return Status.model_validate_json(text)
+    except ValidationError as exc:
+        raise InvalidDocument(_first_error(exc)) from None
+
+
+def dump(model: BaseModel) -> bytes:
+    return (model.model_dump_json(by_alias=True, indent=2) + "\n").encode()
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The checked-in schemas, by file name."""
+    schemas = {
+        "desired.schema.json": DesiredFile.model_json_schema(by_alias=True),
+        "status.schema.json": Status.model_json_schema(by_alias=True),
+        "file_sd.schema.json": FileSd.model_json_schema(by_alias=True),
+    }
+    for name, schema in schemas.items():
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"https://lucia.invalid/schemas/{name}"
+    return schemas
