@@ -99,9 +99,8 @@ def classify(status: Status | None, generation: int, now: datetime) -> Reading:
         return Reading("unavailable", None, "no status yet: is the worker running?")
     age = now - status.checked_at
     if age > STALE_AFTER:
-        return Reading(
-            "unavailable", status, f"worker unavailable: last heartbeat {age.total_seconds():.0f}s ago"
-        )
+        seconds = f"{age.total_seconds():.0f}"
+        return Reading("unavailable", status, f"worker unavailable: last heartbeat {seconds}s ago")
     if status.generation != generation:
         return Reading(
             "pending",
@@ -111,9 +110,7 @@ def classify(status: Status | None, generation: int, now: datetime) -> Reading:
     return Reading("current", status, status.message)
 
 
-def read_status(
-    data_dir: Path, name: str, generation: int, now: datetime | None = None
-) -> Reading:
+def read_status(data_dir: Path, name: str, generation: int, now: datetime | None = None) -> Reading:
     """Classify the engine's status against a generation; time is a parameter for tests."""
     status = load_status(engine_dir(data_dir, name))
     return classify(status, generation, now if now is not None else utc_now())

@@ -1,0 +1,19 @@
+"""Engine modules: one per kind of engine, chosen by the recipe's `engine` field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..recipe import Recipe
+from ..runtime import Runtime
+from .base import Endpoint, Engine, StepContext
+
+
+def create(name: str, recipe: Recipe, runtime: Runtime, state_dir: Path) -> Engine:
+    from .tensorfold import TensorFold
+
+    kinds = {"tensorfold": TensorFold}
+    return kinds[recipe.engine](name, recipe, runtime, state_dir)
+
+
+__all__ = ["Endpoint", "Engine", "StepContext", "create"]

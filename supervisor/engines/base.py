@@ -1,0 +1,58 @@
+"""What every engine module provides, and what a step is given to do its work."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..plan import Observed
+from ..protocol import TargetGroup
+from ..runtime import RunSpec
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """A long step's link to the worker: report progress, notice a cancel."""
+
+    cancel: threading.Event
+    progress: Callable[[str], None]
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait, waking at once on cancel; True when cancelled."""
+        return self.cancel.wait(seconds)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Engine(Protocol):
+    """An engine: observed prerequisites, how to make each, and how its container runs."""
+
+    kind: str
+    container_name: str
+    stop_grace: float
+    ready_timeout: float
+
+    def observe(self) -> Observed: ...
+
+    def make(self, what: str, ctx: StepContext) -> None:
+        """Make one missing prerequisite (raises Permanent, Transient or Cancelled)."""
+
+    def endpoint(self) -> Endpoint:
+        """Where the engine is published: the network's gateway and the recipe's port."""
+
+    def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec: ...
+
+    def ready(self, endpoint: Endpoint) -> bool:
+        """One readiness probe; True when the engine answers."""
+
+    def targets(self, endpoint: Endpoint) -> TargetGroup: ...

@@ -1,0 +1,27 @@
+"""Errors, split by what the worker does next."""
+
+from __future__ import annotations
+
+
+class SupervisorError(Exception):
+    """Base of the worker's own errors; str() is one line for status.json."""
+
+
+class Permanent(SupervisorError):
+    """Retrying will not help: the generation is failed until the operator changes something
+    (the recipe, the repository, the image) and requests again."""
+
+
+class Transient(SupervisorError):
+    """The world was not ready (dockerd down, a network hiccup): retried after a back-off."""
+
+
+class Cancelled(SupervisorError):
+    """A newer request superseded the step; whatever it started has been undone."""
+
+
+class BuildFailed(Permanent):
+    def __init__(self, what: str, lines: list[str]) -> None:
+        tail = " | ".join(lines[-5:]) if lines else "no output"
+        super().__init__(f"{what} failed: {tail}")
+        self.lines = lines

@@ -1,0 +1,206 @@
+"""Recipe files (TOML): what an engine is, where its source and image come from, how it runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from string import Template
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .files import FileRefused, read_text
+
+RECIPES_ENV: Final = "LUCIA_RECIPES_DIR"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_IMAGE_TAG = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+
+Commit = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$", description="a full 40-hex commit id")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; str() names the file and the problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Source(_Section):
+    repository: str = Field(min_length=1, description="git URL of the recipe repository")
+    commit: Commit
+
+
+class ImageBuild(_Section):
+    tag: str = Field(description="the recipe image, built from the checkout")
+    context: str = Field(default=".", description="build context, relative to the checkout")
+    dockerfile: str = Field(default="Dockerfile", description="relative to the context")
+    build_args: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, value: str) -> str:
+        if not _IMAGE_TAG.fullmatch(value):
+            raise ValueError(f"{value!r} is not a valid image reference")
+        return value
+
+    @field_validator("context", "dockerfile")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError(f"{value!r} must be a path inside the checkout")
+        return value
+
+
+class Prepare(_Section):
+    commands: list[list[str]] = Field(
+        default_factory=list, description="run in the checkout with the settings as environment"
+    )
+
+    @field_validator("commands")
+    @classmethod
+    def _nonempty(cls, value: list[list[str]]) -> list[list[str]]:
+        if any(not command for command in value):
+            raise ValueError("a prepare command must not be empty")
+        return value
+
+
+class Grammar(_Section):
+    requirement: str = Field(min_length=1, description="pip requirement, e.g. xgrammar>=0.2.8,<0.3")
+    modules: list[str] = Field(min_length=1, description="modules that must import afterwards")
+    python: str = Field(default="python", description="the image's python executable")
+
+    @field_validator("modules")
+    @classmethod
+    def _modules(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not _MODULE.fullmatch(name)]
+        if bad:
+            raise ValueError(f"not module names: {bad}")
+        return value
+
+
+class Volume(_Section):
+    source: str
+    target: str
+    read_only: bool = False
+
+    @field_validator("target")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"volume target {value!r} must be an absolute path")
+        return value
+
+
+class Run(_Section):
+    network: str = Field(default="lucia", description="Docker network whose gateway gets the port")
+    port: Port = Field(description="host port, published on the network's gateway only")
+    container_port: Port | None = Field(default=None, description="defaults to port")
+    ready_path: str = "/health"
+    metrics_path: str = "/metrics"
+    ready_timeout: float = Field(default=900.0, gt=0)
+    stop_grace: float = Field(default=60.0, ge=0)
+    gpus: Literal["all", "none"] | Annotated[int, Field(ge=1)] = "none"
+    shm_size: str | None = None
+    ipc: Literal["host", "private", "shareable"] | None = None
+    ulimits: dict[str, int] = Field(default_factory=dict)
+    volumes: list[Volume] = Field(default_factory=list)
+    command: list[str] = Field(default_factory=list, description="${SETTING} is expanded")
+
+    @field_validator("ready_path", "metrics_path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} must start with '/'")
+        return value
+
+    @property
+    def inner_port(self) -> int:
+        return self.container_port or self.port
+
+
+class Recipe(_Section):
+    name: str
+    engine: Literal["tensorfold"]
+    model: str = Field(description="the model it serves, for labels and messages")
+    source: Source
+    image: ImageBuild
+    prepare: Prepare = Field(default_factory=Prepare)
+    grammar: Grammar
+    settings: dict[str, str | int] = Field(default_factory=dict)
+    run: Run
+
+    @field_validator("settings")
+    @classmethod
+    def _env_names(cls, value: dict[str, str | int]) -> dict[str, str | int]:
+        bad = [key for key in value if not _ENV_NAME.fullmatch(key)]
+        if bad:
+            raise ValueError(f"not environment variable names: {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _command_expands(self) -> Recipe:
+        for arg in self.run.command:
+            try:
+                Template(arg).substitute(self.environment)
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"run.command {arg!r} names an unknown setting {exc}") from None
+        return self
+
+    @property
+    def environment(self) -> dict[str, str]:
+        return {key: str(value) for key, value in self.settings.items()}
+
+    @property
+    def command(self) -> list[str]:
+        env = self.environment
+        return [Template(arg).substitute(env) for arg in self.run.command]
+
+    @property
+    def grammar_tag(self) -> str:
+        return f"{self.image.tag}-grammar"
+
+
+def _format(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:3]:
+        where = ".".join(str(p) for p in err["loc"])
+        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {what}" if where else what)
+    return "; ".join(parts)
+
+
+def parse(text: str, origin: str = "<recipe>") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{origin}: not valid TOML: {exc}") from None
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"{origin}: {_format(exc)}") from None
+
+
+def load(path: Path) -> Recipe:
+    try:
+        return parse(read_text(path), str(path))
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except FileRefused as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def recipes_dir(value: str | None = None) -> Path:
+    """Where recipes live: the argument, then LUCIA_RECIPES_DIR, then the ones shipped here."""
+    raw = value or os.environ.get(RECIPES_ENV)
+    if raw:
+        return Path(raw).expanduser()
+    return Path(__file__).resolve().parent.parent / "recipes"
+
+
+def locate(name: str, recipe: str | None = None) -> Path:
+    return Path(recipe).expanduser() if recipe else recipes_dir() / f"{name}.toml"

@@ -1,0 +1,389 @@
+"""The Docker boundary: the only module that imports docker. Narrow, typed, and in our terms.
+
+Docker's own errors never leave this module: an unreachable daemon becomes Transient, a refusal
+by the daemon Permanent, a failed build BuildFailed.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import tarfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Final, Literal, cast
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import DeviceRequest, Ulimit
+
+from .errors import BuildFailed, Cancelled, Permanent, Transient
+
+MANAGED: Final = "lucia.managed"
+Progress = Callable[[str], None]
+_API_TIMEOUT: Final = 30.0
+
+
+@dataclass(frozen=True)
+class Container:
+    id: str
+    name: str
+    image_id: str
+    status: str  # created, running, paused, restarting, removing, exited, dead
+    exit_code: int
+    oom_killed: bool
+    started_at: str
+    labels: Mapping[str, str]
+    bindings: tuple[tuple[str, int], ...]  # (host ip, host port) for every published port
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("running", "restarting", "paused")
+
+    @property
+    def managed(self) -> bool:
+        return self.labels.get(MANAGED) == "true"
+
+
+@dataclass(frozen=True)
+class Image:
+    id: str
+    labels: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    image: str
+    network: str
+    host_ip: str
+    host_port: int
+    container_port: int
+    environment: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    command: tuple[str, ...] = ()
+    gpus: Literal["all", "none"] | int = "none"
+    shm_size: str | None = None
+    ipc_mode: str | None = None
+    ulimits: Mapping[str, int] = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """A classic-builder build: either a directory context or an in-memory Dockerfile."""
+
+    tag: str
+    labels: Mapping[str, str]
+    context: str | None = None
+    dockerfile: str = "Dockerfile"
+    dockerfile_text: str | None = None
+    build_args: Mapping[str, str] = field(default_factory=dict)
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    try:
+        yield
+    except docker.errors.NotFound as exc:
+        raise Permanent(f"{what}: {exc.explanation or exc}") from None
+    except docker.errors.APIError as exc:
+        if exc.status_code is not None and exc.status_code >= 500 and "connect" in str(exc).lower():
+            raise Transient(f"{what}: docker is unavailable: {exc.explanation}") from None
+        raise Permanent(f"{what}: {exc.explanation or exc}") from None
+    except (requests.exceptions.ConnectionError, docker.errors.DockerException) as exc:
+        raise Transient(f"{what}: docker is unavailable ({type(exc).__name__})") from None
+    except requests.exceptions.Timeout:
+        raise Transient(f"{what}: docker did not answer in time") from None
+
+
+def _container(attrs: dict[str, Any]) -> Container:
+    state = attrs.get("State") or {}
+    ports = (attrs.get("HostConfig") or {}).get("PortBindings") or {}
+    bindings = tuple(
+        (binding.get("HostIp") or "0.0.0.0", int(binding.get("HostPort") or 0))  # noqa: S104
+        for published in ports.values()
+        for binding in (published or [])
+    )
+    return Container(
+        id=attrs["Id"],
+        name=str(attrs.get("Name", "")).lstrip("/"),
+        image_id=attrs.get("Image", ""),
+        status=state.get("Status", "unknown"),
+        exit_code=int(state.get("ExitCode") or 0),
+        oom_killed=bool(state.get("OOMKilled")),
+        started_at=state.get("StartedAt", ""),
+        labels=dict((attrs.get("Config") or {}).get("Labels") or {}),
+        bindings=bindings,
+    )
+
+
+class Runtime:
+    """Docker, seen as containers, images and one network gateway."""
+
+    def __init__(self, base_url: str | None = None) -> None:
+        self._base_url = base_url
+        self._api: docker.APIClient | None = None
+
+    @property
+    def api(self) -> docker.APIClient:
+        if self._api is None:
+            with _translated("connecting to docker"):
+                self._api = self._client(_API_TIMEOUT)
+        return self._api
+
+    def _client(self, timeout: float | None) -> docker.APIClient:
+        return _api_client(self._base_url, timeout)
+
+    def ping(self) -> None:
+        with _translated("ping"):
+            self.api.ping()
+
+    def container(self, name: str) -> Container | None:
+        with _translated(f"inspecting container {name}"):
+            try:
+                return _container(self.api.inspect_container(name))
+            except docker.errors.NotFound:
+                return None
+
+    def image(self, ref: str) -> Image | None:
+        with _translated(f"inspecting image {ref}"):
+            try:
+                attrs: dict[str, Any] = self.api.inspect_image(ref)  # type: ignore[no-untyped-call]
+            except docker.errors.NotFound:
+                return None
+        return Image(id=attrs["Id"], labels=dict((attrs.get("Config") or {}).get("Labels") or {}))
+
+    def gateway(self, network: str, labels: Mapping[str, str]) -> str:
+        """The gateway address of a bridge network, creating the network when it is missing."""
+        with _translated(f"network {network}"):
+            try:
+                attrs = self.api.inspect_network(network)
+            except docker.errors.NotFound:
+                self.api.create_network(network, driver="bridge", labels=dict(labels))
+                attrs = self.api.inspect_network(network)
+        for config in (attrs.get("IPAM") or {}).get("Config") or []:
+            if config.get("Gateway"):
+                return str(config["Gateway"])
+        raise Permanent(f"network {network} has no IPv4 gateway; use a bridge network")
+
+    def run(self, spec: RunSpec) -> Container:
+        """Create and start a container; a half-created one is removed again."""
+        api = self.api
+        port = f"{spec.container_port}/tcp"
+        host_config = api.create_host_config(
+            port_bindings={port: (spec.host_ip, spec.host_port)},
+            restart_policy={"Name": "no"},
+            device_requests=_gpus(spec.gpus),
+            shm_size=spec.shm_size,
+            ipc_mode=spec.ipc_mode,
+            ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in spec.ulimits.items()] or None,
+            binds={
+                m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
+                for m in spec.mounts
+            }
+            or None,
+        )
+        with _translated(f"creating container {spec.name}"):
+            created = api.create_container(
+                spec.image,
+                name=spec.name,
+                command=list(spec.command) or None,
+                environment=dict(spec.environment),
+                labels=dict(spec.labels),
+                ports=[(spec.container_port, "tcp")],
+                host_config=host_config,
+                networking_config=api.create_networking_config(
+                    {spec.network: api.create_endpoint_config()}  # type: ignore[arg-type]
+                ),
+            )
+        try:
+            with _translated(f"starting container {spec.name}"):
+                api.start(created["Id"])
+        except Permanent:
+            self.remove(created["Id"])
+            raise
+        found = self.container(created["Id"])
+        if found is None:
+            raise Transient(f"container {spec.name} vanished right after it started")
+        return found
+
+    def stop(self, container_id: str, grace: float) -> None:
+        with _translated(f"stopping container {container_id[:12]}"):
+            try:
+                self.api.stop(container_id, timeout=round(grace))
+            except docker.errors.NotFound:
+                return
+
+    def kill(self, container_id: str) -> None:
+        with _translated(f"killing container {container_id[:12]}"):
+            try:
+                self.api.kill(container_id)
+            except docker.errors.APIError as exc:
+                if exc.status_code not in (404, 409):  # gone, or not running: both fine
+                    raise
+
+    def remove(self, container_id: str) -> None:
+        with _translated(f"removing container {container_id[:12]}"):
+            try:
+                self.api.remove_container(container_id, force=True)
+            except docker.errors.NotFound:
+                return
+
+    def wait(self, container_id: str) -> int | None:
+        """Block until the container exits; its exit code, or None if docker went away."""
+        try:
+            client = self._client(None)
+            try:
+                result = client.wait(container_id)
+            finally:
+                client.close()
+        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            return None
+        return int(result.get("StatusCode", -1))
+
+    def logs(self, container_id: str, tail: int = 5) -> list[str]:
+        with _translated(f"reading logs of {container_id[:12]}"):
+            try:
+                raw = self.api.logs(container_id, stdout=True, stderr=True, tail=tail)
+            except docker.errors.NotFound:
+                return []
+        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+        return [line for line in text.splitlines() if line.strip()]
+
+    def build(self, request: BuildRequest, progress: Progress, cancel: threading.Event) -> Image:
+        """Build an image in a child process, so that a cancel can abandon it within a second.
+
+        Killing the child closes its connection; dockerd then cancels the build and removes the
+        intermediate container of the step that was running.
+        """
+        context = multiprocessing.get_context("spawn")
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(
+            target=_build_child, args=(self._base_url, request, sender), daemon=True
+        )
+        child.start()
+        sender.close()
+        lines: list[str] = []
+        try:
+            kind, text = _receive(
+                receiver, child, lines=lines, progress=progress, cancel=cancel, tag=request.tag
+            )
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join(5)
+            receiver.close()
+        if kind == "unavailable":
+            raise Transient(f"build of {request.tag}: docker is unavailable ({text})")
+        if kind == "error":
+            raise BuildFailed(f"build of {request.tag}", [*lines, text])
+        image = self.image(request.tag)
+        if image is None:
+            raise BuildFailed(f"build of {request.tag}", [*lines, "no image was produced"])
+        return image
+
+
+def _receive(
+    receiver: Connection,
+    child: multiprocessing.process.BaseProcess,
+    *,
+    lines: list[str],
+    progress: Progress,
+    cancel: threading.Event,
+    tag: str,
+) -> tuple[str, str]:
+    """Relay the child's lines until it says how the build ended; cancel is checked 5x/s."""
+    while not cancel.is_set():
+        if not receiver.poll(0.2):
+            if child.is_alive():
+                continue
+            if not receiver.poll(0):
+                break
+        try:
+            kind, text = receiver.recv()
+        except EOFError:
+            break
+        if kind != "line":
+            return kind, text
+        lines.append(text)
+        del lines[:-50]
+        progress(text)
+    else:
+        raise Cancelled(f"build of {tag} cancelled")
+    return "unavailable", "the build ended without an answer from docker"
+
+
+def _api_client(base_url: str | None, timeout: float | None) -> docker.APIClient:
+    """None means no timeout (docker wait, builds); the stubs only admit an int."""
+    limit = cast(int, timeout)
+    if base_url:
+        return docker.APIClient(base_url=base_url, timeout=limit)
+    return docker.from_env(timeout=limit).api
+
+
+def _gpus(gpus: Literal["all", "none"] | int) -> list[DeviceRequest] | None:
+    if gpus == "none":
+        return None
+    count = -1 if gpus == "all" else int(gpus)
+    return [DeviceRequest(count=count, capabilities=[["gpu"]])]
+
+
+def _context_tar(dockerfile_text: str) -> io.BytesIO:
+    buffer = io.BytesIO()
+    data = dockerfile_text.encode()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addfile(info, io.BytesIO(data))
+    buffer.seek(0)
+    return buffer
+
+
+def _build_child(base_url: str | None, request: BuildRequest, out: Connection) -> None:
+    """Runs in a spawned process: stream the build's output lines to the parent."""
+    try:
+        api = _api_client(base_url, None)
+        common: dict[str, Any] = {
+            "tag": request.tag,
+            "labels": dict(request.labels),
+            "buildargs": dict(request.build_args),
+            "rm": True,
+            "forcerm": True,
+            "decode": True,
+        }
+        if request.dockerfile_text is not None:
+            stream = api.build(
+                fileobj=_context_tar(request.dockerfile_text), custom_context=True, **common
+            )
+        else:
+            stream = api.build(path=request.context, dockerfile=request.dockerfile, **common)
+        for chunk in stream:
+            if "error" in chunk:
+                out.send(("error", str(chunk.get("error", "")).strip()))
+                return
+            text = chunk.get("stream") or chunk.get("status") or ""
+            for line in str(text).splitlines():
+                if line.strip():
+                    out.send(("line", line.rstrip()))
+        out.send(("done", ""))
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        out.send(("unavailable", type(exc).__name__))
+    except docker.errors.APIError as exc:
+        out.send(("error", str(exc.explanation or exc)))
+    except (docker.errors.DockerException, OSError, TypeError) as exc:
+        out.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        out.close()

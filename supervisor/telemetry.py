@@ -1,0 +1,84 @@
+"""The Prometheus side: the file_sd file for the engine, and the worker's own metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from . import files
+from .protocol import STATES, FileSd, State, TargetGroup, dump
+
+TELEMETRY_DIR: Final = "telemetry"
+
+
+class FileSdWriter:
+    """<data>/telemetry/<name>.json: the engine's target group while it runs, [] otherwise.
+
+    Written atomically, and only when its content changes, so Prometheus never re-reads for
+    nothing and never sees half a file.
+    """
+
+    def __init__(self, data_dir: Path, name: str) -> None:
+        self.path = files.ensure_dir(data_dir / TELEMETRY_DIR) / f"{name}.json"
+        self._last: bytes | None = None
+
+    def publish(self, group: TargetGroup | None) -> bool:
+        data = dump(FileSd([group] if group is not None else []))
+        if self._last is None:
+            try:
+                self._last = self.path.read_bytes()
+            except OSError:
+                self._last = b""
+        if data == self._last:
+            return False
+        files.write_atomic(self.path, data, mode=0o644)
+        self._last = data
+        return True
+
+
+class Metrics:
+    """The worker's own metrics, in a registry of its own (no process-global state)."""
+
+    def __init__(self, name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.reconciles = Counter(
+            "lucia_worker_reconciles", "Reconcile passes (observe, plan).", registry=self.registry
+        )
+        self.failures = Counter(
+            "lucia_worker_failures", "Failed steps, by reason.", ["reason"], registry=self.registry
+        )
+        self.state = Gauge(
+            "lucia_worker_state",
+            "1 for the engine's current state.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "lucia_worker_step_seconds",
+            "Duration of worker steps.",
+            ["step"],
+            buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 1800, 3600),
+            registry=self.registry,
+        )
+        self.heartbeat = Gauge(
+            "lucia_worker_last_heartbeat_seconds",
+            "Unix time of the last status write.",
+            registry=self.registry,
+        )
+        self.info = Gauge(
+            "lucia_worker_info",
+            "The engine this worker supervises.",
+            ["name"],
+            registry=self.registry,
+        )
+        self.info.labels(name=name).set(1)
+
+    def set_state(self, current: State) -> None:
+        for state in STATES:
+            self.state.labels(state=state).set(1 if state == current else 0)
+
+    def serve(self, port: int) -> None:
+        """Serve on loopback only: the worker's metrics are not for the LAN."""
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
