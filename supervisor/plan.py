@@ -57,6 +57,7 @@ class Remove:
 @dataclass(frozen=True)
 class Fail:
     message: str
+    logs_of: str | None = None  # a container whose last log lines explain the failure
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _plan_running(memory: Memory, observed: Observed, container: Container | Non
         return Settle("failed")
     if container is not None and not container.running:
         if memory.ready == container.id:
-            return Fail(exit_message(container))
+            return Fail(exit_message(container), logs_of=container.id)
         return Remove(container.id)  # left from before this generation: clear the name
     if observed.missing:
         return Prepare(observed.missing[0])  # a running engine keeps serving meanwhile

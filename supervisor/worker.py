@@ -258,9 +258,12 @@ class Worker:
         memory = self.memory
         assert memory is not None
         if isinstance(step, Fail):
-            log.error("request failed", generation=memory.generation, reason=step.message)
+            reason = step.message
+            if step.logs_of is not None:
+                reason = _with_tail(reason, self.runtime, step.logs_of)
+            log.error("request failed", generation=memory.generation, reason=reason)
             self.metrics.failures.labels(reason="engine").inc()
-            self.memory = replace(memory, failure=step.message)
+            self.memory = replace(memory, failure=reason)
             self._wake.set()
             return
         if isinstance(step, Settle):
@@ -392,3 +395,11 @@ class Worker:
             note = f"request refused: {self.refused}"
         self.file_sd.publish(None)
         self.heartbeat.set(0, "running" if running else "stopped", note, None, self.refused)
+
+
+def _with_tail(message: str, runtime: Runtime, container_id: str) -> str:
+    try:
+        tail = actions.last_lines(runtime, container_id)
+    except Transient:
+        return message
+    return f"{message}: {tail}" if tail else message

@@ -1,0 +1,282 @@
+"""Fixtures against the real dockerd: a busybox base image, a git recipe repository, workers.
+
+Everything a test creates is named with this run's id and labelled, and removed afterwards, so
+leftovers of earlier runs on the same dockerd never matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REPO_TEMPLATE = Path(__file__).resolve().parent / "recipe_repo"
+RUN_ID = uuid.uuid4().hex[:8]
+TEST_LABEL = "lucia.test.run"
+CLI = [sys.executable, "-m", "supervisor.cli"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.docker)
+
+
+@pytest.fixture(scope="session")
+def client() -> Iterator[docker.DockerClient]:
+    try:
+        cli = docker.from_env(timeout=120)
+        cli.ping()
+    except docker.errors.DockerException as exc:
+        pytest.fail(f"these tests need a running dockerd (bash scripts/machine.sh starts one): {exc}")
+    yield cli
+    _cleanup(cli)
+    cli.close()
+
+
+def _cleanup(cli: docker.DockerClient) -> None:
+    for container in cli.containers.list(all=True, filters={"label": f"{TEST_LABEL}={RUN_ID}"}):
+        container.remove(force=True)
+    for container in cli.containers.list(all=True, filters={"name": f"lucia-t{RUN_ID}"}):
+        container.remove(force=True)
+    for network in cli.networks.list(filters={"label": f"{TEST_LABEL}={RUN_ID}"}):
+        network.remove()
+    for network in cli.networks.list(names=[f"lucia-test-{RUN_ID}"]):
+        network.remove()
+    for image in cli.images.list(filters={"reference": f"lucia-test-*{RUN_ID}*"}):
+        for tag in image.tags:
+            if RUN_ID in tag:
+                cli.images.remove(tag, force=True)
+
+
+@pytest.fixture(scope="session")
+def base_image(client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """FROM scratch with Debian's static busybox: the only base these tests may use."""
+    context = tmp_path_factory.mktemp("base")
+    busybox = shutil.which("busybox")
+    assert busybox, "busybox-static is needed (apt-get install busybox-static)"
+    shutil.copy(busybox, context / "busybox")
+    (context / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\n"
+        'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+        "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n"
+    )
+    tag = f"lucia-test-busybox-{RUN_ID}:1"
+    client.images.build(path=str(context), tag=tag, rm=True, labels={TEST_LABEL: RUN_ID})
+    return tag
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    out = subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                         text=True)
+    return out.stdout.strip()
+
+
+@dataclass
+class RecipeRepo:
+    path: Path
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.path}"
+
+    def commit(self, message: str, changes: dict[str, str] | None = None) -> str:
+        for name, text in (changes or {}).items():
+            target = self.path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        git(self.path, "add", "-A")
+        git(self.path, "commit", "-q", "--allow-empty", "-m", message)
+        return git(self.path, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def recipe_repo(tmp_path: Path) -> RecipeRepo:
+    path = tmp_path / "recipe-repo"
+    shutil.copytree(REPO_TEMPLATE, path)
+    git(path, "init", "-q", "-b", "main")
+    repo = RecipeRepo(path)
+    repo.commit("recipe 0.7.0")
+    return repo
+
+
+@dataclass
+class Engine:
+    """One engine under test: its recipe, directories, and its worker processes."""
+
+    name: str
+    repo: RecipeRepo
+    base: str
+    root: Path
+    port: int = field(default_factory=free_port)
+    settings: dict[str, str] = field(default_factory=dict)
+    build_args: dict[str, str] = field(default_factory=dict)
+    prepare: bool = True
+    requirement: str = "xgrammar>=0.2.8,<0.3"
+    modules: tuple[str, ...] = ("xgrammar", "tensorfold")
+    ready_timeout: float = 30
+    stop_grace: float = 60
+    commit: str = ""
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def dir(self) -> Path:
+        return self.data_dir / self.name
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.root / f"{self.name}.toml"
+
+    @property
+    def container(self) -> str:
+        return f"lucia-{self.name}"
+
+    @property
+    def image_tag(self) -> str:
+        return f"lucia-test-recipe-{RUN_ID}-{self.name}:v1"
+
+    @property
+    def network(self) -> str:
+        return f"lucia-test-{RUN_ID}"
+
+    def write_recipe(self) -> Path:
+        settings = {
+            "PORT": str(self.port), "MODEL_ID": "test/tiny-model", "SERVED_NAME": "tiny",
+            "PARALLEL": "4", "CONTEXT": "200000", "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
+            "HF_CACHE": str(self.root / "hf-cache"), "READY_DELAY": "1",
+            **self.settings,
+        }
+        build_args = {"BASE": self.base, **self.build_args}
+        lines = [
+            f'name = "{self.name}"', 'engine = "tensorfold"', 'model = "test/tiny-model"',
+            "[source]", f'repository = "{self.repo.url}"', f'commit = "{self.commit}"',
+            "[image]", f'tag = "{self.image_tag}"',
+            "build_args = " + _inline(build_args),
+            "[prepare]",
+            'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
+            "[grammar]", f'requirement = "{self.requirement}"',
+            "modules = " + json.dumps(list(self.modules)),
+            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[run]", f'network = "{self.network}"', f"port = {self.port}",
+            'ready_path = "/v1/models"', 'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+        ]
+        self.recipe_path.write_text("\n".join(lines) + "\n")
+        return self.recipe_path
+
+    def start_worker(self, *extra: str, heartbeat: float = 2.0) -> subprocess.Popen[bytes]:
+        self.write_recipe()
+        log = open(self.root / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*CLI, "worker", self.name, "--recipe", str(self.recipe_path),
+             "--data-dir", str(self.data_dir), "--state-dir", str(self.state_dir),
+             "--heartbeat", str(heartbeat), *extra],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop_worker(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        return proc.wait(30)
+
+    def request(self, desired: str) -> int:
+        out = subprocess.run([*CLI, "request", self.name, desired, "--data-dir",
+                              str(self.data_dir)], cwd=ROOT, check=True, capture_output=True,
+                             text=True)
+        return int(out.stdout.strip())
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((self.dir / "status.json").read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def wait_status(self, check: Callable[[dict[str, Any]], bool], timeout: float = 60,
+                    what: str = "status") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            status = self.status()
+            if status is not None and check(status):
+                return status
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last status: {status}; "
+                             f"log: {self.log_tail()}")
+
+    def wait_state(self, generation: int, state: str, timeout: float = 60) -> dict[str, Any]:
+        return self.wait_status(
+            lambda s: s["generation"] == generation and s["state"] == state, timeout,
+            f"generation {generation} {state}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        logs = sorted(self.root.glob("worker-*.log"))
+        return "\n".join(p.read_text(errors="replace")[-4000:] for p in logs[-1:])
+
+    def file_sd(self) -> list[dict[str, Any]]:
+        return list(json.loads((self.data_dir / "telemetry" / f"{self.name}.json").read_text()))
+
+
+def _inline(table: dict[str, str]) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+@pytest.fixture
+def make_engine(
+    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path
+) -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(**overrides: Any) -> Engine:
+        name = f"t{RUN_ID}-{len(made)}-{uuid.uuid4().hex[:4]}"
+        root = tmp_path / name
+        root.mkdir()
+        engine = Engine(name=name, repo=recipe_repo, base=base_image, root=root, **overrides)
+        engine.commit = engine.commit or git(recipe_repo.path, "rev-parse", "HEAD")
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        for proc in engine.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for container in client.containers.list(all=True, filters={"name": engine.container}):
+            container.remove(force=True)
+        for image in (engine.image_tag + "-grammar", engine.image_tag):
+            try:
+                client.images.remove(image, force=True)
+            except docker.errors.ImageNotFound:
+                pass

@@ -1,0 +1,396 @@
+"""The worker and the tensorfold engine against the real dockerd: every worker rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from datetime import datetime
+
+import docker
+import pytest
+from conftest import CLI, ROOT, Engine
+
+from tests.corpus import INVALID, materialise
+
+pytestmark = pytest.mark.docker
+
+
+def _age(status: dict) -> float:
+    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
+    return (datetime.now(checked.tzinfo) - checked).total_seconds()
+
+
+def _since(status: dict) -> float:
+    return datetime.fromisoformat(status["since"].replace("Z", "+00:00")).timestamp()
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return int(response.status)
+
+
+def _up(engine: Engine, *extra: str) -> tuple[subprocess.Popen[bytes], dict]:
+    proc = engine.start_worker(*extra)
+    generation = engine.request("running")
+    return proc, engine.wait_state(generation, "running", timeout=120)
+
+
+def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
+    engine: Engine = make_engine(build_args={"SLOW": "4"})
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    first = engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
+    assert first["state"] == "starting"
+    assert first["url"] is None
+    status = engine.wait_state(generation, "running", timeout=120)
+    assert status["url"].startswith("http://")
+    assert _get(status["url"] + "/v1/models") == 200
+    assert status["message"]
+    container = client.containers.get(engine.container)
+    labels = container.labels
+    assert labels["lucia.managed"] == "true"
+    assert labels["lucia.name"] == engine.name
+    assert labels["lucia.generation"] == str(generation)
+    assert labels["lucia.recipe.commit"] == engine.commit
+    grammar = client.images.get(engine.image_tag + "-grammar")
+    assert container.image.id == grammar.id == labels["lucia.image.id"]
+    env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
+    assert env["PARALLEL"] == "4" and env["CONTEXT"] == "200000"
+    assert env["TENSORFOLD_MEMORY_RESERVE_GIB"] == "4"
+    assert container.attrs["HostConfig"]["RestartPolicy"]["Name"] in ("no", "")
+
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=90)
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(engine.container)
+    assert engine.file_sd() == []
+    assert engine.stop_worker(proc) == 0
+
+
+def test_port_is_published_on_the_gateway_only(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    _up(engine)
+    container = client.containers.get(engine.container)
+    gateway = client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"]
+    bindings = [
+        b for published in container.attrs["HostConfig"]["PortBindings"].values()
+        for b in published
+    ]
+    live = [
+        b for published in container.attrs["NetworkSettings"]["Ports"].values()
+        for b in (published or [])
+    ]
+    assert bindings and live
+    for binding in bindings + live:
+        assert binding["HostIp"] == gateway
+        assert binding["HostIp"] not in ("0.0.0.0", "::", "")
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        assert sock.connect_ex(("127.0.0.1", engine.port)) != 0, "answers on loopback"
+    assert _get(f"http://{gateway}:{engine.port}/v1/models") == 200
+
+
+def test_heartbeat_and_progress_during_a_slow_build(make_engine) -> None:
+    engine: Engine = make_engine(build_args={"SLOW": "12"})
+    engine.start_worker(heartbeat=2.0)
+    generation = engine.request("running")
+    engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
+    ages, messages = [], set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status = engine.status()
+        if status:
+            ages.append(_age(status))
+            messages.add(status["message"])
+        time.sleep(0.1)
+    assert max(ages) < 2.0 + 1.5, f"heartbeat gap {max(ages):.1f}s"
+    assert any("compiling kernels" in m for m in messages), messages
+    engine.wait_state(generation, "running", timeout=120)
+
+
+def test_stop_during_a_build_cancels_it_within_a_second(make_engine, client) -> None:
+    engine: Engine = make_engine(build_args={"SLOW": "300"})
+    engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
+    asked = time.monotonic()
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=10)
+    took = time.monotonic() - asked
+    assert took < 1.5, f"cancel took {took:.2f}s"
+    assert generation < stopped
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        builders = [c for c in client.containers.list(all=True)
+                    if "compiling kernels" in " ".join(c.attrs["Config"].get("Cmd") or [])]
+        if not builders:
+            break
+        time.sleep(0.5)
+    assert not builders, "the abandoned build left its step container behind"
+    with pytest.raises(docker.errors.ImageNotFound):
+        client.images.get(engine.image_tag)
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(engine.container)
+
+
+def test_stop_during_the_download_kills_the_prepare_script(make_engine) -> None:
+    engine: Engine = make_engine(settings={"PREPARE_SECONDS": "300"})
+    engine.start_worker()
+    engine.request("running")
+    engine.wait_status(lambda s: "Downloading" in s["message"], timeout=60)
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _prepare_running(engine):
+        time.sleep(0.1)
+    assert not _prepare_running(engine)
+    assert not (engine.state_dir / "prepared.json").exists()
+
+
+def _prepare_running(engine: Engine) -> bool:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return any("scripts/prepare.sh" in line and "ps -eo" not in line
+               for line in out.splitlines()) and str(engine.state_dir) != ""
+
+
+def test_readiness_waits_for_the_ready_path_with_the_log_as_message(make_engine) -> None:
+    engine: Engine = make_engine(settings={"READY_DELAY": "4"})
+    engine.start_worker()
+    generation = engine.request("running")
+    seen = engine.wait_status(
+        lambda s: s["generation"] == generation and "loading weights" in s["message"],
+        timeout=60,
+    )
+    assert seen["state"] == "starting" and seen["url"] is None
+    assert engine.file_sd() == []
+    status = engine.wait_state(generation, "running", timeout=30)
+    assert _get(status["url"] + "/v1/models") == 200
+
+
+def test_engine_death_is_failed_with_its_exit_code(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    _up(engine)
+    assert engine.file_sd()
+    died_at = time.monotonic()
+    client.containers.get(engine.container).exec_run(["sh", "-c", "echo 3 > /tmp/die"])
+    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
+    assert time.monotonic() - died_at < 2.5
+    assert "exited with code 3" in status["message"]
+    assert "fatal error" in status["message"]
+    assert status["url"] is None
+    assert engine.file_sd() == []
+    # a new request starts it again
+    again = engine.request("running")
+    engine.wait_state(again, "running", timeout=60)
+
+
+def test_worker_restart_adopts_the_running_engine(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    proc, status = _up(engine)
+    before = client.containers.get(engine.container).attrs
+    assert engine.stop_worker(proc) == 0
+    assert client.containers.get(engine.container).status == "running"
+    engine.start_worker()
+    generation = status["generation"]
+    engine.wait_status(lambda s: s["generation"] == generation and s["state"] == "running"
+                       and _age(s) < 1.5, timeout=30)
+    after = client.containers.get(engine.container).attrs
+    assert after["Id"] == before["Id"]
+    assert after["State"]["StartedAt"] == before["State"]["StartedAt"]
+    assert "preparing" not in engine.log_tail(), "restart must not rebuild or re-fetch"
+
+
+def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_engine,
+                                                                      client) -> None:
+    engine: Engine = make_engine(settings={"STOP_DELAY": "3"})
+    proc, _ = _up(engine)
+    old = client.containers.get(engine.container)
+    old_grammar = client.images.get(engine.image_tag + "-grammar").id
+    engine.stop_worker(proc)
+
+    engine.requirement = "xgrammar>=0.2.9,<0.3"
+    since = time.time()
+    engine.start_worker()
+    generation = json.loads((engine.dir / "desired.json").read_text())["generation"]
+    engine.wait_status(lambda s: s["generation"] == generation and s["state"] == "running"
+                       and _since(s) > since, timeout=120)
+    new = client.containers.get(engine.container)
+    assert new.id != old.id
+    new_grammar = client.images.get(engine.image_tag + "-grammar")
+    assert new_grammar.id != old_grammar
+    assert new_grammar.labels["lucia.grammar.requirement"] == "xgrammar>=0.2.9,<0.3"
+    events = client.events(since=since, until=time.time(), decode=True,
+                           filters={"container": old.id})
+    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
+    kills = [a for a in actions if a[0] == "kill"]
+    dies = [a for a in actions if a[0] == "die"]
+    assert kills and kills[0][1]["signal"] == "15", actions
+    assert dies and dies[0][1]["exitCode"] == "0", "the engine was killed, not stopped: " + str(
+        actions)
+
+
+def test_grammar_image_is_rebuilt_when_the_base_changes_and_not_otherwise(
+    make_engine, client, recipe_repo
+) -> None:
+    engine: Engine = make_engine()
+    proc, _ = _up(engine)
+    grammar = client.images.get(engine.image_tag + "-grammar")
+    engine.stop_worker(proc)
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=60)
+    assert client.images.get(engine.image_tag + "-grammar").id == grammar.id
+    engine.stop_worker(proc)
+
+    engine.commit = recipe_repo.commit("recipe 0.7.1", {"NOTES": "a change in the base\n"})
+    engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    base = client.images.get(engine.image_tag)
+    rebuilt = client.images.get(engine.image_tag + "-grammar")
+    assert base.labels["lucia.recipe.commit"] == engine.commit
+    assert rebuilt.id != grammar.id
+    assert rebuilt.labels["lucia.grammar.base"] == base.id
+    assert (engine.state_dir / "checkout" / "NOTES").exists()
+
+
+def test_missing_commit_fails_naming_commit_and_repository(make_engine) -> None:
+    engine: Engine = make_engine(commit="0123456789abcdef0123456789abcdef01234567")
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=60)
+    assert "0123456789abcdef0123456789abcdef01234567" in status["message"]
+    assert engine.repo.url in status["message"]
+
+
+def test_failed_build_is_failed_with_the_last_lines(make_engine, recipe_repo) -> None:
+    broken = (recipe_repo.path / "Dockerfile").read_text() + (
+        'RUN echo "nvcc: error: unsupported gpu architecture sm_121" && exit 7\n'
+    )
+    commit = recipe_repo.commit("broken", {"Dockerfile": broken})
+    engine: Engine = make_engine(commit=commit)
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=60)
+    assert "unsupported gpu architecture" in status["message"]
+    assert "\x1b" not in status["message"] and len(status["message"]) <= 500
+
+
+def test_failed_grammar_build_and_prepare_are_failed(make_engine, recipe_repo) -> None:
+    engine: Engine = make_engine(modules=("xgrammar", "tensorfold", "nosuchmodule"))
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=60)
+    assert "No module named 'nosuchmodule'" in status["message"]
+
+    engine2: Engine = make_engine(settings={"PREPARE_FAILS": "1"})
+    engine2.start_worker()
+    generation = engine2.request("running")
+    status = engine2.wait_state(generation, "failed", timeout=60)
+    assert "401 Unauthorized" in status["message"]
+
+
+def test_refused_input_leaves_the_engine_untouched(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    _, status = _up(engine)
+    container = client.containers.get(engine.container)
+    generation = status["generation"]
+    desired = engine.dir / "desired.json"
+    for case in INVALID:
+        materialise(case, desired)
+        refused = engine.wait_status(lambda s: s.get("refused") is not None, timeout=10,
+                                     what=f"refusal of {case.name}")
+        assert refused["state"] == "running", case.name
+        assert refused["generation"] == generation, case.name
+        assert "refused" in refused["message"], case.name
+        if desired.is_dir():
+            shutil.rmtree(desired)
+        tmp = engine.dir / "desired.json.tmp"
+        tmp.write_text(
+            json.dumps({"schemaVersion": 1, "generation": generation, "desired": "running"}))
+        os.replace(tmp, desired)
+        engine.wait_status(lambda s: s.get("refused") is None, timeout=10)
+    after = client.containers.get(engine.container)
+    assert after.id == container.id
+    assert after.attrs["State"]["StartedAt"] == container.attrs["State"]["StartedAt"]
+    assert engine.file_sd()
+
+
+def test_second_worker_on_the_directory_fails_naming_the_holder(make_engine) -> None:
+    engine: Engine = make_engine()
+    first = engine.start_worker()
+    engine.wait_status(lambda s: True, timeout=30)
+    second = engine.start_worker()
+    assert second.wait(30) != 0
+    log = (engine.root / "worker-1.log").read_text()
+    assert str(engine.dir) in log
+    assert f"pid {first.pid}" in log
+    assert first.poll() is None
+
+
+def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    _, status = _up(engine)
+    gateway = client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"]
+    (group,) = engine.file_sd()
+    assert group["targets"] == [f"{gateway}:{engine.port}"]
+    assert group["labels"] == {
+        "__metrics_path__": "/metrics", "engine": "tensorfold", "model": "test/tiny-model",
+        "recipe_commit": engine.commit, "name": engine.name,
+    }
+    assert _get(f"http://{group['targets'][0]}/metrics") == 200
+    mode = os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777
+    assert mode == 0o644
+
+
+def test_sighup_rereads_the_recipe(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    proc, _ = _up(engine)
+    first = client.containers.get(engine.container).id
+    engine.settings["CONTEXT"] = "100000"
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    # new settings mean a new run spec only on a new image; same image: left running
+    time.sleep(1)
+    assert client.containers.get(engine.container).id == first
+    engine.requirement = "xgrammar>=0.2.10,<0.3"
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    engine.wait_status(
+        lambda s: s["state"] == "running"
+        and client.containers.get(engine.container).id != first, timeout=120)
+
+
+def test_worker_metrics_on_loopback(make_engine) -> None:
+    engine: Engine = make_engine()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine.start_worker("--metrics-port", str(port))
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'lucia_worker_state{state="running"} 1.0' in text
+    assert "lucia_worker_reconciles_total" in text
+    assert "lucia_worker_step_seconds_bucket" in text
+    assert "lucia_worker_last_heartbeat_seconds" in text
+
+
+def test_cli_request_wait_against_a_live_worker(make_engine) -> None:
+    engine: Engine = make_engine()
+    engine.start_worker()
+    out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
+                          "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    status = subprocess.run([*CLI, "status", engine.name, "--json", "--data-dir",
+                             str(engine.data_dir)], cwd=ROOT, capture_output=True, text=True)
+    (row,) = json.loads(status.stdout)
+    assert row["state"] == "running" and row["answer"] == "current" and row["url"]
