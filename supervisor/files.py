@@ -7,6 +7,7 @@ import fcntl
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 from typing import Final, Self
 
@@ -139,6 +140,9 @@ class Lease:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_pid(fd)
+            if holder is None:  # the holder may be between its flock and its pid write
+                time.sleep(0.05)
+                holder = _read_pid(fd)
             os.close(fd)
             raise LeaseHeld(self.directory, holder) from None
         os.ftruncate(fd, 0)

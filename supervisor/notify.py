@@ -15,6 +15,9 @@ class Notifier:
     def __init__(self) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._notifier = sdnotify.SystemdNotifier() if self.enabled else None
+        if self._notifier is not None:
+            # never block the loop on a manager that does not read: a full queue drops a ping
+            self._notifier.socket.setblocking(False)
         usec = os.environ.get("WATCHDOG_USEC", "")
         pid = os.environ.get("WATCHDOG_PID", "")
         ours = not pid or pid == str(os.getpid())

@@ -57,7 +57,7 @@ _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 def clean_message(text: str) -> str:
     """One human line: terminal escapes and control characters removed, at most 500 characters."""
     parts = []
-    for raw in _ESCAPES.sub("", text.replace("\r\n", "\n")).split("\n"):
+    for raw in _ESCAPES.sub("", text.replace("\r\n", "\n").replace("\t", " ")).split("\n"):
         # A carriage return redraws the line (progress bars): show only the last redraw.
         redraws = [seg for seg in (_CONTROLS.sub("", s).strip() for s in raw.split("\r")) if seg]
         if redraws:

@@ -322,8 +322,12 @@ class Worker:
         self._retry_at = time.monotonic() + delay
         self.metrics.failures.labels(reason="transient").inc()
         log.warning("will retry", error=str(error), seconds=delay)
+        message = f"{error}; retrying in {delay:g}s"
         if self.memory is not None:
-            self._report(self._working_state(), f"{error}; retrying in {delay:g}s")
+            self._report(self._working_state(), message)
+        else:  # nothing requested yet, and the engine cannot be seen: say exactly that
+            self.heartbeat.set(0, "failed", f"cannot observe the engine: {message}", None,
+                               self.refused)
 
     # -- reporting -----------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ leftovers of earlier runs on the same dockerd never matter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ def client() -> Iterator[docker.DockerClient]:
         cli = docker.from_env(timeout=120)
         cli.ping()
     except docker.errors.DockerException as exc:
-        pytest.fail(f"these tests need a running dockerd (bash scripts/machine.sh starts one): {exc}")
+        pytest.fail(f"these tests need a running dockerd (scripts/machine.sh starts one): {exc}")
     yield cli
     _cleanup(cli)
     cli.close()
@@ -276,7 +277,5 @@ def make_engine(
         for container in client.containers.list(all=True, filters={"name": engine.container}):
             container.remove(force=True)
         for image in (engine.image_tag + "-grammar", engine.image_tag):
-            try:
+            with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(image, force=True)
-            except docker.errors.ImageNotFound:
-                pass

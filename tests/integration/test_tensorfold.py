@@ -154,7 +154,7 @@ def test_stop_during_the_download_kills_the_prepare_script(make_engine) -> None:
 
 
 def _prepare_running(engine: Engine) -> bool:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     return any("scripts/prepare.sh" in line and "ps -eo" not in line
                for line in out.splitlines()) and str(engine.state_dir) != ""
 
@@ -336,7 +336,7 @@ def test_second_worker_on_the_directory_fails_naming_the_holder(make_engine) -> 
 
 def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:
     engine: Engine = make_engine()
-    _, status = _up(engine)
+    _up(engine)
     gateway = client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"]
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{gateway}:{engine.port}"]
@@ -388,9 +388,10 @@ def test_cli_request_wait_against_a_live_worker(make_engine) -> None:
     engine.start_worker()
     out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
                           "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=150)
+                         text=True, timeout=150, check=False)
     assert out.returncode == 0, out.stderr
     status = subprocess.run([*CLI, "status", engine.name, "--json", "--data-dir",
-                             str(engine.data_dir)], cwd=ROOT, capture_output=True, text=True)
+                             str(engine.data_dir)], cwd=ROOT, capture_output=True, text=True,
+                            check=True)
     (row,) = json.loads(status.stdout)
     assert row["state"] == "running" and row["answer"] == "current" and row["url"]

@@ -31,6 +31,7 @@ OTHER = "sha256:" + "b" * 64
 
 def container(
     status: str = "running",
+    *,
     image: str = IMAGE,
     managed: bool = True,
     exit_code: int = 0,
