@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from .protocol import DesiredState, State
 from .runtime import Container
 
+FINGERPRINT = "lucia.fingerprint"  # container label: the run settings that need a restart
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -26,6 +28,7 @@ class Observed:
     container: Container | None
     missing: tuple[str, ...]  # prerequisites (checkout, images, ...) still to be made, in order
     image_id: str | None  # the image the container must run on, once it exists
+    fingerprint: str = ""  # what else, when changed, needs a new container (engine-defined)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def _plan_running(memory: Memory, observed: Observed, container: Container | Non
         return Start(observed.image_id)
     if container.image_id != observed.image_id:
         return Stop(container.id, "replacing: it runs on another image")
+    if container.labels.get(FINGERPRINT, "") != observed.fingerprint:
+        return Stop(container.id, "replacing: its run settings changed")
     if memory.ready != container.id:
         return AwaitReady(container.id)
     return Settle("running")

@@ -7,9 +7,17 @@ import re
 import tomllib
 from pathlib import Path
 from string import Template
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .files import FileRefused, read_text
 
@@ -123,14 +131,11 @@ class Run(_Section):
         return self.container_port or self.port
 
 
-class Recipe(_Section):
+class _Recipe(_Section):
+    """What every engine's recipe has: a name, settings (the environment) and a run spec."""
+
     name: str
-    engine: Literal["tensorfold"]
-    model: str = Field(description="the model it serves, for labels and messages")
-    source: Source
-    image: ImageBuild
-    prepare: Prepare = Field(default_factory=Prepare)
-    grammar: Grammar
+    model: str = Field(default="", description="the model it serves, for labels and messages")
     settings: dict[str, str | int] = Field(default_factory=dict)
     run: Run
 
@@ -143,7 +148,7 @@ class Recipe(_Section):
         return value
 
     @model_validator(mode="after")
-    def _command_expands(self) -> Recipe:
+    def _command_expands(self) -> Self:
         for arg in self.run.command:
             try:
                 Template(arg).substitute(self.environment)
@@ -160,9 +165,75 @@ class Recipe(_Section):
         env = self.environment
         return [Template(arg).substitute(env) for arg in self.run.command]
 
+
+class TensorFoldRecipe(_Recipe):
+    engine: Literal["tensorfold"]
+    model: str = Field(min_length=1, description="the model it serves, for labels and messages")
+    source: Source
+    image: ImageBuild
+    prepare: Prepare = Field(default_factory=Prepare)
+    grammar: Grammar
+
     @property
     def grammar_tag(self) -> str:
         return f"{self.image.tag}-grammar"
+
+
+class Library(_Section):
+    models_dir: str = Field(description="the host's model library: <guid>/model.json + files/")
+    cache_dir: str = Field(description="local GGUF cache (fast disk), mounted read-only")
+    container_dir: str = Field(default="/models", description="where the cache is mounted")
+
+    @field_validator("container_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
+
+    @property
+    def models_path(self) -> Path:
+        return Path(self.models_dir).expanduser()
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+
+class Router(_Section):
+    image: str = Field(description="the llama.cpp server image (llama-server in router mode)")
+    models_max: int = Field(default=1, ge=1, description="--models-max: models loaded at once")
+    load_on_startup: list[str] = Field(default_factory=list)
+    defaults: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="the preset's [*] section (ctx-size, n-gpu-layers...)"
+    )
+    args: list[str] = Field(default_factory=list, description="extra llama-server arguments")
+
+    @field_validator("image")
+    @classmethod
+    def _tag(cls, value: str) -> str:
+        if not _IMAGE_TAG.fullmatch(value):
+            raise ValueError(f"{value!r} is not a valid image reference")
+        return value
+
+    @model_validator(mode="after")
+    def _startup_fits(self) -> Self:
+        if len(self.load_on_startup) > self.models_max:
+            raise ValueError(
+                f"{len(self.load_on_startup)} load-on-startup models but models_max is "
+                f"{self.models_max}; raise models_max or load fewer at start"
+            )
+        return self
+
+
+class LlamaRouterRecipe(_Recipe):
+    engine: Literal["llama-router"]
+    library: Library
+    router: Router
+
+
+Recipe = Annotated[TensorFoldRecipe | LlamaRouterRecipe, Field(discriminator="engine")]
+_RECIPE: TypeAdapter[TensorFoldRecipe | LlamaRouterRecipe] = TypeAdapter(Recipe)
 
 
 def _format(exc: ValidationError) -> str:
@@ -174,18 +245,18 @@ def _format(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse(text: str, origin: str = "<recipe>") -> Recipe:
+def parse(text: str, origin: str = "<recipe>") -> TensorFoldRecipe | LlamaRouterRecipe:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{origin}: not valid TOML: {exc}") from None
     try:
-        return Recipe.model_validate(data)
+        return _RECIPE.validate_python(data)
     except ValidationError as exc:
         raise RecipeError(f"{origin}: {_format(exc)}") from None
 
 
-def load(path: Path) -> Recipe:
+def load(path: Path) -> TensorFoldRecipe | LlamaRouterRecipe:
     try:
         return parse(read_text(path), str(path))
     except FileNotFoundError:

@@ -20,6 +20,7 @@ import docker
 import docker.errors
 import requests.exceptions
 from docker.types import DeviceRequest, Ulimit
+from docker.utils import parse_repository_tag
 
 from .errors import BuildFailed, Cancelled, Permanent, Transient
 
@@ -90,6 +91,11 @@ class BuildRequest:
     dockerfile: str = "Dockerfile"
     dockerfile_text: str | None = None
     build_args: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    ref: str
 
 
 @contextmanager
@@ -268,17 +274,29 @@ class Runtime:
         Killing the child closes its connection; dockerd then cancels the build and removes the
         intermediate container of the step that was running.
         """
+        return self._in_child(request, request.tag, f"build of {request.tag}", progress, cancel)
+
+    def pull(self, ref: str, progress: Progress, cancel: threading.Event) -> Image:
+        """Pull an image (in a child process, for the same reason as build)."""
+        return self._in_child(PullRequest(ref), ref, f"pull of {ref}", progress, cancel)
+
+    def _in_child(
+        self,
+        job: BuildRequest | PullRequest,
+        ref: str,
+        what: str,
+        progress: Progress,
+        cancel: threading.Event,
+    ) -> Image:
         context = multiprocessing.get_context("spawn")
         receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(
-            target=_build_child, args=(self._base_url, request, sender), daemon=True
-        )
+        child = context.Process(target=_child, args=(self._base_url, job, sender), daemon=True)
         child.start()
         sender.close()
         lines: list[str] = []
         try:
             kind, text = _receive(
-                receiver, child, lines=lines, progress=progress, cancel=cancel, tag=request.tag
+                receiver, child, lines=lines, progress=progress, cancel=cancel, what=what
             )
         finally:
             if child.is_alive():
@@ -286,12 +304,12 @@ class Runtime:
             child.join(5)
             receiver.close()
         if kind == "unavailable":
-            raise Transient(f"build of {request.tag}: docker is unavailable ({text})")
+            raise Transient(f"{what}: docker is unavailable ({text})")
         if kind == "error":
-            raise BuildFailed(f"build of {request.tag}", [*lines, text])
-        image = self.image(request.tag)
+            raise BuildFailed(what, [*lines, text])
+        image = self.image(ref)
         if image is None:
-            raise BuildFailed(f"build of {request.tag}", [*lines, "no image was produced"])
+            raise BuildFailed(what, [*lines, "no image was produced"])
         return image
 
 
@@ -302,7 +320,7 @@ def _receive(
     lines: list[str],
     progress: Progress,
     cancel: threading.Event,
-    tag: str,
+    what: str,
 ) -> tuple[str, str]:
     """Relay the child's lines until it says how the build ended; cancel is checked 5x/s."""
     while not cancel.is_set():
@@ -321,7 +339,7 @@ def _receive(
         del lines[:-50]
         progress(text)
     else:
-        raise Cancelled(f"build of {tag} cancelled")
+        raise Cancelled(f"{what} cancelled")
     return "unavailable", "the build ended without an answer from docker"
 
 
@@ -352,29 +370,15 @@ def _context_tar(dockerfile_text: str) -> io.BytesIO:
     return buffer
 
 
-def _build_child(base_url: str | None, request: BuildRequest, out: Connection) -> None:
-    """Runs in a spawned process: stream the build's output lines to the parent."""
+def _child(base_url: str | None, job: BuildRequest | PullRequest, out: Connection) -> None:
+    """Runs in a spawned process: stream a build's or a pull's output lines to the parent."""
     try:
         api = _api_client(base_url, None)
-        common: dict[str, Any] = {
-            "tag": request.tag,
-            "labels": dict(request.labels),
-            "buildargs": dict(request.build_args),
-            "rm": True,
-            "forcerm": True,
-            "decode": True,
-        }
-        if request.dockerfile_text is not None:
-            stream = api.build(
-                fileobj=_context_tar(request.dockerfile_text), custom_context=True, **common
-            )
-        else:
-            stream = api.build(path=request.context, dockerfile=request.dockerfile, **common)
-        for chunk in stream:
+        for chunk in _stream(api, job):
             if "error" in chunk:
                 out.send(("error", str(chunk.get("error", "")).strip()))
                 return
-            text = chunk.get("stream") or chunk.get("status") or ""
+            text = chunk.get("stream") or _pull_line(chunk)
             for line in str(text).splitlines():
                 if line.strip():
                     out.send(("line", line.rstrip()))
@@ -387,3 +391,32 @@ def _build_child(base_url: str | None, request: BuildRequest, out: Connection) -
         out.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         out.close()
+
+
+def _stream(api: docker.APIClient, job: BuildRequest | PullRequest) -> Iterator[dict[str, Any]]:
+    if isinstance(job, PullRequest):
+        repository, tag = parse_repository_tag(job.ref)
+        return iter(api.pull(repository, tag=tag or "latest", stream=True, decode=True))
+    common: dict[str, Any] = {
+        "tag": job.tag,
+        "labels": dict(job.labels),
+        "buildargs": dict(job.build_args),
+        "rm": True,
+        "forcerm": True,
+        "decode": True,
+    }
+    if job.dockerfile_text is not None:
+        return iter(
+            api.build(fileobj=_context_tar(job.dockerfile_text), custom_context=True, **common)
+        )
+    return iter(api.build(path=job.context, dockerfile=job.dockerfile, **common))
+
+
+def _pull_line(chunk: dict[str, Any]) -> str:
+    """A pull's progress as one line: "<layer>: Downloading 12.3MB/40.1MB"."""
+    status = str(chunk.get("status") or "")
+    layer = str(chunk.get("id") or "")
+    detail = chunk.get("progressDetail") or {}
+    if detail.get("total"):
+        status += f" {detail.get('current', 0) / 1e6:.1f}MB/{detail['total'] / 1e6:.1f}MB"
+    return f"{layer}: {status}" if layer else status

@@ -24,7 +24,7 @@ from .errors import Cancelled, Permanent, Transient
 from .heartbeat import Heartbeat
 from .host import DESIRED, STATUS, engine_dir
 from .notify import Notifier
-from .plan import AwaitReady, Fail, Memory, Observed, Settle, Step, plan
+from .plan import AwaitReady, Fail, Memory, Observed, Prepare, Settle, Step, plan
 from .protocol import DesiredFile, InvalidDocument, State, parse_desired
 from .recipe import Recipe
 from .runtime import Runtime
@@ -54,6 +54,7 @@ class Task:
     cancel: threading.Event = field(default_factory=threading.Event)
     progress: str = ""
     error: BaseException | None = None
+    serving: bool = False  # the engine keeps serving while this step runs
     started: float = field(default_factory=time.monotonic)
     thread: threading.Thread | None = None
 
@@ -160,7 +161,7 @@ class Worker:
             if self.task is None and time.monotonic() >= self._retry_at:
                 self._reconcile()
             elif self.task is not None and self.task.progress:
-                self._report(self._working_state(), self.task.progress)
+                self._report_task(self.task)
             self.heartbeat.tick()
             if not ready_sent and self.heartbeat.status is not None:
                 self.notifier.ready()
@@ -270,10 +271,17 @@ class Worker:
             self._settle(step.state)
             return
         self._failures = 0
-        self._begin(step, memory)
+        container = observed.container
+        serving = (
+            isinstance(step, Prepare)
+            and container is not None
+            and container.running
+            and container.id == memory.ready
+        )
+        self._begin(step, memory, serving)
 
-    def _begin(self, step: Step, memory: Memory) -> None:
-        task = Task(step, memory.generation)
+    def _begin(self, step: Step, memory: Memory, serving: bool) -> None:
+        task = Task(step, memory.generation, serving=serving)
         ctx = StepContext(task.cancel, lambda line: self._progress(task, line))
 
         def body() -> None:
@@ -287,7 +295,7 @@ class Worker:
         task.thread = threading.Thread(target=body, name=f"step-{type(step).__name__}", daemon=True)
         self.task = task
         log.info("step", step=actions.describe(step), generation=memory.generation)
-        self._report(self._working_state(), actions.describe(step))
+        self._report_task(task)
         task.thread.start()
 
     def _progress(self, task: Task, line: str) -> None:
@@ -331,6 +339,15 @@ class Worker:
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def _report_task(self, task: Task) -> None:
+        """While a step runs: starting or stopping, or running while a serving engine keeps
+        serving (a library re-sync, a preset rewrite)."""
+        message = task.progress or actions.describe(task.step)
+        if task.serving:
+            self._report("running", message, self.engine.endpoint().url)
+        else:
+            self._report(self._working_state(), message)
+
     def _working_state(self) -> State:
         memory = self.memory
         return "starting" if memory is None or memory.desired == "running" else "stopping"
@@ -363,9 +380,7 @@ class Worker:
         if memory is None:
             return
         if self.task is not None:
-            self._report(
-                self._working_state(), self.task.progress or actions.describe(self.task.step)
-            )
+            self._report_task(self.task)
             return
         state = state or (self.heartbeat.status.state if self.heartbeat.status else "starting")
         url = None

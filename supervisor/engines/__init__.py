@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..recipe import Recipe
+from ..recipe import Recipe, TensorFoldRecipe
 from ..runtime import Runtime
 from .base import Endpoint, Engine, StepContext
 
 
 def create(name: str, recipe: Recipe, runtime: Runtime, state_dir: Path) -> Engine:
-    from .tensorfold import TensorFold
+    if isinstance(recipe, TensorFoldRecipe):
+        from .tensorfold import TensorFold
 
-    kinds = {"tensorfold": TensorFold}
-    return kinds[recipe.engine](name, recipe, runtime, state_dir)
+        return TensorFold(name, recipe, runtime, state_dir)
+    from .llama_router import LlamaRouter
+
+    return LlamaRouter(name, recipe, runtime, state_dir)
 
 
 __all__ = ["Endpoint", "Engine", "StepContext", "create"]

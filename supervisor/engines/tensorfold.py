@@ -15,7 +15,7 @@ from ..errors import BuildFailed
 from ..plan import Observed
 from ..process import run
 from ..protocol import TargetGroup
-from ..recipe import Recipe
+from ..recipe import TensorFoldRecipe
 from ..runtime import MANAGED, BuildRequest, Mount, RunSpec, Runtime
 from ..source import Checkout
 from . import grammar
@@ -49,7 +49,9 @@ def missing(
 class TensorFold:
     kind = "tensorfold"
 
-    def __init__(self, name: str, recipe: Recipe, runtime: Runtime, state_dir: Path) -> None:
+    def __init__(
+        self, name: str, recipe: TensorFoldRecipe, runtime: Runtime, state_dir: Path
+    ) -> None:
         self.name = name
         self.recipe = recipe
         self.runtime = runtime

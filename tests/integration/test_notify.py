@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Engine
+
+from tests.fixtures import Engine
 
 pytestmark = pytest.mark.docker
 

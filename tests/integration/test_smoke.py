@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from conftest import Engine
+from tests.fixtures import Engine
 
 
 def test_running_then_stopped(make_engine, client) -> None:

@@ -14,9 +14,9 @@ from datetime import datetime
 
 import docker
 import pytest
-from conftest import CLI, ROOT, Engine
 
 from tests.corpus import INVALID, materialise
+from tests.fixtures import CLI, ROOT, Engine
 
 pytestmark = pytest.mark.docker
 

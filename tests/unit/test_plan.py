@@ -118,3 +118,13 @@ def test_missing_prerequisites(checkout: bool, recipe: bool, prepared: bool, gra
                                expected: tuple[str, ...]) -> None:
     assert missing(checkout_ok=checkout, recipe_ok=recipe, prepared=prepared,
                    grammar_ok=grammar) == expected
+
+
+def test_a_changed_fingerprint_replaces_the_container() -> None:
+    observed = Observed(container=container(), missing=(), image_id=IMAGE, fingerprint="new")
+    assert plan(Memory(1, "running", ready="c1"), observed) == Stop(
+        "c1", "replacing: its run settings changed")
+    same = Container(**{**container().__dict__, "labels": {"lucia.managed": "true",
+                                                          "lucia.fingerprint": "new"}})
+    observed = Observed(container=same, missing=(), image_id=IMAGE, fingerprint="new")
+    assert plan(Memory(1, "running", ready="c1"), observed) == Settle("running")

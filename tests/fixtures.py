@@ -24,17 +24,11 @@ from typing import Any
 import docker
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-REPO_TEMPLATE = Path(__file__).resolve().parent / "recipe_repo"
+ROOT = Path(__file__).resolve().parents[1]
+REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"
 RUN_ID = uuid.uuid4().hex[:8]
 TEST_LABEL = "lucia.test.run"
 CLI = [sys.executable, "-m", "supervisor.cli"]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "integration" in str(item.fspath):
-            item.add_marker(pytest.mark.docker)
 
 
 @pytest.fixture(scope="session")

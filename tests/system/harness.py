@@ -1,0 +1,224 @@
+"""Fixtures under the real systemd user manager of the test user `lucia`, with journald and dockerd.
+
+scripts/machine.sh starts them (as .ci/run does); these fixtures install the project with
+install.sh as that user, exactly as an operator would, and drive it with systemctl and the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+AS_USER = ROOT / "scripts" / "as-lucia"
+USER = "lucia"
+RUN_ID = uuid.uuid4().hex[:6]
+
+
+def as_user(*args: str, check: bool = True, timeout: float = 300,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(AS_USER), *args], capture_output=True, text=True,
+                            timeout=timeout, check=False, input=input,
+                            stdin=None if input is not None else subprocess.DEVNULL)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
+                             f"{result.stdout}\n{result.stderr}")
+    return result
+
+
+def systemctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return as_user("systemctl", "--user", *args, check=check)
+
+
+def show(unit: str, prop: str) -> str:
+    return systemctl("show", unit, "-p", prop, "--value").stdout.strip()
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+@dataclass(frozen=True)
+class Installation:
+    name: str
+    home: Path
+    uid: int
+    recipe: Path
+    port: int
+    network: str
+    image_tag: str
+    source: Path
+    install_output: str
+
+    @property
+    def unit(self) -> str:
+        return f"lucia-{self.name}.service"
+
+    @property
+    def share(self) -> Path:
+        return self.home / ".local/share/lucia"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.share / "host/data"
+
+    @property
+    def engine_dir(self) -> Path:
+        return self.data_dir / self.name
+
+    @property
+    def cli(self) -> str:
+        return str(self.share / "venv/bin/lucia-supervisor")
+
+    @property
+    def container(self) -> str:
+        return f"lucia-{self.name}"
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((self.engine_dir / "status.json").read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def request(self, desired: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return as_user(self.cli, "request", self.name, desired, *extra)
+
+    def main_pid(self) -> int:
+        return int(show(self.unit, "MainPID"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def user_manager() -> pwd.struct_passwd:
+    try:
+        entry = pwd.getpwnam(USER)
+    except KeyError:
+        pytest.fail(f"no user {USER}: scripts/machine.sh sets up the systemd user manager")
+    state = systemctl("is-system-running", check=False).stdout.strip()
+    if state not in ("running", "degraded"):
+        pytest.fail(f"the systemd user manager of {USER} is not running ({state!r}); "
+                    "run scripts/machine.sh")
+    return entry
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[docker.DockerClient]:
+    client = docker.from_env(timeout=120)
+    client.ping()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerClient,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
+    home = Path(user_manager.pw_dir)
+    uid, gid = user_manager.pw_uid, user_manager.pw_gid
+    work = home / f"lucia-system-test-{RUN_ID}"
+    if work.exists():
+        shutil.rmtree(work)
+    # the project as a user would have it: a copy of the tracked (and new) files
+    source = work / "src"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    for rel in filter(None, files):
+        path = Path(rel.decode())
+        if (ROOT / path).is_file():
+            (source / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, source / path)
+    # the stand-in recipe repository and its base image
+    base_context = tmp_path_factory.mktemp("base")
+    shutil.copy(shutil.which("busybox") or "/bin/busybox", base_context / "busybox")
+    (base_context / "Dockerfile").write_text(
+        "FROM scratch\nCOPY busybox /bin/busybox\n"
+        'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+        "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n")
+    base = f"lucia-systest-busybox-{RUN_ID}:1"
+    docker_client.images.build(path=str(base_context), tag=base, rm=True)
+    repo = work / "recipe-repo"
+    shutil.copytree(ROOT / "demo" / "recipe-repo", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "recipe")
+    commit = _git(repo, "rev-parse", "HEAD")
+    name = f"sys{RUN_ID}"
+    port = free_port()
+    network = f"lucia-systest-{RUN_ID}"
+    image_tag = f"lucia-systest-recipe-{RUN_ID}:v1"
+    recipe = work / f"{name}.toml"
+    recipe.write_text(f"""\
+name = "{name}"
+engine = "tensorfold"
+model = "test/tiny-model"
+[source]
+repository = "file://{repo}"
+commit = "{commit}"
+[image]
+tag = "{image_tag}"
+build_args = {{ BASE = "{base}" }}
+[grammar]
+requirement = "xgrammar>=0.2.8,<0.3"
+modules = ["xgrammar", "tensorfold"]
+[settings]
+PORT = "{port}"
+MODEL_ID = "test/tiny-model"
+SERVED_NAME = "tiny"
+[run]
+network = "{network}"
+port = {port}
+ready_path = "/v1/models"
+metrics_path = "/metrics"
+ready_timeout = 60
+stop_grace = 10
+""")
+    subprocess.run(["chown", "-R", f"{uid}:{gid}", str(work)], check=True)
+    subprocess.run(["git", "config", "--system", "--add", "safe.directory", "*"], check=False)
+    install = as_user(str(source / "install.sh"), "--recipe", str(recipe), timeout=900)
+    installed = Installation(name, home, uid, recipe, port, network, image_tag, source,
+                             install.stdout + install.stderr)
+    yield installed
+    systemctl("stop", installed.unit, check=False)
+    with contextlib.suppress(docker.errors.NotFound):
+        docker_client.containers.get(installed.container).remove(force=True)
+    as_user(str(source / "install.sh"), "--uninstall", check=False)
+    for tag in (image_tag + "-grammar", image_tag, base):
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            docker_client.images.remove(tag, force=True)
+    with contextlib.suppress(docker.errors.NotFound):
+        docker_client.networks.get(network).remove()
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(installed.data_dir / name, ignore_errors=True)

@@ -1,0 +1,284 @@
+"""The product as operators meet it: systemctl --user, journalctl and the CLI, all real.
+
+The tests run in order against one installation (installing takes a while): each leaves the
+unit and the engine in the state the next one starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import docker
+import pytest
+
+from supervisor.host import classify
+from supervisor.protocol import parse_status
+from tests.system.harness import Installation, as_user, free_port, show, systemctl, wait_for
+
+pytestmark = pytest.mark.system
+
+
+def _fresh(installed: Installation, after: float) -> dict | None:
+    status = installed.status()
+    if status is None:
+        return None
+    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00")).timestamp()
+    return status if checked > after else None
+
+
+def _running(installed: Installation, generation: int, after: float = 0.0) -> dict | None:
+    status = _fresh(installed, after)
+    if status and status["generation"] == generation and status["state"] == "running":
+        return status
+    return None
+
+
+def _engine(client: docker.DockerClient, installed: Installation) -> dict:
+    return client.containers.get(installed.container).attrs
+
+
+def test_installed_inactive_disabled_and_valid(installation: Installation) -> None:
+    unit_file = installation.home / ".config/systemd/user" / installation.unit
+    assert unit_file.is_file()
+    assert show(installation.unit, "ActiveState") == "inactive"
+    assert systemctl("is-enabled", installation.unit, check=False).stdout.strip() == "disabled"
+    assert show(installation.unit, "Type") == "notify"
+    assert show(installation.unit, "NotifyAccess") == "main"
+    assert show(installation.unit, "Restart") == "on-failure"
+    assert int(show(installation.unit, "WatchdogUSec")) > 0
+    verify = as_user("systemd-analyze", "--user", "verify", str(unit_file), check=False)
+    assert verify.returncode == 0, verify.stderr
+    assert (installation.data_dir.stat().st_mode & 0o777) == 0o750
+    state = installation.home / ".local/state/lucia"
+    assert (state.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_second_install_changes_nothing(installation: Installation) -> None:
+    unit_file = installation.home / ".config/systemd/user" / installation.unit
+    before = unit_file.stat().st_mtime_ns
+    again = as_user(str(installation.source / "install.sh"), "--recipe",
+                    str(installation.recipe), timeout=300)
+    assert "nothing to change" in again.stdout, again.stdout + again.stderr
+    assert unit_file.stat().st_mtime_ns == before
+
+
+def test_install_refuses_root_with_the_fix(installation: Installation) -> None:
+    result = subprocess.run(["bash", str(installation.source / "install.sh")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode != 0
+    assert "not as root" in result.stderr
+
+
+def test_start_is_active_only_after_ready(installation: Installation) -> None:
+    systemctl("start", installation.unit)  # blocks until READY=1 for Type=notify
+    assert show(installation.unit, "ActiveState") == "active"
+    status = installation.status()
+    assert status is not None, "READY=1 came before the first status.json"
+    assert show(installation.unit, "StatusText")
+
+
+def test_request_running_brings_the_engine_up(installation: Installation) -> None:
+    out = installation.request("running", "--wait", "--timeout", "240")
+    generation = int(out.stdout.splitlines()[0])
+    status = installation.status()
+    assert status and status["generation"] == generation and status["state"] == "running"
+    assert "running" in show(installation.unit, "StatusText")
+
+
+def test_restart_leaves_the_engine_untouched(installation: Installation,
+                                             docker_client: docker.DockerClient) -> None:
+    before = _engine(docker_client, installation)
+    generation = installation.status()["generation"]  # type: ignore[index]
+    restarted = time.time()
+    systemctl("restart", installation.unit)
+    wait_for(lambda: _running(installation, generation, restarted), 10, "current status")
+    after = _engine(docker_client, installation)
+    assert after["Id"] == before["Id"]
+    assert after["State"]["StartedAt"] == before["State"]["StartedAt"]
+
+
+def _watchdog_dropin(installation: Installation, seconds: int) -> None:
+    dropin = installation.home / ".config/systemd/user" / f"{installation.unit}.d"
+    as_user("mkdir", "-p", str(dropin))
+    as_user("sh", "-c", f"printf '[Service]\\nWatchdogSec={seconds}\\n' > {dropin}/watchdog.conf")
+    systemctl("daemon-reload")
+
+
+def test_a_hung_worker_is_restarted_by_the_watchdog(installation: Installation,
+                                                     docker_client: docker.DockerClient) -> None:
+    _watchdog_dropin(installation, 4)
+    try:
+        systemctl("restart", installation.unit)
+        before = _engine(docker_client, installation)
+        generation = installation.status()["generation"]  # type: ignore[index]
+        pid = installation.main_pid()
+        restarts = int(show(installation.unit, "NRestarts"))
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_for(lambda: installation.main_pid() not in (0, pid), 40, "a new main pid")
+        assert int(show(installation.unit, "NRestarts")) == restarts + 1
+        wait_for(lambda: _running(installation, generation, stopped_at), 20, "adoption")
+        after = _engine(docker_client, installation)
+        assert after["Id"] == before["Id"]
+        assert after["State"]["StartedAt"] == before["State"]["StartedAt"]
+    finally:
+        as_user("rm", "-rf", str(installation.home / ".config/systemd/user" /
+                                 f"{installation.unit}.d"))
+        systemctl("daemon-reload")
+
+
+def test_a_killed_worker_is_restarted(installation: Installation,
+                                      docker_client: docker.DockerClient) -> None:
+    systemctl("restart", installation.unit)
+    before = _engine(docker_client, installation)
+    generation = installation.status()["generation"]  # type: ignore[index]
+    pid = installation.main_pid()
+    restarts = int(show(installation.unit, "NRestarts"))
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    wait_for(lambda: installation.main_pid() not in (0, pid), 20, "a new main pid")
+    assert int(show(installation.unit, "NRestarts")) == restarts + 1
+    wait_for(lambda: _running(installation, generation, killed_at), 20, "adoption")
+    after = _engine(docker_client, installation)
+    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
+                                                          before["State"]["StartedAt"])
+
+
+def _journal(installation: Installation, *extra: str) -> list[str]:
+    result = subprocess.run(
+        ["journalctl", "--user-unit", installation.unit, "--no-pager", "-o", "cat",
+         f"_UID={installation.uid}", *extra],
+        capture_output=True, text=True, check=False)
+    if "--user-unit" in result.stderr:  # older journalctl spelling
+        result = subprocess.run(["journalctl", f"_SYSTEMD_USER_UNIT={installation.unit}",
+                                 "--no-pager", "-o", "cat", *extra],
+                                capture_output=True, text=True, check=False)
+    return [line for line in result.stdout.splitlines() if line.strip()]
+
+
+def _write_as_user(path: str, text: str) -> None:
+    """Replace a file atomically as the user would (temp file, then rename)."""
+    as_user("sh", "-c", f"cat > {path}.tmp && mv {path}.tmp {path}", input=text)
+
+
+def _journal_json(installation: Installation) -> list[dict]:
+    result = subprocess.run(
+        ["journalctl", f"_SYSTEMD_USER_UNIT={installation.unit}", "--no-pager", "-o", "json",
+         "-n", "500"], capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def test_the_journal_has_one_line_per_event_with_its_priority(
+    installation: Installation,
+) -> None:
+    desired = str(installation.engine_dir / "desired.json")
+    good = (installation.engine_dir / "desired.json").read_text()
+    _write_as_user(desired, '{"desired": "paused"}')
+    wait_for(lambda: (installation.status() or {}).get("refused"), 10, "a refusal")
+    _write_as_user(desired, good)
+    wait_for(lambda: (installation.status() or {}).get("refused") is None, 10, "no refusal")
+
+    def refused_entries() -> list[dict]:
+        return [e for e in _journal_json(installation)
+                if str(e.get("MESSAGE", "")).startswith("desired.json refused")]
+
+    (entry, *_) = wait_for(refused_entries, 10, "the refusal in the journal")
+    assert entry["PRIORITY"] == "4"
+    assert "paused" in entry["MESSAGE"] or "schemaVersion" in entry["MESSAGE"]
+    entries = _journal_json(installation)
+    acknowledged = [e for e in entries if str(e.get("MESSAGE", "")).startswith(
+        "request acknowledged")]
+    assert acknowledged and all(e["PRIORITY"] == "6" for e in acknowledged)
+    assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in entries)
+
+    filtered = _journal(installation, "-p", "warning")
+    assert any(line.startswith("desired.json refused") for line in filtered)
+    assert not any(line.startswith("request acknowledged") for line in filtered)
+
+
+@pytest.fixture
+def prometheus(installation: Installation, tmp_path) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("Debian's prometheus package is needed (scripts/machine.sh installs it)")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
+        f"      - files: ['{installation.data_dir}/telemetry/*.json']\n"
+        "        refresh_interval: 1s\n")
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _api(url, "/-/ready", raw=True), 60, "prometheus to be ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _api(base: str, path: str, raw: bool = False) -> object:
+    try:
+        with urllib.request.urlopen(base + path, timeout=5) as response:
+            body = response.read().decode()
+    except OSError:
+        return None
+    return body if raw else json.loads(body)["data"]
+
+
+def _targets(base: str, name: str) -> list[dict]:
+    data = _api(base, "/api/v1/targets?state=active") or {"activeTargets": []}
+    return [t for t in data["activeTargets"]  # type: ignore[index]
+            if t["labels"].get("name") == name]
+
+
+def test_prometheus_discovers_scrapes_and_drops_the_engine(
+    installation: Installation, prometheus: str, docker_client: docker.DockerClient
+) -> None:
+    (target,) = wait_for(lambda: [t for t in _targets(prometheus, installation.name)
+                                  if t["health"] == "up"], 60, "the engine target up")
+    gateway = docker_client.networks.get(installation.network).attrs["IPAM"]["Config"][0][
+        "Gateway"]
+    assert target["discoveredLabels"]["__address__"] == f"{gateway}:{installation.port}"
+    assert target["labels"]["engine"] == "tensorfold"
+    assert target["scrapeUrl"].endswith("/metrics")
+    query = urllib.parse.quote(f'up{{name="{installation.name}"}}')
+    result = wait_for(lambda: (_api(prometheus, f"/api/v1/query?query={query}") or
+                               {"result": []})["result"], 30, "an up sample")  # type: ignore[index]
+    assert result[0]["value"][1] == "1"
+
+    installation.request("stopped", "--wait", "--timeout", "120")
+    wait_for(lambda: not _targets(prometheus, installation.name), 30, "the target dropped")
+    installation.request("running", "--wait", "--timeout", "120")
+
+
+def test_stop_leaves_the_engine_running_and_the_status_goes_stale(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
+    before = _engine(docker_client, installation)
+    systemctl("stop", installation.unit)
+    assert show(installation.unit, "ActiveState") in ("inactive", "failed")
+    after = _engine(docker_client, installation)
+    assert after["State"]["Running"] and after["Id"] == before["Id"]
+    status = parse_status((installation.engine_dir / "status.json").read_text())
+    now = datetime.now(UTC)
+    assert classify(status, status.generation, now).answer == "current"
+    later = classify(status, status.generation, now + timedelta(seconds=61))
+    assert later.answer == "unavailable"
+    result = as_user(installation.cli, "status", installation.name, "--json")
+    assert json.loads(result.stdout)[0]["answer"] == "current"  # still fresh right now
+    systemctl("start", installation.unit)
