@@ -43,9 +43,21 @@ class LeaseHeld(RuntimeError):
 
 
 def ensure_dir(path: Path, mode: int = DIR_MODE) -> Path:
-    """Create a directory (and parents) with a narrow mode; an existing one is left as it is."""
-    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    """Create a directory (and parents) with exactly this mode, whatever the umask; an existing
+    directory is left as it is (its owner may have chosen otherwise)."""
+    if not path.is_dir():
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+        os.chmod(path, mode)
     return path
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove temp files that an interrupted write_atomic of path left behind; only the
+    process that alone writes path (it holds the lease) may call this."""
+    stale = list(path.parent.glob(f".{path.name}.*.tmp"))
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return stale
 
 
 def write_atomic(path: Path, data: bytes, mode: int = FILE_MODE) -> None:

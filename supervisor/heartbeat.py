@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from . import files, logs
+from . import files, logs, redaction
 from .notify import Notifier
 from .protocol import State, Status, clean_message, dump, utc_now
 from .telemetry import Metrics
@@ -46,7 +46,7 @@ class Heartbeat:
         refused: str | None = None,
     ) -> None:
         now = self._clock()
-        line = clean_message(message)
+        line = clean_message(redaction.redact(message))
         previous = self.status
         if previous is None or (previous.generation, previous.state) != (generation, state):
             since = now
@@ -59,7 +59,7 @@ class Heartbeat:
             message=line,
             url=url if state == "running" else None,
             checked_at=now,
-            refused=clean_message(refused) if refused else None,
+            refused=clean_message(redaction.redact(refused)) if refused else None,
         )
         self.status = status
         if previous is not None and _same_answer(previous, status):

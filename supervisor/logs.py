@@ -10,6 +10,8 @@ from typing import Any, Final, TextIO
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
+from . import redaction
+
 _PRIORITY: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
 _configured = False
 
@@ -25,6 +27,13 @@ def under_journal(stream: TextIO) -> bool:
     except (OSError, ValueError):
         return False
     return (info.st_dev, info.st_ino) == (int(dev), int(ino))
+
+
+def _redact(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
+    for key, value in event.items():
+        if isinstance(value, str):
+            event[key] = redaction.redact(value)
+    return event
 
 
 def _one_line(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
@@ -67,6 +76,7 @@ def configure(level: str | None = None, stream: TextIO | None = None) -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.format_exc_info,
+        _redact,
     ]
     renderer: list[Any]
     if under_journal(out):

@@ -114,6 +114,7 @@ class Run(_Section):
     stop_grace: float = Field(default=60.0, ge=0)
     gpus: Literal["all", "none"] | Annotated[int, Field(ge=1)] = "none"
     shm_size: str | None = None
+    memory: str | None = Field(default=None, description="container memory limit, e.g. 120g")
     ipc: Literal["host", "private", "shareable"] | None = None
     ulimits: dict[str, int] = Field(default_factory=dict)
     volumes: list[Volume] = Field(default_factory=list)
@@ -137,9 +138,14 @@ class _Recipe(_Section):
     name: str
     model: str = Field(default="", description="the model it serves, for labels and messages")
     settings: dict[str, str | int] = Field(default_factory=dict)
+    secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variable -> file holding its value (a token); read when used, "
+        "passed only through the environment, never logged or shown",
+    )
     run: Run
 
-    @field_validator("settings")
+    @field_validator("settings", "secrets")
     @classmethod
     def _env_names(cls, value: dict[str, str | int]) -> dict[str, str | int]:
         bad = [key for key in value if not _ENV_NAME.fullmatch(key)]
@@ -159,6 +165,25 @@ class _Recipe(_Section):
     @property
     def environment(self) -> dict[str, str]:
         return {key: str(value) for key, value in self.settings.items()}
+
+    def secret_values(self) -> dict[str, str]:
+        """Read each secret from its file (first line, stripped)."""
+        values = {}
+        for key, raw in self.secrets.items():
+            path = Path(raw).expanduser()
+            try:
+                text = read_text(path, limit=16 * 1024)
+            except FileNotFoundError:
+                raise RecipeError(
+                    f"secret {key}: {path} does not exist; put the value in that file (mode 600)"
+                ) from None
+            except FileRefused as exc:
+                raise RecipeError(f"secret {key}: {exc}") from None
+            value = text.strip().splitlines()[0].strip() if text.strip() else ""
+            if not value:
+                raise RecipeError(f"secret {key}: {path} is empty")
+            values[key] = value
+        return values
 
     @property
     def command(self) -> list[str]:

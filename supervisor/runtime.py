@@ -76,6 +76,7 @@ class RunSpec:
     command: tuple[str, ...] = ()
     gpus: Literal["all", "none"] | int = "none"
     shm_size: str | None = None
+    memory: str | None = None
     ipc_mode: str | None = None
     ulimits: Mapping[str, int] = field(default_factory=dict)
     mounts: tuple[Mount, ...] = ()
@@ -156,6 +157,18 @@ class Runtime:
         with _translated("ping"):
             self.api.ping()
 
+    def _stays_up(self, cancel: threading.Event, checks: int = 3, every: float = 0.5) -> bool:
+        """After a failed build: was it the build, or dockerd shutting down under it (which
+        kills the running step first, then closes its API)? Answered by a few pings."""
+        for _ in range(checks):
+            try:
+                self.api.ping()
+            except (docker.errors.DockerException, requests.exceptions.RequestException):
+                return False
+            if cancel.wait(every):
+                break
+        return True
+
     def container(self, name: str) -> Container | None:
         with _translated(f"inspecting container {name}"):
             try:
@@ -193,6 +206,7 @@ class Runtime:
             restart_policy={"Name": "no"},
             device_requests=_gpus(spec.gpus),
             shm_size=spec.shm_size,
+            mem_limit=spec.memory,
             ipc_mode=spec.ipc_mode,
             ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in spec.ulimits.items()] or None,
             binds={
@@ -305,6 +319,8 @@ class Runtime:
             receiver.close()
         if kind == "unavailable":
             raise Transient(f"{what}: docker is unavailable ({text})")
+        if kind == "error" and not self._stays_up(cancel):
+            raise Transient(f"{what}: docker went away during it ({text})")
         if kind == "error":
             raise BuildFailed(what, [*lines, text])
         image = self.image(ref)

@@ -11,7 +11,7 @@ import git
 import git.exc
 
 from .engines.base import StepContext
-from .errors import Permanent, Transient
+from .errors import Permanent
 from .process import run
 
 _GIT_ENV: Final = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
@@ -22,6 +22,7 @@ class Checkout:
         self.path = path
         self.repository = repository
         self.commit = commit
+        self._last_error = ""
 
     def verify(self) -> str | None:
         """None when the checkout is at the commit with a clean tree; otherwise what is wrong."""
@@ -94,8 +95,9 @@ class Checkout:
             "+refs/heads/*:refs/remotes/origin/*",
         )
         if code != 0 and not self._has_commit(repo):
-            raise Transient(
-                f"cannot fetch {self.repository} (git exit {code}); is the remote reachable?"
+            raise Permanent(
+                f"cannot fetch {self.repository} (git exit {code}): {self._last_error}; "
+                "check that the remote is reachable, then request again"
             )
 
     def _git(self, repo: git.Repo, ctx: StepContext, *args: str, required: bool = False) -> int:
@@ -106,6 +108,10 @@ class Checkout:
             env={**os.environ, **_GIT_ENV},
             progress=ctx.progress,
             cancel=ctx.cancel,
+        )
+        self._last_error = next(
+            (line for line in reversed(outcome.tail) if "fatal" in line or "error" in line),
+            outcome.tail[-1] if outcome.tail else "no output",
         )
         if required and outcome.code != 0:
             raise Permanent(f"git {args[0]} failed: {' | '.join(outcome.tail[-3:])}")

@@ -21,7 +21,9 @@ class FileSdWriter:
     """
 
     def __init__(self, data_dir: Path, name: str) -> None:
-        self.path = files.ensure_dir(data_dir / TELEMETRY_DIR) / f"{name}.json"
+        # Prometheus runs as its own user: the directory and its files are world-readable and
+        # hold nothing but target addresses and labels
+        self.path = files.ensure_dir(data_dir / TELEMETRY_DIR, mode=0o755) / f"{name}.json"
         self._last: bytes | None = None
 
     def publish(self, group: TargetGroup | None) -> bool:

@@ -32,7 +32,7 @@ from .telemetry import FileSdWriter, Metrics
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
 REOBSERVE: Final = 30.0  # re-inspect docker while settled, besides the exit monitor
-_BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0)
+_BACKOFF: Final = (1.0, 2.0, 5.0, 10.0)
 log = logs.get("worker")
 
 
@@ -100,6 +100,9 @@ class Worker:
     def run(self) -> int:
         with files.Lease(self.directory):
             log.info("worker started", name=self.settings.name, directory=str(self.directory))
+            for path in (self.heartbeat.path, self.file_sd.path, *self.engine.private_files()):
+                for stale in files.remove_stale_temps(path):
+                    log.info("removed a temp file left by an interrupted write", path=str(stale))
             self._install_signals()
             if self.settings.metrics_port:
                 self.metrics.serve(self.settings.metrics_port)

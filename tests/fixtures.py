@@ -134,6 +134,8 @@ class Engine:
     ready_timeout: float = 30
     stop_grace: float = 60
     commit: str = ""
+    secrets: dict[str, str] = field(default_factory=dict)
+    run_extra: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -182,9 +184,11 @@ class Engine:
             "[grammar]", f'requirement = "{self.requirement}"',
             "modules = " + json.dumps(list(self.modules)),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             'ready_path = "/v1/models"', 'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path

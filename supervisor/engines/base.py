@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from ..plan import Observed
@@ -56,3 +57,6 @@ class Engine(Protocol):
         """One readiness probe; True when the engine answers."""
 
     def targets(self, endpoint: Endpoint) -> TargetGroup: ...
+
+    def private_files(self) -> tuple[Path, ...]:
+        """Files only this engine's worker writes (their stale temp files are cleaned)."""

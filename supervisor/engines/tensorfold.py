@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,12 +11,12 @@ import urllib.request
 from pathlib import Path
 from typing import Final
 
-from .. import files
-from ..errors import BuildFailed
+from .. import files, redaction
+from ..errors import BuildFailed, Permanent
 from ..plan import Observed
 from ..process import run
 from ..protocol import TargetGroup
-from ..recipe import TensorFoldRecipe
+from ..recipe import RecipeError, TensorFoldRecipe
 from ..runtime import MANAGED, BuildRequest, Mount, RunSpec, Runtime
 from ..source import Checkout
 from . import grammar
@@ -64,6 +65,8 @@ class TensorFold:
         )
         self._stamp = state_dir / "prepared.json"
         self._endpoint: Endpoint | None = None
+        with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
+            redaction.register(recipe.secret_values().values())
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -162,6 +165,7 @@ class TensorFold:
             "HOME": os.environ.get("HOME", "/"),
             "LANG": "C.UTF-8",
             **self.recipe.environment,
+            **self._secrets(),
         }
         for command in self.recipe.prepare.commands:
             ctx.progress(f"running {' '.join(command)}")
@@ -192,7 +196,7 @@ class TensorFold:
             host_ip=endpoint.host,
             host_port=endpoint.port,
             container_port=spec.inner_port,
-            environment=recipe.environment,
+            environment={**recipe.environment, **self._secrets()},
             labels={
                 MANAGED: "true",
                 "lucia.name": self.name,
@@ -204,6 +208,7 @@ class TensorFold:
             command=tuple(recipe.command),
             gpus=spec.gpus,
             shm_size=spec.shm_size,
+            memory=spec.memory,
             ipc_mode=spec.ipc,
             ulimits=spec.ulimits,
             mounts=tuple(
@@ -218,6 +223,18 @@ class TensorFold:
                 return int(response.status) == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def _secrets(self) -> dict[str, str]:
+        """Read when used (a rotated token is picked up), registered for masking."""
+        try:
+            values = self.recipe.secret_values()
+        except RecipeError as exc:
+            raise Permanent(str(exc)) from None
+        redaction.register(values.values())
+        return values
+
+    def private_files(self) -> tuple[Path, ...]:
+        return (self._stamp,)
 
     def targets(self, endpoint: Endpoint) -> TargetGroup:
         return TargetGroup(

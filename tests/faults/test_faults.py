@@ -1,0 +1,261 @@
+"""Faults injected against the real dockerd: the worker survives, tells the truth, loses nothing,
+leaves no duplicate or orphaned container, and never harms an engine the fault did not kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from tests.fixtures import Engine
+
+pytestmark = pytest.mark.docker
+
+
+def _ours(client: docker.DockerClient, engine: Engine) -> list:
+    return client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"})
+
+
+def _up(engine: Engine) -> tuple[subprocess.Popen[bytes], dict]:
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    return proc, engine.wait_state(generation, "running", timeout=120)
+
+
+def _restart_dockerd() -> None:
+    """Stop dockerd (SIGTERM, as a package upgrade would) and start it again."""
+    pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True,
+                             check=True).stdout.split()[0])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    os.makedirs("/var/log/lucia-machine", exist_ok=True)
+    log = open("/var/log/lucia-machine/dockerd-restart.log", "ab")  # noqa: SIM115
+    subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError("dockerd did not come back")
+
+
+def test_engine_killed_with_sigkill_is_failed_137(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    _up(engine)
+    client.containers.get(engine.container).kill(signal="SIGKILL")
+    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
+    assert "exited with code 137" in status["message"]
+    assert "memory" not in status["message"]
+    assert engine.file_sd() == []
+    assert len(_ours(client, engine)) == 1
+
+
+def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
+    engine: Engine = make_engine(run_extra={"memory": "48m"})
+    _up(engine)
+    client.containers.get(engine.container).exec_run(["sh", "-c", "echo 200 > /tmp/hog"])
+    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=30)
+    assert "exited with code 137" in status["message"]
+    assert "too much memory" in status["message"]
+
+
+def test_dockerd_restart_while_running_and_while_building(make_engine, client) -> None:
+    engine: Engine = make_engine()
+    proc, status = _up(engine)
+    _restart_dockerd()
+    # without live-restore, dockerd stops its containers: the truth is that the engine died
+    after = engine.wait_status(lambda s: s["state"] in ("failed", "running")
+                               and s["checkedAt"] > status["checkedAt"], timeout=60)
+    container = client.containers.get(engine.container)
+    if container.status == "running":
+        assert after["state"] == "running"
+    else:
+        assert after["state"] == "failed" and "exited with code" in after["message"]
+    assert proc.poll() is None, "the worker must survive a dockerd restart"
+
+    slow: Engine = make_engine(build_args={"SLOW": "40"})
+    slow_proc = slow.start_worker()
+    generation = slow.request("running")
+    slow.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
+    _restart_dockerd()
+    final = slow.wait_state(generation, "running", timeout=180)
+    assert final["url"]
+    assert slow_proc.poll() is None
+    assert len(_ours(client, slow)) == 1
+
+
+def test_failed_build_then_fixed_recipe_and_new_generation_succeeds(make_engine,
+                                                                    recipe_repo) -> None:
+    good = recipe_repo.commit("good")
+    broken = (recipe_repo.path / "Dockerfile").read_text() + "RUN exit 9\n"
+    bad = recipe_repo.commit("broken", {"Dockerfile": broken})
+    engine: Engine = make_engine(commit=bad)
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "failed", timeout=60)
+    engine.commit = good
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    again = engine.request("running")
+    engine.wait_state(again, "running", timeout=120)
+
+
+def test_failed_prepare_then_succeeds(make_engine) -> None:
+    engine: Engine = make_engine(settings={"PREPARE_FAILS": "1"})
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "failed", timeout=60)
+    del engine.settings["PREPARE_FAILS"]
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    again = engine.request("running")
+    engine.wait_state(again, "running", timeout=120)
+
+
+@pytest.mark.parametrize("fault", ["unreachable remote", "commit gone"])
+def test_git_faults_fail_and_leave_the_running_engine_alone(make_engine, client, recipe_repo,
+                                                           fault) -> None:
+    engine: Engine = make_engine()
+    proc, _ = _up(engine)
+    before = client.containers.get(engine.container)
+    if fault == "unreachable remote":
+        engine.commit = recipe_repo.commit("0.7.1", {"NOTES": "new\n"})
+        shutil.move(recipe_repo.path, recipe_repo.path.with_name("moved-away"))
+    else:
+        engine.commit = "f" * 40
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=60)
+    assert (recipe_repo.url in status["message"]) or ("f" * 40 in status["message"])
+    after = client.containers.get(engine.container)
+    assert after.id == before.id and after.status == "running"
+    assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
+
+
+def _tmpfs(path: Path, size: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+
+
+def test_full_disk_keeps_the_previous_status_and_recovers(make_engine, tmp_path) -> None:
+    engine: Engine = make_engine()
+    data = engine.root / "data"
+    _tmpfs(data, "256k")
+    try:
+        engine.start_worker()
+        generation = engine.request("running")
+        engine.wait_state(generation, "running", timeout=120)
+        filler = data / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while os.write(fd, b"x" * 4096):
+                pass
+        except OSError:
+            pass  # full: that was the point
+        finally:
+            os.close(fd)
+        before = (engine.dir / "status.json").read_text()
+        time.sleep(2.5)  # a heartbeat (2 s) falls due while the disk is full
+        now = (engine.dir / "status.json").read_text()
+        json.loads(now)  # whatever it holds, it is a whole, valid file
+        assert now == before or json.loads(now)["state"] == "running"
+        assert not list(engine.dir.glob(".status.json.*.tmp")), "a temp file was left"
+        assert "status write failed" in engine.log_tail()
+        filler.unlink()
+        fresh = engine.wait_status(
+            lambda s: s["checkedAt"] > json.loads(before)["checkedAt"], timeout=10)
+        assert fresh["state"] == "running"
+    finally:
+        for proc in engine.procs:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+@pytest.mark.parametrize("moment", ["mid-build", "mid-start", "mid-stop"])
+def test_worker_killed_mid_step_converges_after_restart(make_engine, client, moment) -> None:
+    if moment == "mid-build":
+        engine: Engine = make_engine(build_args={"SLOW": "30"})
+        proc = engine.start_worker()
+        generation = engine.request("running")
+        engine.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
+    elif moment == "mid-start":
+        engine = make_engine(settings={"READY_DELAY": "5"})
+        proc = engine.start_worker()
+        generation = engine.request("running")
+        engine.wait_status(lambda s: "loading weights" in s["message"], timeout=60)
+    else:
+        engine = make_engine(settings={"STOP_DELAY": "5"})
+        proc, _ = _up(engine)
+        generation = engine.request("stopped")
+        engine.wait_status(lambda s: s["generation"] == generation
+                           and s["state"] == "stopping", timeout=10)
+        time.sleep(1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    engine.start_worker()
+    want = "stopped" if moment == "mid-stop" else "running"
+    engine.wait_state(generation, want, timeout=120)
+    ours = _ours(client, engine)
+    assert len(ours) == (0 if want == "stopped" else 1)
+    leftovers = [p for d in (engine.dir, engine.data_dir / "telemetry", engine.state_dir)
+                 for p in d.glob(".*.tmp")]
+    assert not leftovers
+
+
+@pytest.mark.parametrize("damage", ["deleted", "directory", "fifo", "symlink", "slow write"])
+def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, damage) -> None:
+    engine: Engine = make_engine()
+    proc, status = _up(engine)
+    container = client.containers.get(engine.container)
+    desired = engine.dir / "desired.json"
+    valid = desired.read_text()
+    if damage == "deleted":
+        desired.unlink()
+    elif damage == "directory":
+        desired.unlink()
+        desired.mkdir()
+    elif damage == "fifo":
+        desired.unlink()
+        os.mkfifo(desired)
+    elif damage == "symlink":
+        target = engine.root / "elsewhere.json"
+        target.write_text(json.dumps({"schemaVersion": 1, "generation": 99,
+                                      "desired": "stopped"}))
+        desired.unlink()
+        desired.symlink_to(target)
+    else:  # truncate, then write slowly, byte by byte: a new request, written badly
+        text = json.dumps({"schemaVersion": 1, "generation": status["generation"] + 1,
+                           "desired": "running"})
+        with open(desired, "w") as out:
+            for char in text:
+                out.write(char)
+                out.flush()
+                time.sleep(0.02)
+    time.sleep(1.5)
+    heartbeat = engine.wait_status(lambda s: s["checkedAt"] > status["checkedAt"], timeout=10)
+    assert proc.poll() is None, "the worker died"
+    assert heartbeat["state"] == "running"
+    if damage in ("directory", "fifo", "symlink"):
+        assert heartbeat["refused"], heartbeat
+        assert heartbeat["generation"] == status["generation"]
+    after = client.containers.get(engine.container)
+    assert after.id == container.id and after.status == "running"
+    if desired.is_dir():
+        shutil.rmtree(desired)
+    else:
+        desired.unlink(missing_ok=True)
+    tmp = engine.dir / ".restore.tmp"
+    tmp.write_text(valid)
+    os.replace(tmp, desired)
