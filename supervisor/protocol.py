@@ -26,6 +26,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from .library import LibraryModel
+
 SCHEMA_VERSION: Final = 1
 MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly
 MAX_MESSAGE: Final = 500
@@ -194,6 +196,8 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "desired.schema.json": DesiredFile.model_json_schema(by_alias=True),
         "status.schema.json": Status.model_json_schema(by_alias=True),
         "file_sd.schema.json": FileSd.model_json_schema(by_alias=True),
+        # the part of the host's model library (<models>/<guid>/model.json) the router relies on
+        "library-model.schema.json": LibraryModel.model_json_schema(),
     }
     for name, schema in schemas.items():
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

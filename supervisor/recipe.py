@@ -208,6 +208,9 @@ class Library(_Section):
     models_dir: str = Field(description="the host's model library: <guid>/model.json + files/")
     cache_dir: str = Field(description="local GGUF cache (fast disk), mounted read-only")
     container_dir: str = Field(default="/models", description="where the cache is mounted")
+    poll_seconds: float = Field(
+        default=10.0, gt=0, description="how often the library is re-checked while settled"
+    )
 
     @field_validator("container_dir")
     @classmethod

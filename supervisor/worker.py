@@ -31,7 +31,6 @@ from .runtime import Runtime
 from .telemetry import FileSdWriter, Metrics
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
-REOBSERVE: Final = 30.0  # re-inspect docker while settled, besides the exit monitor
 _BACKOFF: Final = (1.0, 2.0, 5.0, 10.0)
 log = logs.get("worker")
 
@@ -90,6 +89,7 @@ class Worker:
         self._retry_at = 0.0
         self._failures = 0
         self._observed_at = float("-inf")
+        self._pending = True  # something happened that needs a reconcile now
         self._monitored: str | None = None
 
     def _engine(self, recipe: Recipe) -> Engine:
@@ -161,7 +161,7 @@ class Worker:
             self._read_request()
             if self.task is not None and self.task.done():
                 self._finish(self.task)
-            if self.task is None and time.monotonic() >= self._retry_at:
+            if self.task is None and self._reconcile_due():
                 self._reconcile()
             elif self.task is not None and self.task.progress:
                 self._report_task(self.task)
@@ -172,6 +172,14 @@ class Worker:
             self._wake.wait(self._next_wait())
             self._wake.clear()
 
+    def _reconcile_due(self) -> bool:
+        """Observe when something happened, or every poll interval as a safety net: an idle
+        worker costs no docker calls in between."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return False
+        return self._pending or now - self._observed_at >= self.engine.poll_interval
+
     def _next_wait(self) -> float:
         waits = [self.heartbeat.due_in(), SAFETY_NET]
         if self.task is not None:
@@ -179,7 +187,8 @@ class Worker:
         elif self._retry_at > time.monotonic():
             waits.append(self._retry_at - time.monotonic())
         else:
-            waits.append(max(REOBSERVE - (time.monotonic() - self._observed_at), 0.0))
+            since = time.monotonic() - self._observed_at
+            waits.append(max(self.engine.poll_interval - since, 0.0))
         if self.notifier.watchdog_interval is not None:
             waits.append(self.notifier.watchdog_interval / 2)
         return max(min(waits), 0.01)
@@ -196,6 +205,7 @@ class Worker:
         if self.memory is not None:  # re-apply the current request to the new recipe
             self.memory = Memory(self.memory.generation, self.memory.desired)
         self._retry_at = 0.0
+        self._pending = True
         log.info("recipe reloaded", name=self.settings.name)
 
     def _read_request(self) -> None:
@@ -210,6 +220,7 @@ class Worker:
             refused = str(exc) if isinstance(exc, files.FileRefused) else f"{path}: {exc}"
         if refused != self.refused:
             self.refused = refused
+            self._pending = True
             if refused:
                 log.warning("desired.json refused; the engine is left as it is", reason=refused)
             self._publish()
@@ -228,6 +239,7 @@ class Worker:
     def _accept(self, desired: DesiredFile) -> None:
         self.memory = Memory(desired.generation, desired.desired)
         self._retry_at = 0.0
+        self._pending = True
         self._failures = 0
         if self.task is not None and actions.cancellable(self.task.step):
             self.task.cancel.set()
@@ -238,6 +250,7 @@ class Worker:
     # -- reconcile: observe, plan, act ---------------------------------------------------------
 
     def _reconcile(self) -> None:
+        self._pending = False
         memory = self.memory
         try:
             observed = self.engine.observe()
@@ -268,6 +281,7 @@ class Worker:
             log.error("request failed", generation=memory.generation, reason=reason)
             self.metrics.failures.labels(reason="engine").inc()
             self.memory = replace(memory, failure=reason)
+            self._pending = True
             self._wake.set()
             return
         if isinstance(step, Settle):
@@ -307,6 +321,7 @@ class Worker:
 
     def _finish(self, task: Task) -> None:
         self.task = None
+        self._pending = True
         name = type(task.step).__name__
         self.metrics.step_seconds.labels(step=name).observe(time.monotonic() - task.started)
         memory = self.memory
@@ -331,14 +346,16 @@ class Worker:
         delay = _BACKOFF[min(self._failures, len(_BACKOFF) - 1)]
         self._failures += 1
         self._retry_at = time.monotonic() + delay
+        self._pending = True
         self.metrics.failures.labels(reason="transient").inc()
         log.warning("will retry", error=str(error), seconds=delay)
         message = f"{error}; retrying in {delay:g}s"
         if self.memory is not None:
             self._report(self._working_state(), message)
         else:  # nothing requested yet, and the engine cannot be seen: say exactly that
-            self.heartbeat.set(0, "failed", f"cannot observe the engine: {message}", None,
-                               self.refused)
+            self.heartbeat.set(
+                0, "failed", f"cannot observe the engine: {message}", None, self.refused
+            )
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -372,7 +389,7 @@ class Worker:
             self.runtime.wait(container_id)
             if self._monitored == container_id:
                 self._monitored = None
-            self._observed_at = float("-inf")
+            self._pending = True
             self._wake.set()
 
         threading.Thread(target=watch, name="exit-monitor", daemon=True).start()
@@ -390,7 +407,7 @@ class Worker:
         if state == "running":
             endpoint = self.engine.endpoint()
             url = endpoint.url
-            message = f"serving at {url}"
+            message = f"serving at {url}" + (f"; {notes}" if (notes := self.engine.notes()) else "")
             self.file_sd.publish(self.engine.targets(endpoint))
         else:
             self.file_sd.publish(None)

@@ -136,6 +136,11 @@ class Engine:
     commit: str = ""
     secrets: dict[str, str] = field(default_factory=dict)
     run_extra: dict[str, str] = field(default_factory=dict)
+    kind: str = "tensorfold"
+    router_image: str = ""
+    load_on_startup: tuple[str, ...] = ()
+    models_max: int = 2
+    defaults: dict[str, Any] = field(default_factory=lambda: {"ctx-size": 4096})
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -166,7 +171,40 @@ class Engine:
     def network(self) -> str:
         return f"lucia-test-{RUN_ID}"
 
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "library"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
     def write_recipe(self) -> Path:
+        if self.kind == "llama-router":
+            return self._write_router_recipe()
+        return self._write_tensorfold_recipe()
+
+    def _write_router_recipe(self) -> Path:
+        self.models_dir.mkdir(exist_ok=True)
+        settings = {"LOAD_DELAY": "1", **self.settings}
+        lines = [
+            f'name = "{self.name}"', 'engine = "llama-router"', 'model = "gguf-library"',
+            "[library]", f'models_dir = "{self.models_dir}"', f'cache_dir = "{self.cache_dir}"',
+            "poll_seconds = 1",
+            "[router]", f'image = "{self.router_image}"', f"models_max = {self.models_max}",
+            "load_on_startup = " + json.dumps(list(self.load_on_startup)),
+            "defaults = " + _inline(self.defaults),
+            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
+            "[run]", f'network = "{self.network}"', f"port = {self.port}",
+            'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.run_extra.items()),
+        ]
+        self.recipe_path.write_text("\n".join(lines) + "\n")
+        return self.recipe_path
+
+    def _write_tensorfold_recipe(self) -> Path:
         settings = {
             "PORT": str(self.port), "MODEL_ID": "test/tiny-model", "SERVED_NAME": "tiny",
             "PARALLEL": "4", "CONTEXT": "200000", "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
@@ -247,13 +285,27 @@ class Engine:
         return list(json.loads((self.data_dir / "telemetry" / f"{self.name}.json").read_text()))
 
 
-def _inline(table: dict[str, str]) -> str:
+def _inline(table: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+@pytest.fixture(scope="session")
+def router_images(client: docker.DockerClient, base_image: str) -> tuple[str, str]:
+    """The stand-in llama-server image, twice under different tags (and ids): an upgrade."""
+    tags = []
+    for version in (1, 2):
+        tag = f"lucia-test-router-{RUN_ID}:{version}"
+        client.images.build(path=str(ROOT / "demo" / "llama-router"), tag=tag, rm=True,
+                            buildargs={"BASE": base_image},
+                            labels={TEST_LABEL: RUN_ID, "version": str(version)})
+        tags.append(tag)
+    return tags[0], tags[1]
 
 
 @pytest.fixture
 def make_engine(
-    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path
+    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
@@ -261,6 +313,8 @@ def make_engine(
         name = f"t{RUN_ID}-{len(made)}-{uuid.uuid4().hex[:4]}"
         root = tmp_path / name
         root.mkdir()
+        if overrides.get("kind") == "llama-router" and not overrides.get("router_image"):
+            overrides["router_image"] = request.getfixturevalue("router_images")[0]
         engine = Engine(name=name, repo=recipe_repo, base=base_image, root=root, **overrides)
         engine.commit = engine.commit or git(recipe_repo.path, "rev-parse", "HEAD")
         made.append(engine)

@@ -42,6 +42,7 @@ class Engine(Protocol):
     container_name: str
     stop_grace: float
     ready_timeout: float
+    poll_interval: float  # re-observe this often while settled (the exit monitor aside)
 
     def observe(self) -> Observed: ...
 
@@ -57,6 +58,9 @@ class Engine(Protocol):
         """One readiness probe; True when the engine answers."""
 
     def targets(self, endpoint: Endpoint) -> TargetGroup: ...
+
+    def notes(self) -> str:
+        """What the operator should know while it runs (files skipped...); empty if nothing."""
 
     def private_files(self) -> tuple[Path, ...]:
         """Files only this engine's worker writes (their stale temp files are cleaned)."""

@@ -60,6 +60,7 @@ class TensorFold:
         self.container_name = f"lucia-{name}"
         self.stop_grace = recipe.run.stop_grace
         self.ready_timeout = recipe.run.ready_timeout
+        self.poll_interval = 30.0
         self.checkout = Checkout(
             state_dir / "checkout", recipe.source.repository, recipe.source.commit
         )
@@ -232,6 +233,9 @@ class TensorFold:
             raise Permanent(str(exc)) from None
         redaction.register(values.values())
         return values
+
+    def notes(self) -> str:
+        return ""
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp,)

@@ -1,10 +1,10 @@
-"""The worker and the tensorfold engine against the real dockerd: every worker rule."""
+"""The tensorfold engine against the real dockerd: what is its own (the common worker rules are
+in tests/conformance)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +15,6 @@ from datetime import datetime
 import docker
 import pytest
 
-from tests.corpus import INVALID, materialise
 from tests.fixtures import CLI, ROOT, Engine
 
 pytestmark = pytest.mark.docker
@@ -73,47 +72,6 @@ def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
     assert engine.stop_worker(proc) == 0
 
 
-def test_port_is_published_on_the_gateway_only(make_engine, client) -> None:
-    engine: Engine = make_engine()
-    _up(engine)
-    container = client.containers.get(engine.container)
-    gateway = client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"]
-    bindings = [
-        b for published in container.attrs["HostConfig"]["PortBindings"].values()
-        for b in published
-    ]
-    live = [
-        b for published in container.attrs["NetworkSettings"]["Ports"].values()
-        for b in (published or [])
-    ]
-    assert bindings and live
-    for binding in bindings + live:
-        assert binding["HostIp"] == gateway
-        assert binding["HostIp"] not in ("0.0.0.0", "::", "")
-    with socket.socket() as sock:
-        sock.settimeout(2)
-        assert sock.connect_ex(("127.0.0.1", engine.port)) != 0, "answers on loopback"
-    assert _get(f"http://{gateway}:{engine.port}/v1/models") == 200
-
-
-def test_heartbeat_and_progress_during_a_slow_build(make_engine) -> None:
-    engine: Engine = make_engine(build_args={"SLOW": "12"})
-    engine.start_worker(heartbeat=2.0)
-    generation = engine.request("running")
-    engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
-    ages, messages = [], set()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        status = engine.status()
-        if status:
-            ages.append(_age(status))
-            messages.add(status["message"])
-        time.sleep(0.1)
-    assert max(ages) < 2.0 + 1.5, f"heartbeat gap {max(ages):.1f}s"
-    assert any("compiling kernels" in m for m in messages), messages
-    engine.wait_state(generation, "running", timeout=120)
-
-
 def test_stop_during_a_build_cancels_it_within_a_second(make_engine, client) -> None:
     engine: Engine = make_engine(build_args={"SLOW": "300"})
     engine.start_worker()
@@ -157,53 +115,6 @@ def _prepare_running(engine: Engine) -> bool:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     return any("scripts/prepare.sh" in line and "ps -eo" not in line
                for line in out.splitlines()) and str(engine.state_dir) != ""
-
-
-def test_readiness_waits_for_the_ready_path_with_the_log_as_message(make_engine) -> None:
-    engine: Engine = make_engine(settings={"READY_DELAY": "4"})
-    engine.start_worker()
-    generation = engine.request("running")
-    seen = engine.wait_status(
-        lambda s: s["generation"] == generation and "loading weights" in s["message"],
-        timeout=60,
-    )
-    assert seen["state"] == "starting" and seen["url"] is None
-    assert engine.file_sd() == []
-    status = engine.wait_state(generation, "running", timeout=30)
-    assert _get(status["url"] + "/v1/models") == 200
-
-
-def test_engine_death_is_failed_with_its_exit_code(make_engine, client) -> None:
-    engine: Engine = make_engine()
-    _up(engine)
-    assert engine.file_sd()
-    died_at = time.monotonic()
-    client.containers.get(engine.container).exec_run(["sh", "-c", "echo 3 > /tmp/die"])
-    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
-    assert time.monotonic() - died_at < 2.5
-    assert "exited with code 3" in status["message"]
-    assert "fatal error" in status["message"]
-    assert status["url"] is None
-    assert engine.file_sd() == []
-    # a new request starts it again
-    again = engine.request("running")
-    engine.wait_state(again, "running", timeout=60)
-
-
-def test_worker_restart_adopts_the_running_engine(make_engine, client) -> None:
-    engine: Engine = make_engine()
-    proc, status = _up(engine)
-    before = client.containers.get(engine.container).attrs
-    assert engine.stop_worker(proc) == 0
-    assert client.containers.get(engine.container).status == "running"
-    engine.start_worker()
-    generation = status["generation"]
-    engine.wait_status(lambda s: s["generation"] == generation and s["state"] == "running"
-                       and _age(s) < 1.5, timeout=30)
-    after = client.containers.get(engine.container).attrs
-    assert after["Id"] == before["Id"]
-    assert after["State"]["StartedAt"] == before["State"]["StartedAt"]
-    assert "preparing" not in engine.log_tail(), "restart must not rebuild or re-fetch"
 
 
 def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_engine,
@@ -294,44 +205,6 @@ def test_failed_grammar_build_and_prepare_are_failed(make_engine, recipe_repo) -
     generation = engine2.request("running")
     status = engine2.wait_state(generation, "failed", timeout=60)
     assert "401 Unauthorized" in status["message"]
-
-
-def test_refused_input_leaves_the_engine_untouched(make_engine, client) -> None:
-    engine: Engine = make_engine()
-    _, status = _up(engine)
-    container = client.containers.get(engine.container)
-    generation = status["generation"]
-    desired = engine.dir / "desired.json"
-    for case in INVALID:
-        materialise(case, desired)
-        refused = engine.wait_status(lambda s: s.get("refused") is not None, timeout=10,
-                                     what=f"refusal of {case.name}")
-        assert refused["state"] == "running", case.name
-        assert refused["generation"] == generation, case.name
-        assert "refused" in refused["message"], case.name
-        if desired.is_dir():
-            shutil.rmtree(desired)
-        tmp = engine.dir / "desired.json.tmp"
-        tmp.write_text(
-            json.dumps({"schemaVersion": 1, "generation": generation, "desired": "running"}))
-        os.replace(tmp, desired)
-        engine.wait_status(lambda s: s.get("refused") is None, timeout=10)
-    after = client.containers.get(engine.container)
-    assert after.id == container.id
-    assert after.attrs["State"]["StartedAt"] == container.attrs["State"]["StartedAt"]
-    assert engine.file_sd()
-
-
-def test_second_worker_on_the_directory_fails_naming_the_holder(make_engine) -> None:
-    engine: Engine = make_engine()
-    first = engine.start_worker()
-    engine.wait_status(lambda s: True, timeout=30)
-    second = engine.start_worker()
-    assert second.wait(30) != 0
-    log = (engine.root / "worker-1.log").read_text()
-    assert str(engine.dir) in log
-    assert f"pid {first.pid}" in log
-    assert first.poll() is None
 
 
 def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:

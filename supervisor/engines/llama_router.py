@@ -1,0 +1,300 @@
+"""llama.cpp's llama-server in router mode: the model library, a local GGUF cache, a preset, and
+one router container serving the models (one child process per loaded model)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from .. import files, gguf_cache, library, logs, preset, redaction
+from ..errors import Permanent, Transient
+from ..plan import FINGERPRINT, Observed
+from ..protocol import TargetGroup
+from ..recipe import LlamaRouterRecipe, RecipeError
+from ..runtime import MANAGED, Mount, RunSpec, Runtime
+from .base import Endpoint, StepContext
+
+IMAGE: Final = "image"
+LIBRARY: Final = "library"
+_PROBE_TIMEOUT: Final = 2.0
+log = logs.get("llama-router")
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What the last sync made: the library it saw, the models it cached, the preset it wrote."""
+
+    library: str
+    models: tuple[tuple[str, str, str | None], ...]  # (name, model file, mmproj file)
+    preset: str
+    skipped: str = ""  # the files refused, named for the status message
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.models)
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    model_file: str
+    mmproj_file: str | None
+
+
+def library_fingerprint(found: library.Library) -> str:
+    """Changes when a model becomes Ready or stops being Ready, or one of its files changes."""
+    digest = hashlib.sha256()
+    for model in found.models:
+        digest.update(model.guid.encode())
+        for path in model.files:
+            with contextlib.suppress(OSError):
+                info = path.stat()
+                digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+    return digest.hexdigest()
+
+
+def startup_models(recipe: LlamaRouterRecipe, cached: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in recipe.router.load_on_startup if name in cached)
+
+
+class LlamaRouter:
+    kind = "llama-router"
+
+    def __init__(
+        self, name: str, recipe: LlamaRouterRecipe, runtime: Runtime, state_dir: Path
+    ) -> None:
+        self.name = name
+        self.recipe = recipe
+        self.runtime = runtime
+        self.container_name = f"lucia-{name}"
+        self.stop_grace = recipe.run.stop_grace
+        self.ready_timeout = recipe.run.ready_timeout
+        self.poll_interval = recipe.library.poll_seconds
+        self.cache_dir = recipe.library.cache_path
+        self.preset_path = self.cache_dir / preset.PRESET_NAME
+        self._stamp = state_dir / "synced.json"
+        self._endpoint: Endpoint | None = None
+        with contextlib.suppress(RecipeError):
+            redaction.register(recipe.secret_values().values())
+
+    # -- observe -------------------------------------------------------------------------------
+
+    def observe(self) -> Observed:
+        found = library.scan(self.recipe.library.models_path)
+        synced = self._synced()
+        current = (
+            synced is not None
+            and synced.library == self._sync_key(found)
+            and self._preset_text() == synced.preset
+        )
+        image = self.runtime.image(self.recipe.router.image)
+        missing = (() if image is not None else (IMAGE,)) + (() if current else (LIBRARY,))
+        return Observed(
+            container=self.runtime.container(self.container_name),
+            missing=missing,
+            image_id=image.id if image is not None else None,
+            fingerprint=self._fingerprint(synced.names if synced else ()),
+        )
+
+    def _sync_key(self, found: library.Library) -> str:
+        """The library as seen, and the recipe's part of the preset: a change in either means
+        a new sync (which copies only what changed) and a new preset."""
+        router, where = self.recipe.router, self.recipe.library
+        recipe_part = json.dumps(
+            [router.load_on_startup, router.defaults, router.models_max, where.container_dir,
+             str(where.cache_path)], sort_keys=True, default=str)
+        return library_fingerprint(found) + ":" + hashlib.sha256(recipe_part.encode()).hexdigest()
+
+    def _fingerprint(self, cached: tuple[str, ...]) -> str:
+        """What needs a new router process: its arguments and the models loaded at start."""
+        router = self.recipe.router
+        blob = json.dumps(
+            [
+                startup_models(self.recipe, cached),
+                router.models_max,
+                router.args,
+                self.recipe.library.container_dir,
+                self.recipe.environment,
+            ]
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def _synced(self) -> Synced | None:
+        try:
+            data = json.loads(files.read_text(self._stamp, limit=8 * 1024 * 1024))
+            models = tuple((m[0], m[1], m[2]) for m in data["models"])
+            return Synced(data["library"], models, data["preset"], data.get("skipped", ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _preset_text(self) -> str | None:
+        try:
+            return files.read_text(self.preset_path, limit=preset.MAX_PRESET)
+        except (OSError, ValueError):
+            return None
+
+    # -- make ----------------------------------------------------------------------------------
+
+    def make(self, what: str, ctx: StepContext) -> None:
+        if what == IMAGE:
+            ctx.progress(f"pulling {self.recipe.router.image}")
+            self.runtime.pull(self.recipe.router.image, ctx.progress, ctx.cancel)
+        elif what == LIBRARY:
+            self._sync(ctx)
+        else:
+            raise ValueError(f"unknown prerequisite {what!r}")
+
+    def _sync(self, ctx: StepContext) -> None:
+        router = self.recipe.router
+        found = library.scan(self.recipe.library.models_path)
+        fingerprint = self._sync_key(found)
+        try:
+            result = gguf_cache.sync(found, self.cache_dir, ctx.progress, ctx.cancel)
+        except OSError as exc:
+            raise Transient(f"cannot write the GGUF cache {self.cache_dir}: {exc}") from None
+        names = tuple(model.name for model in result.models)
+        try:
+            preset.check_startup(router.load_on_startup, names, router.models_max)
+            text = preset.render(
+                [_Section(m.name, m.model_file, m.mmproj_file) for m in result.models],
+                router.defaults,
+                startup_models(self.recipe, names),
+                self.recipe.library.container_dir,
+            )
+        except preset.PresetError as exc:
+            raise Permanent(f"{exc}; {result.summary()}") from None
+        wrote = preset.write(self.preset_path, text)
+        skipped = "; ".join(str(b) for b in result.bad)
+        synced = {
+            "library": fingerprint,
+            "preset": text,
+            "skipped": skipped,
+            "models": [[m.name, m.model_file, m.mmproj_file] for m in result.models],
+        }
+        files.write_atomic(self._stamp, json.dumps(synced).encode(), 0o600)
+        ctx.progress(result.summary())
+        log.info("library synced", summary=result.summary(), preset_changed=wrote)
+        if skipped:
+            log.warning("library files skipped", bad=skipped)
+        if wrote:
+            self._reload()
+
+    def _reload(self) -> None:
+        """Ask a running router to re-read its preset; nothing to do when none answers."""
+        with contextlib.suppress(OSError, ValueError, Transient, Permanent):
+            self._get("/models?reload=1")
+            log.info("router asked to reload its preset")
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def endpoint(self) -> Endpoint:
+        if self._endpoint is None:
+            gateway = self.runtime.gateway(self.recipe.run.network, {MANAGED: "true"})
+            self._endpoint = Endpoint(gateway, self.recipe.run.port)
+        return self._endpoint
+
+    def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec:
+        recipe, spec, router = self.recipe, self.recipe.run, self.recipe.router
+        container_dir = recipe.library.container_dir
+        synced = self._synced()
+        command = (
+            "--models-preset",
+            f"{container_dir.rstrip('/')}/{preset.PRESET_NAME}",
+            "--models-max",
+            str(router.models_max),
+            "--host",
+            "0.0.0.0",  # noqa: S104 - inside the container; published on the gateway
+            "--port",
+            str(spec.inner_port),  # always explicit: the default is changing upstream
+            "--metrics",
+            *router.args,
+        )
+        return RunSpec(
+            name=self.container_name,
+            image=image_id,
+            network=spec.network,
+            host_ip=endpoint.host,
+            host_port=endpoint.port,
+            container_port=spec.inner_port,
+            environment={**recipe.environment, **self._secrets()},
+            labels={
+                MANAGED: "true",
+                "lucia.name": self.name,
+                "lucia.engine": self.kind,
+                "lucia.generation": str(generation),
+                "lucia.image.id": image_id,
+                FINGERPRINT: self._fingerprint(synced.names if synced else ()),
+            },
+            command=command,
+            gpus=spec.gpus,
+            shm_size=spec.shm_size,
+            memory=spec.memory,
+            ipc_mode=spec.ipc,
+            ulimits=spec.ulimits,
+            mounts=(
+                Mount(str(self.cache_dir), container_dir, read_only=True),
+                *(
+                    Mount(str(Path(v.source).expanduser()), v.target, v.read_only)
+                    for v in spec.volumes
+                ),
+            ),
+        )
+
+    def _secrets(self) -> dict[str, str]:
+        try:
+            values = self.recipe.secret_values()
+        except RecipeError as exc:
+            raise Permanent(str(exc)) from None
+        redaction.register(values.values())
+        return values
+
+    def _get(self, path: str) -> Any:
+        url = self.endpoint().url + path
+        with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
+            return json.loads(response.read().decode())
+
+    def ready(self, endpoint: Endpoint) -> bool:
+        """Router mode answers /health before any model loads: ready means every
+        load-on-startup model reports loaded in /models. A model that failed fails the start."""
+        try:
+            listing = self._get("/models")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        synced = self._synced()
+        wanted = set(startup_models(self.recipe, synced.names if synced else ()))
+        states = {}
+        for entry in listing.get("data", []) if isinstance(listing, dict) else []:
+            status = entry.get("status") or {}
+            if entry.get("id") in wanted and (
+                status.get("failed") or status.get("value") == "failed"
+            ):
+                raise Permanent(
+                    f"model {entry['id']} failed to load (exit code "
+                    f"{status.get('exit_code', 'unknown')})"
+                )
+            states[entry.get("id")] = status.get("value")
+        return all(states.get(name) == "loaded" for name in wanted)
+
+    def targets(self, endpoint: Endpoint) -> TargetGroup:
+        return TargetGroup(
+            targets=[f"{endpoint.host}:{endpoint.port}"],
+            labels={
+                "__metrics_path__": self.recipe.run.metrics_path,
+                "engine": self.kind,
+                "model": self.recipe.model or "router",
+                "name": self.name,
+            },
+        )
+
+    def notes(self) -> str:
+        synced = self._synced()
+        return f"skipped {synced.skipped}" if synced and synced.skipped else ""
+
+    def private_files(self) -> tuple[Path, ...]:
+        return (self._stamp, self.preset_path)

@@ -1,0 +1,283 @@
+"""The worker rules of DESIGN.md, one suite run once per engine against the real dockerd.
+
+An engine is done when it passes this suite: acknowledgement, heartbeat, cancel, readiness,
+death with exit code, adoption, replacement, lease, gateway-only port, file_sd, refused input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import docker
+import pytest
+
+from tests.corpus import INVALID, materialise
+from tests.fixtures import Engine
+from tests.gguf_fixtures import add_model, write_gguf
+
+pytestmark = pytest.mark.docker
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How to drive one engine kind through the common cases."""
+
+    name: str
+    make: Callable[..., Engine]
+    slow_step: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a long step, and its text
+    slow_ready: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a slow load, and its text
+    change_image: Callable[[Engine], None]  # make the engine's image another one
+
+
+def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    def change(engine: Engine) -> None:
+        engine.requirement = "xgrammar>=0.2.9,<0.3"  # a new pin: a new grammar image
+
+    return Kind(
+        "tensorfold",
+        make=make_engine,
+        slow_step=lambda s: ({"build_args": {"SLOW": str(s)}}, "compiling kernels"),
+        slow_ready=lambda s: ({"settings": {"READY_DELAY": str(s)}}, "loading weights"),
+        change_image=change,
+    )
+
+
+def _llama_router(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    images = request.getfixturevalue("router_images")
+
+    def make(**knobs: Any) -> Engine:
+        settings = knobs.pop("settings", {})
+        engine = make_engine(kind="llama-router", load_on_startup=("tiny",),
+                             settings=settings, **knobs)
+        files = add_model(engine.models_dir, "Ready")
+        write_gguf(files / "tiny.gguf")
+        return engine
+
+    def change(engine: Engine) -> None:
+        engine.router_image = images[1]  # an upgraded llama-server image
+
+    return Kind(
+        "llama-router",
+        make=make,
+        slow_step=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "router listening"),
+        slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "router listening"),
+        change_image=change,
+    )
+
+
+@pytest.fixture(params=["tensorfold", "llama-router"])
+def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine]) -> Kind:
+    factory = {"tensorfold": _tensorfold, "llama-router": _llama_router}[request.param]
+    return factory(make_engine, request)
+
+
+def _age(status: dict[str, Any]) -> float:
+    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
+    return (datetime.now(checked.tzinfo) - checked).total_seconds()
+
+
+def _since(status: dict[str, Any]) -> float:
+    return datetime.fromisoformat(status["since"].replace("Z", "+00:00")).timestamp()
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return int(response.status)
+
+
+def _up(engine: Engine, *extra: str) -> dict[str, Any]:
+    engine.start_worker(*extra)
+    generation = engine.request("running")
+    return engine.wait_state(generation, "running", timeout=120)
+
+
+def _gateway(client: docker.DockerClient, engine: Engine) -> str:
+    return str(client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"])
+
+
+def test_acknowledgement_then_running_then_stopped(kind: Kind, client) -> None:
+    knobs, _ = kind.slow_step(3)
+    engine = kind.make(**knobs)
+    engine.start_worker()
+    generation = engine.request("running")
+    first = engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
+    assert first["state"] == "starting" and first["url"] is None
+    status = engine.wait_state(generation, "running", timeout=120)
+    assert status["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
+    labels = client.containers.get(engine.container).labels
+    assert labels["lucia.managed"] == "true" and labels["lucia.name"] == engine.name
+    assert labels["lucia.generation"] == str(generation)
+    stopped = engine.request("stopped")
+    first = engine.wait_status(lambda s: s["generation"] == stopped, timeout=5)
+    assert first["state"] in ("stopping", "stopped")
+    engine.wait_state(stopped, "stopped", timeout=90)
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(engine.container)
+
+
+def test_heartbeat_during_a_long_step(kind: Kind) -> None:
+    knobs, marker = kind.slow_step(12)
+    engine = kind.make(**knobs)
+    engine.start_worker(heartbeat=2.0)
+    generation = engine.request("running")
+    engine.wait_status(lambda s: marker in s["message"], timeout=60)
+    ages = []
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        status = engine.status()
+        if status:
+            ages.append(_age(status))
+            assert status["generation"] == generation and status["state"] == "starting"
+        time.sleep(0.1)
+    assert max(ages) < 2.0 + 1.5, f"heartbeat gap {max(ages):.1f}s"
+
+
+def test_a_new_request_cancels_a_long_step_within_a_second(kind: Kind, client) -> None:
+    knobs, marker = kind.slow_step(300)
+    engine = kind.make(**knobs)
+    engine.start_worker()
+    engine.request("running")
+    engine.wait_status(lambda s: marker in s["message"], timeout=60)
+    asked = time.monotonic()
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=10)
+    took = time.monotonic() - asked
+    assert took < 1.5, f"cancel took {took:.2f}s"
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(engine.container)
+
+
+def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
+    knobs, marker = kind.slow_ready(4)
+    engine = kind.make(**knobs)
+    engine.start_worker()
+    generation = engine.request("running")
+    seen = engine.wait_status(lambda s: s["generation"] == generation and marker in s["message"],
+                              timeout=60)
+    assert seen["state"] == "starting" and seen["url"] is None
+    assert engine.file_sd() == []
+    engine.wait_state(generation, "running", timeout=60)
+
+
+def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
+    engine = kind.make()
+    _up(engine)
+    died = time.monotonic()
+    client.containers.get(engine.container).exec_run(["sh", "-c", "echo 3 > /tmp/die"])
+    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
+    assert time.monotonic() - died < 2.5
+    assert "exited with code 3" in status["message"]
+    assert "fatal error" in status["message"]  # its last log lines
+    assert status["url"] is None and engine.file_sd() == []
+
+
+def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
+    engine = kind.make()
+    status = _up(engine)
+    before = client.containers.get(engine.container).attrs
+    engine.stop_worker(engine.procs[-1])
+    assert client.containers.get(engine.container).status == "running"
+    restarted = time.time()
+    engine.start_worker()
+    engine.wait_status(lambda s: s["generation"] == status["generation"]
+                       and s["state"] == "running" and _since(s) > restarted, timeout=30)
+    after = client.containers.get(engine.container).attrs
+    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
+                                                          before["State"]["StartedAt"])
+    assert "preparing" not in engine.log_tail(), "a restart must not rebuild or re-sync"
+
+
+def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
+    engine = kind.make(settings={"STOP_DELAY": "2"})
+    status = _up(engine)
+    old = client.containers.get(engine.container)
+    engine.stop_worker(engine.procs[-1])
+    kind.change_image(engine)
+    since = time.time()
+    engine.start_worker()
+    engine.wait_status(lambda s: s["generation"] == status["generation"]
+                       and s["state"] == "running" and _since(s) > since, timeout=120)
+    new = client.containers.get(engine.container)
+    assert new.id != old.id and new.image.id != old.image.id
+    events = client.events(since=since, until=time.time(), decode=True,
+                           filters={"container": old.id})
+    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
+    kills = [attrs for action, attrs in actions if action == "kill"]
+    dies = [attrs for action, attrs in actions if action == "die"]
+    assert kills and kills[0]["signal"] == "15", actions
+    assert dies and dies[0]["exitCode"] == "0", f"killed, not stopped: {actions}"
+
+
+def test_one_worker_per_directory(kind: Kind) -> None:
+    engine = kind.make()
+    first = engine.start_worker()
+    engine.wait_status(lambda s: True, timeout=30)
+    second = engine.start_worker()
+    assert second.wait(30) != 0
+    log = (engine.root / "worker-1.log").read_text()
+    assert str(engine.dir) in log and f"pid {first.pid}" in log
+    assert first.poll() is None
+
+
+def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
+    engine = kind.make()
+    _up(engine)
+    attrs = client.containers.get(engine.container).attrs
+    gateway = _gateway(client, engine)
+    bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
+                for b in published]
+    live = [b for published in attrs["NetworkSettings"]["Ports"].values()
+            for b in (published or [])]
+    assert bindings and live
+    assert {b["HostIp"] for b in bindings + live} == {gateway}
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        assert sock.connect_ex(("127.0.0.1", engine.port)) != 0, "answers on loopback"
+
+
+def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
+    engine = kind.make()
+    _up(engine)
+    (group,) = engine.file_sd()
+    assert group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
+    assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
+    assert _get(f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}") == 200
+    assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=60)
+    assert engine.file_sd() == []
+
+
+def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
+    engine = kind.make()
+    status = _up(engine)
+    container = client.containers.get(engine.container)
+    desired = engine.dir / "desired.json"
+    valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
+                        "desired": "running"})
+    for case in INVALID:
+        materialise(case, desired)
+        refused = engine.wait_status(lambda s: s.get("refused") is not None, timeout=10,
+                                     what=f"refusal of {case.name}")
+        assert refused["state"] == "running", case.name
+        assert refused["generation"] == status["generation"], case.name
+        assert "refused" in refused["message"], case.name
+        tmp = engine.dir / ".restore.tmp"
+        tmp.write_text(valid)
+        if desired.is_dir() and not desired.is_symlink():
+            shutil.rmtree(desired)
+        os.replace(tmp, desired)
+        engine.wait_status(lambda s: s.get("refused") is None, timeout=10)
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"])
+    assert engine.file_sd()

@@ -1,0 +1,212 @@
+"""The llama-router engine against the real dockerd: library -> cache -> preset -> router."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures import CLI, ROOT, Engine
+from tests.gguf_fixtures import (
+    add_model,
+    break_magic,
+    set_version,
+    write_gguf,
+    write_mmproj,
+    write_split,
+)
+
+pytestmark = pytest.mark.docker
+
+NOT_READY = ("Queued", "Downloading", "Failed", "Canceled", "Interrupted")
+
+
+def _library(engine: Engine) -> dict[str, Path]:
+    """alpha (one file), beta (3 shards + mmproj), a corrupt file, a bad version, and a model in
+    every state that is not Ready."""
+    models = engine.models_dir
+    dirs = {}
+    files = add_model(models, "Ready")
+    write_gguf(files / "alpha.gguf")
+    dirs["alpha"] = files.parent
+    files = add_model(models, "Ready")
+    write_split(files, "beta", 3)
+    write_mmproj(files / "mmproj-beta-f16.gguf")
+    dirs["beta"] = files.parent
+    files = add_model(models, "Ready")
+    break_magic(write_gguf(files / "gamma.gguf"))
+    files = add_model(models, "Ready")
+    set_version(write_gguf(files / "delta.gguf"), 7)
+    for state in NOT_READY:
+        files = add_model(models, state)
+        write_gguf(files / f"q-{state.lower()}.gguf")
+        dirs[state] = files.parent
+    return dirs
+
+
+def _models(engine: Engine) -> dict[str, Any]:
+    status = engine.status()
+    assert status and status["url"]
+    with urllib.request.urlopen(status["url"] + "/models", timeout=5) as response:
+        listing = json.loads(response.read())
+    return {entry["id"]: entry["status"]["value"] for entry in listing["data"]}
+
+
+def _router(make_engine, **knobs: Any) -> Engine:
+    engine: Engine = make_engine(kind="llama-router", **knobs)
+    engine.models_dir.mkdir(exist_ok=True)
+    return engine
+
+
+def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    _library(engine)
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "running", timeout=120)
+    cache = engine.cache_dir
+    assert sorted(p.name for p in (cache / "alpha").iterdir()) == ["alpha.gguf"]
+    assert sorted(p.name for p in (cache / "beta").iterdir()) == [
+        "beta-00001-of-00003.gguf", "beta-00002-of-00003.gguf", "beta-00003-of-00003.gguf",
+        "mmproj-beta-f16.gguf"]
+    present = {p.name for p in cache.iterdir() if p.is_dir()}
+    assert present == {"alpha", "beta"}, "corrupt, bad-version and non-Ready models are not copied"
+    assert "gamma.gguf" in status["message"] and "delta.gguf" in status["message"]
+    preset = (cache / "llama-models.ini").read_text()
+    assert "version = 1" in preset
+    assert "[*]\nctx-size = 4096" in preset
+    assert "[alpha]\nmodel = /models/alpha/alpha.gguf\nload-on-startup = true" in preset
+    assert ("[beta]\nmodel = /models/beta/beta-00001-of-00003.gguf\n"
+            "mmproj = /models/beta/mmproj-beta-f16.gguf\n") in preset
+    assert "gamma" not in preset and "delta" not in preset and "q-" not in preset
+    container = client.containers.get(engine.container)
+    args = container.attrs["Args"]
+    assert args[args.index("--models-max") + 1] == "2"
+    assert args[args.index("--port") + 1] == str(engine.port)
+    assert "--metrics" in args and "/models/llama-models.ini" in args
+    mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
+    assert mounts["/models"]["RW"] is False
+    assert mounts["/models"]["Source"] == str(engine.cache_dir)
+    assert _models(engine) == {"alpha": "loaded", "beta": "unloaded"}
+
+
+def test_readiness_comes_from_models_not_health(make_engine) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",), settings={"LOAD_DELAY": "4"})
+    write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_status(lambda s: "router listening" in s["message"], timeout=60)
+    with urllib.request.urlopen(f"http://{_gateway(engine)}:{engine.port}/health",
+                                timeout=5) as response:
+        assert response.status == 200
+    assert engine.status()["state"] == "starting", "/health alone must not mean running"
+    engine.wait_state(generation, "running", timeout=30)
+
+
+def _gateway(engine: Engine) -> str:
+    out = subprocess.run(["docker", "network", "inspect", engine.network, "-f",
+                          "{{(index .IPAM.Config 0).Gateway}}"], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip()
+
+
+def test_a_model_that_fails_to_load_fails_the_start_naming_it(make_engine) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha", "broken-model"))
+    write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    write_gguf(add_model(engine.models_dir, "Ready") / "broken-model.gguf")
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=60)
+    assert "broken-model" in status["message"] and "exit code 1" in status["message"]
+
+
+def test_more_load_on_startup_models_than_models_max_is_refused_before_anything_starts(
+    make_engine, client
+) -> None:
+    engine = _router(make_engine, load_on_startup=("a", "b", "c"), models_max=2)
+    proc = engine.start_worker()
+    assert proc.wait(30) == 78
+    log = engine.log_tail()
+    assert "3 load-on-startup models but models_max is 2" in log
+    assert not client.containers.list(all=True, filters={"name": engine.container})
+
+
+def test_library_changes_while_running_resync_and_reload_without_a_restart(
+    make_engine, client
+) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    dirs = _library(engine)
+    engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    container = client.containers.get(engine.container)
+    preset_path = engine.cache_dir / "llama-models.ini"
+
+    # nothing relevant changes: a non-Ready model's metadata moves on
+    before = preset_path.stat()
+    stamp = (engine.state_dir / "synced.json").stat()
+    model_json = dirs["Downloading"] / "model.json"
+    model_json.write_text(model_json.read_text().replace('"bytesTotal": 123', '"bytesTotal": 9'))
+    time.sleep(3)
+    assert (preset_path.stat().st_ino, preset_path.stat().st_mtime_ns) == (
+        before.st_ino, before.st_mtime_ns)
+    assert (engine.state_dir / "synced.json").stat().st_mtime_ns == stamp.st_mtime_ns
+
+    # a model becomes Ready: copied, in the preset, the router reloads; no restart
+    files = add_model(engine.models_dir, "Ready")
+    write_gguf(files / "epsilon.gguf")
+    engine.wait_status(lambda s: "epsilon" in _safe_models(engine), timeout=30,
+                       what="epsilon served")
+    assert (engine.cache_dir / "epsilon" / "epsilon.gguf").exists()
+    assert "[epsilon]" in preset_path.read_text()
+
+    # a model stops being Ready: removed from the cache and the preset
+    beta = dirs["beta"] / "model.json"
+    beta.write_text(beta.read_text().replace('"Ready"', '"Failed"'))
+    engine.wait_status(lambda s: "beta" not in _safe_models(engine), timeout=30,
+                       what="beta dropped")
+    assert not (engine.cache_dir / "beta").exists()
+    assert "[beta]" not in preset_path.read_text()
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"])
+    status = engine.status()
+    assert status["state"] == "running" and status["generation"] == generation
+
+
+def _safe_models(engine: Engine) -> dict[str, Any]:
+    try:
+        return _models(engine)
+    except (OSError, AssertionError, ValueError):
+        return {}
+
+
+def test_a_changed_load_on_startup_set_restarts_the_router(make_engine, client) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    _library(engine)
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    first = client.containers.get(engine.container).id
+    engine.load_on_startup = ("alpha", "beta")
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    engine.wait_status(lambda s: s["state"] == "running"
+                       and _safe_models(engine).get("beta") == "loaded", timeout=60)
+    assert client.containers.get(engine.container).id != first
+
+
+def test_cli_status_reads_the_router(make_engine) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    engine.start_worker()
+    out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
+                          "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=150, check=False)
+    assert out.returncode == 0, out.stderr
