@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this machine for lucia-supervisor and its tests, as root: Debian packages, a running
-# dockerd, and the project's virtual environment in .venv. Safe to run again: it only does what
-# is missing.
+# dockerd, journald and a systemd user manager for the user `lucia` (scripts/systemd-user.sh),
+# and the project's virtual environment in .venv. Safe to run again: it only does what is
+# missing.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,6 +19,8 @@ install_packages() {
     command -v dockerd >/dev/null || missing+=(docker.io)
     command -v busybox >/dev/null || missing+=(busybox-static)
     command -v git >/dev/null || missing+=(git)
+    command -v prometheus >/dev/null || missing+=(prometheus)
+    /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]}"
     apt-get update -qq
@@ -54,5 +57,6 @@ install_project() {
 
 install_packages
 start_dockerd
+bash "$root/scripts/systemd-user.sh"
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

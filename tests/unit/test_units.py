@@ -1,0 +1,35 @@
+"""The shipped units are the template rendered for each shipped recipe, and say what they must."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "units" / "lucia-worker.service.in"
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_each_recipe_has_its_rendered_unit(recipe: Path) -> None:
+    unit = ROOT / "units" / f"lucia-{recipe.stem}.service"
+    assert unit.read_text() == TEMPLATE.read_text().replace("@NAME@", recipe.stem)
+
+
+def test_the_unit_is_a_notify_service_with_a_watchdog() -> None:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string(TEMPLATE.read_text())
+    service = parser["Service"]
+    assert service["Type"] == "notify"
+    assert service["NotifyAccess"] == "main"
+    assert int(service["WatchdogSec"]) > 0
+    assert service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"] == "78"
+    assert "worker @NAME@" in service["ExecStart"]
+    assert parser["Install"]["WantedBy"] == "default.target"
+    environment = TEMPLATE.read_text()
+    for variable in ("LUCIA_DATA_DIR", "LUCIA_RECIPES_DIR", "LUCIA_STATE_DIR"):
+        assert f"Environment={variable}=" in environment
