@@ -280,3 +280,20 @@ def test_stop_leaves_the_engine_running_and_the_status_goes_stale(
     result = as_user(installation.cli, "status", installation.name, "--json")
     assert json.loads(result.stdout)[0]["answer"] == "current"  # still fresh right now
     systemctl("start", installation.unit)
+
+
+def test_uninstall_removes_units_and_environment_and_keeps_the_data(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
+    """Last: it removes what the tests above used."""
+    installation.request("stopped", "--wait", "--timeout", "120")
+    status_before = (installation.engine_dir / "status.json").read_text()
+    result = as_user(str(installation.source / "install.sh"), "--uninstall")
+    assert "kept the data" in result.stdout
+    units = installation.home / ".config/systemd/user"
+    assert not list(units.glob("lucia-*.service"))
+    assert not (installation.share / "venv").exists()
+    assert not (installation.share / "recipes").exists()
+    assert (installation.engine_dir / "status.json").read_text() == status_before
+    assert (installation.home / ".local/state/lucia").is_dir()
+    assert systemctl("is-active", installation.unit, check=False).stdout.strip() != "active"
