@@ -110,13 +110,13 @@ class Run(_Section):
     container_port: Port | None = Field(default=None, description="defaults to port")
     ready_path: str = "/health"
     metrics_path: str = "/metrics"
-    ready_timeout: float = Field(default=900.0, gt=0)
-    stop_grace: float = Field(default=60.0, ge=0)
+    ready_timeout: float = Field(default=900.0, gt=0, le=86_400, allow_inf_nan=False)
+    stop_grace: float = Field(default=60.0, ge=0, le=3_600, allow_inf_nan=False)
     gpus: Literal["all", "none"] | Annotated[int, Field(ge=1)] = "none"
     shm_size: str | None = None
     memory: str | None = Field(default=None, description="container memory limit, e.g. 120g")
     ipc: Literal["host", "private", "shareable"] | None = None
-    ulimits: dict[str, int] = Field(default_factory=dict)
+    ulimits: dict[str, Annotated[int, Field(ge=-1, le=2**63 - 1)]] = Field(default_factory=dict)
     volumes: list[Volume] = Field(default_factory=list)
     command: list[str] = Field(default_factory=list, description="${SETTING} is expanded")
 
@@ -209,7 +209,11 @@ class Library(_Section):
     cache_dir: str = Field(description="local GGUF cache (fast disk), mounted read-only")
     container_dir: str = Field(default="/models", description="where the cache is mounted")
     poll_seconds: float = Field(
-        default=10.0, gt=0, description="how often the library is re-checked while settled"
+        default=10.0,
+        gt=0,
+        le=3_600,
+        allow_inf_nan=False,
+        description="how often the library is re-checked while settled",
     )
 
     @field_validator("container_dir")
@@ -264,24 +268,60 @@ Recipe = Annotated[TensorFoldRecipe | LlamaRouterRecipe, Field(discriminator="en
 _RECIPE: TypeAdapter[TensorFoldRecipe | LlamaRouterRecipe] = TypeAdapter(Recipe)
 
 
+_MESSAGE: Final = 300  # a recipe error is one line; keys and values in it are clipped
+_ENGINES: Final = ("tensorfold", "llama-router")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    escaped = repr(text[:limit])[1:-1]  # control characters and newlines become escapes
+    return escaped + ("…" if len(text) > limit else "")
+
+
 def _format(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False)[:3]:
-        where = ".".join(str(p) for p in err["loc"])
-        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        where = ".".join(_clip(str(p)) for p in err["loc"][1:] or err["loc"])
+        what = "unknown key" if err["type"] == "extra_forbidden" else _clip(err["msg"], 200)
         parts.append(f"{where}: {what}" if where else what)
     return "; ".join(parts)
+
+
+def _nul(value: object, where: str = "") -> str | None:
+    """Where a NUL character hides in the data (it cannot be an argument, a path or a value)."""
+    if isinstance(value, str):
+        return (where or "a value") if "\x00" in value else None
+    items: list[tuple[str, object]] = []
+    if isinstance(value, dict):
+        items = [(str(key), item) for key, item in value.items()]
+        if any("\x00" in key for key, _ in items):
+            return where or "a key"
+    elif isinstance(value, list):
+        items = [(str(index), item) for index, item in enumerate(value)]
+    for key, item in items:
+        found = _nul(item, f"{where}.{key}" if where else key)
+        if found:
+            return found
+    return None
 
 
 def parse(text: str, origin: str = "<recipe>") -> TensorFoldRecipe | LlamaRouterRecipe:
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{origin}: not valid TOML: {exc}") from None
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: an integer beyond int()'s digit limit; RecursionError: absurd nesting
+        detail = _clip(str(exc) or type(exc).__name__, 200)
+        raise RecipeError(f"{origin}: not valid TOML: {detail}") from None
+    engine = data.get("engine")
+    if engine not in _ENGINES:
+        shown = f"'{_clip(engine)}'" if isinstance(engine, str) else "missing"
+        raise RecipeError(f"{origin}: engine: must be one of {', '.join(_ENGINES)} ({shown})")
+    where = _nul(data)
+    if where:
+        raise RecipeError(f"{origin}: {_clip(where)}: contains a NUL character")
     try:
         return _RECIPE.validate_python(data)
     except ValidationError as exc:
-        raise RecipeError(f"{origin}: {_format(exc)}") from None
+        raise RecipeError(f"{origin}: {_format(exc)}"[:_MESSAGE]) from None
 
 
 def load(path: Path) -> TensorFoldRecipe | LlamaRouterRecipe:

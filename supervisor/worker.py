@@ -162,7 +162,7 @@ class Worker:
             if self.task is not None and self.task.done():
                 self._finish(self.task)
             if self.task is None and self._reconcile_due():
-                self._reconcile()
+                self._reconcile_guarded()
             elif self.task is not None and self.task.progress:
                 self._report_task(self.task)
             self.heartbeat.tick()
@@ -223,7 +223,7 @@ class Worker:
             self._pending = True
             if refused:
                 log.warning("desired.json refused; the engine is left as it is", reason=refused)
-            self._publish()
+            self._show_refusal()
         if desired is None:
             return
         memory = self.memory
@@ -248,6 +248,17 @@ class Worker:
         self._report(state, f"acknowledged: {desired.desired} requested")
 
     # -- reconcile: observe, plan, act ---------------------------------------------------------
+
+    def _reconcile_guarded(self) -> None:
+        """A docker call anywhere in a reconcile (observing, settling) may find dockerd gone."""
+        try:
+            self._reconcile()
+        except Transient as exc:
+            self._retry(exc)
+        except Permanent as exc:
+            if self.memory is not None:
+                self.memory = replace(self.memory, failure=str(exc))
+                self._pending = True
 
     def _reconcile(self) -> None:
         self._pending = False
@@ -393,6 +404,19 @@ class Worker:
             self._wake.set()
 
         threading.Thread(target=watch, name="exit-monitor", daemon=True).start()
+
+    def _show_refusal(self) -> None:
+        """Say at once that desired.json is refused (or no longer is). Nothing else changes:
+        neither the engine nor docker is asked anything on account of refused input."""
+        current = self.heartbeat.status
+        if current is None:
+            return  # the first reconcile reports it
+        message = current.message
+        if self.refused:
+            message = f"request refused: {self.refused}"
+        elif message.startswith("request refused:"):
+            message = "desired.json is valid again"
+        self.heartbeat.set(current.generation, current.state, message, current.url, self.refused)
 
     def _publish(self, state: State | None = None) -> None:
         """Write the settled answer (or the current one again) and the file_sd file."""
