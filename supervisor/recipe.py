@@ -132,7 +132,7 @@ class Run(_Section):
         return self.container_port or self.port
 
 
-class _Recipe(_Section):
+class RecipeBase(_Section):
     """What every engine's recipe has: a name, settings (the environment) and a run spec."""
 
     name: str
@@ -191,7 +191,7 @@ class _Recipe(_Section):
         return [Template(arg).substitute(env) for arg in self.run.command]
 
 
-class TensorFoldRecipe(_Recipe):
+class TensorFoldRecipe(RecipeBase):
     engine: Literal["tensorfold"]
     model: str = Field(min_length=1, description="the model it serves, for labels and messages")
     source: Source
@@ -258,7 +258,7 @@ class Router(_Section):
         return self
 
 
-class LlamaRouterRecipe(_Recipe):
+class LlamaRouterRecipe(RecipeBase):
     engine: Literal["llama-router"]
     library: Library
     router: Router

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from .. import files, gguf_cache, library, logs, preset, redaction
+from .. import files, gguf_cache, library, logs, preset
 from ..errors import Permanent, Transient
 from ..plan import FINGERPRINT, Observed
 from ..protocol import TargetGroup
-from ..recipe import LlamaRouterRecipe, RecipeError
-from ..runtime import MANAGED, Mount, RunSpec, Runtime
+from ..recipe import LlamaRouterRecipe
+from ..runtime import Mount, RunSpec, Runtime
 from .base import Endpoint, StepContext
+from .container import ContainerEngine
 
 IMAGE: Final = "image"
 LIBRARY: Final = "library"
@@ -63,25 +64,18 @@ def startup_models(recipe: LlamaRouterRecipe, cached: tuple[str, ...]) -> tuple[
     return tuple(name for name in recipe.router.load_on_startup if name in cached)
 
 
-class LlamaRouter:
+class LlamaRouter(ContainerEngine):
     kind = "llama-router"
 
     def __init__(
         self, name: str, recipe: LlamaRouterRecipe, runtime: Runtime, state_dir: Path
     ) -> None:
-        self.name = name
+        super().__init__(name, recipe, runtime, state_dir)
         self.recipe = recipe
-        self.runtime = runtime
-        self.container_name = f"lucia-{name}"
-        self.stop_grace = recipe.run.stop_grace
-        self.ready_timeout = recipe.run.ready_timeout
         self.poll_interval = recipe.library.poll_seconds
         self.cache_dir = recipe.library.cache_path
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self._stamp = state_dir / "synced.json"
-        self._endpoint: Endpoint | None = None
-        with contextlib.suppress(RecipeError):
-            redaction.register(recipe.secret_values().values())
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -107,8 +101,16 @@ class LlamaRouter:
         a new sync (which copies only what changed) and a new preset."""
         router, where = self.recipe.router, self.recipe.library
         recipe_part = json.dumps(
-            [router.load_on_startup, router.defaults, router.models_max, where.container_dir,
-             str(where.cache_path)], sort_keys=True, default=str)
+            [
+                router.load_on_startup,
+                router.defaults,
+                router.models_max,
+                where.container_dir,
+                str(where.cache_path),
+            ],
+            sort_keys=True,
+            default=str,
+        )
         return library_fingerprint(found) + ":" + hashlib.sha256(recipe_part.encode()).hexdigest()
 
     def _fingerprint(self, cached: tuple[str, ...]) -> str:
@@ -193,15 +195,9 @@ class LlamaRouter:
 
     # -- run -----------------------------------------------------------------------------------
 
-    def endpoint(self) -> Endpoint:
-        if self._endpoint is None:
-            gateway = self.runtime.gateway(self.recipe.run.network, {MANAGED: "true"})
-            self._endpoint = Endpoint(gateway, self.recipe.run.port)
-        return self._endpoint
-
     def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec:
-        recipe, spec, router = self.recipe, self.recipe.run, self.recipe.router
-        container_dir = recipe.library.container_dir
+        spec, router = self.recipe.run, self.recipe.router
+        container_dir = self.recipe.library.container_dir
         synced = self._synced()
         command = (
             "--models-preset",
@@ -215,44 +211,14 @@ class LlamaRouter:
             "--metrics",
             *router.args,
         )
-        return RunSpec(
-            name=self.container_name,
-            image=image_id,
-            network=spec.network,
-            host_ip=endpoint.host,
-            host_port=endpoint.port,
-            container_port=spec.inner_port,
-            environment={**recipe.environment, **self._secrets()},
-            labels={
-                MANAGED: "true",
-                "lucia.name": self.name,
-                "lucia.engine": self.kind,
-                "lucia.generation": str(generation),
-                "lucia.image.id": image_id,
-                FINGERPRINT: self._fingerprint(synced.names if synced else ()),
-            },
+        return self.container_spec(
+            image_id,
+            generation,
+            endpoint,
             command=command,
-            gpus=spec.gpus,
-            shm_size=spec.shm_size,
-            memory=spec.memory,
-            ipc_mode=spec.ipc,
-            ulimits=spec.ulimits,
-            mounts=(
-                Mount(str(self.cache_dir), container_dir, read_only=True),
-                *(
-                    Mount(str(Path(v.source).expanduser()), v.target, v.read_only)
-                    for v in spec.volumes
-                ),
-            ),
+            labels={FINGERPRINT: self._fingerprint(synced.names if synced else ())},
+            mounts=(Mount(str(self.cache_dir), container_dir, read_only=True),),
         )
-
-    def _secrets(self) -> dict[str, str]:
-        try:
-            values = self.recipe.secret_values()
-        except RecipeError as exc:
-            raise Permanent(str(exc)) from None
-        redaction.register(values.values())
-        return values
 
     def _get(self, path: str) -> Any:
         url = self.endpoint().url + path
@@ -282,15 +248,7 @@ class LlamaRouter:
         return all(states.get(name) == "loaded" for name in wanted)
 
     def targets(self, endpoint: Endpoint) -> TargetGroup:
-        return TargetGroup(
-            targets=[f"{endpoint.host}:{endpoint.port}"],
-            labels={
-                "__metrics_path__": self.recipe.run.metrics_path,
-                "engine": self.kind,
-                "model": self.recipe.model or "router",
-                "name": self.name,
-            },
-        )
+        return self.target_group(endpoint, {"model": self.recipe.model or "router"})
 
     def notes(self) -> str:
         synced = self._synced()

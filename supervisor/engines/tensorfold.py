@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -11,16 +10,17 @@ import urllib.request
 from pathlib import Path
 from typing import Final
 
-from .. import files, redaction
-from ..errors import BuildFailed, Permanent
+from .. import files
+from ..errors import BuildFailed
 from ..plan import Observed
 from ..process import run
 from ..protocol import TargetGroup
-from ..recipe import RecipeError, TensorFoldRecipe
-from ..runtime import MANAGED, BuildRequest, Mount, RunSpec, Runtime
+from ..recipe import TensorFoldRecipe
+from ..runtime import BuildRequest, RunSpec, Runtime
 from ..source import Checkout
 from . import grammar
 from .base import Endpoint, StepContext
+from .container import ContainerEngine
 
 COMMIT_LABEL: Final = "lucia.recipe.commit"
 CHECKOUT: Final = "checkout"
@@ -47,27 +47,19 @@ def missing(
     return tuple(steps)
 
 
-class TensorFold:
+class TensorFold(ContainerEngine):
     kind = "tensorfold"
 
     def __init__(
         self, name: str, recipe: TensorFoldRecipe, runtime: Runtime, state_dir: Path
     ) -> None:
-        self.name = name
+        super().__init__(name, recipe, runtime, state_dir)
         self.recipe = recipe
-        self.runtime = runtime
-        self.state_dir = state_dir
-        self.container_name = f"lucia-{name}"
-        self.stop_grace = recipe.run.stop_grace
-        self.ready_timeout = recipe.run.ready_timeout
         self.poll_interval = 30.0
         self.checkout = Checkout(
             state_dir / "checkout", recipe.source.repository, recipe.source.commit
         )
         self._stamp = state_dir / "prepared.json"
-        self._endpoint: Endpoint | None = None
-        with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
-            redaction.register(recipe.secret_values().values())
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -166,7 +158,7 @@ class TensorFold:
             "HOME": os.environ.get("HOME", "/"),
             "LANG": "C.UTF-8",
             **self.recipe.environment,
-            **self._secrets(),
+            **self.secrets(),
         }
         for command in self.recipe.prepare.commands:
             ctx.progress(f"running {' '.join(command)}")
@@ -181,40 +173,13 @@ class TensorFold:
 
     # -- run -----------------------------------------------------------------------------------
 
-    def endpoint(self) -> Endpoint:
-        """Looked up (and the network created) once per recipe load."""
-        if self._endpoint is None:
-            gateway = self.runtime.gateway(self.recipe.run.network, {MANAGED: "true"})
-            self._endpoint = Endpoint(gateway, self.recipe.run.port)
-        return self._endpoint
-
     def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec:
-        recipe, spec = self.recipe, self.recipe.run
-        return RunSpec(
-            name=self.container_name,
-            image=image_id,
-            network=spec.network,
-            host_ip=endpoint.host,
-            host_port=endpoint.port,
-            container_port=spec.inner_port,
-            environment={**recipe.environment, **self._secrets()},
-            labels={
-                MANAGED: "true",
-                "lucia.name": self.name,
-                "lucia.engine": self.kind,
-                "lucia.generation": str(generation),
-                COMMIT_LABEL: recipe.source.commit,
-                "lucia.image.id": image_id,
-            },
-            command=tuple(recipe.command),
-            gpus=spec.gpus,
-            shm_size=spec.shm_size,
-            memory=spec.memory,
-            ipc_mode=spec.ipc,
-            ulimits=spec.ulimits,
-            mounts=tuple(
-                Mount(str(Path(v.source).expanduser()), v.target, v.read_only) for v in spec.volumes
-            ),
+        return self.container_spec(
+            image_id,
+            generation,
+            endpoint,
+            command=tuple(self.recipe.command),
+            labels={COMMIT_LABEL: self.recipe.source.commit},
         )
 
     def ready(self, endpoint: Endpoint) -> bool:
@@ -225,15 +190,6 @@ class TensorFold:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def _secrets(self) -> dict[str, str]:
-        """Read when used (a rotated token is picked up), registered for masking."""
-        try:
-            values = self.recipe.secret_values()
-        except RecipeError as exc:
-            raise Permanent(str(exc)) from None
-        redaction.register(values.values())
-        return values
-
     def notes(self) -> str:
         return ""
 
@@ -241,13 +197,6 @@ class TensorFold:
         return (self._stamp,)
 
     def targets(self, endpoint: Endpoint) -> TargetGroup:
-        return TargetGroup(
-            targets=[f"{endpoint.host}:{endpoint.port}"],
-            labels={
-                "__metrics_path__": self.recipe.run.metrics_path,
-                "engine": self.kind,
-                "model": self.recipe.model,
-                "recipe_commit": self.recipe.source.commit,
-                "name": self.name,
-            },
+        return self.target_group(
+            endpoint, {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}
         )
