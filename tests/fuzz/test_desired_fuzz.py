@@ -55,6 +55,7 @@ from supervisor.runtime import Runtime
 from supervisor.telemetry import TELEMETRY_DIR
 from supervisor.worker import Settings, Worker
 from tests.corpus import INVALID, VALID, materialise
+from tests.support import MINIMAL_RECIPE
 
 FUZZ = settings.get_profile("lucia-fuzz")
 WORKER_FUZZ = settings(FUZZ, max_examples=max(50, FUZZ.max_examples // 10))
@@ -75,21 +76,6 @@ JITER_MAX_DEPTH = 200  # pydantic's JSON parser refuses deeper nesting as "inval
 KEYS = ("schemaVersion", "generation", "desired")
 WANTS = ("running", "stopped")
 
-MINIMAL_RECIPE = """
-name = "x"
-engine = "tensorfold"
-model = "m"
-[source]
-repository = "file:///r"
-commit = "0123456789abcdef0123456789abcdef01234567"
-[image]
-tag = "img:1"
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar"]
-[run]
-port = 8888
-"""
 
 
 # --- the oracle: the contract, checked independently of protocol.py -----------------------------

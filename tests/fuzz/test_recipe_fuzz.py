@@ -50,6 +50,7 @@ from supervisor.recipe import (
     load,
     parse,
 )
+from tests.support import MINIMAL_RECIPE
 
 FUZZ = settings.get_profile("lucia-fuzz")
 TEXT_FUZZ = settings(FUZZ, max_examples=max(50, FUZZ.max_examples * 3 // 10))
@@ -69,21 +70,7 @@ ORIGIN = "x.toml"
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK = (ROOT / "recipes" / "spark-model.toml").read_text()
-MINIMAL = """
-name = "x"
-engine = "tensorfold"
-model = "m"
-[source]
-repository = "file:///r"
-commit = "0123456789abcdef0123456789abcdef01234567"
-[image]
-tag = "img:1"
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar"]
-[run]
-port = 8888
-"""
+MINIMAL = MINIMAL_RECIPE
 ROUTER = """
 name = "r"
 engine = "llama-router"

@@ -21,27 +21,10 @@ import pytest
 from supervisor import files
 from supervisor.files import FileRefused, Lease, LeaseHeld, read_text, write_atomic
 from supervisor.protocol import Status, dump, parse_status
+from tests.support import within
 
 T = TypeVar("T")
 
-
-def within(seconds: float, fn: Callable[[], T]) -> T:
-    """Run fn in a daemon thread; fail (instead of hanging) if it has not returned in time."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still blocked after {seconds}s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
 
 
 @contextmanager

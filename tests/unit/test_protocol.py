@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +31,7 @@ from supervisor.protocol import (
     parse_status,
 )
 from tests.corpus import INVALID, VALID, Case, materialise
+from tests.support import within
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
@@ -40,24 +39,6 @@ CLI = Path(sys.executable).with_name("lucia-supervisor")
 T = TypeVar("T")
 VALID_IDS = [name for name, *_ in VALID]
 
-
-def within(seconds: float, fn: Callable[[], T]) -> T:
-    """Run fn in a daemon thread; fail (instead of hanging) if it has not returned in time."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still blocked after {seconds}s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
 
 
 # --- desired.json: the bad-input corpus ---------------------------------------------------------

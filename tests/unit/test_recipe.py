@@ -9,6 +9,7 @@ import pytest
 
 from supervisor.engines import grammar
 from supervisor.recipe import Grammar, RecipeError, load, parse
+from tests.support import MINIMAL_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK = ROOT / "recipes" / "spark-model.toml"
@@ -34,21 +35,7 @@ def test_the_spark_recipe_has_the_operators_values() -> None:
     assert "--port" in recipe.command and "8888" in recipe.command
 
 
-MINIMAL = """
-name = "x"
-engine = "tensorfold"
-model = "m"
-[source]
-repository = "file:///r"
-commit = "0123456789abcdef0123456789abcdef01234567"
-[image]
-tag = "img:1"
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar"]
-[run]
-port = 8888
-"""
+MINIMAL = MINIMAL_RECIPE
 
 BAD = [
     ("not toml", "name = ", "not valid TOML"),
