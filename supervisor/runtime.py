@@ -7,14 +7,17 @@ by the daemon Permanent, a failed build BuildFailed.
 from __future__ import annotations
 
 import io
-import multiprocessing
+import json
+import os
+import select
+import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from typing import Any, Final, Literal, cast
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any, Final, Literal, cast
 
 import docker
 import docker.errors
@@ -302,21 +305,26 @@ class Runtime:
         progress: Progress,
         cancel: threading.Event,
     ) -> Image:
-        context = multiprocessing.get_context("spawn")
-        receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(self._base_url, job, sender), daemon=True)
-        child.start()
-        sender.close()
+        # A plain child process (not multiprocessing, whose resource tracker would outlive the
+        # build by the worker's whole life, 13 MB of it): the job in on stdin, JSON lines out.
+        child = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.runtime"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert child.stdin is not None and child.stdout is not None
         lines: list[str] = []
         try:
+            child.stdin.write(_encode_job(self._base_url, job))
+            child.stdin.close()
             kind, text = _receive(
-                receiver, child, lines=lines, progress=progress, cancel=cancel, what=what
+                child.stdout, lines=lines, progress=progress, cancel=cancel, what=what
             )
         finally:
-            if child.is_alive():
+            if child.poll() is None:
                 child.kill()
-            child.join(5)
-            receiver.close()
+            child.wait(5)
+            child.stdout.close()
         if kind == "unavailable":
             raise Transient(f"{what}: docker is unavailable ({text})")
         if kind == "error" and not self._stays_up(cancel):
@@ -330,8 +338,7 @@ class Runtime:
 
 
 def _receive(
-    receiver: Connection,
-    child: multiprocessing.process.BaseProcess,
+    stream: IO[bytes],
     *,
     lines: list[str],
     progress: Progress,
@@ -339,24 +346,22 @@ def _receive(
     what: str,
 ) -> tuple[str, str]:
     """Relay the child's lines until it says how the build ended; cancel is checked 5x/s."""
+    fd, pending = stream.fileno(), b""
     while not cancel.is_set():
-        if not receiver.poll(0.2):
-            if child.is_alive():
-                continue
-            if not receiver.poll(0):
-                break
-        try:
-            kind, text = receiver.recv()
-        except EOFError:
-            break
-        if kind != "line":
-            return kind, text
-        lines.append(text)
-        del lines[:-50]
-        progress(text)
-    else:
-        raise Cancelled(f"{what} cancelled")
-    return "unavailable", "the build ended without an answer from docker"
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return "unavailable", "the build ended without an answer from docker"
+        *complete, pending = (pending + chunk).split(b"\n")
+        for raw in complete:
+            kind, text = json.loads(raw)
+            if kind != "line":
+                return str(kind), str(text)
+            lines.append(text)
+            del lines[:-50]
+            progress(text)
+    raise Cancelled(f"{what} cancelled")
 
 
 def _api_client(base_url: str | None, timeout: float | None) -> docker.APIClient:
@@ -386,27 +391,41 @@ def _context_tar(dockerfile_text: str) -> io.BytesIO:
     return buffer
 
 
-def _child(base_url: str | None, job: BuildRequest | PullRequest, out: Connection) -> None:
-    """Runs in a spawned process: stream a build's or a pull's output lines to the parent."""
+def _encode_job(base_url: str | None, job: BuildRequest | PullRequest) -> bytes:
+    kind = "pull" if isinstance(job, PullRequest) else "build"
+    return json.dumps({"base_url": base_url, "kind": kind, "job": asdict(job)}).encode()
+
+
+def _decode_job(data: bytes) -> tuple[str | None, BuildRequest | PullRequest]:
+    message = json.loads(data)
+    job_type = PullRequest if message["kind"] == "pull" else BuildRequest
+    return message["base_url"], job_type(**message["job"])
+
+
+def _send(kind: str, text: str) -> None:
+    sys.stdout.write(json.dumps([kind, text]) + "\n")
+    sys.stdout.flush()
+
+
+def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
+    """Runs in the child process: stream a build's or a pull's output lines to the parent."""
     try:
         api = _api_client(base_url, None)
         for chunk in _stream(api, job):
             if "error" in chunk:
-                out.send(("error", str(chunk.get("error", "")).strip()))
+                _send("error", str(chunk.get("error", "")).strip())
                 return
             text = chunk.get("stream") or _pull_line(chunk)
             for line in str(text).splitlines():
                 if line.strip():
-                    out.send(("line", line.rstrip()))
-        out.send(("done", ""))
+                    _send("line", line.rstrip())
+        _send("done", "")
     except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        out.send(("unavailable", type(exc).__name__))
+        _send("unavailable", type(exc).__name__)
     except docker.errors.APIError as exc:
-        out.send(("error", str(exc.explanation or exc)))
+        _send("error", str(exc.explanation or exc))
     except (docker.errors.DockerException, OSError, TypeError) as exc:
-        out.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        out.close()
+        _send("error", f"{type(exc).__name__}: {exc}")
 
 
 def _stream(api: docker.APIClient, job: BuildRequest | PullRequest) -> Iterator[dict[str, Any]]:
@@ -436,3 +455,7 @@ def _pull_line(chunk: dict[str, Any]) -> str:
     if detail.get("total"):
         status += f" {detail.get('current', 0) / 1e6:.1f}MB/{detail['total'] / 1e6:.1f}MB"
     return f"{layer}: {status}" if layer else status
+
+
+if __name__ == "__main__":  # the build and pull child: python -m supervisor.runtime
+    _child(*_decode_job(sys.stdin.buffer.read()))

@@ -210,3 +210,11 @@ def test_cli_status_reads_the_router(make_engine) -> None:
                           "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
                          text=True, timeout=150, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_missing_router_image_is_pulled_and_a_failed_pull_is_failed(make_engine) -> None:
+    engine = _router(make_engine, router_image="lucia-test-absent/llama-server:never")
+    engine.start_worker()
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "failed", timeout=120)
+    assert "pull of lucia-test-absent/llama-server:never failed" in status["message"]

@@ -72,7 +72,7 @@ def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
     assert engine.stop_worker(proc) == 0
 
 
-def test_stop_during_a_build_cancels_it_within_a_second(make_engine, client) -> None:
+def test_stop_during_a_build_cancels_it_within_a_second(make_engine, client, base_image) -> None:
     engine: Engine = make_engine(build_args={"SLOW": "300"})
     engine.start_worker()
     generation = engine.request("running")
@@ -85,7 +85,7 @@ def test_stop_during_a_build_cancels_it_within_a_second(make_engine, client) -> 
     assert generation < stopped
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        builders = [c for c in client.containers.list(all=True)
+        builders = [c for c in client.containers.list(all=True, filters={"ancestor": base_image})
                     if "compiling kernels" in " ".join(c.attrs["Config"].get("Cmd") or [])]
         if not builders:
             break
