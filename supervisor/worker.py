@@ -24,7 +24,19 @@ from .errors import Cancelled, Permanent, Transient
 from .heartbeat import Heartbeat
 from .host import DESIRED, STATUS, engine_dir
 from .notify import Notifier
-from .plan import AwaitReady, Fail, Memory, Observed, Prepare, Settle, Step, plan
+from .plan import (
+    AwaitReady,
+    Fail,
+    Memory,
+    Observed,
+    Prepare,
+    Remove,
+    Settle,
+    Start,
+    Step,
+    Stop,
+    plan,
+)
 from .protocol import DesiredFile, InvalidDocument, State, parse_desired
 from .recipe import Recipe
 from .runtime import Runtime
@@ -322,6 +334,10 @@ class Worker:
             finally:
                 self._wake.set()
 
+        if isinstance(step, Start | Stop | Remove):
+            # no engine answers from here on (a re-acknowledged request for a running engine
+            # keeps its target: the engine goes on serving)
+            self.file_sd.publish(None)
         task.thread = threading.Thread(target=body, name=f"step-{type(step).__name__}", daemon=True)
         self.task = task
         log.info("step", step=actions.describe(step), generation=memory.generation)
@@ -448,7 +464,7 @@ class Worker:
                 if state in ("running", "stopped", "failed")
                 else message
             )
-        if state != "running":
+        if state in ("stopping", "stopped", "failed"):
             self.file_sd.publish(None)
         self.heartbeat.set(generation, state, message, url, self.refused)
 

@@ -252,6 +252,15 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
     assert _get(f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}") == 200
     assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
+    # a request for what already runs is re-acknowledged; the target stays while it serves
+    again = engine.request("running")
+    seen = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        seen.append(len(engine.file_sd()))
+        time.sleep(0.005)
+    assert min(seen) == 1, "the target vanished while the engine kept serving"
+    engine.wait_state(again, "running", timeout=30)
     stopped = engine.request("stopped")
     engine.wait_state(stopped, "stopped", timeout=60)
     assert engine.file_sd() == []
