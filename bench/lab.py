@@ -1,0 +1,509 @@
+"""The bench's world: a run id, a busybox base image, a git recipe repository, engines, workers.
+
+Everything made here carries the run id in its name and the label lucia.bench.run=<run id>: the
+base image has the label from its first instruction, so every image built FROM it (recipe image,
+grammar image, the intermediate images of a cancelled build) and every container run from those
+inherits it. Lab.cleanup() removes all of it and is safe after a failure half-way or a Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+
+from supervisor import host
+
+RUN_ID = uuid.uuid4().hex[:8]
+LABEL = "lucia.bench.run"
+ROLE = "lucia.bench.role"
+ROOT = Path(__file__).resolve().parents[1]
+REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"
+PYTHON = sys.executable
+WORKER = [PYTHON, "-m", "supervisor.cli", "worker"]
+
+Doc = dict[str, Any]
+
+
+class Timeout(RuntimeError):
+    pass
+
+
+def epoch(iso: str) -> float:
+    """An ISO-8601 time from status.json ('...Z') as Unix seconds."""
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def floor_ms(seconds: float) -> float:
+    """checkedAt is written truncated to the millisecond: compare against a truncated clock."""
+    return math.floor(seconds * 1000) / 1000
+
+
+def read_json(path: Path) -> Doc | None:
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class StatusWatch:
+    """Detects a new status.json by a tight poll: one stat() a millisecond, and on a new inode,
+    mtime or size the file is read and parsed, so each answer is verified by content.
+
+    The worker replaces the file atomically, so every write is a new inode. The detection time
+    is at most one poll interval (+ the sleep's overshoot, ~0.1 ms) after the rename.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.doc: Doc | None = None
+        self._sig: tuple[int, int, int] | None = None
+
+    def poll(self) -> bool:
+        """True when a new version of the file was read."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if sig == self._sig:
+            return False
+        doc = read_json(self.path)
+        if doc is None:  # vanished between stat and read: try again next poll
+            return False
+        self._sig, self.doc = sig, doc
+        return True
+
+    def wait(
+        self, check: Callable[[Doc], bool], timeout: float, interval: float = 0.001
+    ) -> tuple[Doc, float]:
+        """Poll until check(status) holds; the status and the perf_counter() when it was seen."""
+        deadline = time.perf_counter() + timeout
+        self.poll()
+        while True:
+            if self.doc is not None and check(self.doc):
+                return self.doc, time.perf_counter()
+            if time.perf_counter() > deadline:
+                raise Timeout(f"{self.path}: timed out after {timeout:g}s; last: {self.doc}")
+            time.sleep(interval)
+            self.poll()
+
+
+def answers(generation: int, *states: str) -> Callable[[Doc], bool]:
+    def check(doc: Doc) -> bool:
+        return doc.get("generation") == generation and (not states or doc.get("state") in states)
+
+    return check
+
+
+@dataclass
+class Engine:
+    """One engine: its recipe file, data and state directories, and its worker process."""
+
+    lab: Lab
+    name: str
+    root: Path
+    port: int
+    image_tag: str
+    settings: dict[str, str] = field(default_factory=dict)
+    build_args: dict[str, str] = field(default_factory=dict)
+    prepare: bool = True
+    heartbeat: float | None = None  # None: the worker's default (15 s)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def dir(self) -> Path:
+        return self.data_dir / self.name
+
+    @property
+    def status_path(self) -> Path:
+        return self.dir / host.STATUS
+
+    @property
+    def container(self) -> str:
+        return f"lucia-{self.name}"
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.root / f"{self.name}.toml"
+
+    @property
+    def environment(self) -> dict[str, str]:
+        return {
+            "PORT": str(self.port),
+            "MODEL_ID": "bench/tiny-model",
+            "SERVED_NAME": "tiny",
+            "PARALLEL": "4",
+            "CONTEXT": "200000",
+            "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
+            "HF_CACHE": str(self.root / "hf-cache"),
+            "READY_DELAY": "0",
+            "PREPARE_SECONDS": "0",
+            **self.settings,
+        }
+
+    def write_recipe(self) -> None:
+        repo, commit = self.lab.repo()
+        build_args = {"BASE": self.lab.base_image(), **self.build_args}
+        lines = [
+            f'name = "{self.name}"',
+            'engine = "tensorfold"',
+            'model = "bench/tiny-model"',
+            "[source]",
+            f'repository = "file://{repo}"',
+            f'commit = "{commit}"',
+            "[image]",
+            f'tag = "{self.image_tag}"',
+            "build_args = " + _inline(build_args),
+            "[prepare]",
+            'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
+            "[grammar]",
+            'requirement = "xgrammar>=0.2.8,<0.3"',
+            'modules = ["xgrammar", "tensorfold"]',
+            "[settings]",
+            *(f"{key} = {json.dumps(value)}" for key, value in self.environment.items()),
+            "[run]",
+            f'network = "{self.lab.network}"',
+            f"port = {self.port}",
+            'ready_path = "/v1/models"',
+            'metrics_path = "/metrics"',
+            "ready_timeout = 60",
+            "stop_grace = 60",
+        ]
+        self.recipe_path.write_text("\n".join(lines) + "\n")
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        self.write_recipe()
+        self.starts += 1
+        log = self.root / f"worker-{self.starts}.log"
+        extra = ["--heartbeat", str(self.heartbeat)] if self.heartbeat else []
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *WORKER,
+                    self.name,
+                    "--recipe",
+                    str(self.recipe_path),
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--state-dir",
+                    str(self.state_dir),
+                    *extra,
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C reaches the bench, which then cleans up
+            )
+        return self.proc
+
+    def stop_worker(self, timeout: float = 30) -> float:
+        """SIGTERM the worker; the seconds until it exited."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return 0.0
+        started = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise
+        return time.perf_counter() - started
+
+    def request(self, desired: str) -> int:
+        return host.request(self.data_dir, self.name, desired)  # type: ignore[arg-type]
+
+    def status(self) -> Doc | None:
+        return read_json(self.status_path)
+
+    def watch(self) -> StatusWatch:
+        return StatusWatch(self.status_path)
+
+    def wait(self, check: Callable[[Doc], bool], timeout: float, what: str) -> Doc:
+        try:
+            return self.watch().wait(check, timeout, interval=0.01)[0]
+        except Timeout as exc:
+            raise Timeout(f"{self.name}: {what}: {exc}\nworker log:\n{self.log_tail()}") from None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        logs = sorted(self.root.glob("worker-*.log"), key=lambda p: p.stat().st_mtime)
+        return logs[-1].read_text(errors="replace")[-chars:] if logs else "(no log)"
+
+
+def _inline(table: dict[str, str]) -> str:
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "bench",
+        "GIT_AUTHOR_EMAIL": "bench@lucia.invalid",
+        "GIT_COMMITTER_NAME": "bench",
+        "GIT_COMMITTER_EMAIL": "bench@lucia.invalid",
+    }
+    out = subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def adopt_run(run_id: str) -> None:
+    """Make this process clean up after an earlier run that was killed (SIGKILL, a crash)."""
+    global RUN_ID  # noqa: PLW0603 - the run id names everything; --clean swaps it once
+    if not run_id.isalnum():
+        raise ValueError(f"not a run id: {run_id!r}")
+    RUN_ID = run_id
+
+
+class Lab:
+    def __init__(self) -> None:
+        self.client = docker.from_env(timeout=120)
+        self.client.ping()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"lucia-bench-{RUN_ID}-"))
+        self.network = f"lucia-bench-{RUN_ID}"
+        self.shared_tag = f"lucia-bench-{RUN_ID}-recipe:v1"
+        self.engines: list[Engine] = []
+        self.procs: list[subprocess.Popen[Any]] = []
+        self._ports: set[int] = set()
+        self._base: str | None = None
+        self._repo: tuple[Path, str] | None = None
+        self._gateway: str | None = None
+        self._main: Engine | None = None
+        self._slow: Engine | None = None
+        self.slow_building = False
+        self._cleaned = False
+
+    # -- docker things -------------------------------------------------------------------------
+
+    def labels(self, role: str) -> dict[str, str]:
+        return {LABEL: RUN_ID, ROLE: role}
+
+    def base_image(self) -> str:
+        """FROM scratch with Debian's static busybox, labelled from the first instruction on."""
+        if self._base is None:
+            busybox = shutil.which("busybox")
+            if busybox is None:
+                raise RuntimeError("busybox-static is needed (apt-get install busybox-static)")
+            context = self.tmp / "base"
+            context.mkdir()
+            shutil.copy(busybox, context / "busybox")
+            (context / "Dockerfile").write_text(
+                f'FROM scratch\nLABEL {LABEL}="{RUN_ID}"\nCOPY busybox /bin/busybox\n'
+                'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+                "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n"
+            )
+            tag = f"lucia-bench-{RUN_ID}-busybox:1"
+            self.client.images.build(path=str(context), tag=tag, rm=True, forcerm=True)
+            self._base = tag
+        return self._base
+
+    def repo(self) -> tuple[Path, str]:
+        """A git copy of demo/recipe-repo; its path and commit."""
+        if self._repo is None:
+            path = self.tmp / "recipe-repo"
+            shutil.copytree(REPO_TEMPLATE, path)
+            _git(path, "init", "-q", "-b", "main")
+            _git(path, "add", "-A")
+            _git(path, "commit", "-q", "-m", "recipe 0.7.0 (bench)")
+            self._repo = (path, _git(path, "rev-parse", "HEAD"))
+        return self._repo
+
+    def gateway(self) -> str:
+        """The bench's bridge network (made here, labelled), and its gateway address."""
+        if self._gateway is None:
+            try:
+                network = self.client.networks.get(self.network)
+            except docker.errors.NotFound:
+                network = self.client.networks.create(
+                    self.network,
+                    driver="bridge",
+                    labels={**self.labels("network"), "lucia.managed": "true"},
+                )
+            network.reload()
+            self._gateway = str(network.attrs["IPAM"]["Config"][0]["Gateway"])
+        return self._gateway
+
+    def free_port(self) -> int:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = int(sock.getsockname()[1])
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+
+    # -- engines -------------------------------------------------------------------------------
+
+    def engine(self, role: str, image_tag: str | None = None, **kwargs: Any) -> Engine:
+        name = f"b{RUN_ID}-{role}"
+        root = self.tmp / name
+        root.mkdir()
+        self.gateway()
+        engine = Engine(self, name, root, self.free_port(), image_tag or self.shared_tag, **kwargs)
+        self.engines.append(engine)
+        return engine
+
+    def main(self) -> Engine:
+        """The shared engine, running: builds the shared recipe and grammar images once."""
+        if self._main is None:
+            engine = self.engine("main")
+            engine.start_worker()
+            generation = engine.request("running")
+            engine.wait(answers(generation, "running", "failed"), 600, "first start")
+            self._main = engine
+        engine = self._main
+        status = engine.status() or {}
+        if status.get("state") != "running":
+            generation = engine.request("running")
+            status = engine.wait(answers(generation, "running", "failed"), 120, "running")
+        if status.get("state") != "running":
+            raise RuntimeError(f"the main engine failed: {status.get('message')}")
+        return engine
+
+    def slow(self, seconds: int) -> Engine:
+        """An engine whose recipe image build takes `seconds` (ARG SLOW), on its own image tag."""
+        if self._slow is None:
+            self.base_image()
+            self._slow = self.engine(
+                "slow",
+                image_tag=f"lucia-bench-{RUN_ID}-slow:v1",
+                build_args={"SLOW": str(seconds)},
+            )
+            self._slow.start_worker()
+        return self._slow
+
+    def build_containers(self, running_only: bool = True) -> list[str]:
+        """Ids of this run's build-step containers (the ARG SLOW loop of the recipe image)."""
+        found = self.client.api.containers(
+            all=not running_only, filters={"label": f"{LABEL}={RUN_ID}"}
+        )
+        return [c["Id"] for c in found if "compiling kernels" in str(c.get("Command", ""))]
+
+    def spawn(self, command: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            command, cwd=ROOT, start_new_session=True, **kwargs
+        )
+        self.procs.append(proc)
+        return proc
+
+    # -- cleanup -------------------------------------------------------------------------------
+
+    def cleanup(self) -> list[str]:
+        """Remove everything this run made; what could not be removed, as lines."""
+        if self._cleaned:
+            return []
+        self._cleaned = True
+        problems: list[str] = []
+        procs = [e.proc for e in self.engines if e.proc is not None] + self.procs
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+        for step in (self._remove_containers, self._remove_networks, self._remove_images):
+            try:
+                step()
+            except docker.errors.DockerException as exc:
+                problems.append(f"{step.__name__}: {exc}")
+        for tmp in Path(tempfile.gettempdir()).glob(f"lucia-bench-{RUN_ID}-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.tmp.exists():
+            problems.append(f"{self.tmp} could not be removed")
+        with contextlib.suppress(docker.errors.DockerException):
+            problems.extend(f"left behind: {thing}" for thing in self._leftovers())
+        self.client.close()
+        return problems
+
+    def _ours(self) -> list[dict[str, Any]]:
+        api = self.client.api
+        found = {
+            c["Id"]: c for c in api.containers(all=True, filters={"label": f"{LABEL}={RUN_ID}"})
+        }
+        for prefix in (f"lucia-b{RUN_ID}", f"lucia-bench-{RUN_ID}"):
+            for c in api.containers(all=True, filters={"name": prefix}):
+                found[c["Id"]] = c
+        return list(found.values())
+
+    def _remove_containers(self) -> None:
+        for _ in range(3):  # a cancelled build's step container can appear a moment late
+            for container in self._ours():
+                with contextlib.suppress(docker.errors.NotFound):
+                    self.client.api.remove_container(container["Id"], force=True)
+            if not self._ours():
+                return
+            time.sleep(1)
+
+    def _remove_networks(self) -> None:
+        for network in self.client.api.networks(names=[self.network]):
+            if network["Name"] == self.network:
+                with contextlib.suppress(docker.errors.NotFound):
+                    self.client.api.remove_network(network["Id"])
+
+    def _remove_images(self) -> None:
+        """Leaves first: an image with children cannot be removed, even by force."""
+        api = self.client.api
+        for _ in range(20):
+            images = api.images(all=True, filters={"label": f"{LABEL}={RUN_ID}"})
+            if not images:
+                return
+            parents = {(api.inspect_image(i["Id"]).get("Parent") or "") for i in images}
+            leaves = [i for i in images if i["Id"] not in parents] or images
+            for image in leaves:
+                with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                    api.remove_image(image["Id"], force=True)
+
+    def _leftovers(self) -> list[str]:
+        api = self.client.api
+        left = [f"container {c['Names'][0]}" for c in self._ours()]
+        left += [
+            f"image {i['Id'][:19]}"
+            for i in api.images(all=True, filters={"label": f"{LABEL}={RUN_ID}"})
+        ]
+        left += [
+            f"network {n['Name']}"
+            for n in api.networks(names=[self.network])
+            if n["Name"] == self.network
+        ]
+        return left
