@@ -11,7 +11,8 @@ from .errors import Cancelled, Permanent
 from .plan import AwaitReady, Prepare, Remove, Start, Step, Stop, exit_message
 from .runtime import Container, Runtime
 
-_PROBE_EVERY: Final = 0.5
+_PROBE_FIRST: Final = 0.05  # probes start fast (a warm engine answers at once) ...
+_PROBE_EVERY: Final = 0.5  # ... and back off to this
 _LOG_TAIL: Final = 5
 log = logs.get("actions")
 
@@ -80,6 +81,7 @@ def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepC
     endpoint = engine.endpoint()
     deadline = time.monotonic() + engine.ready_timeout
     last = ""
+    pause = _PROBE_FIRST
     while not engine.ready(endpoint):
         container = runtime.container(engine.container_name)
         if container is None or container.id != container_id:
@@ -94,8 +96,9 @@ def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepC
             tail = last_lines(runtime, container_id)
             stop(runtime, container_id, engine.stop_grace, "never became ready")
             raise Permanent(f"not ready after {engine.ready_timeout:g}s; last output: {tail}")
-        if ctx.sleep(_PROBE_EVERY):
+        if ctx.sleep(pause):
             raise Cancelled("readiness wait cancelled")
+        pause = min(pause * 2, _PROBE_EVERY)
 
 
 def stop(runtime: Runtime, container_id: str, grace: float, reason: str) -> None:

@@ -251,7 +251,17 @@ class Worker:
         self._accept(desired)
 
     def _accept(self, desired: DesiredFile) -> None:
-        self.memory = Memory(desired.generation, desired.desired)
+        previous = self.memory
+        # asking again for what already serves needs no new readiness probe (a failure is
+        # never carried over: a new request retries)
+        ready = (
+            previous.ready
+            if previous is not None
+            and previous.desired == desired.desired
+            and previous.failure is None
+            else None
+        )
+        self.memory = Memory(desired.generation, desired.desired, ready=ready)
         self._retry_at = 0.0
         self._pending = True
         self._failures = 0
