@@ -606,11 +606,15 @@ class Scene:
     def read_status(self) -> protocol.Status:
         return protocol.parse_status(files.read_text(self.status))
 
+    def _targets(self) -> bytes | None:
+        """The file_sd file's bytes, or None while the worker has not written one."""
+        return self.file_sd.read_bytes() if self.file_sd.exists() else None
+
     def check(self, data: bytes) -> None:
         self.reset()
         worker, runtime = self.worker, self.runtime
         memory, before = worker.memory, self.read_status()
-        targets = self.file_sd.read_bytes()
+        targets = self._targets()
         verdict = oracle(data)
         put(self.desired, data)
         worker._read_request()
@@ -631,7 +635,7 @@ class Scene:
             assert (status.generation, status.state) == (before.generation, before.state)
             assert status.url == before.url
             assert status.message.startswith("request refused: ") or not self.settled
-            assert self.file_sd.read_bytes() == targets, "file_sd changed on invalid input"
+            assert self._targets() == targets, "file_sd changed on invalid input"
             return
         generation, want = verdict.accepted
         assert worker.refused is None and status.refused is None
