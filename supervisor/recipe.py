@@ -10,6 +10,7 @@ from string import Template
 from typing import Annotated, Final, Literal, Self
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -26,6 +27,21 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _IMAGE_TAG = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
 
+
+def _image_reference(value: str) -> str:
+    if not _IMAGE_TAG.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid image reference")
+    return value
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path")
+    return value
+
+
+ImageRef = Annotated[str, AfterValidator(_image_reference)]
+AbsolutePath = Annotated[str, AfterValidator(_absolute)]
 Commit = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$", description="a full 40-hex commit id")]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -44,17 +60,10 @@ class Source(_Section):
 
 
 class ImageBuild(_Section):
-    tag: str = Field(description="the recipe image, built from the checkout")
+    tag: ImageRef = Field(description="the recipe image, built from the checkout")
     context: str = Field(default=".", description="build context, relative to the checkout")
     dockerfile: str = Field(default="Dockerfile", description="relative to the context")
     build_args: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("tag")
-    @classmethod
-    def _tag(cls, value: str) -> str:
-        if not _IMAGE_TAG.fullmatch(value):
-            raise ValueError(f"{value!r} is not a valid image reference")
-        return value
 
     @field_validator("context", "dockerfile")
     @classmethod
@@ -93,15 +102,8 @@ class Grammar(_Section):
 
 class Volume(_Section):
     source: str
-    target: str
+    target: AbsolutePath
     read_only: bool = False
-
-    @field_validator("target")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"volume target {value!r} must be an absolute path")
-        return value
 
 
 class Run(_Section):
@@ -207,7 +209,7 @@ class TensorFoldRecipe(RecipeBase):
 class Library(_Section):
     models_dir: str = Field(description="the host's model library: <guid>/model.json + files/")
     cache_dir: str = Field(description="local GGUF cache (fast disk), mounted read-only")
-    container_dir: str = Field(default="/models", description="where the cache is mounted")
+    container_dir: AbsolutePath = Field(default="/models", description="where it is mounted")
     poll_seconds: float = Field(
         default=10.0,
         gt=0,
@@ -215,13 +217,6 @@ class Library(_Section):
         allow_inf_nan=False,
         description="how often the library is re-checked while settled",
     )
-
-    @field_validator("container_dir")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"{value!r} must be an absolute path")
-        return value
 
     @property
     def models_path(self) -> Path:
@@ -233,20 +228,13 @@ class Library(_Section):
 
 
 class Router(_Section):
-    image: str = Field(description="the llama.cpp server image (llama-server in router mode)")
+    image: ImageRef = Field(description="the llama.cpp server image (llama-server in router mode)")
     models_max: int = Field(default=1, ge=1, description="--models-max: models loaded at once")
     load_on_startup: list[str] = Field(default_factory=list)
     defaults: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="the preset's [*] section (ctx-size, n-gpu-layers...)"
     )
     args: list[str] = Field(default_factory=list, description="extra llama-server arguments")
-
-    @field_validator("image")
-    @classmethod
-    def _tag(cls, value: str) -> str:
-        if not _IMAGE_TAG.fullmatch(value):
-            raise ValueError(f"{value!r} is not a valid image reference")
-        return value
 
     @model_validator(mode="after")
     def _startup_fits(self) -> Self:
