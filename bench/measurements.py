@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import inspect
 import os
 import queue
 import random
 import signal
 import subprocess
-import textwrap
 import threading
 import time
 import urllib.error
@@ -110,23 +107,20 @@ class Shared:
 
 
 def worker_watch_settings() -> dict[str, int]:
-    """The keyword arguments supervisor/worker.py's Worker._watch passes to watchfiles.watch,
-    read from its source so that the baseline always listens exactly as the worker does."""
-    settings = {"debounce": 50, "step": 5, "rust_timeout": 1000}  # as of issue 6
-    from supervisor.worker import Worker
+    """The keyword arguments supervisor/worker.py passes to watchfiles.watch, so that the
+    baseline always listens exactly as the worker does."""
+    from supervisor import worker
 
-    tree_ = ast.parse(textwrap.dedent(inspect.getsource(Worker._watch)))
-    for node in ast.walk(tree_):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "watch":
-            for keyword in node.keywords:
-                if keyword.arg in settings and isinstance(keyword.value, ast.Constant):
-                    settings[keyword.arg] = int(keyword.value.value)
-    return settings
+    return {
+        "debounce": worker.WATCH_DEBOUNCE_MS,
+        "step": worker.WATCH_STEP_MS,
+        "rust_timeout": worker.WATCH_RUST_TIMEOUT_MS,
+    }
 
 
 class Listener:
     """The baseline: a bare watchfiles listener, in a thread, with the worker's own settings
-    (supervisor/worker.py Worker._watch: debounce, step, rust_timeout; desired.json only)."""
+    (supervisor/worker.py's WATCH_* settings; desired.json only)."""
 
     def __init__(self, lab: Lab) -> None:
         self.data = lab.tmp / "listener"

@@ -1,41 +1,23 @@
-"""Carry out one planned step against the engine and Docker. The only place steps have effects."""
+"""Carry out one planned step against the engine and Docker. The only place steps have effects;
+each runs off the worker's loop, in a thread of its own."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Final
 
-from . import logs
+from . import labels, logs
 from .engines.base import Engine, StepContext
 from .errors import Cancelled, Permanent
 from .plan import AwaitReady, Prepare, Remove, Start, Step, Stop, exit_message
-from .runtime import Container, Runtime
+from .runtime import Runtime
+from .spec import Container, RunSpec
 
 _PROBE_FIRST: Final = 0.05  # probes start fast (a warm engine answers at once) ...
 _PROBE_EVERY: Final = 0.5  # ... and back off to this
 _LOG_TAIL: Final = 5
 log = logs.get("actions")
-
-
-def describe(step: Step) -> str:
-    """The status message while a step runs, before its own progress arrives."""
-    match step:
-        case Prepare(what):
-            return f"preparing: {what}"
-        case Start():
-            return "starting the engine container"
-        case AwaitReady():
-            return "waiting for the engine to answer"
-        case Stop(_, reason):
-            return f"stopping the engine container ({reason})"
-        case Remove():
-            return "removing the old engine container"
-    return type(step).__name__
-
-
-def cancellable(step: Step) -> bool:
-    """Stops and starts are short and must not be left half-done; the rest is interrupted."""
-    return isinstance(step, Prepare | AwaitReady)
 
 
 def execute(
@@ -44,27 +26,35 @@ def execute(
     match step:
         case Prepare(what):
             engine.make(what, ctx)
-        case Start(image_id):
-            _start(engine, runtime, image_id, generation)
+        case Start(spec):
+            _start(runtime, spec, generation)
         case AwaitReady(container_id):
             _await_ready(engine, runtime, container_id, ctx)
         case Stop(container_id, reason):
             stop(runtime, container_id, engine.stop_grace, reason)
         case Remove(container_id):
             runtime.remove(container_id)
-        case _:
-            raise ValueError(f"{step!r} is not an action")
 
 
-def _start(engine: Engine, runtime: Runtime, image_id: str, generation: int) -> None:
-    endpoint = engine.endpoint()
-    spec = engine.run_spec(image_id, generation, endpoint)
-    container = runtime.run(spec)
+def stamped(spec: RunSpec, generation: int) -> RunSpec:
+    """The spec as created: labelled with its request and its own fingerprint."""
+    return replace(
+        spec,
+        labels={
+            **spec.labels,
+            labels.GENERATION: str(generation),
+            labels.FINGERPRINT: spec.fingerprint(),
+        },
+    )
+
+
+def _start(runtime: Runtime, spec: RunSpec, generation: int) -> None:
+    container = runtime.run(stamped(spec, generation))
     log.info(
         "engine container started",
         container=container.id[:12],
-        image=image_id[:19],
-        published=f"{endpoint.host}:{endpoint.port}",
+        image=spec.image[:19],
+        published=f"{spec.host_ip}:{spec.host_port}",
     )
 
 
@@ -78,11 +68,10 @@ def died(runtime: Runtime, container: Container) -> Permanent:
 
 
 def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepContext) -> None:
-    endpoint = engine.endpoint()
     deadline = time.monotonic() + engine.ready_timeout
     last = ""
     pause = _PROBE_FIRST
-    while not engine.ready(endpoint):
+    while not engine.ready():
         container = runtime.container(engine.container_name)
         if container is None or container.id != container_id:
             raise Permanent("the engine container disappeared while it was starting")

@@ -1,34 +1,42 @@
-"""status.json: the worker's truthful, regularly refreshed answer."""
+"""status.json and the file_sd file: the worker's truthful, regularly refreshed answer.
+
+One policy for both: written at once when what they say changes, status.json at least every
+interval. A write that fails (a full disk) keeps the last good file, is said in the journal (and
+in status.json when that one can still be written) and is retried on the next tick; the worker
+never exits for it.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from . import files, logs, redaction
 from .notify import Notifier
-from .protocol import State, Status, clean_message, dump, utc_now
-from .telemetry import Metrics
+from .plan import Answer
+from .protocol import Status, TargetGroup, clean_message, dump, utc_now
+from .telemetry import FileSdWriter, Metrics
 
 _MESSAGE_EVERY: Final = 1.0  # progress lines are coalesced to one write a second
 log = logs.get("heartbeat")
 
 
 class Heartbeat:
-    """Writes status.json at once when the answer changes, and at least every interval."""
-
     def __init__(
         self,
         path: Path,
+        file_sd: FileSdWriter,
         interval: float,
         notifier: Notifier,
         metrics: Metrics,
+        *,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
         self.path = path
+        self.file_sd = file_sd
         self.interval = interval
         self._notifier = notifier
         self._metrics = metrics
@@ -36,30 +44,33 @@ class Heartbeat:
         self.status: Status | None = None
         self._written_at = float("-inf")
         self._dirty = False
+        self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
+        self._sd_error: str | None = None
 
-    def set(
-        self,
-        generation: int,
-        state: State,
-        message: str,
-        url: str | None = None,
-        refused: str | None = None,
+    def show(
+        self, answer: Answer, refused: str | None, targets: Sequence[TargetGroup] = ()
     ) -> None:
+        """Say this answer; status.json is rewritten at once when the answer changes (a new
+        message alone is coalesced), file_sd when its targets change."""
+        self._targets = tuple(targets)
+        self._publish_targets()
         now = self._clock()
-        line = clean_message(redaction.redact(message))
+        line = clean_message(redaction.redact(answer.message))
         previous = self.status
-        if previous is None or (previous.generation, previous.state) != (generation, state):
-            since = now
-        else:
-            since = previous.since
+        same_state = previous is not None and (previous.generation, previous.state) == (
+            answer.generation,
+            answer.state,
+        )
+        running = answer.state == "running"
         status = Status(
-            generation=generation,
-            state=state,
-            since=since,
+            generation=answer.generation,
+            state=answer.state,
+            since=previous.since if previous is not None and same_state else now,
             message=line,
-            url=url if state == "running" else None,
+            url=answer.url if running else None,
             checked_at=now,
             refused=clean_message(redaction.redact(refused)) if refused else None,
+            engine=answer.engine if running else None,
         )
         self.status = status
         if previous is not None and _same_answer(previous, status):
@@ -67,12 +78,23 @@ class Heartbeat:
                 self._dirty = True
                 self.tick()
             return
-        self._notifier.status(f"{state}: {line}")
-        self._metrics.set_state(state)
+        self._metrics.set_state(answer.state)
         self._write()
 
+    def progress(self, message: str) -> None:
+        """The same answer with the latest line of a running step (coalesced)."""
+        if self.status is None:
+            return
+        line = clean_message(redaction.redact(message))
+        if line != self.status.message:
+            self.status = self.status.model_copy(update={"message": line})
+            self._dirty = True
+            self.tick()
+
     def tick(self) -> None:
-        """Write if a coalesced change waits or the heartbeat is due."""
+        """Write what waits: a failed file_sd write, a coalesced message, a due heartbeat."""
+        if self._targets is not None:
+            self._publish_targets()
         elapsed = time.monotonic() - self._written_at
         if (self._dirty and elapsed >= _MESSAGE_EVERY) or elapsed >= self.interval:
             self._write()
@@ -80,18 +102,39 @@ class Heartbeat:
     def due_in(self) -> float:
         elapsed = time.monotonic() - self._written_at
         wait = self.interval - elapsed
-        if self._dirty:
+        if self._dirty or self._targets is not None:
             wait = min(wait, _MESSAGE_EVERY - elapsed)
         return max(wait, 0.0)
+
+    def _publish_targets(self) -> None:
+        assert self._targets is not None
+        try:
+            self.file_sd.publish(self._targets)
+        except OSError as exc:
+            if self._sd_error is None:
+                log.error("file_sd write failed", path=str(self.file_sd.path), error=str(exc))
+                self._dirty = True
+            self._sd_error = f"Prometheus targets not written: {exc.strerror or exc}"
+            return
+        if self._sd_error is not None:
+            log.info("file_sd written again", path=str(self.file_sd.path))
+            self._sd_error = None
+            self._dirty = True
+        self._targets = None
 
     def _write(self) -> None:
         if self.status is None:
             return
         status = self.status.model_copy(update={"checked_at": self._clock()})
+        shown = status
+        if self._sd_error is not None:
+            shown = status.model_copy(
+                update={"message": clean_message(f"{status.message}; {self._sd_error}")}
+            )
         try:
-            files.write_atomic(self.path, dump(status))
+            files.write_atomic(self.path, dump(shown))
         except OSError as exc:
-            # e.g. a full disk: the previous status stays intact; retried on the next tick
+            # the previous status stays intact; retried a second from now
             self._dirty = True
             self._written_at = time.monotonic() - self.interval + _MESSAGE_EVERY
             log.error("status write failed", path=str(self.path), error=str(exc))
@@ -99,9 +142,15 @@ class Heartbeat:
         self.status = status
         self._written_at = time.monotonic()
         self._dirty = False
-        self._notifier.status(f"{status.state}: {status.message}")
+        self._notifier.status(f"{shown.state}: {shown.message}")
         self._metrics.heartbeat.set(status.checked_at.timestamp())
 
 
 def _same_answer(a: Status, b: Status) -> bool:
-    return (a.generation, a.state, a.url, a.refused) == (b.generation, b.state, b.url, b.refused)
+    return (a.generation, a.state, a.url, a.refused, a.engine) == (
+        b.generation,
+        b.state,
+        b.url,
+        b.refused,
+        b.engine,
+    )

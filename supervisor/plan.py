@@ -1,16 +1,29 @@
-"""Pure: (what is asked, what was seen, what this generation already did) -> the next step.
+"""Pure: (the request, what was observed, what this generation already did) -> one Decision.
 
-No I/O here. The worker observes, calls plan(), and carries the step out; then it observes again.
+The decision is whole: the next step, what status.json says and what the file_sd file holds. The
+worker observes off its loop, calls plan(), writes what the decision says and runs its step; it
+decides nothing itself. No I/O here, and no Docker: the container is the project's own value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final, Protocol
 
-from .protocol import DesiredState, State
-from .runtime import Container
+from . import labels
+from .protocol import DesiredFile, DesiredState, RunningEngine, State, TargetGroup
+from .spec import Container, RunSpec, changed_settings
 
-FINGERPRINT = "lucia.fingerprint"  # container label: the run settings that need a restart
+UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
+REFUSED: Final = "request refused: "
+
+
+class Prerequisite(Protocol):
+    """Something the engine needs before its container can run; made by a Prepare step.
+    Engines define them as frozen dataclasses."""
+
+    @property
+    def description(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -25,20 +38,25 @@ class Memory:
 
 @dataclass(frozen=True)
 class Observed:
+    """One look at the engine: its container, what it still needs, what it would run."""
+
     container: Container | None
-    missing: tuple[str, ...]  # prerequisites (checkout, images, ...) still to be made, in order
-    image_id: str | None  # the image the container must run on, once it exists
-    fingerprint: str = ""  # what else, when changed, needs a new container (engine-defined)
+    missing: tuple[Prerequisite, ...] = ()  # still to be made, in order
+    spec: RunSpec | None = None  # what a container would be created with now, once it can be
+    url: str | None = None  # where the engine answers, once its network exists
+    targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
+    notes: str = ""  # what the operator should know while it serves (files skipped...)
+    tail: str = ""  # the last log lines of a container that has exited
 
 
 @dataclass(frozen=True)
 class Prepare:
-    what: str
+    what: Prerequisite
 
 
 @dataclass(frozen=True)
 class Start:
-    image_id: str
+    spec: RunSpec
 
 
 @dataclass(frozen=True)
@@ -57,18 +75,46 @@ class Remove:
     container_id: str
 
 
-@dataclass(frozen=True)
-class Fail:
-    message: str
-    logs_of: str | None = None  # a container whose last log lines explain the failure
+Step = Prepare | Start | AwaitReady | Stop | Remove
 
 
 @dataclass(frozen=True)
-class Settle:
+class Answer:
+    """What status.json says (the worker adds the times, the refusal and the heartbeat)."""
+
+    generation: int
     state: State
+    message: str
+    url: str | None = None
+    engine: RunningEngine | None = None
 
 
-Step = Prepare | Start | AwaitReady | Stop | Remove | Fail | Settle
+@dataclass(frozen=True)
+class Decision:
+    memory: Memory | None
+    answer: Answer
+    targets: tuple[TargetGroup, ...] = ()
+    step: Step | None = None
+
+
+def describe(step: Step) -> str:
+    """The status message while a step runs, before its own progress arrives."""
+    match step:
+        case Prepare(what):
+            return f"preparing: {what.description}"
+        case Start():
+            return "starting the engine container"
+        case AwaitReady():
+            return "waiting for the engine to answer"
+        case Stop(_, reason):
+            return f"stopping the engine container ({reason})"
+        case Remove():
+            return "removing the old engine container"
+
+
+def cancellable(step: Step) -> bool:
+    """Stops and starts are short and must not be left half-done; the rest is interrupted."""
+    return isinstance(step, Prepare | AwaitReady)
 
 
 def exit_message(container: Container) -> str:
@@ -77,39 +123,149 @@ def exit_message(container: Container) -> str:
     return f"exited with code {container.exit_code}"
 
 
-def plan(memory: Memory, observed: Observed) -> Step:
+def running_engine(container: Container) -> RunningEngine:
+    """What runs, as the container's own labels recorded it when it was created."""
+    found = container.labels
+    return RunningEngine(
+        image=found.get(labels.IMAGE_REF, ""),
+        image_id=container.image_id,
+        container_id=container.id,
+        recipe_commit=found.get(labels.RECIPE_COMMIT),
+        model=found.get(labels.MODEL, ""),
+        model_revision=found.get(labels.MODEL_REVISION),
+    )
+
+
+# -- a new desired.json ------------------------------------------------------------------------
+
+
+def accept(memory: Memory | None, desired: DesiredFile) -> Memory | None:
+    """The memory for a request read from desired.json; None when it asks nothing new.
+
+    Asking again for what already serves keeps the container seen answering (no new readiness
+    probe); a failure is never carried over, so a new request retries."""
+    if memory is not None and (memory.generation, memory.desired) == (
+        desired.generation,
+        desired.desired,
+    ):
+        return None
+    ready = None
+    if memory is not None and memory.desired == desired.desired and memory.failure is None:
+        ready = memory.ready
+    return Memory(desired.generation, desired.desired, ready=ready)
+
+
+def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
+    """Answer a new generation at once, before any work: starting or stopping. A re-request
+    of a serving engine keeps its Prometheus target: the engine goes on serving."""
+    state: State = "starting" if memory.desired == "running" else "stopping"
+    targets = previous.targets if previous is not None and memory.ready is not None else ()
+    return Decision(
+        memory,
+        Answer(memory.generation, state, f"acknowledged: {memory.desired} requested"),
+        targets,
+    )
+
+
+def shown(answer: Answer, refused: str | None) -> Answer:
+    """A refused desired.json is named in a settled answer; a working one keeps its progress."""
+    if refused and answer.state in ("running", "stopped", "failed"):
+        return replace(answer, message=REFUSED + refused)
+    return answer
+
+
+# -- what to do next ---------------------------------------------------------------------------
+
+
+def plan(memory: Memory | None, observed: Observed) -> Decision:
     container = observed.container
+    if memory is None:
+        state: State = "running" if container is not None and container.running else "stopped"
+        return Decision(None, Answer(0, state, UNREQUESTED))
     if container is not None and not container.managed:
-        return Fail(
+        return failed(
+            memory,
             f"a container named {container.name} exists that lucia-supervisor did not create; "
-            "remove or rename it, then request again"
+            "remove or rename it, then request again",
         )
     if memory.desired == "stopped":
         if container is None:
-            return Settle("stopped")
+            return Decision(memory, Answer(memory.generation, "stopped", "stopped"))
         if container.running:
-            return Stop(container.id, "stop requested")
-        return Remove(container.id)
+            return _working(memory, Stop(container.id, "stop requested"))
+        return _working(memory, Remove(container.id))
     return _plan_running(memory, observed, container)
 
 
-def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Step:
+def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Decision:
     if memory.failure is not None:
-        return Settle("failed")
+        return Decision(memory, Answer(memory.generation, "failed", memory.failure))
     if container is not None and not container.running:
         if memory.ready == container.id:
-            return Fail(exit_message(container), logs_of=container.id)
-        return Remove(container.id)  # left from before this generation: clear the name
+            tail = f": {observed.tail}" if observed.tail else ""
+            return failed(memory, exit_message(container) + tail)
+        return _working(memory, Remove(container.id))  # left from before: clear the name
+    serving = container is not None and container.id == memory.ready
     if observed.missing:
-        return Prepare(observed.missing[0])  # a running engine keeps serving meanwhile
-    if observed.image_id is None:
-        return Fail("the engine image is missing after it was built")
+        step = Prepare(observed.missing[0])
+        if serving and container is not None:  # a library re-sync: the engine keeps serving
+            return _serving(memory, observed, container, describe(step), step)
+        return _working(memory, step)
+    spec = observed.spec
+    if spec is None:
+        return failed(memory, "the engine image is missing after it was built")
     if container is None:
-        return Start(observed.image_id)
-    if container.image_id != observed.image_id:
-        return Stop(container.id, "replacing: it runs on another image")
-    if container.labels.get(FINGERPRINT, "") != observed.fingerprint:
-        return Stop(container.id, "replacing: its run settings changed")
-    if memory.ready != container.id:
-        return AwaitReady(container.id)
-    return Settle("running")
+        return _working(memory, Start(spec))
+    if container.image_id != spec.image:
+        return _working(memory, Stop(container.id, "replacing: it runs on another image"))
+    changed = changed_settings(container.labels.get(labels.FINGERPRINT, ""), spec.fingerprint())
+    if changed:
+        what = ", ".join(changed)
+        return _working(memory, Stop(container.id, f"replacing: its {what} changed"))
+    if not serving:
+        return _working(memory, AwaitReady(container.id))
+    message = f"serving at {observed.url}" + (f"; {observed.notes}" if observed.notes else "")
+    return _serving(memory, observed, container, message)
+
+
+def _working(memory: Memory, step: Step) -> Decision:
+    state: State = "starting" if memory.desired == "running" else "stopping"
+    return Decision(memory, Answer(memory.generation, state, describe(step)), step=step)
+
+
+def _serving(
+    memory: Memory, observed: Observed, container: Container, message: str, step: Step | None = None
+) -> Decision:
+    answer = Answer(memory.generation, "running", message, observed.url, running_engine(container))
+    return Decision(memory, answer, observed.targets, step)
+
+
+def failed(memory: Memory, reason: str) -> Decision:
+    """The generation is failed until a new request: nothing is started or stopped for it."""
+    return Decision(replace(memory, failure=reason), Answer(memory.generation, "failed", reason))
+
+
+def unobserved(memory: Memory | None, reason: str) -> Decision:
+    """Docker could not be asked (it is down): no step, and no claim that anything serves."""
+    if memory is None:
+        return Decision(None, Answer(0, "failed", f"cannot observe the engine: {reason}"))
+    state: State = "starting" if memory.desired == "running" else "stopping"
+    return Decision(memory, Answer(memory.generation, state, reason))
+
+
+def stalled(previous: Decision, reason: str) -> Decision:
+    """Docker did not answer in time: nothing is known to have changed, so the last answer
+    stands, saying why it is not fresh."""
+    return replace(previous, answer=replace(previous.answer, message=reason), step=None)
+
+
+# -- a step has ended --------------------------------------------------------------------------
+
+
+def conclude(memory: Memory, step: Step, error: str | None) -> Memory:
+    """What this generation has now done: a container seen answering, or a failure."""
+    if error is not None:
+        return replace(memory, failure=error)
+    if isinstance(step, AwaitReady):
+        return replace(memory, ready=step.container_id)
+    return memory

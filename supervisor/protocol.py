@@ -89,6 +89,24 @@ class DesiredFile(BaseModel):
         return value
 
 
+class RunningEngine(BaseModel):
+    """What runs, as recorded on its container when it was created: enough for a benchmark or
+    a bug report to say which build served it."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="ignore", alias_generator=to_camel, populate_by_name=True
+    )
+
+    image: str = Field(description="the image reference the container was created from")
+    image_id: str = Field(description="the image id (sha256:...) it runs")
+    container_id: str
+    recipe_commit: str | None = Field(default=None, description="the recipe commit, if any")
+    model: str = Field(description="the model it serves")
+    model_revision: str | None = Field(
+        default=None, description="the model's revision or file digest, when the engine has one"
+    )
+
+
 class Status(BaseModel):
     """status.json: the worker's heartbeat and its answer to one generation."""
 
@@ -107,11 +125,16 @@ class Status(BaseModel):
         max_length=MAX_MESSAGE,
         description="Why the current desired.json was refused; null while it is valid.",
     )
+    engine: RunningEngine | None = Field(
+        default=None, description="What runs, while the state is running; null otherwise."
+    )
 
     @model_validator(mode="after")
     def _url_only_when_running(self) -> Status:
         if self.url is not None and self.state != "running":
             raise ValueError("url must be null unless state is running")
+        if self.engine is not None and self.state != "running":
+            raise ValueError("engine must be null unless state is running")
         return self
 
 

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import tarfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Final, Literal, cast
+from dataclasses import asdict, dataclass
+from typing import IO, Any, Final, cast
 
 import docker
 import docker.errors
@@ -26,75 +26,11 @@ from docker.types import DeviceRequest, Ulimit
 from docker.utils import parse_repository_tag
 
 from .errors import BuildFailed, Cancelled, Permanent, Transient
+from .labels import MANAGED
+from .spec import BuildRequest, Container, Gpus, Image, RunSpec
 
-MANAGED: Final = "lucia.managed"
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
-
-
-@dataclass(frozen=True)
-class Container:
-    id: str
-    name: str
-    image_id: str
-    status: str  # created, running, paused, restarting, removing, exited, dead
-    exit_code: int
-    oom_killed: bool
-    started_at: str
-    labels: Mapping[str, str]
-    bindings: tuple[tuple[str, int], ...]  # (host ip, host port) for every published port
-
-    @property
-    def running(self) -> bool:
-        return self.status in ("running", "restarting", "paused")
-
-    @property
-    def managed(self) -> bool:
-        return self.labels.get(MANAGED) == "true"
-
-
-@dataclass(frozen=True)
-class Image:
-    id: str
-    labels: Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class Mount:
-    source: str
-    target: str
-    read_only: bool = False
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    name: str
-    image: str
-    network: str
-    host_ip: str
-    host_port: int
-    container_port: int
-    environment: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
-    command: tuple[str, ...] = ()
-    gpus: Literal["all", "none"] | int = "none"
-    shm_size: str | None = None
-    memory: str | None = None
-    ipc_mode: str | None = None
-    ulimits: Mapping[str, int] = field(default_factory=dict)
-    mounts: tuple[Mount, ...] = ()
-
-
-@dataclass(frozen=True)
-class BuildRequest:
-    """A classic-builder build: either a directory context or an in-memory Dockerfile."""
-
-    tag: str
-    labels: Mapping[str, str]
-    context: str | None = None
-    dockerfile: str = "Dockerfile"
-    dockerfile_text: str | None = None
-    build_args: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -187,18 +123,28 @@ class Runtime:
                 return None
         return Image(id=attrs["Id"], labels=dict((attrs.get("Config") or {}).get("Labels") or {}))
 
-    def gateway(self, network: str, labels: Mapping[str, str]) -> str:
-        """The gateway address of a bridge network, creating the network when it is missing."""
+    def gateway(self, network: str) -> str | None:
+        """The IPv4 gateway of a bridge network; None when the network does not exist."""
         with _translated(f"network {network}"):
             try:
                 attrs = self.api.inspect_network(network)
             except docker.errors.NotFound:
-                self.api.create_network(network, driver="bridge", labels=dict(labels))
-                attrs = self.api.inspect_network(network)
+                return None
         for config in (attrs.get("IPAM") or {}).get("Config") or []:
             if config.get("Gateway"):
                 return str(config["Gateway"])
         raise Permanent(f"network {network} has no IPv4 gateway; use a bridge network")
+
+    def create_network(self, network: str) -> None:
+        """A bridge network, labelled as lucia's; one that exists already is left alone."""
+        with _translated(f"creating network {network}"):
+            try:
+                self.api.create_network(
+                    network, driver="bridge", labels={MANAGED: "true"}, check_duplicate=True
+                )
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # created meanwhile by another worker: fine
+                    raise
 
     def run(self, spec: RunSpec) -> Container:
         """Create and start a container; a half-created one is removed again."""
@@ -372,7 +318,7 @@ def _api_client(base_url: str | None, timeout: float | None) -> docker.APIClient
     return docker.from_env(timeout=limit).api
 
 
-def _gpus(gpus: Literal["all", "none"] | int) -> list[DeviceRequest] | None:
+def _gpus(gpus: Gpus) -> list[DeviceRequest] | None:
     if gpus == "none":
         return None
     count = -1 if gpus == "all" else int(gpus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -14,7 +15,7 @@ TELEMETRY_DIR: Final = "telemetry"
 
 
 class FileSdWriter:
-    """<data>/telemetry/<name>.json: the engine's target group while it runs, [] otherwise.
+    """<data>/telemetry/<name>.json: the engine's target groups while it runs, [] otherwise.
 
     Written atomically, and only when its content changes, so Prometheus never re-reads for
     nothing and never sees half a file.
@@ -26,8 +27,8 @@ class FileSdWriter:
         self.path = files.ensure_dir(data_dir / TELEMETRY_DIR, mode=0o755) / f"{name}.json"
         self._last: bytes | None = None
 
-    def publish(self, group: TargetGroup | None) -> bool:
-        data = dump(FileSd([group] if group is not None else []))
+    def publish(self, groups: Sequence[TargetGroup]) -> bool:
+        data = dump(FileSd(list(groups)))
         if self._last is None:
             try:
                 self._last = self.path.read_bytes()

@@ -1,8 +1,10 @@
 """The worker: lease, watch, reconcile, heartbeat, signals, sd_notify.
 
-One thread decides. Signal handlers only record; a watcher thread and an exit monitor only wake
-the loop; a long step runs in a thread of its own so that the loop keeps the heartbeat and can
-cancel the step when a newer request arrives.
+One loop thread only waits, records and writes: it reads desired.json, writes status.json and
+the file_sd file, and pings the watchdog. Everything that may block (an observation of Docker,
+git and the model library; a step) runs as a job in a thread of its own, one at a time, with a
+deadline or a cancel. plan() decides; the loop applies its decisions and decides nothing itself.
+Signal handlers only record, and wake the loop through the self-pipe.
 """
 
 from __future__ import annotations
@@ -14,36 +16,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Final
+from typing import Any, Final
 
 from watchfiles import watch
 
-from . import actions, engines, files, logs
+from . import actions, engines, files, logs, plan
 from .engines.base import Engine, StepContext
 from .errors import Cancelled, Permanent, Transient
 from .heartbeat import Heartbeat
 from .host import DESIRED, STATUS, engine_dir
 from .notify import Notifier
-from .plan import (
-    AwaitReady,
-    Fail,
-    Memory,
-    Observed,
-    Prepare,
-    Remove,
-    Settle,
-    Start,
-    Step,
-    Stop,
-    plan,
-)
-from .protocol import DesiredFile, InvalidDocument, State, parse_desired
+from .plan import Decision, Memory, Observed, Step
+from .protocol import DesiredFile, InvalidDocument, parse_desired
 from .recipe import Recipe
 from .runtime import Runtime
 from .telemetry import FileSdWriter, Metrics
+from .wakeup import Wakeup
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
+OBSERVE_DEADLINE: Final = 10.0  # an observation that takes longer is reported, and waited for
 _BACKOFF: Final = (1.0, 2.0, 5.0, 10.0)
+_JOB_POLL: Final = 0.25
+# watchfiles polls its event queue every `step` ms: 5 ms cost 1.2 % of a core while idle, 15 ms
+# about 0.2 %, with the wake-up after a write at p50 24 ms, max 30 ms
+WATCH_DEBOUNCE_MS: Final = 30
+WATCH_STEP_MS: Final = 15
+WATCH_RUST_TIMEOUT_MS: Final = 1000
 log = logs.get("worker")
 
 
@@ -57,20 +55,26 @@ class Settings:
 
 
 @dataclass
-class Task:
-    """A step running in its own thread."""
+class Job:
+    """Work off the loop: an observation (step is None) or a step, in a thread of its own."""
 
-    step: Step
-    generation: int
+    engine: Engine
+    step: Step | None = None
+    generation: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     progress: str = ""
+    result: Observed | None = None
     error: BaseException | None = None
-    serving: bool = False  # the engine keeps serving while this step runs
     started: float = field(default_factory=time.monotonic)
+    stalled: bool = False  # reported as overdue
     thread: threading.Thread | None = None
 
     def done(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
+
+    @property
+    def name(self) -> str:
+        return "Observe" if self.step is None else type(self.step).__name__
 
 
 class Worker:
@@ -88,20 +92,25 @@ class Worker:
         self.notifier = Notifier()
         self.metrics = Metrics(settings.name)
         self.heartbeat = Heartbeat(
-            self.directory / STATUS, settings.heartbeat, self.notifier, self.metrics
+            self.directory / STATUS,
+            FileSdWriter(settings.data_dir, settings.name),
+            settings.heartbeat,
+            self.notifier,
+            self.metrics,
         )
-        self.file_sd = FileSdWriter(settings.data_dir, settings.name)
         self.engine: Engine = self._engine(load_recipe())
         self.memory: Memory | None = None
+        self.decision: Decision | None = None
         self.refused: str | None = None
-        self.task: Task | None = None
-        self._wake = threading.Event()
+        self.job: Job | None = None
+        self._wake = Wakeup()
         self._stop = threading.Event()
-        self._reload = False
+        self._signals: list[int] = []  # appended by the handlers, handled by the loop
+        self._terms = 0
         self._retry_at = 0.0
         self._failures = 0
         self._observed_at = float("-inf")
-        self._pending = True  # something happened that needs a reconcile now
+        self._pending = True  # something happened that needs an observation now
         self._monitored: str | None = None
 
     def _engine(self, recipe: Recipe) -> Engine:
@@ -112,7 +121,11 @@ class Worker:
     def run(self) -> int:
         with files.Lease(self.directory):
             log.info("worker started", name=self.settings.name, directory=str(self.directory))
-            for path in (self.heartbeat.path, self.file_sd.path, *self.engine.private_files()):
+            for path in (
+                self.heartbeat.path,
+                self.heartbeat.file_sd.path,
+                *self.engine.private_files(),
+            ):
                 for stale in files.remove_stale_temps(path):
                     log.info("removed a temp file left by an interrupted write", path=str(stale))
             self._install_signals()
@@ -125,68 +138,81 @@ class Worker:
             finally:
                 self.notifier.stopping()
                 self._stop.set()
-                self._abandon_task()
+                self._abandon_job()
                 watcher.join(2)
+                self._wake.close()
             log.info("worker stopped; the engine is left as it is", name=self.settings.name)
         return 0
 
     def _install_signals(self) -> None:
-        def on_term(signum: int, frame: FrameType | None) -> None:
-            self._stop.set()
-            self._wake.set()
+        def record(signum: int, frame: FrameType | None) -> None:
+            self._signals.append(signum)  # list.append is atomic; the pipe wakes the loop
 
-        def on_hup(signum: int, frame: FrameType | None) -> None:
-            self._reload = True
-            self._wake.set()
-
-        signal.signal(signal.SIGTERM, on_term)
-        signal.signal(signal.SIGINT, on_term)
-        signal.signal(signal.SIGHUP, on_hup)
+        self._wake.catch_signals()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, record)
 
     def _watch(self) -> None:
         for _ in watch(
             self.directory,
             stop_event=self._stop,
-            # watchfiles polls its event queue every `step` ms: 5 ms cost 1.2 % of a core while
-            # idle, 15 ms about 0.2 %, with the wake-up after a write at p50 24 ms, max 30 ms
-            debounce=30,
-            step=15,
-            rust_timeout=1000,
             watch_filter=lambda _c, path: path.endswith(DESIRED),
+            debounce=WATCH_DEBOUNCE_MS,
+            step=WATCH_STEP_MS,
+            rust_timeout=WATCH_RUST_TIMEOUT_MS,
         ):
             self._wake.set()
 
-    def _abandon_task(self) -> None:
-        task = self.task
-        if task is None or task.thread is None:
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGHUP:
+                self._reload_recipe()
+            else:
+                self._terms += 1
+                self._stop.set()
+
+    def _abandon_job(self) -> None:
+        """Cancel a running job and give it its time: a stop its grace, anything else 5 s. A
+        second SIGTERM ends the wait at once (the step is left to dockerd)."""
+        job = self.job
+        if job is None or job.thread is None:
             return
-        task.cancel.set()
-        task.thread.join(self.engine.stop_grace + 10 if not actions.cancellable(task.step) else 5)
+        job.cancel.set()
+        long = job.step is not None and not plan.cancellable(job.step)
+        limit = time.monotonic() + (self.engine.stop_grace + 10 if long else 5)
+        terms = self._terms
+        while job.thread.is_alive() and time.monotonic() < limit:
+            self._wake.wait(0.1)
+            self._handle_signals()
+            if self._terms > terms:
+                log.warning("second stop signal: not waiting for the step", step=job.name)
+                return
 
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         ready_sent = False
-        while not self._stop.is_set():
+        while True:
+            self._handle_signals()
+            if self._stop.is_set():
+                return
             self.notifier.watchdog()
-            if self._reload:
-                self._reload = False
-                self._reload_recipe()
             self._read_request()
-            if self.task is not None and self.task.done():
-                self._finish(self.task)
-            if self.task is None and self._reconcile_due():
-                self._reconcile_guarded()
-            elif self.task is not None and self.task.progress:
-                self._report_task(self.task)
+            job = self.job
+            if job is not None and job.done():
+                self._finish(job)
+            elif job is not None:
+                self._watch_job(job)
+            if self.job is None and self._observe_due():
+                self._begin(Job(self.engine), self._observe_body)
             self.heartbeat.tick()
             if not ready_sent and self.heartbeat.status is not None:
                 self.notifier.ready()
                 ready_sent = True
             self._wake.wait(self._next_wait())
-            self._wake.clear()
 
-    def _reconcile_due(self) -> bool:
+    def _observe_due(self) -> bool:
         """Observe when something happened, or every poll interval as a safety net: an idle
         worker costs no docker calls in between."""
         now = time.monotonic()
@@ -195,14 +221,14 @@ class Worker:
         return self._pending or now - self._observed_at >= self.engine.poll_interval
 
     def _next_wait(self) -> float:
+        now = time.monotonic()
         waits = [self.heartbeat.due_in(), SAFETY_NET]
-        if self.task is not None:
-            waits.append(0.25)
-        elif self._retry_at > time.monotonic():
-            waits.append(self._retry_at - time.monotonic())
+        if self.job is not None:
+            waits.append(_JOB_POLL)
+        elif self._retry_at > now:
+            waits.append(self._retry_at - now)
         else:
-            since = time.monotonic() - self._observed_at
-            waits.append(max(self.engine.poll_interval - since, 0.0))
+            waits.append(max(self.engine.poll_interval - (now - self._observed_at), 0.0))
         if self.notifier.watchdog_interval is not None:
             waits.append(self.notifier.watchdog_interval / 2)
         return max(min(waits), 0.01)
@@ -213,8 +239,8 @@ class Worker:
         except (ValueError, OSError) as exc:
             log.error("recipe reload refused; keeping the previous recipe", error=str(exc))
             return
-        if self.task is not None:
-            self.task.cancel.set()
+        if self.job is not None:
+            self.job.cancel.set()
         self.engine = self._engine(recipe)
         if self.memory is not None:  # re-apply the current request to the new recipe
             self.memory = Memory(self.memory.generation, self.memory.desired)
@@ -222,164 +248,127 @@ class Worker:
         self._pending = True
         log.info("recipe reloaded", name=self.settings.name)
 
+    # -- desired.json --------------------------------------------------------------------------
+
     def _read_request(self) -> None:
-        path = self.directory / DESIRED
-        try:
-            desired: DesiredFile | None = parse_desired(files.read_text(path))
-            refused = None
-        except FileNotFoundError:
-            desired, refused = None, None
-        except (files.FileRefused, InvalidDocument) as exc:
-            desired = None
-            refused = str(exc) if isinstance(exc, files.FileRefused) else f"{path}: {exc}"
+        desired, refused = read_request(self.directory / DESIRED)
         if refused != self.refused:
             self.refused = refused
-            self._pending = True
             if refused:
                 log.warning("desired.json refused; the engine is left as it is", reason=refused)
-            self._show_refusal()
+            if self.decision is not None:  # say so at once; nothing else changes
+                self._show(self.decision)
         if desired is None:
             return
-        memory = self.memory
-        if memory is not None and memory.generation == desired.generation:
-            if memory.desired == desired.desired:
-                return
+        memory = plan.accept(self.memory, desired)
+        if memory is None:
+            return
+        if self.memory is not None and self.memory.generation == desired.generation:
             log.warning(
                 "desired changed without a new generation; applying it",
                 generation=desired.generation,
             )
-        self._accept(desired)
-
-    def _accept(self, desired: DesiredFile) -> None:
-        previous = self.memory
-        # asking again for what already serves needs no new readiness probe (a failure is
-        # never carried over: a new request retries)
-        ready = (
-            previous.ready
-            if previous is not None
-            and previous.desired == desired.desired
-            and previous.failure is None
-            else None
-        )
-        self.memory = Memory(desired.generation, desired.desired, ready=ready)
-        self._retry_at = 0.0
-        self._pending = True
-        self._failures = 0
-        if self.task is not None and actions.cancellable(self.task.step):
-            self.task.cancel.set()
-        state: State = "starting" if desired.desired == "running" else "stopping"
         log.info("request acknowledged", generation=desired.generation, desired=desired.desired)
-        self._report(state, f"acknowledged: {desired.desired} requested")
-
-    # -- reconcile: observe, plan, act ---------------------------------------------------------
-
-    def _reconcile_guarded(self) -> None:
-        """A docker call anywhere in a reconcile (observing, settling) may find dockerd gone."""
-        try:
-            self._reconcile()
-        except Transient as exc:
-            self._retry(exc)
-        except Permanent as exc:
-            if self.memory is not None:
-                self.memory = replace(self.memory, failure=str(exc))
-                self._pending = True
-
-    def _reconcile(self) -> None:
-        self._pending = False
-        memory = self.memory
-        try:
-            observed = self.engine.observe()
-        except Transient as exc:
-            self._retry(exc)
-            return
-        except Permanent as exc:
-            if memory is not None:
-                self.memory = replace(memory, failure=str(exc))
-            observed = None
-        self._observed_at = time.monotonic()
-        self.metrics.reconciles.inc()
-        if memory is None:
-            self._report_unrequested(observed)
-            return
-        if observed is None:
-            self._publish()
-            return
-        self._apply(plan(self.memory or memory, observed), observed)
-
-    def _apply(self, step: Step, observed: Observed) -> None:
-        memory = self.memory
-        assert memory is not None
-        if isinstance(step, Fail):
-            reason = step.message
-            if step.logs_of is not None:
-                reason = _with_tail(reason, self.runtime, step.logs_of)
-            log.error("request failed", generation=memory.generation, reason=reason)
-            self.metrics.failures.labels(reason="engine").inc()
-            self.memory = replace(memory, failure=reason)
-            self._pending = True
-            self._wake.set()
-            return
-        if isinstance(step, Settle):
-            self._settle(step.state)
-            return
+        self._retry_at = 0.0
         self._failures = 0
-        container = observed.container
-        serving = (
-            isinstance(step, Prepare)
-            and container is not None
-            and container.running
-            and container.id == memory.ready
-        )
-        self._begin(step, memory, serving)
+        self._pending = True
+        if self.job is not None and self.job.step is not None and plan.cancellable(self.job.step):
+            self.job.cancel.set()
+        self._apply(plan.acknowledge(memory, self.decision))
 
-    def _begin(self, step: Step, memory: Memory, serving: bool) -> None:
-        task = Task(step, memory.generation, serving=serving)
-        ctx = StepContext(task.cancel, lambda line: self._progress(task, line))
+    # -- jobs: observe, then plan, then a step -------------------------------------------------
 
-        def body() -> None:
+    def _begin(self, job: Job, body: Callable[[Job], Any]) -> None:
+        def run() -> None:
             try:
-                actions.execute(step, self.engine, self.runtime, memory.generation, ctx)
+                body(job)
             except BaseException as exc:  # handed to the loop, which decides
-                task.error = exc
+                job.error = exc
             finally:
                 self._wake.set()
 
-        if isinstance(step, Start | Stop | Remove):
-            # no engine answers from here on (a re-acknowledged request for a running engine
-            # keeps its target: the engine goes on serving)
-            self.file_sd.publish(None)
-        task.thread = threading.Thread(target=body, name=f"step-{type(step).__name__}", daemon=True)
-        self.task = task
-        log.info("step", step=actions.describe(step), generation=memory.generation)
-        self._report_task(task)
-        task.thread.start()
+        if job.step is None:
+            self._pending = False
+        job.thread = threading.Thread(target=run, name=f"job-{job.name}", daemon=True)
+        self.job = job
+        job.thread.start()
 
-    def _progress(self, task: Task, line: str) -> None:
-        task.progress = line
+    def _observe_body(self, job: Job) -> None:
+        job.result = job.engine.observe()
+
+    def _step_body(self, job: Job) -> None:
+        assert job.step is not None
+        ctx = StepContext(job.cancel, lambda line: self._progress(job, line))
+        actions.execute(job.step, job.engine, self.runtime, job.generation, ctx)
+
+    def _progress(self, job: Job, line: str) -> None:
+        job.progress = line
         self._wake.set()
 
-    def _finish(self, task: Task) -> None:
-        self.task = None
-        self._pending = True
-        name = type(task.step).__name__
-        self.metrics.step_seconds.labels(step=name).observe(time.monotonic() - task.started)
-        memory = self.memory
-        error = task.error
-        if memory is None or memory.generation != task.generation or isinstance(error, Cancelled):
-            return  # superseded: the loop plans afresh for the newer request
-        if error is None:
-            if isinstance(task.step, AwaitReady):
-                self.memory = replace(memory, ready=task.step.container_id)
+    def _watch_job(self, job: Job) -> None:
+        """While a job runs: relay a step's progress; say when an observation is overdue."""
+        if job.step is not None:
+            if job.progress:
+                self.heartbeat.progress(job.progress)
             return
+        if not job.stalled and time.monotonic() - job.started > OBSERVE_DEADLINE:
+            job.stalled = True
+            reason = f"docker did not answer within {OBSERVE_DEADLINE:g} s; still waiting"
+            log.warning("observation overdue", seconds=OBSERVE_DEADLINE)
+            self.metrics.failures.labels(reason="stalled").inc()
+            if self.decision is not None:
+                self._apply(plan.stalled(self.decision, reason), quiet=True)
+
+    def _finish(self, job: Job) -> None:
+        self.job = None
+        self.metrics.step_seconds.labels(step=job.name).observe(time.monotonic() - job.started)
+        if job.engine is not self.engine:  # begun under a recipe since reloaded
+            self._pending = True
+            return
+        if job.step is None:
+            self._observed(job)
+        else:
+            self._stepped(job, job.step)
+
+    def _observed(self, job: Job) -> None:
+        self._observed_at = time.monotonic()
+        self.metrics.reconciles.inc()
+        error = job.error
+        if isinstance(error, Transient):
+            self._retry(error)
+        elif error is not None:
+            self._fail_outside_a_step("observation", error)
+        elif job.result is not None:
+            self._failures = 0
+            self._apply(plan.plan(self.memory, job.result))
+
+    def _stepped(self, job: Job, step: Step) -> None:
+        self._pending = True
+        memory, error = self.memory, job.error
+        if memory is None or memory.generation != job.generation or isinstance(error, Cancelled):
+            return  # superseded: the loop plans afresh for the newer request
         if isinstance(error, Transient):
             self._retry(error)
             return
+        reason = None
+        if isinstance(error, Permanent):
+            reason = str(error)
+        elif error is not None:
+            log.error("step crashed", step=job.name, error=repr(error), exc_info=error)
+            reason = f"internal error: {error!r}"
+        if reason is not None:
+            log.error("step failed", step=job.name, generation=job.generation, reason=reason)
+            self.metrics.failures.labels(reason=job.name).inc()
+        self.memory = plan.conclude(memory, step, reason)
+
+    def _fail_outside_a_step(self, where: str, error: BaseException) -> None:
         if not isinstance(error, Permanent):
-            log.error("step crashed", step=name, error=repr(error), exc_info=error)
+            log.error(f"{where} crashed", error=repr(error), exc_info=error)
         reason = str(error) if isinstance(error, Permanent) else f"internal error: {error!r}"
-        log.error("step failed", step=name, generation=memory.generation, reason=reason)
-        self.metrics.failures.labels(reason=name).inc()
-        self.memory = replace(memory, failure=reason)
+        if self.memory is None:
+            self._apply(plan.unobserved(None, reason))
+        else:
+            self._apply(plan.failed(self.memory, reason))
 
     def _retry(self, error: BaseException) -> None:
         delay = _BACKOFF[min(self._failures, len(_BACKOFF) - 1)]
@@ -388,35 +377,34 @@ class Worker:
         self._pending = True
         self.metrics.failures.labels(reason="transient").inc()
         log.warning("will retry", error=str(error), seconds=delay)
-        message = f"{error}; retrying in {delay:g}s"
-        if self.memory is not None:
-            self._report(self._working_state(), message)
-        else:  # nothing requested yet, and the engine cannot be seen: say exactly that
-            self.heartbeat.set(
-                0, "failed", f"cannot observe the engine: {message}", None, self.refused
-            )
+        self._apply(plan.unobserved(self.memory, f"{error}; retrying in {delay:g}s"))
 
-    # -- reporting -----------------------------------------------------------------------------
+    # -- applying a decision -------------------------------------------------------------------
 
-    def _report_task(self, task: Task) -> None:
-        """While a step runs: starting or stopping, or running while a serving engine keeps
-        serving (a library re-sync, a preset rewrite)."""
-        message = task.progress or actions.describe(task.step)
-        if task.serving:
-            self._report("running", message, self.engine.endpoint().url)
-        else:
-            self._report(self._working_state(), message)
-
-    def _working_state(self) -> State:
-        memory = self.memory
-        return "starting" if memory is None or memory.desired == "running" else "stopping"
-
-    def _settle(self, state: State) -> None:
-        memory = self.memory
-        assert memory is not None
-        if state == "running" and memory.ready is not None:
+    def _apply(self, decision: Decision, quiet: bool = False) -> None:
+        """Write what the decision says, and begin its step: the one place decisions land."""
+        before = self.memory
+        self.memory = decision.memory
+        self.decision = decision
+        memory = decision.memory
+        if memory is not None and memory.failure and (before is None or not before.failure):
+            log.error("request failed", generation=memory.generation, reason=memory.failure)
+            self.metrics.failures.labels(reason="engine").inc()
+        self._show(decision)
+        if decision.answer.state == "running" and memory is not None and memory.ready:
             self._monitor(memory.ready)
-        self._publish(state)
+        step = decision.step
+        if step is not None and memory is not None:
+            if not quiet:
+                log.info("step", step=plan.describe(step), generation=memory.generation)
+            self._begin(Job(self.engine, step, memory.generation), self._step_body)
+
+    def _show(self, decision: Decision) -> None:
+        answer = decision.answer
+        job = self.job
+        if job is not None and job.step is not None and job.progress:
+            answer = replace(answer, message=job.progress)
+        self.heartbeat.show(plan.shown(answer, self.refused), self.refused, decision.targets)
 
     def _monitor(self, container_id: str) -> None:
         """Wake the loop the moment the engine's container exits (docker wait, no polling)."""
@@ -424,73 +412,23 @@ class Worker:
             return
         self._monitored = container_id
 
-        def watch() -> None:
+        def wait() -> None:
             self.runtime.wait(container_id)
             if self._monitored == container_id:
                 self._monitored = None
             self._pending = True
             self._wake.set()
 
-        threading.Thread(target=watch, name="exit-monitor", daemon=True).start()
-
-    def _show_refusal(self) -> None:
-        """Say at once that desired.json is refused (or no longer is). Nothing else changes:
-        neither the engine nor docker is asked anything on account of refused input."""
-        current = self.heartbeat.status
-        if current is None:
-            return  # the first reconcile reports it
-        message = current.message
-        if self.refused:
-            message = f"request refused: {self.refused}"
-        elif message.startswith("request refused:"):
-            message = "desired.json is valid again"
-        self.heartbeat.set(current.generation, current.state, message, current.url, self.refused)
-
-    def _publish(self, state: State | None = None) -> None:
-        """Write the settled answer (or the current one again) and the file_sd file."""
-        memory = self.memory
-        if memory is None:
-            return
-        if self.task is not None:
-            self._report_task(self.task)
-            return
-        state = state or (self.heartbeat.status.state if self.heartbeat.status else "starting")
-        url = None
-        if state == "running":
-            endpoint = self.engine.endpoint()
-            url = endpoint.url
-            message = f"serving at {url}" + (f"; {notes}" if (notes := self.engine.notes()) else "")
-            self.file_sd.publish(self.engine.targets(endpoint))
-        else:
-            self.file_sd.publish(None)
-            message = memory.failure if state == "failed" and memory.failure else state
-        self._report(state, message, url)
-
-    def _report(self, state: State, message: str, url: str | None = None) -> None:
-        generation = self.memory.generation if self.memory else 0
-        if self.refused:
-            message = (
-                f"request refused: {self.refused}"
-                if state in ("running", "stopped", "failed")
-                else message
-            )
-        if state in ("stopping", "stopped", "failed"):
-            self.file_sd.publish(None)
-        self.heartbeat.set(generation, state, message, url, self.refused)
-
-    def _report_unrequested(self, observed: Observed | None) -> None:
-        container = observed.container if observed else None
-        running = container is not None and container.running
-        note = "no valid request in desired.json; the engine is left as it is"
-        if self.refused:
-            note = f"request refused: {self.refused}"
-        self.file_sd.publish(None)
-        self.heartbeat.set(0, "running" if running else "stopped", note, None, self.refused)
+        threading.Thread(target=wait, name="exit-monitor", daemon=True).start()
 
 
-def _with_tail(message: str, runtime: Runtime, container_id: str) -> str:
+def read_request(path: Path) -> tuple[DesiredFile | None, str | None]:
+    """desired.json as it is now: the request, or why it is refused (neither when absent)."""
     try:
-        tail = actions.last_lines(runtime, container_id)
-    except Transient:
-        return message
-    return f"{message}: {tail}" if tail else message
+        return parse_desired(files.read_text(path)), None
+    except FileNotFoundError:
+        return None, None
+    except files.FileRefused as exc:
+        return None, str(exc)
+    except InvalidDocument as exc:
+        return None, f"{path}: {exc}"

@@ -199,7 +199,7 @@ class Engine:
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {json.dumps(v)}" for k, v in self.run_extra.items()),
+            *(f"{k} = {_toml(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -226,7 +226,7 @@ class Engine:
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             'ready_path = "/v1/models"', 'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {json.dumps(v)}" for k, v in self.run_extra.items()),
+            *(f"{k} = {_toml(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -286,7 +286,17 @@ class Engine:
 
 
 def _inline(table: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+    return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in table.items()) + "}"
+
+
+def _toml(value: Any) -> str:
+    """A TOML value: inline tables and arrays of them, else JSON's spelling (the same in TOML
+    for strings, numbers, booleans and flat arrays)."""
+    if isinstance(value, dict):
+        return _inline(value)
+    if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return json.dumps(value)
 
 
 @pytest.fixture(scope="session")

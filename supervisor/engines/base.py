@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..plan import Observed
-from ..protocol import TargetGroup
-from ..runtime import RunSpec
+from ..plan import Observed, Prerequisite
 
 
 @dataclass(frozen=True)
@@ -44,23 +42,14 @@ class Engine(Protocol):
     ready_timeout: float
     poll_interval: float  # re-observe this often while settled (the exit monitor aside)
 
-    def observe(self) -> Observed: ...
+    def observe(self) -> Observed:
+        """One look at the container, the prerequisites and the run spec (off the loop)."""
 
-    def make(self, what: str, ctx: StepContext) -> None:
+    def make(self, what: Prerequisite, ctx: StepContext) -> None:
         """Make one missing prerequisite (raises Permanent, Transient or Cancelled)."""
 
-    def endpoint(self) -> Endpoint:
-        """Where the engine is published: the network's gateway and the recipe's port."""
-
-    def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec: ...
-
-    def ready(self, endpoint: Endpoint) -> bool:
+    def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
-
-    def targets(self, endpoint: Endpoint) -> TargetGroup: ...
-
-    def notes(self) -> str:
-        """What the operator should know while it runs (files skipped...); empty if nothing."""
 
     def private_files(self) -> tuple[Path, ...]:
         """Files only this engine's worker writes (their stale temp files are cleaned)."""

@@ -1,23 +1,68 @@
-"""What every engine shares: one container, published on its network's gateway, with the
-recipe's settings and secrets as environment. Engine modules add how their image and
-prerequisites are made and how readiness is judged."""
+"""What every engine shares: one container on a bridge network, published on that network's
+gateway only, with the recipe's settings and secrets as environment, and one observation of it
+all. Engine modules add how their image and prerequisites are made and how readiness is judged.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
-from .. import redaction
+from .. import labels, redaction
 from ..errors import Permanent
+from ..plan import Observed, Prerequisite
 from ..protocol import TargetGroup
 from ..recipe import RecipeBase, RecipeError
-from ..runtime import MANAGED, Mount, RunSpec, Runtime
-from .base import Endpoint
+from ..runtime import Runtime
+from ..spec import Container, Image, Mount, RunSpec
+from .base import Endpoint, StepContext
+
+_LOG_TAIL: Final = 5
+
+
+@dataclass(frozen=True)
+class Network:
+    """The bridge network whose gateway gets the engine's port."""
+
+    name: str
+
+    @property
+    def description(self) -> str:
+        return f"creating the Docker network {self.name}"
+
+
+@dataclass(frozen=True)
+class PulledImage:
+    ref: str
+
+    @property
+    def description(self) -> str:
+        return f"pulling {self.ref}"
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """The image the container runs on: the reference it was resolved from, and its id."""
+
+    ref: str
+    image: Image
+
+
+@dataclass(frozen=True)
+class Prerequisites:
+    """What is still to be made before the container can run (in order), and the image it
+    runs on once that exists."""
+
+    missing: tuple[Prerequisite, ...] = ()
+    image: EngineImage | None = None
 
 
 class ContainerEngine:
     kind = "engine"
+    poll_interval = 30.0
 
     def __init__(self, name: str, recipe: RecipeBase, runtime: Runtime, state_dir: Path) -> None:
         self.name = name
@@ -27,18 +72,70 @@ class ContainerEngine:
         self.container_name = f"lucia-{name}"
         self.stop_grace = recipe.run.stop_grace
         self.ready_timeout = recipe.run.ready_timeout
-        self._endpoint: Endpoint | None = None
+        self.endpoint: Endpoint | None = None  # known once observed
         with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
             redaction.register(recipe.secret_values().values())
 
-    def endpoint(self) -> Endpoint:
-        """The network's gateway and the recipe's port; looked up (and the network created)
-        once per recipe load."""
-        if self._endpoint is None:
-            run = self.base_recipe.run
-            gateway = self.runtime.gateway(run.network, {MANAGED: "true"})
-            self._endpoint = Endpoint(gateway, run.port)
-        return self._endpoint
+    # -- what an engine module provides ---------------------------------------------------------
+
+    def prerequisites(self) -> Prerequisites:
+        """What is still to be made, and the image the container must run on."""
+        raise NotImplementedError
+
+    def command(self) -> tuple[str, ...]:
+        return tuple(self.base_recipe.command)
+
+    def extra_labels(self) -> Mapping[str, str]:
+        return {}
+
+    def mounts(self) -> tuple[Mount, ...]:
+        return ()
+
+    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+        return (self.target_group(endpoint, {"model": self.base_recipe.model or self.kind}),)
+
+    def notes(self) -> str:
+        return ""
+
+    def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
+        raise ValueError(f"{self.kind} cannot make {what!r}")
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def observe(self) -> Observed:
+        run = self.base_recipe.run
+        container = self.runtime.container(self.container_name)
+        gateway = self.runtime.gateway(run.network)
+        own = self.prerequisites()
+        missing = (() if gateway is not None else (Network(run.network),)) + own.missing
+        self.endpoint = Endpoint(gateway, run.port) if gateway is not None else None
+        spec = None
+        if not missing and self.endpoint is not None and own.image is not None:
+            spec = self.run_spec(own.image, self.endpoint)
+        return Observed(
+            container=container,
+            missing=missing,
+            spec=spec,
+            url=self.endpoint.url if self.endpoint else None,
+            targets=self.targets(self.endpoint) if self.endpoint else (),
+            notes=self.notes(),
+            tail=self._tail(container),
+        )
+
+    def _tail(self, container: Container | None) -> str:
+        if container is None or container.running or not container.managed:
+            return ""
+        return " | ".join(self.runtime.logs(container.id, tail=_LOG_TAIL))
+
+    def make(self, what: Prerequisite, ctx: StepContext) -> None:
+        match what:
+            case Network(name):
+                self.runtime.create_network(name)
+            case PulledImage(ref):
+                ctx.progress(what.description)
+                self.runtime.pull(ref, ctx.progress, ctx.cancel)
+            case _:
+                self.make_own(what, ctx)
 
     def secrets(self) -> dict[str, str]:
         """Read when used (a rotated token is picked up), registered for masking."""
@@ -49,41 +146,34 @@ class ContainerEngine:
         redaction.register(values.values())
         return values
 
-    def container_spec(
-        self,
-        image_id: str,
-        generation: int,
-        endpoint: Endpoint,
-        *,
-        command: tuple[str, ...],
-        labels: Mapping[str, str] = {},
-        mounts: tuple[Mount, ...] = (),
-    ) -> RunSpec:
+    def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
+        """Everything the container is created with; its fingerprint decides replacement."""
         recipe, run = self.base_recipe, self.base_recipe.run
         return RunSpec(
             name=self.container_name,
-            image=image_id,
+            image=found.image.id,
             network=run.network,
             host_ip=endpoint.host,
             host_port=endpoint.port,
             container_port=run.inner_port,
             environment={**recipe.environment, **self.secrets()},
             labels={
-                MANAGED: "true",
-                "lucia.name": self.name,
-                "lucia.engine": self.kind,
-                "lucia.generation": str(generation),
-                "lucia.image.id": image_id,
-                **labels,
+                labels.MANAGED: "true",
+                labels.NAME: self.name,
+                labels.ENGINE: self.kind,
+                labels.IMAGE_ID: found.image.id,
+                labels.IMAGE_REF: found.ref,
+                labels.MODEL: recipe.model,
+                **self.extra_labels(),
             },
-            command=command,
+            command=self.command(),
             gpus=run.gpus,
             shm_size=run.shm_size,
             memory=run.memory,
             ipc_mode=run.ipc,
             ulimits=run.ulimits,
             mounts=(
-                *mounts,
+                *self.mounts(),
                 *(
                     Mount(str(Path(v.source).expanduser()), v.target, v.read_only)
                     for v in run.volumes
@@ -91,13 +181,13 @@ class ContainerEngine:
             ),
         )
 
-    def target_group(self, endpoint: Endpoint, labels: Mapping[str, str]) -> TargetGroup:
+    def target_group(self, endpoint: Endpoint, extra: Mapping[str, str]) -> TargetGroup:
         return TargetGroup(
             targets=[f"{endpoint.host}:{endpoint.port}"],
             labels={
                 "__metrics_path__": self.base_recipe.run.metrics_path,
                 "engine": self.kind,
                 "name": self.name,
-                **labels,
+                **extra,
             },
         )

@@ -9,19 +9,17 @@ import json
 from collections.abc import Mapping
 from typing import Final
 
+from ..labels import GRAMMAR_BASE, GRAMMAR_MODULES, GRAMMAR_REQUIREMENT
 from ..recipe import Grammar
 
-BASE_LABEL: Final = "lucia.grammar.base"
-PIN_LABEL: Final = "lucia.grammar.requirement"
-MODULES_LABEL: Final = "lucia.grammar.modules"
 MESSAGE: Final = "Adding structured output support to the TensorFold image"
 
 
 def labels(grammar: Grammar, base_id: str) -> dict[str, str]:
     return {
-        BASE_LABEL: base_id,
-        PIN_LABEL: grammar.requirement,
-        MODULES_LABEL: ",".join(grammar.modules),
+        GRAMMAR_BASE: base_id,
+        GRAMMAR_REQUIREMENT: grammar.requirement,
+        GRAMMAR_MODULES: ",".join(grammar.modules),
     }
 
 

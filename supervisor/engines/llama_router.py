@@ -14,15 +14,15 @@ from typing import Any, Final
 
 from .. import files, gguf_cache, library, logs, preset
 from ..errors import Permanent, Transient
-from ..plan import FINGERPRINT, Observed
+from ..plan import Prerequisite
 from ..protocol import TargetGroup
 from ..recipe import LlamaRouterRecipe
-from ..runtime import Mount, RunSpec, Runtime
+from ..runtime import Runtime
+from ..spec import Mount
 from .base import Endpoint, StepContext
-from .container import ContainerEngine
+from .container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 
-IMAGE: Final = "image"
-LIBRARY: Final = "library"
+STARTUP_LABEL: Final = "lucia.router.startup"  # the models it loads at start, comma-joined
 _PROBE_TIMEOUT: Final = 2.0
 log = logs.get("llama-router")
 
@@ -39,6 +39,15 @@ class Synced:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.models)
+
+
+@dataclass(frozen=True)
+class LibrarySync:
+    """The GGUF cache and the preset, current with the library and the recipe."""
+
+    @property
+    def description(self) -> str:
+        return "syncing the model library"
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class LlamaRouter(ContainerEngine):
 
     # -- observe -------------------------------------------------------------------------------
 
-    def observe(self) -> Observed:
+    def prerequisites(self) -> Prerequisites:
         found = library.scan(self.recipe.library.models_path)
         synced = self._synced()
         current = (
@@ -87,14 +96,12 @@ class LlamaRouter(ContainerEngine):
             and synced.library == self._sync_key(found)
             and self._preset_text() == synced.preset
         )
-        image = self.runtime.image(self.recipe.router.image)
-        missing = (() if image is not None else (IMAGE,)) + (() if current else (LIBRARY,))
-        return Observed(
-            container=self.runtime.container(self.container_name),
-            missing=missing,
-            image_id=image.id if image is not None else None,
-            fingerprint=self._fingerprint(synced.names if synced else ()),
+        ref = self.recipe.router.image
+        image = self.runtime.image(ref)
+        missing = (() if image is not None else (PulledImage(ref),)) + (
+            () if current else (LibrarySync(),)
         )
+        return Prerequisites(missing, EngineImage(ref, image) if image is not None else None)
 
     def _sync_key(self, found: library.Library) -> str:
         """The library as seen, and the recipe's part of the preset: a change in either means
@@ -113,20 +120,6 @@ class LlamaRouter(ContainerEngine):
         )
         return library_fingerprint(found) + ":" + hashlib.sha256(recipe_part.encode()).hexdigest()
 
-    def _fingerprint(self, cached: tuple[str, ...]) -> str:
-        """What needs a new router process: its arguments and the models loaded at start."""
-        router = self.recipe.router
-        blob = json.dumps(
-            [
-                startup_models(self.recipe, cached),
-                router.models_max,
-                router.args,
-                self.recipe.library.container_dir,
-                self.recipe.environment,
-            ]
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
     def _synced(self) -> Synced | None:
         try:
             data = json.loads(files.read_text(self._stamp, limit=8 * 1024 * 1024))
@@ -143,14 +136,11 @@ class LlamaRouter(ContainerEngine):
 
     # -- make ----------------------------------------------------------------------------------
 
-    def make(self, what: str, ctx: StepContext) -> None:
-        if what == IMAGE:
-            ctx.progress(f"pulling {self.recipe.router.image}")
-            self.runtime.pull(self.recipe.router.image, ctx.progress, ctx.cancel)
-        elif what == LIBRARY:
+    def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
+        if isinstance(what, LibrarySync):
             self._sync(ctx)
         else:
-            raise ValueError(f"unknown prerequisite {what!r}")
+            super().make_own(what, ctx)
 
     def _sync(self, ctx: StepContext) -> None:
         router = self.recipe.router
@@ -195,37 +185,38 @@ class LlamaRouter(ContainerEngine):
 
     # -- run -----------------------------------------------------------------------------------
 
-    def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec:
-        spec, router = self.recipe.run, self.recipe.router
+    def command(self) -> tuple[str, ...]:
         container_dir = self.recipe.library.container_dir
-        synced = self._synced()
-        command = (
+        return (
             "--models-preset",
             f"{container_dir.rstrip('/')}/{preset.PRESET_NAME}",
             "--models-max",
-            str(router.models_max),
+            str(self.recipe.router.models_max),
             "--host",
             "0.0.0.0",  # noqa: S104 - inside the container; published on the gateway
             "--port",
-            str(spec.inner_port),  # always explicit: the default is changing upstream
+            str(self.recipe.run.inner_port),  # always explicit: the default is changing upstream
             "--metrics",
-            *router.args,
-        )
-        return self.container_spec(
-            image_id,
-            generation,
-            endpoint,
-            command=command,
-            labels={FINGERPRINT: self._fingerprint(synced.names if synced else ())},
-            mounts=(Mount(str(self.cache_dir), container_dir, read_only=True),),
+            *self.recipe.router.args,
         )
 
+    def extra_labels(self) -> dict[str, str]:
+        synced = self._synced()
+        return {
+            STARTUP_LABEL: ",".join(startup_models(self.recipe, synced.names if synced else ()))
+        }
+
+    def mounts(self) -> tuple[Mount, ...]:
+        return (Mount(str(self.cache_dir), self.recipe.library.container_dir, read_only=True),)
+
     def _get(self, path: str) -> Any:
-        url = self.endpoint().url + path
+        if self.endpoint is None:
+            raise OSError("the router's network has not been seen yet")
+        url = self.endpoint.url + path
         with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
             return json.loads(response.read().decode())
 
-    def ready(self, endpoint: Endpoint) -> bool:
+    def ready(self) -> bool:
         """Router mode answers /health before any model loads: ready means every
         load-on-startup model reports loaded in /models. A model that failed fails the start."""
         try:
@@ -247,8 +238,8 @@ class LlamaRouter(ContainerEngine):
             states[entry.get("id")] = status.get("value")
         return all(states.get(name) == "loaded" for name in wanted)
 
-    def targets(self, endpoint: Endpoint) -> TargetGroup:
-        return self.target_group(endpoint, {"model": self.recipe.model or "router"})
+    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+        return (self.target_group(endpoint, {"model": self.recipe.model or "router"}),)
 
     def notes(self) -> str:
         synced = self._synced()

@@ -7,43 +7,79 @@ import json
 import os
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .. import files
+from .. import files, labels
 from ..errors import BuildFailed
-from ..plan import Observed
+from ..plan import Prerequisite
 from ..process import run
 from ..protocol import TargetGroup
 from ..recipe import TensorFoldRecipe
-from ..runtime import BuildRequest, RunSpec, Runtime
-from ..source import Checkout
+from ..runtime import Runtime
+from ..source import Checkout as GitCheckout
+from ..spec import BuildRequest
 from . import grammar
 from .base import Endpoint, StepContext
-from .container import ContainerEngine
+from .container import ContainerEngine, EngineImage, Prerequisites
 
-COMMIT_LABEL: Final = "lucia.recipe.commit"
-CHECKOUT: Final = "checkout"
-RECIPE_IMAGE: Final = "recipe-image"
-GRAMMAR_IMAGE: Final = "grammar-image"
-PREPARE: Final = "prepare"
 _PROBE_TIMEOUT: Final = 2.0
 
 
+@dataclass(frozen=True)
+class Checkout:
+    commit: str
+
+    @property
+    def description(self) -> str:
+        return f"checking out {self.commit[:12]}"
+
+
+@dataclass(frozen=True)
+class RecipeImage:
+    tag: str
+
+    @property
+    def description(self) -> str:
+        return f"building {self.tag}"
+
+
+@dataclass(frozen=True)
+class GrammarImage:
+    tag: str
+
+    @property
+    def description(self) -> str:
+        return grammar.MESSAGE
+
+
+@dataclass(frozen=True)
+class Prepared:
+    @property
+    def description(self) -> str:
+        return "running the recipe's prepare commands"
+
+
 def missing(
-    *, checkout_ok: bool, recipe_ok: bool, prepared: bool, grammar_ok: bool
-) -> tuple[str, ...]:
+    recipe: TensorFoldRecipe,
+    *,
+    checkout_ok: bool,
+    recipe_ok: bool,
+    prepared: bool,
+    grammar_ok: bool,
+) -> tuple[Prerequisite, ...]:
     """Pure: which prerequisites to make, in order. The checkout is only needed to build the
     recipe image or to run the prepare commands, so a worker restart never touches git."""
-    steps: list[str] = []
+    steps: list[Prerequisite] = []
     if (not recipe_ok or not prepared) and not checkout_ok:
-        steps.append(CHECKOUT)
+        steps.append(Checkout(recipe.source.commit))
     if not recipe_ok:
-        steps.append(RECIPE_IMAGE)
+        steps.append(RecipeImage(recipe.image.tag))
     if not grammar_ok:
-        steps.append(GRAMMAR_IMAGE)
+        steps.append(GrammarImage(recipe.grammar_tag))
     if not prepared:
-        steps.append(PREPARE)
+        steps.append(Prepared())
     return tuple(steps)
 
 
@@ -55,18 +91,19 @@ class TensorFold(ContainerEngine):
     ) -> None:
         super().__init__(name, recipe, runtime, state_dir)
         self.recipe = recipe
-        self.poll_interval = 30.0
-        self.checkout = Checkout(
+        self.checkout = GitCheckout(
             state_dir / "checkout", recipe.source.repository, recipe.source.commit
         )
         self._stamp = state_dir / "prepared.json"
 
     # -- observe -------------------------------------------------------------------------------
 
-    def observe(self) -> Observed:
+    def prerequisites(self) -> Prerequisites:
         recipe = self.recipe
         base = self.runtime.image(recipe.image.tag)
-        recipe_ok = base is not None and base.labels.get(COMMIT_LABEL) == recipe.source.commit
+        recipe_ok = (
+            base is not None and base.labels.get(labels.RECIPE_COMMIT) == recipe.source.commit
+        )
         image = self.runtime.image(recipe.grammar_tag) if base is not None and recipe_ok else None
         grammar_ok = (
             base is not None
@@ -75,15 +112,15 @@ class TensorFold(ContainerEngine):
         )
         prepared = self._prepared()
         checkout_ok = (recipe_ok and prepared) or self.checkout.verify() is None
-        return Observed(
-            container=self.runtime.container(self.container_name),
-            missing=missing(
+        return Prerequisites(
+            missing(
+                recipe,
                 checkout_ok=checkout_ok,
                 recipe_ok=recipe_ok,
                 prepared=prepared,
                 grammar_ok=grammar_ok,
             ),
-            image_id=image.id if image is not None and grammar_ok else None,
+            EngineImage(recipe.grammar_tag, image) if image is not None and grammar_ok else None,
         )
 
     def _prepare_key(self) -> str:
@@ -104,17 +141,18 @@ class TensorFold(ContainerEngine):
 
     # -- make ----------------------------------------------------------------------------------
 
-    def make(self, what: str, ctx: StepContext) -> None:
-        if what == CHECKOUT:
-            self.checkout.ensure(ctx)
-        elif what == RECIPE_IMAGE:
-            self._build_recipe_image(ctx)
-        elif what == GRAMMAR_IMAGE:
-            self._build_grammar_image(ctx)
-        elif what == PREPARE:
-            self._run_prepare(ctx)
-        else:
-            raise ValueError(f"unknown prerequisite {what!r}")
+    def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
+        match what:
+            case Checkout():
+                self.checkout.ensure(ctx)
+            case RecipeImage():
+                self._build_recipe_image(ctx)
+            case GrammarImage():
+                self._build_grammar_image(ctx)
+            case Prepared():
+                self._run_prepare(ctx)
+            case _:
+                super().make_own(what, ctx)
 
     def _build_recipe_image(self, ctx: StepContext) -> None:
         spec = self.recipe.image
@@ -123,8 +161,8 @@ class TensorFold(ContainerEngine):
             BuildRequest(
                 tag=spec.tag,
                 labels={
-                    COMMIT_LABEL: self.recipe.source.commit,
-                    "lucia.recipe.repository": self.recipe.source.repository,
+                    labels.RECIPE_COMMIT: self.recipe.source.commit,
+                    labels.RECIPE_REPOSITORY: self.recipe.source.repository,
                 },
                 context=str(self.checkout.path / spec.context),
                 dockerfile=spec.dockerfile,
@@ -173,30 +211,22 @@ class TensorFold(ContainerEngine):
 
     # -- run -----------------------------------------------------------------------------------
 
-    def run_spec(self, image_id: str, generation: int, endpoint: Endpoint) -> RunSpec:
-        return self.container_spec(
-            image_id,
-            generation,
-            endpoint,
-            command=tuple(self.recipe.command),
-            labels={COMMIT_LABEL: self.recipe.source.commit},
-        )
+    def extra_labels(self) -> dict[str, str]:
+        return {labels.RECIPE_COMMIT: self.recipe.source.commit}
 
-    def ready(self, endpoint: Endpoint) -> bool:
-        url = endpoint.url + self.recipe.run.ready_path
+    def ready(self) -> bool:
+        if self.endpoint is None:
+            return False
+        url = self.endpoint.url + self.recipe.run.ready_path
         try:
             with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
                 return int(response.status) == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def notes(self) -> str:
-        return ""
-
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp,)
 
-    def targets(self, endpoint: Endpoint) -> TargetGroup:
-        return self.target_group(
-            endpoint, {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}
-        )
+    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+        group = {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}
+        return (self.target_group(endpoint, group),)

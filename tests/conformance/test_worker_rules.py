@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shutil
 import socket
 import time
@@ -21,7 +22,7 @@ import docker
 import pytest
 
 from tests.corpus import INVALID, materialise
-from tests.fixtures import Engine
+from tests.fixtures import Engine, free_port
 from tests.gguf_fixtures import add_model, write_gguf
 
 pytestmark = pytest.mark.docker
@@ -290,3 +291,81 @@ def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         container.id, container.attrs["State"]["StartedAt"])
     assert engine.file_sd()
+
+
+def _edit_environment(engine: Engine) -> None:
+    engine.settings["CONTEXT_LIMIT"] = "150000"
+
+
+def _edit_port(engine: Engine) -> None:
+    engine.port = free_port()
+
+
+def _edit_volume(engine: Engine) -> None:
+    extra = engine.root / "extra-volume"
+    extra.mkdir(exist_ok=True)
+    engine.run_extra["volumes"] = [{"source": str(extra), "target": "/extra", "read_only": True}]
+
+
+def _edit_memory_limit(engine: Engine) -> None:
+    engine.run_extra["memory"] = "256m"
+
+
+def _edit_shm(engine: Engine) -> None:
+    engine.run_extra["shm_size"] = "32m"
+
+
+EDITS: dict[str, tuple[Callable[[Engine], None], Callable[[Any, Engine], bool]]] = {
+    "environment": (_edit_environment,
+                    lambda c, e: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
+    "port": (_edit_port, lambda c, e: str(e.port) in json.dumps(c.attrs["HostConfig"]
+                                                               ["PortBindings"])),
+    "volume": (_edit_volume, lambda c, e: any(m["Destination"] == "/extra"
+                                              for m in c.attrs["Mounts"])),
+    "memory limit": (_edit_memory_limit,
+                     lambda c, e: c.attrs["HostConfig"]["Memory"] == 256 * 1024 * 1024),
+    "shm": (_edit_shm, lambda c, e: c.attrs["HostConfig"]["ShmSize"] == 32 * 1024 * 1024),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
+        kind: Kind, client, edit: str) -> None:
+    """What runs is what the recipe says: any change to what the container would be created
+    with, picked up by SIGHUP, replaces it, and status says running only once it does."""
+    change, applied = EDITS[edit]
+    engine = kind.make()
+    status = _up(engine)
+    before = client.containers.get(engine.container)
+    change(engine)
+    assert not applied(before, engine)
+    engine.write_recipe()
+    engine.procs[-1].send_signal(signal.SIGHUP)
+    after_status = engine.wait_status(
+        lambda s: s["state"] == "running"
+        and s["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+    after = client.containers.get(engine.container)
+    assert after.id != before.id and after.status == "running"
+    assert applied(after, engine), f"{edit} did not reach the new container"
+    assert after_status["engine"]["containerId"] == after.id
+    assert after_status["generation"] == status["generation"]
+    assert _get(f"{after_status['url']}/metrics") == 200
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(before.id)
+
+
+def test_status_names_what_runs(kind: Kind, client) -> None:
+    engine = kind.make()
+    status = _up(engine)
+    container = client.containers.get(engine.container)
+    running = status["engine"]
+    assert running["containerId"] == container.id
+    assert running["imageId"] == container.image.id
+    assert running["image"] and running["image"] in (
+        engine.image_tag + "-grammar", engine.router_image)
+    if kind.name == "tensorfold":
+        assert running["recipeCommit"] == engine.commit
+    engine.request("stopped")
+    stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
+    assert stopped["engine"] is None

@@ -229,9 +229,14 @@ def test_sighup_rereads_the_recipe(make_engine, client) -> None:
     engine.settings["CONTEXT"] = "100000"
     engine.write_recipe()
     proc.send_signal(signal.SIGHUP)
-    # new settings mean a new run spec only on a new image; same image: left running
-    time.sleep(1)
-    assert client.containers.get(engine.container).id == first
+    # a lower CONTEXT is a new run spec: the engine is replaced and runs with it
+    second = engine.wait_status(
+        lambda s: s["state"] == "running"
+        and (s.get("engine") or {}).get("containerId") not in (None, first), timeout=120)
+    container = client.containers.get(engine.container)
+    assert container.id == second["engine"]["containerId"]
+    assert "CONTEXT=100000" in container.attrs["Config"]["Env"]
+    first = container.id
     engine.requirement = "xgrammar>=0.2.10,<0.3"
     engine.write_recipe()
     proc.send_signal(signal.SIGHUP)

@@ -1,130 +1,322 @@
-"""plan(): the whole decision table, without Docker."""
+"""plan() and its companions: the whole decision, as tables, without Docker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
-from supervisor.engines.tensorfold import (
-    CHECKOUT,
-    GRAMMAR_IMAGE,
-    PREPARE,
-    RECIPE_IMAGE,
-    missing,
-)
+from supervisor import labels
+from supervisor.engines.container import Network
+from supervisor.engines.tensorfold import Checkout, GrammarImage, Prepared, RecipeImage, missing
 from supervisor.plan import (
+    UNREQUESTED,
+    Answer,
     AwaitReady,
-    Fail,
+    Decision,
     Memory,
     Observed,
     Prepare,
     Remove,
-    Settle,
     Start,
     Stop,
+    accept,
+    acknowledge,
+    conclude,
     plan,
+    shown,
+    stalled,
+    unobserved,
 )
-from supervisor.runtime import Container
+from supervisor.protocol import DesiredFile, RunningEngine, TargetGroup
+from supervisor.recipe import parse
+from supervisor.spec import Container, Mount, RunSpec, changed_settings
+from tests.support import MINIMAL_RECIPE
 
 IMAGE = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64
+URL = "http://172.30.0.1:8888"
+TARGETS = (TargetGroup(targets=["172.30.0.1:8888"], labels={"engine": "tensorfold"}),)
+SPEC = RunSpec(name="lucia-x", image=IMAGE, network="lucia", host_ip="172.30.0.1",
+               host_port=8888, container_port=8888, environment={"CONTEXT": "200000"},
+               labels={labels.MANAGED: "true", labels.IMAGE_REF: "tf:grammar",
+                       labels.MODEL: "qwen", labels.RECIPE_COMMIT: "c" * 40},
+               command=("serve", "--context", "200000"))
 
 
-def container(
-    status: str = "running",
-    *,
-    image: str = IMAGE,
-    managed: bool = True,
-    exit_code: int = 0,
-    oom: bool = False,
-    cid: str = "c1",
-) -> Container:
-    return Container(
-        id=cid, name="lucia-x", image_id=image, status=status, exit_code=exit_code,
-        oom_killed=oom, started_at="t", labels={"lucia.managed": "true"} if managed else {},
-        bindings=(),
-    )
+def container(status: str = "running", *, image: str = IMAGE, managed: bool = True,
+              exit_code: int = 0, oom: bool = False, cid: str = "c1",
+              spec: RunSpec | None = SPEC) -> Container:
+    found: dict[str, str] = {labels.MANAGED: "true"} if managed else {}
+    if spec is not None and managed:
+        found = {**spec.labels, labels.FINGERPRINT: spec.fingerprint()}
+    return Container(id=cid, name="lucia-x", image_id=image, status=status, exit_code=exit_code,
+                     oom_killed=oom, started_at="t", labels=found, bindings=())
 
 
-def seen(c: Container | None = None, missing: tuple[str, ...] = (),
-         image: str | None = IMAGE) -> Observed:
-    return Observed(container=c, missing=missing, image_id=image)
+def seen(c: Container | None = None, missing: tuple[Any, ...] = (),
+         spec: RunSpec | None = SPEC, tail: str = "") -> Observed:
+    return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, tail=tail)
 
 
 RUN = Memory(1, "running")
+READY = Memory(1, "running", ready="c1")
 STOP = Memory(1, "stopped")
+ENGINE = RunningEngine(image="tf:grammar", image_id=IMAGE, container_id="c1",
+                       recipe_commit="c" * 40, model="qwen")
+EDITED = replace(SPEC, environment={"CONTEXT": "150000"})
 
-TABLE = [
+# (case, memory, observed) -> (step, state, message, targets, failure remembered)
+TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]] = [
+    ("nothing requested, nothing there", None, seen(), None, "stopped", UNREQUESTED, False, None),
+    ("nothing requested, an engine runs", None, seen(container()), None, "running", UNREQUESTED,
+     False, None),
     # stopped requests
-    ("stopped, nothing there", STOP, seen(), Settle("stopped")),
-    ("stopped, engine runs", STOP, seen(container()), Stop("c1", "stop requested")),
-    ("stopped, engine exited", STOP, seen(container("exited")), Remove("c1")),
-    ("stopped, prerequisites missing do not matter", STOP, seen(None, (CHECKOUT,), None),
-     Settle("stopped")),
+    ("stopped, nothing there", STOP, seen(), None, "stopped", "stopped", False, None),
+    ("stopped, engine runs", STOP, seen(container()), Stop("c1", "stop requested"), "stopping",
+     "stopping the engine container (stop requested)", False, None),
+    ("stopped, engine exited", STOP, seen(container("exited")), Remove("c1"), "stopping",
+     "removing the old engine container", False, None),
+    ("stopped, prerequisites missing do not matter", STOP,
+     seen(None, (Checkout("c" * 40),), None), None, "stopped", "stopped", False, None),
     # running requests
-    ("running, first prerequisite first", RUN, seen(None, (CHECKOUT, RECIPE_IMAGE), None),
-     Prepare(CHECKOUT)),
-    ("running, build while the old engine serves", RUN,
-     seen(container(image=OTHER), (GRAMMAR_IMAGE,), None), Prepare(GRAMMAR_IMAGE)),
-    ("running, nothing there", RUN, seen(), Start(IMAGE)),
-    ("running, right image, not yet answered", RUN, seen(container()), AwaitReady("c1")),
-    ("running, right image, answered", Memory(1, "running", ready="c1"), seen(container()),
-     Settle("running")),
+    ("running, the network first", RUN, seen(None, (Network("lucia"), Checkout("c" * 40)), None),
+     Prepare(Network("lucia")), "starting", "preparing: creating the Docker network lucia",
+     False, None),
+    ("running, build while the old engine serves", READY,
+     seen(container(image=OTHER), (GrammarImage("tf-grammar"),), None),
+     Prepare(GrammarImage("tf-grammar")), "running",
+     "preparing: Adding structured output support to the TensorFold image", True, None),
+    ("running, build while an unproven engine runs", RUN,
+     seen(container(image=OTHER), (RecipeImage("tf"),), None), Prepare(RecipeImage("tf")),
+     "starting", "preparing: building tf", False, None),
+    ("running, nothing there", RUN, seen(), Start(SPEC), "starting",
+     "starting the engine container", False, None),
+    ("running, right spec, not yet answered", RUN, seen(container()), AwaitReady("c1"),
+     "starting", "waiting for the engine to answer", False, None),
+    ("running, right spec, answered", READY, seen(container()), None, "running",
+     f"serving at {URL}", True, None),
     ("running, another container answered before", Memory(1, "running", ready="c0"),
-     seen(container()), AwaitReady("c1")),
-    ("running, wrong image", RUN, seen(container(image=OTHER)),
-     Stop("c1", "replacing: it runs on another image")),
-    ("running, leftover exited container", RUN, seen(container("exited")), Remove("c1")),
-    ("running, our engine died", Memory(1, "running", ready="c1"),
-     seen(container("exited", exit_code=3)), Fail("exited with code 3", logs_of="c1")),
-    ("running, killed for memory", Memory(1, "running", ready="c1"),
-     seen(container("exited", exit_code=137, oom=True)),
-     Fail("exited with code 137: killed for using too much memory", logs_of="c1")),
+     seen(container()), AwaitReady("c1"), "starting", "waiting for the engine to answer", False,
+     None),
+    ("running, wrong image", READY, seen(container(image=OTHER)),
+     Stop("c1", "replacing: it runs on another image"), "starting",
+     "stopping the engine container (replacing: it runs on another image)", False, None),
+    ("running, environment edited", READY, seen(container(), spec=EDITED),
+     Stop("c1", "replacing: its environment changed"), "starting",
+     "stopping the engine container (replacing: its environment changed)", False, None),
+    ("running, created before fingerprints", READY, seen(container(spec=None)),
+     Stop("c1", "replacing: its image, command, environment, ports, gpus, limits, mounts, "
+          "labels changed"), "starting",
+     "stopping the engine container (replacing: its image, command, environment, ports, gpus, "
+     "limits, mounts, labels changed)", False, None),
+    ("running, leftover exited container", RUN, seen(container("exited")), Remove("c1"),
+     "starting", "removing the old engine container", False, None),
+    ("running, our engine died", READY, seen(container("exited", exit_code=3), tail="boom"),
+     None, "failed", "exited with code 3: boom", False, "exited with code 3: boom"),
+    ("running, killed for memory", READY, seen(container("exited", exit_code=137, oom=True)),
+     None, "failed", "exited with code 137: killed for using too much memory", False,
+     "exited with code 137: killed for using too much memory"),
     ("running, failed generation stays failed", Memory(1, "running", failure="x"),
-     seen(container("exited")), Settle("failed")),
+     seen(container("exited")), None, "failed", "x", False, "x"),
     ("running, failed build leaves the old engine alone", Memory(1, "running", failure="x"),
-     seen(container(image=OTHER)), Settle("failed")),
-    ("running, image missing after build", RUN, seen(None, (), None),
-     Fail("the engine image is missing after it was built")),
+     seen(container(image=OTHER)), None, "failed", "x", False, "x"),
+    ("running, image missing after build", RUN, seen(None, (), None), None, "failed",
+     "the engine image is missing after it was built", False,
+     "the engine image is missing after it was built"),
+    ("a foreign container, running asked", RUN, seen(container(managed=False)), None, "failed",
+     "a container named lucia-x exists that lucia-supervisor did not create; remove or rename "
+     "it, then request again", False, "a container named lucia-x exists that lucia-supervisor "
+     "did not create; remove or rename it, then request again"),
+    ("a foreign container, stopped asked", STOP, seen(container(managed=False)), None, "failed",
+     "a container named lucia-x exists that lucia-supervisor did not create; remove or rename "
+     "it, then request again", False, "a container named lucia-x exists that lucia-supervisor "
+     "did not create; remove or rename it, then request again"),
 ]
 
 
-@pytest.mark.parametrize(("memory", "observed", "expected"),
-                         [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
-def test_plan(memory: Memory, observed: Observed, expected: object) -> None:
-    assert plan(memory, observed) == expected
+@pytest.mark.parametrize(("memory", "observed", "step", "state", "message", "targets",
+                          "failure"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
+def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, message: str,
+              targets: bool, failure: str | None) -> None:
+    decision = plan(memory, observed)
+    assert decision.step == step
+    assert decision.answer.state == state
+    assert decision.answer.message == message
+    assert decision.targets == (TARGETS if targets else ())
+    assert decision.answer.url == (URL if state == "running" and memory else None)
+    if memory is None:
+        assert decision.memory is None and decision.answer.generation == 0
+    else:
+        assert decision.memory is not None
+        assert decision.memory.failure == failure
+        assert decision.answer.generation == memory.generation
 
 
-@pytest.mark.parametrize("memory", [RUN, STOP])
-def test_a_foreign_container_is_never_touched(memory: Memory) -> None:
-    step = plan(memory, seen(container(managed=False)))
-    assert isinstance(step, Fail)
-    assert "did not create" in step.message
+def test_a_serving_answer_names_what_runs() -> None:
+    decision = plan(READY, seen(container()))
+    assert decision.answer.engine == ENGINE
+    assert plan(RUN, seen(container())).answer.engine is None
 
 
-MISSING = [
-    # checkout, recipe, prepared, grammar -> steps
-    (True, True, True, True, ()),
-    (False, True, True, True, ()),  # a restart with images in place never touches git
-    (False, False, True, False, (CHECKOUT, RECIPE_IMAGE, GRAMMAR_IMAGE)),
-    (True, False, True, False, (RECIPE_IMAGE, GRAMMAR_IMAGE)),
-    (False, True, False, True, (CHECKOUT, PREPARE)),
-    (True, True, True, False, (GRAMMAR_IMAGE,)),
-    (False, False, False, False, (CHECKOUT, RECIPE_IMAGE, GRAMMAR_IMAGE, PREPARE)),
+def test_notes_join_the_serving_message() -> None:
+    observed = replace(seen(container()), notes="skipped bad.gguf")
+    assert plan(READY, observed).answer.message == f"serving at {URL}; skipped bad.gguf"
+
+
+def desired(generation: int, want: str) -> DesiredFile:
+    return DesiredFile.model_validate({"schemaVersion": 1, "generation": generation,
+                                       "desired": want})
+
+
+ACCEPT = [
+    ("first request", None, desired(1, "running"), Memory(1, "running")),
+    ("the same request again", READY, desired(1, "running"), None),
+    ("a new generation of what serves keeps the proof", READY, desired(2, "running"),
+     Memory(2, "running", ready="c1")),
+    ("a new generation after a failure retries", Memory(1, "running", ready="c1", failure="x"),
+     desired(2, "running"), Memory(2, "running")),
+    ("the other way", READY, desired(2, "stopped"), Memory(2, "stopped")),
+    ("desired changed without a new generation", READY, desired(1, "stopped"),
+     Memory(1, "stopped")),
 ]
 
 
-@pytest.mark.parametrize(("checkout", "recipe", "prepared", "grammar", "expected"), MISSING)
-def test_missing_prerequisites(checkout: bool, recipe: bool, prepared: bool, grammar: bool,
-                               expected: tuple[str, ...]) -> None:
-    assert missing(checkout_ok=checkout, recipe_ok=recipe, prepared=prepared,
-                   grammar_ok=grammar) == expected
+@pytest.mark.parametrize(("memory", "request_", "expected"), [row[1:] for row in ACCEPT],
+                         ids=[row[0] for row in ACCEPT])
+def test_accept(memory: Memory | None, request_: DesiredFile, expected: Memory | None) -> None:
+    assert accept(memory, request_) == expected
 
 
-def test_a_changed_fingerprint_replaces_the_container() -> None:
-    observed = Observed(container=container(), missing=(), image_id=IMAGE, fingerprint="new")
-    assert plan(Memory(1, "running", ready="c1"), observed) == Stop(
-        "c1", "replacing: its run settings changed")
-    same = Container(**{**container().__dict__, "labels": {"lucia.managed": "true",
-                                                          "lucia.fingerprint": "new"}})
-    observed = Observed(container=same, missing=(), image_id=IMAGE, fingerprint="new")
-    assert plan(Memory(1, "running", ready="c1"), observed) == Settle("running")
+SERVING = Decision(READY, Answer(1, "running", f"serving at {URL}", URL, ENGINE), TARGETS)
+
+ACKNOWLEDGE = [
+    ("first ever", Memory(1, "running"), None, "starting", "acknowledged: running requested", ()),
+    ("re-request of a serving engine keeps its target", Memory(2, "running", ready="c1"),
+     SERVING, "starting", "acknowledged: running requested", TARGETS),
+    ("a stop drops the target at once", Memory(2, "stopped"), SERVING, "stopping",
+     "acknowledged: stopped requested", ()),
+]
+
+
+@pytest.mark.parametrize(("memory", "previous", "state", "message", "targets"),
+                         [row[1:] for row in ACKNOWLEDGE], ids=[row[0] for row in ACKNOWLEDGE])
+def test_acknowledge(memory: Memory, previous: Decision | None, state: str, message: str,
+                     targets: tuple[TargetGroup, ...]) -> None:
+    decision = acknowledge(memory, previous)
+    assert decision.memory == memory and decision.step is None
+    assert (decision.answer.generation, decision.answer.state) == (memory.generation, state)
+    assert decision.answer.message == message
+    assert decision.targets == targets
+
+
+@pytest.mark.parametrize(("state", "refused", "message"), [
+    ("running", "bad", "request refused: bad"),
+    ("stopped", "bad", "request refused: bad"),
+    ("failed", "bad", "request refused: bad"),
+    ("starting", "bad", "working"),
+    ("stopping", "bad", "working"),
+    ("running", None, "working"),
+])
+def test_a_refusal_is_shown_on_settled_answers(state: str, refused: str | None,
+                                              message: str) -> None:
+    answer = Answer(1, state, "working")  # type: ignore[arg-type]
+    assert shown(answer, refused).message == message
+
+
+def test_a_stall_keeps_the_last_answer_and_says_why() -> None:
+    decision = stalled(SERVING, "docker did not answer within 10 s")
+    assert decision.answer == replace(SERVING.answer, message="docker did not answer within 10 s")
+    assert decision.targets == TARGETS and decision.step is None
+
+
+@pytest.mark.parametrize(("memory", "state", "generation"), [
+    (None, "failed", 0), (READY, "starting", 1), (STOP, "stopping", 1)])
+def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: str,
+                                                  generation: int) -> None:
+    decision = unobserved(memory, "docker is unavailable")
+    assert (decision.answer.state, decision.answer.generation) == (state, generation)
+    assert decision.targets == () and decision.step is None and decision.answer.url is None
+
+
+@pytest.mark.parametrize(("step", "error", "expected"), [
+    (AwaitReady("c2"), None, Memory(1, "running", ready="c2")),
+    (Start(SPEC), None, RUN),
+    (Prepare(Prepared()), "prepare failed", Memory(1, "running", failure="prepare failed")),
+    (AwaitReady("c2"), "not ready", Memory(1, "running", failure="not ready")),
+])
+def test_conclude(step: Any, error: str | None, expected: Memory) -> None:
+    assert conclude(RUN, step, error) == expected
+
+
+# -- the run spec's fingerprint: every setting a container is created with ---------------------
+
+CHANGES: list[tuple[str, dict[str, Any], str]] = [
+    ("image", {"image": OTHER}, "image"),
+    ("command", {"command": ("serve", "--context", "150000")}, "command"),
+    ("environment value", {"environment": {"CONTEXT": "150000"}}, "environment"),
+    ("environment added", {"environment": {"CONTEXT": "200000", "X": "1"}}, "environment"),
+    ("host port", {"host_port": 8889}, "ports"),
+    ("container port", {"container_port": 9000}, "ports"),
+    ("gateway", {"host_ip": "172.31.0.1"}, "ports"),
+    ("network", {"network": "other"}, "ports"),
+    ("gpus", {"gpus": "all"}, "gpus"),
+    ("gpu count", {"gpus": 1}, "gpus"),
+    ("shm", {"shm_size": "10g"}, "limits"),
+    ("memory limit", {"memory": "26g"}, "limits"),
+    ("ipc", {"ipc_mode": "host"}, "limits"),
+    ("ulimits", {"ulimits": {"memlock": -1}}, "limits"),
+    ("volume", {"mounts": (Mount("/a", "/b"),)}, "mounts"),
+    ("volume read-only", {"mounts": (Mount("/a", "/b", True),)}, "mounts"),
+    ("a recorded label", {"labels": {**SPEC.labels, labels.RECIPE_COMMIT: "d" * 40}}, "labels"),
+]
+
+
+@pytest.mark.parametrize(("change", "setting"), [row[1:] for row in CHANGES],
+                         ids=[row[0] for row in CHANGES])
+def test_every_setting_is_in_the_fingerprint(change: dict[str, Any], setting: str) -> None:
+    edited = replace(SPEC, **change)
+    assert changed_settings(SPEC.fingerprint(), edited.fingerprint()) == (setting,)
+    step = plan(READY, seen(container(), spec=edited)).step
+    if setting == "image":
+        assert step == Stop("c1", "replacing: it runs on another image")
+    else:
+        assert step == Stop("c1", f"replacing: its {setting} changed")
+
+
+def test_bookkeeping_labels_are_not_in_the_fingerprint() -> None:
+    stamped = replace(SPEC, labels={**SPEC.labels, labels.GENERATION: "7",
+                                    labels.FINGERPRINT: "x"})
+    assert stamped.fingerprint() == SPEC.fingerprint()
+    assert replace(SPEC, environment={"CONTEXT": "200000"}).fingerprint() == SPEC.fingerprint()
+
+
+def test_missing_prerequisites() -> None:
+    recipe = parse(MINIMAL_RECIPE, "minimal.toml")
+    commit = recipe.source.commit  # type: ignore[union-attr]
+    grammar = f"{recipe.image.tag}-grammar"  # type: ignore[union-attr]
+    tag = recipe.image.tag  # type: ignore[union-attr]
+    rows = [
+        # checkout, recipe, prepared, grammar -> steps
+        ((True, True, True, True), ()),
+        ((False, True, True, True), ()),  # a restart with images in place never touches git
+        ((False, False, True, False), (Checkout(commit), RecipeImage(tag), GrammarImage(grammar))),
+        ((True, False, True, False), (RecipeImage(tag), GrammarImage(grammar))),
+        ((False, True, False, True), (Checkout(commit), Prepared())),
+        ((True, True, True, False), (GrammarImage(grammar),)),
+        ((False, False, False, False),
+         (Checkout(commit), RecipeImage(tag), GrammarImage(grammar), Prepared())),
+    ]
+    for (checkout, built, prepared, grammar_ok), expected in rows:
+        assert missing(recipe, checkout_ok=checkout, recipe_ok=built,  # type: ignore[arg-type]
+                       prepared=prepared, grammar_ok=grammar_ok) == expected
+
+
+def test_importing_the_planner_imports_no_docker() -> None:
+    code = "import sys, supervisor.plan; print('docker' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -22,6 +22,7 @@ from supervisor.protocol import (
     DesiredFile,
     FileSd,
     InvalidDocument,
+    RunningEngine,
     Status,
     TargetGroup,
     clean_message,
@@ -173,7 +174,8 @@ def test_status_times_are_iso_utc_with_z() -> None:
 
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
-    assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused"}
+    assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
+                         "engine"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
@@ -356,3 +358,16 @@ def test_dumped_status_and_file_sd_match_their_schemas() -> None:
 
 def test_file_module_limit_is_the_one_the_corpus_assumes() -> None:
     assert files.MAX_READ == 64 * 1024
+
+
+def test_status_names_what_runs_only_while_running() -> None:
+    engine = RunningEngine(image="tf:1-grammar", image_id="sha256:" + "a" * 64,
+                           container_id="c" * 64, recipe_commit="0" * 40, model="qwen",
+                           model_revision=None)
+    wire = json.loads(dump(status(engine=engine)))
+    assert wire["engine"] == {"image": "tf:1-grammar", "imageId": "sha256:" + "a" * 64,
+                              "containerId": "c" * 64, "recipeCommit": "0" * 40,
+                              "model": "qwen", "modelRevision": None}
+    assert parse_status(json.dumps(wire)).engine == engine
+    with pytest.raises(ValueError, match="engine must be null"):
+        status(state="stopped", url=None, engine=engine)
