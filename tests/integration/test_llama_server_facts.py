@@ -205,3 +205,24 @@ def test_more_startup_models_than_models_max_exits_1(llama_router, tmp_path: Pat
     sections = [Section(f"m{i}", "tiny.gguf", {"load-on-startup": True}) for i in range(3)]
     router = llama_router(models, sections, defaults={"ctx-size": 256}, models_max=2, wait=False)
     assert router.container.wait(timeout=60)["StatusCode"] == 1, router.logs()[-2000:]
+
+
+def test_models_max_evicts_the_least_recently_used_and_errors_are_plain(
+    llama_router, tmp_path: Path
+) -> None:
+    sections = _library(tmp_path / "models")
+    tiny = Section("tiny", "tiny.gguf", {"load-on-startup": True})
+    router = llama_router(
+        tmp_path / "models", [tiny, sections["sp"]], defaults={"ctx-size": 256}, models_max=1
+    )
+    router.wait_value("tiny", "loaded")
+    assert router.post("/models/load", {"model": "sp"}).json() == {"success": True}
+    router.wait_value("sp", "loaded")
+    assert router.models()["tiny"]["value"] == "unloaded", "evicted to stay within models-max"
+
+    unknown = router.post("/models/load", {"model": "nope"})
+    assert unknown.status == 404
+    assert unknown.json()["error"]["message"] == "File Not Found"
+    idle = router.post("/models/unload", {"model": "tiny"})
+    assert idle.status == 400
+    assert idle.json()["error"]["message"] == "model is not running"
