@@ -3,7 +3,8 @@
 # root, once per package version: the image is tagged lucia-llama-server:<version, sanitised>
 # and labelled with the version, and when an image with that version exists nothing is built.
 # The version is read from sid's Packages index, fetched by apt into a private directory (the
-# machine's own apt state is not touched). The last line of output is the image reference.
+# machine's own apt state is not touched); when the index is out of reach, an image built before
+# is kept. The last line of output is the image reference.
 #
 #   LUCIA_LLAMA_MIRROR   the Debian mirror (default: the first `URIs:` of the machine's apt)
 #   LUCIA_LLAMA_CACHE    the private apt directory (default: /var/cache/lucia/llama-server-apt)
@@ -52,17 +53,29 @@ private_apt() {
         "$@"
 }
 
+# The newest image built here before, as repository:tag, or nothing.
+built_before() {
+    docker images --filter "label=$label" --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' \
+        | sort -r | awk -F'\t' '$2 !~ /<none>/ {print $2; exit}'
+}
+
 sid_version() {
     mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
     printf 'deb [check-valid-until=no] %s sid main\n' "$1" >"$cache/sources.list"
-    private_apt apt-get update >"$cache/update.log" 2>&1 \
-        || { tail -20 "$cache/update.log" >&2; die "apt-get update of sid failed"; }
+    private_apt apt-get update >"$cache/update.log" 2>&1 || return 1
     private_apt apt-cache show --no-all-versions "$package" 2>/dev/null \
         | awk '/^Version:/ {print $2; exit}'
 }
 
 mirror=$(mirror)
-version=$(sid_version "$mirror")
+if ! version=$(sid_version "$mirror"); then
+    tail -20 "$cache/update.log" >&2
+    previous=$(built_before)
+    [ -n "$previous" ] || die "apt-get update of sid at $mirror failed, and no image was built before"
+    say "sid's index is out of reach; keeping the image built before"
+    echo "$previous"
+    exit 0
+fi
 [ -n "$version" ] || die "$package is not in sid at $mirror"
 # Docker tags allow [A-Za-z0-9_.-], at most 128 characters, not starting with . or -.
 tag=$(printf '%s' "$version" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-128)
