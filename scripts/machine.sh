@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this machine for lucia-supervisor and its tests, as root: Debian packages, a running
 # dockerd, journald and a systemd user manager for the user `lucia` (scripts/systemd-user.sh),
-# and the project's virtual environment in .venv. Safe to run again: it only does what is
-# missing.
+# the real llama-server image from Debian sid (scripts/llama-server-image.sh) and the project's
+# virtual environment in .venv. Safe to run again: it only does what is missing.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,6 +20,7 @@ install_packages() {
     command -v busybox >/dev/null || missing+=(busybox-static)
     command -v git >/dev/null || missing+=(git)
     command -v prometheus >/dev/null || missing+=(prometheus)
+    command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]}"
@@ -55,8 +56,17 @@ install_project() {
         2> >(grep -v '^WARNING: Location' >&2)
 }
 
+build_llama_server() {
+    local image
+    say "the real llama-server image, from Debian sid (log: $log_dir/llama-server-image.log)"
+    image=$(bash "$root/scripts/llama-server-image.sh" 2>"$log_dir/llama-server-image.log") \
+        || { tail -20 "$log_dir/llama-server-image.log" >&2; die "the llama-server image failed"; }
+    say "llama-server image: ${image##*$'\n'}"
+}
+
 install_packages
 start_dockerd
+build_llama_server
 bash "$root/scripts/systemd-user.sh"
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

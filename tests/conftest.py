@@ -1,4 +1,4 @@
-"""Shared fixtures: real dockerd engines (tests/fixtures.py), the systemd user manager
-(tests/system/harness.py)."""
+"""Shared fixtures: real dockerd engines (tests/fixtures.py), the real llama-server
+(tests/llama_server.py), the systemd user manager (tests/system/harness.py)."""
 
-pytest_plugins = ["tests.fixtures", "tests.system.harness"]
+pytest_plugins = ["tests.fixtures", "tests.llama_server", "tests.system.harness"]

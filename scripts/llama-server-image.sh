@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Build a Docker image of the real llama-server from Debian sid's `llama.cpp-tools` package, as
+# root, once per package version: the image is tagged lucia-llama-server:<version, sanitised>
+# and labelled with the version, and when an image with that version exists nothing is built.
+# The version is read from sid's Packages index, fetched by apt into a private directory (the
+# machine's own apt state is not touched); when the index is out of reach, an image built before
+# is kept. The last line of output is the image reference.
+#
+#   LUCIA_LLAMA_MIRROR   the Debian mirror (default: the first `URIs:` of the machine's apt)
+#   LUCIA_LLAMA_CACHE    the private apt directory (default: /var/cache/lucia/llama-server-apt)
+set -euo pipefail
+
+package=llama.cpp-tools
+repository=lucia-llama-server
+label=org.lucia.llama-server.version
+cache=${LUCIA_LLAMA_CACHE:-/var/cache/lucia/llama-server-apt}
+
+say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'llama-server-image.sh: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (mmdebstrap and docker import need it)"
+for tool in mmdebstrap docker apt-get apt-cache; do
+    command -v "$tool" >/dev/null || die "$tool is missing (scripts/machine.sh installs it)"
+done
+
+mirror() {
+    local uri
+    if [ -n "${LUCIA_LLAMA_MIRROR:-}" ]; then
+        echo "$LUCIA_LLAMA_MIRROR"
+        return
+    fi
+    if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+        uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+    fi
+    if [ -z "${uri:-}" ] && [ -f /etc/apt/sources.list ]; then
+        uri=$(awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' \
+            /etc/apt/sources.list)
+    fi
+    [ -n "${uri:-}" ] || die "no Debian mirror found in /etc/apt (set LUCIA_LLAMA_MIRROR)"
+    echo "$uri"
+}
+
+# apt on a private sources list, lists and cache: only sid's index, nothing of the machine's.
+private_apt() {
+    local tool=$1
+    shift
+    "$tool" -q \
+        -o Dir::Etc::sourcelist="$cache/sources.list" -o Dir::Etc::sourceparts=- \
+        -o Dir::Etc::preferences=- -o Dir::Etc::preferencesparts=- \
+        -o Dir::State::Lists="$cache/lists" -o Dir::Cache="$cache/cache" \
+        -o Dir::State::status=/dev/null -o APT::Get::List-Cleanup=false \
+        -o Acquire::Check-Valid-Until=false -o Acquire::Languages=none \
+        "$@"
+}
+
+# The newest image built here before, as repository:tag, or nothing.
+built_before() {
+    docker images --filter "label=$label" --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' \
+        | sort -r | awk -F'\t' '$2 !~ /<none>/ {print $2; exit}'
+}
+
+sid_version() {
+    mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
+    printf 'deb [check-valid-until=no] %s sid main\n' "$1" >"$cache/sources.list"
+    private_apt apt-get update >"$cache/update.log" 2>&1 || return 1
+    private_apt apt-cache show --no-all-versions "$package" 2>/dev/null \
+        | awk '/^Version:/ {print $2; exit}'
+}
+
+mirror=$(mirror)
+if ! version=$(sid_version "$mirror"); then
+    tail -20 "$cache/update.log" >&2
+    previous=$(built_before)
+    [ -n "$previous" ] || die "apt-get update of sid at $mirror failed, and no image was built before"
+    say "sid's index is out of reach; keeping the image built before"
+    echo "$previous"
+    exit 0
+fi
+[ -n "$version" ] || die "$package is not in sid at $mirror"
+# Docker tags allow [A-Za-z0-9_.-], at most 128 characters, not starting with . or -.
+tag=$(printf '%s' "$version" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-128)
+image=$repository:$tag
+
+existing=$(docker images -q --filter "label=$label=$version" | head -1)
+if [ -n "$existing" ]; then
+    say "$package $version is already built"
+    docker tag "$existing" "$image"
+    echo "$image"
+    exit 0
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+say "building $image from sid's $package $version ($mirror)"
+started=$(date +%s)
+mmdebstrap --variant=apt --include="$package" \
+    --aptopt='Acquire::Check-Valid-Until "false"' \
+    sid "$work/rootfs.tar" "deb [check-valid-until=no] $mirror sid main" >"$work/mmdebstrap.log" 2>&1 \
+    || { tail -30 "$work/mmdebstrap.log" >&2; die "mmdebstrap failed"; }
+built=$(tar -xOf "$work/rootfs.tar" ./var/lib/dpkg/status \
+    | awk -v p="$package" '$1 == "Package:" {hit = ($2 == p)} hit && $1 == "Version:" {print $2; exit}')
+[ "$built" = "$version" ] || die "the root file system holds $package ${built:-nothing}, not $version"
+docker import \
+    --change 'ENTRYPOINT ["/usr/bin/llama-server"]' \
+    --change "LABEL $label=\"$version\"" \
+    --message "$package $version from Debian sid" \
+    "$work/rootfs.tar" "$image" >/dev/null
+say "built $image in $(($(date +%s) - started)) s"
+echo "$image"
