@@ -1,0 +1,104 @@
+"""Does a start fit: the plan's budget and the memory free now, and the refusal's wording.
+
+The plan: need <= limit - reserves - held by others (the ledger's claims of running engines).
+Now: need <= available (MemAvailable, or the GPUs' free memory) - reserves + releasing (what a
+replacement frees when it stops the old engine). Both must hold; memory used outside lucia
+shows only in the second. The wording is the operators' guide's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from .need import EngineNeed
+from .settings import GIB
+
+AFTER: Final = "does not fit after voice, OS, services, and runtime reservations"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What another running engine holds, by its claim."""
+
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Budget:
+    limit: int
+    reserves: int
+    held: tuple[Holding, ...] = ()
+
+    @property
+    def held_total(self) -> int:
+        return sum(holding.bytes for holding in self.held)
+
+    @property
+    def left(self) -> int:
+        """What a start may use: the limit less the reserves and what others hold."""
+        return self.limit - self.reserves - self.held_total
+
+
+@dataclass(frozen=True)
+class Fits:
+    need: EngineNeed
+    left: int
+    fits: bool = True
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    need: EngineNeed
+    left: int
+    message: str
+    fits: bool = False
+
+
+Verdict = Fits | Refused
+
+
+def gib(value: int) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def _names(names: Sequence[str]) -> str:
+    if len(names) <= 1:
+        return "".join(names)
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check(need: EngineNeed, budget: Budget) -> Verdict:
+    """The plan's check against the limit, the reserves and what others hold."""
+    left = budget.left
+    if need.need <= left and all(model.context > 0 or model.embedding for model in need.models):
+        return Fits(need, left)
+    details = [f"limit {gib(budget.limit)}", f"reserves {gib(budget.reserves)}"]
+    if budget.held:
+        held = ", ".join(f"{h.name} {gib(h.bytes)}" for h in budget.held)
+        details.append(f"held by {held}")
+    advice = need.lower
+    if budget.held:
+        advice += f" or stop {_names([h.name for h in budget.held])}"
+    message = (
+        f"{need.subject} {AFTER}: needs {gib(need.need)} GiB, {gib(left)} GiB left "
+        f"({', '.join(details)}). {advice}."
+    )
+    return Refused(need, left, message)
+
+
+def check_now(need: EngineNeed, available: int, reserves: int, releasing: int = 0) -> Verdict:
+    """The check against the memory free now (what lucia does not account for counts too)."""
+    left = available + releasing - reserves
+    if need.need <= left:
+        return Fits(need, left)
+    freed = f", freed by the replacement {gib(releasing)}" if releasing else ""
+    message = (
+        f"{need.subject} {AFTER} in the memory free now: needs {gib(need.need)} GiB, "
+        f"{gib(left)} GiB left (available {gib(available)}, reserves {gib(reserves)}{freed}). "
+        f"{need.lower} or free memory outside lucia."
+    )
+    return Refused(need, left, message)
