@@ -274,11 +274,6 @@ def _format(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validation_message(exc: ValidationError) -> str:
-    """A pydantic error as one short line: the first problems, each with where it is."""
-    return _format(exc)
-
-
 def _nul(value: object, where: str = "") -> str | None:
     """Where a NUL character hides in the data (it cannot be an argument, a path or a value)."""
     if isinstance(value, str):

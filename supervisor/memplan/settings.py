@@ -23,16 +23,16 @@ the limit is the GPU's memory and voice lives in host RAM, may set it lower.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..files import FileRefused, read_text
-from ..recipe import validation_message
 
 GIB: Final = 1024**3
 MACHINE_ENV: Final = "LUCIA_MACHINE_FILE"
@@ -47,6 +47,7 @@ PROFILES: Final[dict[str, tuple[float, float, float, float]]] = {
     "gpu-server": (0, 0, 0, 2),
 }
 
+_BRANCHES: Final = ("literal[", "constrained-", "function-", "float", "int", "str")
 _GiB = Annotated[float, Field(ge=0, le=1_048_576, allow_inf_nan=False)]
 
 
@@ -66,10 +67,20 @@ class _ReservesFile(_Strict):
 
 
 class _MachineFile(_Strict):
-    limit: LimitKind | Annotated[float, Field(gt=0, le=1_048_576, allow_inf_nan=False)] = "unified"
+    limit: str | float = "unified"
     profile: Profile | None = None
     weight_multiplier: float = Field(default=2.0, ge=1, le=10, allow_inf_nan=False)
     reserves: _ReservesFile = Field(default_factory=_ReservesFile)
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, value: str | float) -> str | float:
+        if isinstance(value, str):
+            if value in {"unified", "gpu"}:
+                return value
+        elif math.isfinite(value) and 0 < value <= 1_048_576:
+            return value
+        raise ValueError(f'must be "unified", "gpu" or a number of GiB above 0, not {value!r}')
 
 
 @dataclass(frozen=True)
@@ -119,8 +130,20 @@ def parse(text: str, origin: str = "<machine settings>") -> MachineSettings:
     try:
         parsed = _MachineFile.model_validate(data)
     except ValidationError as exc:
-        raise MachineError(f"{origin}: {validation_message(exc)}"[:300]) from None
+        raise MachineError(f"{origin}: {_message(exc)}"[:300]) from None
     return _resolve(parsed, Path(origin) if origin.startswith("/") else None)
+
+
+def _message(exc: ValidationError) -> str:
+    """The first problem per key, as `key: what`; union branch names are left out."""
+    seen: dict[str, str] = {}
+    for err in exc.errors(include_url=False):
+        parts = [str(p) for p in err["loc"] if not str(p).startswith(_BRANCHES)]
+        where = ".".join(part[:60] for part in parts) or "file"
+        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"][:120]
+        what = what.removeprefix("Value error, ")
+        seen.setdefault(where, what)
+    return "; ".join(f"{where}: {what}" for where, what in list(seen.items())[:3])
 
 
 def _resolve(parsed: _MachineFile, source: Path | None = None) -> MachineSettings:
@@ -139,7 +162,13 @@ def _resolve(parsed: _MachineFile, source: Path | None = None) -> MachineSetting
             f"{where}: reserves.voice: {chosen[2]:g} GiB is below the voice floor of "
             f'{VOICE_FLOOR_GIB:g} GiB (only profile "gpu-server" may set it lower)'
         )
-    limit: LimitKind | int = parsed.limit if isinstance(parsed.limit, str) else gib(parsed.limit)
+    limit: LimitKind | int
+    if parsed.limit == "gpu":
+        limit = "gpu"
+    elif parsed.limit == "unified":
+        limit = "unified"
+    else:
+        limit = gib(float(parsed.limit))
     return MachineSettings(
         limit=limit,
         profile=profile,
