@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from .need import EngineNeed
+from .need import EngineNeed, ModelNeed
 from .settings import GIB
 
 AFTER: Final = "does not fit after voice, OS, services, and runtime reservations"
@@ -71,10 +71,15 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def _has_context(model: ModelNeed) -> bool:
+    """A model with a KV cache needs some context (an "auto" plan of 0 tokens does not fit)."""
+    return model.context > 0 or model.embedding or model.kv_per_token == 0
+
+
 def check(need: EngineNeed, budget: Budget) -> Verdict:
     """The plan's check against the limit, the reserves and what others hold."""
     left = budget.left
-    if need.need <= left and all(model.context > 0 or model.embedding for model in need.models):
+    if need.need <= left and all(_has_context(model) for model in need.models):
         return Fits(need, left)
     details = [f"limit {gib(budget.limit)}", f"reserves {gib(budget.reserves)}"]
     if budget.held:

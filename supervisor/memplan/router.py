@@ -135,4 +135,4 @@ def plan(
 
 
 def _fits(need: ModelNeed, room: int) -> bool:
-    return need.need <= room and (need.context > 0 or need.embedding)
+    return need.need <= room and (need.context > 0 or need.embedding or need.kv_per_token == 0)
