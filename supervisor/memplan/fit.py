@@ -8,7 +8,7 @@ shows only in the second. The wording is the operators' guide's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,6 +65,14 @@ def gib(value: int) -> str:
     return f"{value / GIB:.1f}"
 
 
+def size(value: int) -> str:
+    """Bytes for people: GiB from 1 GiB, MiB and KiB below (tiny models), 0 B for nothing."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value} B"
+
+
 def _names(names: Sequence[str]) -> str:
     if len(names) <= 1:
         return "".join(names)
@@ -76,20 +84,25 @@ def _has_context(model: ModelNeed) -> bool:
     return model.context > 0 or model.embedding or model.kv_per_token == 0
 
 
+def _amount(value: int, show: Callable[[int], str]) -> str:
+    return f"{show(value)} GiB" if show is gib else show(value)
+
+
 def check(need: EngineNeed, budget: Budget) -> Verdict:
     """The plan's check against the limit, the reserves and what others hold."""
     left = budget.left
     if need.need <= left and all(_has_context(model) for model in need.models):
         return Fits(need, left)
-    details = [f"limit {gib(budget.limit)}", f"reserves {gib(budget.reserves)}"]
+    show = gib if budget.limit >= GIB else size  # the guide's GiB figures; tiny test limits
+    details = [f"limit {show(budget.limit)}", f"reserves {show(budget.reserves)}"]
     if budget.held:
-        held = ", ".join(f"{h.name} {gib(h.bytes)}" for h in budget.held)
+        held = ", ".join(f"{h.name} {show(h.bytes)}" for h in budget.held)
         details.append(f"held by {held}")
     advice = need.lower
     if budget.held:
         advice += f" or stop {_names([h.name for h in budget.held])}"
     message = (
-        f"{need.subject} {AFTER}: needs {gib(need.need)} GiB, {gib(left)} GiB left "
+        f"{need.subject} {AFTER}: needs {_amount(need.need, show)}, {_amount(left, show)} left "
         f"({', '.join(details)}). {advice}."
     )
     return Refused(need, left, message)

@@ -16,7 +16,7 @@ from .. import ggufcheck
 from ..library import scan
 from ..recipe import LlamaRouterRecipe, TensorFoldRecipe
 from . import router
-from .fit import Budget, Holding, Verdict, check, gib
+from .fit import Budget, Holding, Verdict, check, size
 from .need import EngineNeed, figures
 from .probe import Memory
 from .settings import MachineSettings
@@ -183,20 +183,20 @@ def render(overview: Overview) -> str:
                 table.append((row["engine"], row["model"], row["role"], "-", "-", "-", "-"))
                 continue
             table.append((
-                row["engine"], row["model"], row["role"], f"{gib(row['weights'])} GiB",
-                str(row["kvBytesPerToken"]), str(row["context"]), f"{gib(row['need'])} GiB",
+                row["engine"], row["model"], row["role"], f"{size(row['weights'])}",
+                str(row["kvBytesPerToken"]), str(row["context"]), f"{size(row['need'])}",
             ))  # fmt: skip
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
              for line in table]  # fmt: skip
     memory, reserves = overview.memory, overview.settings.reserves
-    held = ", ".join(f"{h.name} {gib(h.bytes)}" for h in overview.held) or "nothing"
+    held = ", ".join(f"{h.name} {size(h.bytes)}" for h in overview.held) or "nothing"
     lines += [
         "",
-        f"limit     {gib(memory.limit)} GiB ({memory.source}); available now "
-        f"{gib(memory.available)} GiB",
-        f"reserves  {gib(reserves.total)} GiB (os {gib(reserves.os)}, services "
-        f"{gib(reserves.services)}, voice {gib(reserves.voice)}, runtime {gib(reserves.runtime)})",
+        f"limit     {size(memory.limit)} ({memory.source}); available now {size(memory.available)}",
+        f"reserves  {size(reserves.total)} (os {size(reserves.os)}, services "
+        f"{size(reserves.services)}, voice {size(reserves.voice)}, "
+        f"runtime {size(reserves.runtime)})",
         f"held      {held}",
     ]
     for plan in overview.engines:
@@ -206,8 +206,7 @@ def render(overview: Overview) -> str:
         verdict = plan.verdict
         state = "fits" if plan.fits else "does not fit"
         lines.append(
-            f"{plan.name}: {state}: needs {gib(verdict.need.need)} GiB, "
-            f"{gib(verdict.left)} GiB left"
+            f"{plan.name}: {state}: needs {size(verdict.need.need)}, {size(verdict.left)} left"
         )
         if verdict.message:
             lines.append(f"  {verdict.message}")
