@@ -6,10 +6,11 @@ count, then each KV pair: a string key (uint64 length + UTF-8 bytes), a uint32 v
 the value. Strings are length-prefixed; an array is a uint32 element type, a uint64 count and
 the elements. Tensor infos and tensor data follow the KV pairs and are never read here.
 
-Reading is bounded: at most MAX_HEADER bytes in chunks of CHUNK bytes, through a descriptor that
-refuses symlinks and non-regular files (ggufcheck.open_regular). Only what planning needs is
-kept: scalars, and numeric arrays up to MAX_KEPT_ARRAY elements (the per-layer arrays); string
-arrays (the vocabulary) and long arrays are stepped over, not stored.
+Reading is bounded: at most MAX_HEADER bytes, in chunks of 64 KiB doubling up to CHUNK (so a
+read overshoots the header by at most about 2x), through a descriptor that refuses symlinks and
+non-regular files (ggufcheck.open_regular). Only what planning needs is kept: scalars, and
+numeric arrays up to MAX_KEPT_ARRAY elements (the per-layer arrays); string arrays (the
+vocabulary) and long arrays are stepped over, not stored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Final
 
 from .ggufcheck import MAGIC, Unreadable, header_problem, open_regular
 
-CHUNK: Final = 1024 * 1024
+FIRST_CHUNK: Final = 64 * 1024  # most of a header without a vocabulary, little tensor data
+CHUNK: Final = 4 * 1024 * 1024
 MAX_HEADER: Final = 512 * 1024 * 1024  # a 256k-token vocabulary with merges is ~30 MB
 MAX_KV: Final = 1_000_000
 MAX_KEY: Final = 65_535
@@ -45,6 +47,7 @@ _FIXED: Final[dict[int, str]] = {
     11: "<q",
     12: "<d",
 }
+_U64: Final = struct.Struct("<Q")
 _STRING: Final = 8
 _ARRAY: Final = 9
 
@@ -84,6 +87,7 @@ class _Reader:
         self._buffer = b""
         self._start = 0  # file offset of _buffer[0]
         self._pos = 0  # offset inside _buffer
+        self._reads = 0
 
     @property
     def offset(self) -> int:
@@ -100,8 +104,10 @@ class _Reader:
         if self._pos + count > len(self._buffer):
             self._start += self._pos
             rest = self._buffer[self._pos :]
-            want = max(CHUNK, count) - len(rest)
+            # 64 KiB first, doubling to CHUNK: a read overshoots a header by at most about 2x
+            want = max(min(CHUNK, FIRST_CHUNK << self._reads), count) - len(rest)
             self._buffer = rest + os.pread(self._fd, want, self._start + len(rest))
+            self._reads += 1
             self._pos = 0
             if count > len(self._buffer):
                 raise self._fail("truncated GGUF header (the file shrank)")
@@ -136,8 +142,22 @@ class _Reader:
         except UnicodeDecodeError:
             raise self._fail("a string is not valid UTF-8") from None
 
-    def skip_string(self) -> None:
-        self.skip(self.count(MAX_HEADER, "string length"))
+    def skip_strings(self, count: int) -> None:
+        """Step over count length-prefixed strings (a vocabulary): the hot loop of a header."""
+        unpack = _U64.unpack_from
+        while count:
+            self.take(0)  # keep offsets honest before touching the buffer directly
+            buffer, pos, end = self._buffer, self._pos, len(self._buffer) - 8
+            while count and pos <= end:
+                (length,) = unpack(buffer, pos)
+                if pos + 8 + length > len(buffer):
+                    break
+                pos += 8 + length
+                count -= 1
+            self._pos = pos
+            if count:  # the next string straddles the buffer's end: read it the slow way
+                self.skip(self.count(MAX_HEADER, "string length"))
+                count -= 1
 
 
 def _value(reader: _Reader, kind: int) -> Value | None:
@@ -159,8 +179,7 @@ def _value(reader: _Reader, kind: int) -> Value | None:
         raw = reader.take(count * width)
         return tuple(struct.unpack(f"<{count}{fmt[1]}", raw))
     if element == _STRING:
-        for _ in range(count):
-            reader.skip_string()
+        reader.skip_strings(count)
         return None
     raise reader._fail(f"unsupported GGUF array element type {element}")
 

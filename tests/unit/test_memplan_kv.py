@@ -187,7 +187,7 @@ def test_reads_the_header_not_the_tensor_data(tmp_path: Path) -> None:
     before = _rchar()
     read_metadata(path)
     read = _rchar() - before
-    assert read <= 1024 * 1024 + 4096, read  # one chunk at most
+    assert read <= 64 * 1024 + 4096, read  # the first chunk only
 
 
 @pytest.mark.parametrize("cut", [8, 20, 30, 60])
@@ -207,3 +207,20 @@ def test_not_gguf_and_symlink(tmp_path: Path) -> None:
     os.symlink(write_model(tmp_path / "m.gguf"), link)
     with pytest.raises(Unreadable, match="symlink"):
         read_metadata(link)
+
+
+def test_keys_after_a_vocabulary_of_long_and_many_strings(tmp_path: Path) -> None:
+    """Strings longer than a read chunk, and many short ones, are stepped over exactly: the
+    keys after them still read right (the order the `gguf` writer keeps is the order added)."""
+    path = tmp_path / "v.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list(["x" * 70_000] * 3 + ["y"] * 100_000 + ["z" * 2_000_000])
+    writer.add_context_length(77)
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    meta = read_metadata(path)
+    assert meta.get("llama.context_length") == 77
+    assert meta.get("llama.block_count") == 2
+    assert set(meta.values) <= set(gguf.GGUFReader(path).fields)
