@@ -208,6 +208,37 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .memplan import overview, probe, settings
+    from .memplan.ledger import Ledger
+    from .recipe import RecipeError, load, locate, recipes_dir
+
+    try:
+        machine = settings.load(Path(args.machine).expanduser() if args.machine else None)
+    except settings.MachineError as exc:
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    names = args.names or sorted(path.stem for path in recipes_dir().glob("*.toml"))
+    try:
+        recipes = [load(locate(name)) for name in names]
+    except RecipeError as exc:
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    try:
+        memory = probe.measure(machine)
+    except (probe.ProbeFailed, OSError) as exc:
+        _print_err(f"cannot measure the memory limit: {exc}")
+        return EXIT_FAILED
+    # Without Docker here, a claim holds while its worker lives (see memplan/ledger.py).
+    held = Ledger.for_data_dir(data_dir_from(args.data_dir)).held(running=())
+    plan = overview.build(recipes, machine, memory, held)
+    if args.json:
+        print(json.dumps(overview.as_json(plan), indent=2))
+    else:
+        print(overview.render(plan))
+    return EXIT_OK if plan.fits else EXIT_FAILED
+
+
 def state_dir_from(value: str | None, name: str) -> Path:
     """The worker's private state: the argument, then LUCIA_STATE_DIR/NAME, then XDG's."""
     if value:
@@ -268,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--heartbeat", type=_positive, help="seconds between status writes (15)")
     work.add_argument("--metrics-port", type=int, help="serve worker metrics on 127.0.0.1:PORT")
     work.set_defaults(func=_cmd_worker)
+
+    pl = sub.add_parser("plan", parents=[common], help="print the memory plan; start nothing")
+    pl.add_argument("names", nargs="*", type=_engine_name, metavar="NAME")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--machine", help="machine settings file (env LUCIA_MACHINE_FILE)")
+    pl.set_defaults(func=_cmd_plan)
 
     sch = sub.add_parser("schemas", help="write the protocol's JSON Schemas")
     sch.add_argument("--out", required=True, metavar="DIR")

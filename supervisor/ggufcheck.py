@@ -84,10 +84,10 @@ class Unreadable(Exception):
         self.reason = reason
 
 
-def read_header(path: Path) -> bytes:
-    """The first 8 bytes of path (fewer if it is shorter); never more, never through a symlink.
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of path, a regular file reached without following a symlink.
 
-    Raises Unreadable with a one-line reason."""
+    Raises Unreadable with a one-line reason; the caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -97,6 +97,18 @@ def read_header(path: Path) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise Unreadable("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_header(path: Path) -> bytes:
+    """The first 8 bytes of path (fewer if it is shorter); never more, never through a symlink.
+
+    Raises Unreadable with a one-line reason."""
+    fd = open_regular(path)
+    try:
         return os.pread(fd, HEADER_SIZE, 0)
     except OSError as exc:
         raise Unreadable(f"cannot be read: {exc.strerror}") from None

@@ -207,3 +207,44 @@ def _llama_tensors(shape: TinyLlama) -> list[tuple[str, np.ndarray[Any, np.dtype
         ]
     tensors += [("output_norm.weight", ones(e)), ("output.weight", weights(VOCAB_SIZE, e))]
     return tensors
+def write_model(
+    path: Path,
+    *,
+    arch: str = "llama",
+    context: int = 2048,
+    embedding: int = 64,
+    blocks: int = 3,
+    heads: int | Sequence[int] = 4,
+    kv_heads: int | Sequence[int] | None = 2,
+    key_length: int | None = None,
+    value_length: int | None = None,
+    interval: int | None = None,
+    pooling: gguf.PoolingType | None = None,
+    vocabulary: int = 0,
+    elements: int = 16,
+) -> Path:
+    """A real GGUF file whose header says what the memory plan reads: block count, heads,
+    KV heads (a number or one per layer), key/value lengths, full-attention interval."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(path.stem)
+    writer.add_context_length(context)
+    writer.add_embedding_length(embedding)
+    writer.add_block_count(blocks)
+    writer.add_head_count(heads)
+    if kv_heads is not None:
+        writer.add_head_count_kv(kv_heads)
+    if key_length is not None:
+        writer.add_key_length(key_length)
+    if value_length is not None:
+        writer.add_value_length(value_length)
+    if interval is not None:
+        writer.add_full_attention_interval(interval)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
+    if vocabulary:
+        writer.add_token_list([f"token-{i}" for i in range(vocabulary)])
+        writer.add_token_scores([0.0] * vocabulary)
+    writer.add_tensor("weight", np.arange(elements, dtype=np.float32))
+    _finish(writer)
+    return path

@@ -1,0 +1,216 @@
+"""The plan of named engines without starting anything: what `lucia-supervisor plan` prints.
+
+Each engine is planned against the limit less the reserves and what the other engines' claims
+hold (the engine's own claim is not counted against itself). A tensorfold engine's figures
+come from its recipe (TensorfoldFigures, until the recipe carries them); a llama-router's from
+the GGUF headers of its library's Ready models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import ggufcheck
+from ..library import scan
+from ..recipe import LlamaRouterRecipe, TensorFoldRecipe
+from . import router
+from .fit import Budget, Holding, Verdict, check, size
+from .need import EngineNeed, figures
+from .probe import Memory
+from .settings import MachineSettings
+
+AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe
+
+
+@dataclass(frozen=True)
+class TensorfoldFigures:
+    """A tensorfold start's figures, from the recipe's own measurements (bytes)."""
+
+    weights: int
+    kv_per_token: int
+    kv: int | None = None  # the whole KV cache, when the recipe gives it instead
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    name: str
+    verdict: Verdict | None  # None: the engine could not be planned
+    problem: str = ""
+    router: router.RouterPlan | None = None
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.verdict is not None
+            and self.verdict.fits
+            and not (self.router and self.router.unfit)
+        )
+
+
+@dataclass(frozen=True)
+class Overview:
+    memory: Memory
+    settings: MachineSettings
+    held: tuple[Holding, ...]
+    engines: tuple[EnginePlan, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(engine.fits for engine in self.engines)
+
+
+def tensorfold_need(
+    recipe: TensorFoldRecipe, found: TensorfoldFigures, multiplier: float
+) -> EngineNeed:
+    settings = recipe.settings
+    context = int(settings.get("CONTEXT", 0))
+    parallel = int(settings.get("PARALLEL", 1))
+    model = figures(
+        recipe.model, found.weights, found.kv_per_token, context,
+        parallel=parallel, multiplier=multiplier, kv=found.kv,
+    )  # fmt: skip
+    return EngineNeed(recipe.name, (model,), "Lower CONTEXT")
+
+
+def plan_engine(
+    recipe: AnyRecipe,
+    budget: Budget,
+    multiplier: float,
+    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None],
+) -> EnginePlan:
+    if isinstance(recipe, TensorFoldRecipe):
+        found = tensorfold(recipe)
+        if found is None:
+            return EnginePlan(recipe.name, None, "the recipe gives no memory figures")
+        return EnginePlan(recipe.name, check(tensorfold_need(recipe, found, multiplier), budget))
+    opts = router.options(recipe.router.defaults)
+    library = scan(recipe.library.models_path)
+    units = [unit for model in library.models for unit in ggufcheck.group(model.files).units]
+    models, bad = router.read_models(units)
+    routed = router.plan(
+        recipe.name, models, budget.left, recipe.router.load_on_startup, opts,
+        multiplier=multiplier, unplannable=bad,
+    )  # fmt: skip
+    return EnginePlan(recipe.name, check(routed.startup, budget), router=routed)
+
+
+def build(
+    recipes: Sequence[AnyRecipe],
+    settings: MachineSettings,
+    memory: Memory,
+    held: Sequence[Holding],
+    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None] = lambda _r: None,
+) -> Overview:
+    plans = []
+    for recipe in recipes:
+        others = tuple(h for h in held if h.name != recipe.name)
+        budget = Budget(memory.limit, settings.reserves.total, others)
+        try:
+            plans.append(plan_engine(recipe, budget, settings.weight_multiplier, tensorfold))
+        except (OSError, ValueError) as exc:
+            plans.append(EnginePlan(recipe.name, None, str(exc)))
+    return Overview(memory, settings, tuple(held), tuple(plans))
+
+
+def _rows(plan: EnginePlan) -> list[dict[str, Any]]:
+    rows = []
+    if plan.verdict is not None:
+        for model in plan.verdict.need.models:
+            rows.append(_model_row(plan.name, model, "start"))
+    if plan.router is not None:
+        started = {m.name for m in plan.verdict.need.models} if plan.verdict else set()
+        rows += [_model_row(plan.name, m, "offered") for m in plan.router.offered
+                 if m.name not in started]  # fmt: skip
+        rows += [_model_row(plan.name, m, "does not fit alone") for m in plan.router.unfit]
+        rows += [
+            {"engine": plan.name, "model": bad.name, "role": f"unreadable: {bad.reason}"}
+            for bad in plan.router.unplannable
+        ]
+    return rows
+
+
+def _model_row(engine: str, model: Any, role: str) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "model": model.name,
+        "role": role,
+        "weights": model.weights,
+        "kvBytesPerToken": model.kv_per_token,
+        "context": model.context,
+        "need": model.need,
+    }
+
+
+def as_json(overview: Overview) -> dict[str, Any]:
+    reserves = overview.settings.reserves
+    return {
+        "fits": overview.fits,
+        "limit": overview.memory.limit,
+        "limitSource": overview.memory.source,
+        "available": overview.memory.available,
+        "reserves": {
+            "os": reserves.os,
+            "services": reserves.services,
+            "voice": reserves.voice,
+            "runtime": reserves.runtime,
+            "total": reserves.total,
+        },
+        "weightMultiplier": overview.settings.weight_multiplier,
+        "held": [{"name": h.name, "bytes": h.bytes} for h in overview.held],
+        "engines": [
+            {
+                "name": plan.name,
+                "fits": plan.fits,
+                "need": plan.verdict.need.need if plan.verdict else None,
+                "left": plan.verdict.left if plan.verdict else None,
+                "message": plan.verdict.message if plan.verdict else plan.problem,
+                "models": _rows(plan),
+            }
+            for plan in overview.engines
+        ],
+    }
+
+
+def render(overview: Overview) -> str:
+    """The human table: per engine and model, then the limit, reserves, held and left."""
+    header = ("ENGINE", "MODEL", "ROLE", "WEIGHTS", "KV B/TOKEN", "CONTEXT", "NEED")
+    table: list[tuple[str, ...]] = [header]
+    for plan in overview.engines:
+        for row in _rows(plan):
+            if "need" not in row:
+                table.append((row["engine"], row["model"], row["role"], "-", "-", "-", "-"))
+                continue
+            table.append((
+                row["engine"], row["model"], row["role"], f"{size(row['weights'])}",
+                str(row["kvBytesPerToken"]), str(row["context"]), f"{size(row['need'])}",
+            ))  # fmt: skip
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+             for line in table]  # fmt: skip
+    memory, reserves = overview.memory, overview.settings.reserves
+    held = ", ".join(f"{h.name} {size(h.bytes)}" for h in overview.held) or "nothing"
+    lines += [
+        "",
+        f"limit     {size(memory.limit)} ({memory.source}); available now {size(memory.available)}",
+        f"reserves  {size(reserves.total)} (os {size(reserves.os)}, services "
+        f"{size(reserves.services)}, voice {size(reserves.voice)}, "
+        f"runtime {size(reserves.runtime)})",
+        f"held      {held}",
+    ]
+    for plan in overview.engines:
+        if plan.verdict is None:
+            lines.append(f"{plan.name}: cannot be planned: {plan.problem}")
+            continue
+        verdict = plan.verdict
+        state = "fits" if plan.fits else "does not fit"
+        lines.append(
+            f"{plan.name}: {state}: needs {size(verdict.need.need)}, {size(verdict.left)} left"
+        )
+        if verdict.message:
+            lines.append(f"  {verdict.message}")
+        if plan.router and plan.router.unfit:
+            names = ", ".join(m.name for m in plan.router.unfit)
+            lines.append(f"  not offered (cannot fit even alone): {names}")
+    return "\n".join(lines)

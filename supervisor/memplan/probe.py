@@ -1,0 +1,101 @@
+"""What the machine has: its memory limit and what is available now, host or GPU.
+
+The host's figures come from /proc/meminfo (MemTotal, MemAvailable; kB there, bytes here). The
+GPU's come from a GpuQuery: any function returning (total, free) bytes summed over the GPUs the
+engines use; nvidia_smi_query() is one, and a GPU boundary module may hand in its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ..files import read_text
+from .settings import MachineSettings
+
+MEMINFO: Final = Path("/proc/meminfo")
+MIB: Final = 1024 * 1024
+NVIDIA_SMI: Final = (
+    "nvidia-smi",
+    "--query-gpu=memory.total,memory.free",
+    "--format=csv,noheader,nounits",
+)
+
+GpuQuery = Callable[[], tuple[int, int]]
+
+
+class ProbeFailed(RuntimeError):
+    """The machine's memory could not be measured; str() says what was tried."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The limit the plan divides, and what is free now (MemAvailable, or the GPUs' free)."""
+
+    source: str  # "host", "gpu" or "fixed"
+    limit: int
+    available: int
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes from /proc/meminfo's text."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in {"MemTotal", "MemAvailable"}:
+            number, _, unit = rest.strip().partition(" ")
+            if not number.isdigit() or unit not in {"kB", ""}:
+                raise ProbeFailed(f"/proc/meminfo: cannot read {key}: {rest.strip()!r}")
+            found[key] = int(number) * (1024 if unit == "kB" else 1)
+    if len(found) != 2:
+        raise ProbeFailed("/proc/meminfo: MemTotal or MemAvailable is missing")
+    return found["MemTotal"], found["MemAvailable"]
+
+
+def host_memory(path: Path = MEMINFO) -> tuple[int, int]:
+    return parse_meminfo(read_text(path, limit=1024 * 1024))
+
+
+def parse_nvidia_smi(text: str) -> tuple[int, int]:
+    """(total, free) bytes summed over the lines `total, free` (MiB) nvidia-smi prints."""
+    total = free = 0
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ProbeFailed("nvidia-smi listed no GPU")
+    for line in lines:
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != 2 or not all(cell.isdigit() for cell in cells):
+            raise ProbeFailed(f"nvidia-smi: cannot read memory from {line.strip()!r}")
+        total += int(cells[0]) * MIB
+        free += int(cells[1]) * MIB
+    return total, free
+
+
+def nvidia_smi_query(timeout: float = 10.0) -> tuple[int, int]:
+    try:
+        done = subprocess.run(
+            NVIDIA_SMI, check=False, capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ProbeFailed(f"nvidia-smi could not run: {exc}") from None
+    if done.returncode != 0:
+        raise ProbeFailed(f"nvidia-smi failed ({done.returncode}): {done.stderr.strip()[:200]}")
+    return parse_nvidia_smi(done.stdout)
+
+
+def measure(
+    settings: MachineSettings,
+    host: Callable[[], tuple[int, int]] = host_memory,
+    gpu: GpuQuery = nvidia_smi_query,
+) -> Memory:
+    """The limit and the memory free now, as the settings say to measure them."""
+    if settings.limit == "gpu":
+        total, free = gpu()
+        return Memory("gpu", total, free)
+    total, available = host()
+    if settings.limit == "unified":
+        return Memory("host", total, available)
+    return Memory("fixed", settings.limit, min(available, settings.limit))

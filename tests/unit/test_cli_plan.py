@@ -1,0 +1,151 @@
+"""`lucia-supervisor plan`: its table, its JSON, and its exit codes, over a real GGUF library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from supervisor.memplan.fit import Budget, check
+from supervisor.memplan.ledger import Ledger
+from supervisor.memplan.need import EngineNeed, figures
+from tests.gguf_fixtures import add_model, write_model
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1024**2
+
+ROUTER = """
+name = "{name}"
+engine = "llama-router"
+[library]
+models_dir = "{models}"
+cache_dir = "{cache}"
+[router]
+image = "lucia-test/llama:1"
+models_max = 2
+load_on_startup = {startup}
+defaults = {{ ctx-size = "auto" }}
+[run]
+port = 18080
+"""
+
+
+def _setup(tmp_path: Path, limit_mib: float, startup: str = "[]") -> dict[str, str]:
+    models, recipes = tmp_path / "models", tmp_path / "recipes"
+    recipes.mkdir()
+    # small: 3 layers x 2 heads x (16 + 16) x 2 = 384 B/token, native 2048
+    write_model(add_model(models) / "small.gguf", context=2048)
+    # wide: 2 layers x 4 heads x (64 + 64) x 2 = 2048 B/token (embedding 256 / 4 heads = 64)
+    write_model(add_model(models) / "wide.gguf", context=4096, blocks=2, heads=4, kv_heads=4,
+                embedding=256)  # fmt: skip
+    # heavy: 1M float32 elements = 4 MiB of weights, 8 MiB with the multiplier
+    write_model(add_model(models) / "heavy.gguf", elements=1024 * 1024)
+    (recipes / "router.toml").write_text(
+        ROUTER.format(name="router", models=models, cache=tmp_path / "cache", startup=startup)
+    )
+    machine = tmp_path / "machine.toml"
+    machine.write_text(
+        f'limit = {limit_mib / 1024}\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n'
+    )
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LUCIA_RECIPES_DIR": str(recipes),
+        "LUCIA_MACHINE_FILE": str(machine),
+        "LUCIA_DATA_DIR": str(tmp_path / "data"),
+    }
+
+
+def _plan(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "plan", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_everything_fits(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    done = _plan(env, "router")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["ENGINE", "MODEL", "ROLE", "WEIGHTS", "KV", "B/TOKEN", "CONTEXT",
+                                "NEED"]  # fmt: skip
+    rows = {line.split()[1]: line.split() for line in lines[1:] if line.startswith("router ")}
+    # ENGINE MODEL ROLE <weights> <unit> KV CONTEXT <need> <unit>
+    assert rows["small"][5:7] == ["384", "2048"]  # native: plenty of room
+    assert rows["wide"][5:7] == ["2048", "4096"]
+    assert "limit     64.0 MiB (fixed)" in done.stdout
+    assert "reserves  0 B" in done.stdout
+    assert "held      nothing" in done.stdout
+    assert "router: fits" in done.stdout
+
+
+def test_a_model_that_cannot_fit_alone_fails_the_plan(tmp_path: Path) -> None:
+    # 6 MiB: heavy needs 8 MiB of weights alone; small and wide fit
+    env = _setup(tmp_path, limit_mib=6)
+    done = _plan(env, "router", "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["fits"] is False
+    assert plan["limit"] == 6 * MIB
+    engine = plan["engines"][0]
+    roles = {row["model"]: row["role"] for row in engine["models"]}
+    assert roles["heavy"] == "does not fit alone"
+    assert roles["small"] in {"start", "offered"}
+    human = _plan(env, "router")
+    assert human.returncode == 1
+    assert "not offered (cannot fit even alone): heavy" in human.stdout
+
+
+def test_startup_set_refused_with_the_guides_wording(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=6, startup='["heavy"]')
+    done = _plan(env, "router")
+    assert done.returncode == 1
+    assert "The model heavy does not fit after voice, OS, services, and runtime reservations: " in (
+        done.stdout
+    )
+    assert "needs 8.0 MiB, 6.0 MiB left (limit 6.0 MiB, reserves 0 B)." in done.stdout
+    assert "Lower ctx-size or load fewer models at start." in done.stdout
+
+
+def test_what_others_hold_counts(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64, startup='["small"]')
+    ledger = Ledger.for_data_dir(tmp_path / "data")
+    other = EngineNeed("other", (figures("other", 63 * MIB + MIB // 2, 0, 0, multiplier=1.0),))
+    assert ledger.claim("other", running=(), decide=lambda held: check(other, Budget(
+        64 * MIB, 0, held))).fits  # fmt: skip
+    done = _plan(env, "router", "--json")  # this test process lives: its claim holds
+    plan = json.loads(done.stdout)
+    assert plan["held"] == [{"name": "other", "bytes": 63 * MIB + MIB // 2}]
+    engine = plan["engines"][0]
+    small = next(row for row in engine["models"] if row["model"] == "small")
+    # 0.5 MiB left; weights x 2 first, then 384 B a token, rounded down to 256 tokens
+    expected = (MIB // 2 - 2 * small["weights"]) // 384 // 256 * 256
+    assert 0 < expected < 2048
+    assert (small["role"], small["context"]) == ("start", expected)
+    assert engine["left"] == MIB // 2
+    assert done.returncode == 1  # heavy (8 MiB) cannot fit even alone
+
+
+def test_a_tensorfold_recipe_without_figures_cannot_be_planned(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    (Path(env["LUCIA_RECIPES_DIR"]) / "spark-model.toml").write_text(
+        (ROOT / "recipes/spark-model.toml").read_text()
+    )
+    done = _plan(env, "spark-model")
+    assert done.returncode == 1
+    assert "spark-model: cannot be planned: the recipe gives no memory figures" in done.stdout
+
+
+def test_bad_machine_file_is_a_config_error(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    Path(env["LUCIA_MACHINE_FILE"]).write_text("[reserves]\nvoice = 2\n")
+    done = _plan(env, "router")
+    assert done.returncode == 78
+    assert "reserves.voice: 2 GiB is below the voice floor" in done.stderr
