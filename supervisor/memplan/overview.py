@@ -14,14 +14,14 @@ from typing import Any
 
 from .. import ggufcheck
 from ..library import scan
-from ..recipe import LlamaRouterRecipe, TensorFoldRecipe
+from ..recipe import LlamaRouterRecipe, TensorFoldRecipe, VllmRecipe
 from . import router
 from .fit import Budget, Holding, Verdict, check, size
 from .need import EngineNeed, figures
 from .probe import Memory
 from .settings import MachineSettings
 
-AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe
+AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ def plan_engine(
         if found is None:
             return EnginePlan(recipe.name, None, "the recipe gives no memory figures")
         return EnginePlan(recipe.name, check(tensorfold_need(recipe, found, multiplier), budget))
+    if isinstance(recipe, VllmRecipe):
+        return EnginePlan(recipe.name, None, "the vllm engine is not planned yet")
     opts = router.options(recipe.router.defaults)
     library = scan(recipe.library.models_path)
     units = [unit for model in library.models for unit in ggufcheck.group(model.files).units]

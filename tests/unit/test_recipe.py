@@ -42,7 +42,7 @@ BAD = [
     ("unknown key", MINIMAL + "\nsurprise = 1\n", "surprise"),
     ("short commit", MINIMAL.replace("0123456789abcdef0123456789abcdef01234567", "abc123"),
      "source.commit"),
-    ("unknown engine", MINIMAL.replace('engine = "tensorfold"', 'engine = "vllm"'), "engine"),
+    ("unknown engine", MINIMAL.replace('engine = "tensorfold"', 'engine = "sglang"'), "engine"),
     ("port out of range", MINIMAL.replace("port = 8888", "port = 70000"), "run.port"),
     ("module name with code", MINIMAL.replace('["xgrammar"]', '["os; rm -rf /"]'),
      "not module names"),
@@ -115,3 +115,105 @@ def test_grammar_image_is_current_exactly_when_base_and_pin_match(
     labels: dict[str, str], expected: bool
 ) -> None:
     assert grammar.current(PIN, "sha256:base", labels) is expected
+
+
+# --- vllm ---------------------------------------------------------------------------------------
+
+VLLM = ROOT / "recipes" / "vllm.toml"
+GIB = 1024**3
+
+VLLM_MINIMAL = """
+name = "v"
+engine = "vllm"
+[vllm]
+served_name = "m"
+max_model_len = 4096
+[vllm.model.hf]
+id = "org/model"
+revision = "0123456789abcdef0123456789abcdef01234567"
+[run]
+port = 8000
+"""
+
+
+def test_the_shipped_vllm_recipe() -> None:
+    from supervisor.recipe import VllmRecipe
+
+    recipe = load(VLLM)
+    assert isinstance(recipe, VllmRecipe)
+    v = recipe.vllm
+    assert (v.channel, v.quantization, v.memory) == ("stable", "none", 90)
+    assert recipe.model_argument == recipe.model == "meta-llama/Llama-3.2-1B-Instruct"
+    assert recipe.model_revision == "9213176726f574b556790deb65791e0c5aa438b6"
+    plan = recipe.tier_plan()
+    assert (plan.shm_bytes, plan.shm_size, plan.memory) == (8 * GIB, 10 * GIB, 26 * GIB)
+    assert [(d.name, d.max_bytes) for d in plan.disks] == [("nvme", 16 * GIB),
+                                                            ("hdd", 256 * GIB)]
+    assert "LUCIA_KV_KEY" in recipe.secrets
+    choices = recipe.preflight_choices()
+    assert (choices.memory_share, choices.served_name, choices.port) == (90, "llama-3.2-1b", 8000)
+
+
+def test_minimal_vllm_defaults() -> None:
+    recipe = parse(VLLM_MINIMAL)
+    assert recipe.engine == "vllm"
+    choices = recipe.preflight_choices()  # type: ignore[union-attr]
+    assert (choices.channel, choices.quantization, choices.memory_share) == ("stable", "none", 90)
+    assert choices.prefix_caching and choices.revision == "0123456789abcdef0123456789abcdef01234567"
+    assert recipe.tier_plan().disks == ()  # type: ignore[union-attr]
+
+
+def test_a_library_model_is_served_from_its_mount() -> None:
+    text = VLLM_MINIMAL.replace(
+        '[vllm.model.hf]\nid = "org/model"\nrevision = "0123456789abcdef0123456789abcdef01234567"',
+        '[vllm.model.library]\nmodels_dir = "/lib"\nguid = "abc-123"')
+    recipe = parse(text)
+    assert recipe.model_argument == "/models/abc-123"  # type: ignore[union-attr]
+    assert recipe.model_revision is None  # type: ignore[union-attr]
+
+
+VM = VLLM_MINIMAL
+VLLM_BAD = [
+    ("channel", VM.replace('[vllm]\n', '[vllm]\nchannel = "beta"\n'), "vllm.channel"),
+    ("quantization", VM.replace('[vllm]\n', '[vllm]\nquantization = "int4"\n'),
+     "vllm.quantization"),
+    ("memory below 10", VM.replace('[vllm]\n', '[vllm]\nmemory = 9\n'), "vllm.memory"),
+    ("memory above 95", VM.replace('[vllm]\n', '[vllm]\nmemory = 96\n'), "vllm.memory"),
+    ("memory as a fraction", VM.replace('[vllm]\n', '[vllm]\nmemory = 0.9\n'), "vllm.memory"),
+    ("nightly without its commit", VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\n'),
+     "nightly_commit"),
+    ("nightly with the short commit",
+     VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "e68efc685ab1"\n'),
+     "nightly_commit"),
+    ("revision a branch", VM.replace("0123456789abcdef0123456789abcdef01234567", "main"),
+     "revision"),
+    ("revision a tag", VM.replace("0123456789abcdef0123456789abcdef01234567", "v1.0"),
+     "revision"),
+    ("both models", VM + '[vllm.model.library]\nmodels_dir = "/l"\nguid = "g"\n', "exactly one"),
+    ("no model", VM.replace(
+        '[vllm.model.hf]\nid = "org/model"\nrevision = "0123456789abcdef0123456789abcdef01234567"',
+        ""), "vllm.model"),
+    ("hf id with a path", VM.replace('id = "org/model"', 'id = "../../etc"'), "id"),
+    ("disk tier without the key", VM + '[tiers]\nnvme = { path = "/n", max_bytes = "16GiB" }\n',
+     "cache key"),
+    ("relative tier path", VM + '[tiers]\nnvme = { path = "n", max_bytes = 1 }\n', "absolute"),
+    ("tier size", VM + '[tiers]\nhdd = { path = "/h", max_bytes = "lots" }\n', "not a size"),
+    ("shm offload without shm_size", VM + '[tiers]\nshm_bytes = "8GiB"\n', "run.shm_size"),
+    ("shm offload larger than shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "8g"\n'
+                                               'memory = "26g"') + '[tiers]\nshm_bytes = "8GiB"\n',
+     "run.shm_size"),
+    ("memory limit below shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\n'
+                                          'memory = "9g"') + '[tiers]\nshm_bytes = "8GiB"\n',
+     "run.memory"),
+    ("unknown vllm key", VM.replace('[vllm]\n', '[vllm]\ngpu_memory_utilization = 0.9\n'),
+     "unknown key"),
+]
+
+
+@pytest.mark.parametrize(("text", "needle"), [b[1:] for b in VLLM_BAD],
+                         ids=[b[0] for b in VLLM_BAD])
+def test_bad_vllm_recipes_are_refused(text: str, needle: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        parse(text, "bad.toml")
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)

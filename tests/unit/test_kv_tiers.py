@@ -1,0 +1,189 @@
+"""KV-cache tiers: namespaces as tables, the container's share as a table, and the directories
+on the real file system (modes, ownership, symlinks, a namespace change)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from supervisor import kv_tiers as kv
+from supervisor.kv_tiers import DiskTier, Identity, KvLayout, Parallel, TierPlan, TierRefused
+
+GIB = 1024**3
+KEY = "k" * 64
+
+BASE = Identity(
+    model_manifest=kv.hf_manifest("Qwen/Qwen3-8B", "a" * 40),
+    image_digest="sha256:" + "1" * 64,
+    plugin_version="0.3.1",
+    key_id=kv.key_id(KEY),
+    layout=KvLayout(dtype="auto", block_size=16, layers=36, kv_heads=8, head_dim=128),
+    parallel=Parallel(tensor=1, pipeline=1),
+)
+
+CHANGES = {
+    "model revision": {"model_manifest": kv.hf_manifest("Qwen/Qwen3-8B", "b" * 40)},
+    "model id": {"model_manifest": kv.hf_manifest("Qwen/Qwen3-4B", "a" * 40)},
+    "library file digest": {"model_manifest": kv.library_manifest("g1", {"m.safetensors": "x"})},
+    "image digest": {"image_digest": "sha256:" + "2" * 64},
+    "plugin version": {"plugin_version": "0.3.2"},
+    "key rotation": {"key_id": kv.key_id("j" * 64)},
+    "kv dtype": {"layout": replace(BASE.layout, dtype="fp8")},
+    "block size": {"layout": replace(BASE.layout, block_size=32)},
+    "layers": {"layout": replace(BASE.layout, layers=None)},
+    "tensor parallel": {"parallel": Parallel(tensor=2)},
+    "pipeline parallel": {"parallel": Parallel(pipeline=2)},
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
+def test_any_change_gives_another_namespace(change: str) -> None:
+    changed = replace(BASE, **CHANGES[change])  # type: ignore[arg-type]
+    assert kv.namespace(changed) != kv.namespace(BASE)
+
+
+def test_the_namespace_is_stable_and_all_namespaces_differ() -> None:
+    assert kv.namespace(BASE) == kv.namespace(replace(BASE))
+    spaces = {kv.namespace(replace(BASE, **c)) for c in CHANGES.values()}  # type: ignore[arg-type]
+    assert len(spaces) == len(CHANGES)
+    assert all(len(s) == 32 and int(s, 16) >= 0 for s in spaces)
+
+
+def test_the_key_id_is_an_hmac_never_the_key() -> None:
+    ident = kv.key_id(KEY)
+    assert ident == kv.key_id(KEY.encode()) and len(ident) == 16
+    assert KEY not in ident and KEY[:8] not in ident
+    assert ident != kv.key_id(KEY + "x")
+    assert KEY not in kv.namespace(BASE)
+
+
+PLAN = TierPlan(shm_bytes=8 * GIB, shm_size=10 * GIB, memory=26 * GIB, disks=(
+    DiskTier("nvme", Path("/srv/nvme/kv"), 16 * GIB),
+    DiskTier("hdd", Path("/srv/hdd/kv"), 256 * GIB),
+))
+
+
+def test_what_the_container_gets_in_the_prepared_configuration() -> None:
+    space = kv.namespace(BASE)
+    got = kv.container(PLAN, space, BASE.key_id)
+    assert got.volumes == ((f"/srv/nvme/kv/{space}", "/kv/nvme"),
+                           (f"/srv/hdd/kv/{space}", "/kv/hdd"))
+    assert got.environment == {
+        "LUCIA_KV_NAMESPACE": space,
+        "LUCIA_KV_KEY_ID": BASE.key_id,
+        "LUCIA_KV_SHM_DIR": f"/dev/shm/lucia-kv/{space}",
+        "LUCIA_KV_SHM_BYTES": str(8 * GIB),
+        "LUCIA_KV_NVME_DIR": "/kv/nvme",
+        "LUCIA_KV_NVME_BYTES": str(16 * GIB),
+        "LUCIA_KV_HDD_DIR": "/kv/hdd",
+        "LUCIA_KV_HDD_BYTES": str(256 * GIB),
+    }
+    assert got.secret_environment == ("LUCIA_KV_KEY",)
+    assert KEY not in repr(got)
+    assert (got.shm_size, got.memory) == (10 * GIB, 26 * GIB)
+
+
+def test_no_disk_tiers_means_no_mounts() -> None:
+    got = kv.container(replace(PLAN, disks=()), kv.namespace(BASE), BASE.key_id)
+    assert got.volumes == () and "LUCIA_KV_NVME_DIR" not in got.environment
+
+
+# --- the real file system ----------------------------------------------------------------------
+
+SPACE = kv.namespace(BASE)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_created_root_parents_and_namespace_are_owner_only(tmp_path: Path) -> None:
+    old = os.umask(0)  # a permissive umask must not widen what is created
+    try:
+        directory = kv.prepare(tmp_path / "a" / "b" / "nvme", SPACE)
+    finally:
+        os.umask(old)
+    assert directory == tmp_path / "a" / "b" / "nvme" / SPACE
+    for path in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "nvme", directory):
+        assert mode(path) == 0o700, path
+        assert os.lstat(path).st_uid == os.geteuid()
+
+
+def test_prepare_again_and_a_namespace_change(tmp_path: Path) -> None:
+    root = tmp_path / "hdd"
+    first = kv.prepare(root, SPACE)
+    (first / "block").write_bytes(b"x")
+    assert kv.prepare(root, SPACE) == first and (first / "block").exists()
+    other = kv.namespace(replace(BASE, key_id=kv.key_id("rotated")))
+    second = kv.prepare(root, other)
+    assert second != first and not any(second.iterdir())
+    assert kv.stale(root, other) == [first]
+    assert kv.stale(root, SPACE) == [second]
+    (root / "not-a-namespace").mkdir()
+    assert kv.stale(root, other) == [first]
+
+
+def test_a_symlinked_root_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(TierRefused, match="symbolic link"):
+        kv.prepare(tmp_path / "link", SPACE)
+
+
+def test_a_symlinked_namespace_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (root / SPACE).symlink_to(elsewhere)
+    with pytest.raises(TierRefused, match="symbolic link"):
+        kv.prepare(root, SPACE)
+
+
+@pytest.mark.parametrize("too_open", [0o755, 0o750, 0o701, 0o777])
+def test_a_root_open_to_others_is_refused(tmp_path: Path, too_open: int) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir()
+    root.chmod(too_open)
+    with pytest.raises(TierRefused, match=f"mode {too_open:04o}.*chmod 700"):
+        kv.prepare(root, SPACE)
+    assert not (root / SPACE).exists()
+
+
+def test_an_existing_namespace_open_to_others_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir(mode=0o700)
+    (root / SPACE).mkdir()
+    (root / SPACE).chmod(0o755)
+    with pytest.raises(TierRefused, match="0755"):
+        kv.prepare(root, SPACE)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_root_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    with pytest.raises(TierRefused, match="owned by uid 65534"):
+        kv.prepare(root, SPACE)
+
+
+def test_the_owner_is_the_workers_user(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    with pytest.raises(TierRefused, match=f"owned by uid {os.geteuid()}, not 4242"):
+        kv.prepare(root, SPACE, uid=4242)
+
+
+@pytest.mark.parametrize(("root", "space", "needle"), [
+    (Path("relative/nvme"), SPACE, "absolute"),
+    (Path("/tmp/x"), "../../etc", "not a namespace"),
+    (Path("/tmp/x"), SPACE.upper(), "not a namespace"),
+])
+def test_bad_inputs(root: Path, space: str, needle: str) -> None:
+    with pytest.raises(TierRefused, match=needle):
+        kv.prepare(root, space)
