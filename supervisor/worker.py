@@ -67,10 +67,13 @@ class Job:
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
     stalled: bool = False  # reported as overdue
+    finished: bool = False  # set by the job's thread as its last act, before it wakes the loop
     thread: threading.Thread | None = None
 
     def done(self) -> bool:
-        return self.thread is not None and not self.thread.is_alive()
+        # not thread.is_alive(): a thread that has woken the loop may still be alive for a
+        # moment, and the loop would then sleep a whole poll before it noticed
+        return self.finished
 
     @property
     def name(self) -> str:
@@ -182,7 +185,7 @@ class Worker:
         long = job.step is not None and not plan.cancellable(job.step)
         limit = time.monotonic() + (self.engine.stop_grace + 10 if long else 5)
         terms = self._terms
-        while job.thread.is_alive() and time.monotonic() < limit:
+        while not job.finished and time.monotonic() < limit:
             self._wake.wait(0.1)
             self._handle_signals()
             if self._terms > terms:
@@ -285,6 +288,7 @@ class Worker:
             except BaseException as exc:  # handed to the loop, which decides
                 job.error = exc
             finally:
+                job.finished = True
                 self._wake.set()
 
         if job.step is None:
