@@ -10,7 +10,7 @@ from typing import Final
 from . import labels, logs
 from .engines.base import Engine, StepContext
 from .errors import Cancelled, Permanent
-from .plan import AwaitReady, Prepare, Remove, Start, Step, Stop, exit_message
+from .plan import AwaitReady, Check, Prepare, Remove, Start, Step, Stop, exit_message
 from .runtime import Runtime
 from .spec import Container, RunSpec
 
@@ -26,6 +26,8 @@ def execute(
     match step:
         case Prepare(what):
             engine.make(what, ctx)
+        case Check(spec, replacing):
+            engine.preflight(spec, replacing, ctx)
         case Start(spec):
             _start(runtime, spec, generation)
         case AwaitReady(container_id):

@@ -34,6 +34,7 @@ class Memory:
     desired: DesiredState
     ready: str | None = None  # id of the container seen answering its ready path
     failure: str | None = None  # why this generation failed; it stays failed until a new one
+    checked: str | None = None  # the fingerprint of the run spec whose preflight passed
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,15 @@ class Observed:
 @dataclass(frozen=True)
 class Prepare:
     what: Prerequisite
+
+
+@dataclass(frozen=True)
+class Check:
+    """Before anything is stopped or started: can this spec start? (image, port, memory, the
+    engine's own argument check). A failure leaves a running engine serving."""
+
+    spec: RunSpec
+    replacing: str | None = None  # the container a pass would replace
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,7 @@ class Remove:
     container_id: str
 
 
-Step = Prepare | Start | AwaitReady | Stop | Remove
+Step = Prepare | Check | Start | AwaitReady | Stop | Remove
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ def describe(step: Step) -> str:
     match step:
         case Prepare(what):
             return f"preparing: {what.description}"
+        case Check():
+            return "checking that the engine can start"
         case Start():
             return "starting the engine container"
         case AwaitReady():
@@ -114,7 +126,7 @@ def describe(step: Step) -> str:
 
 def cancellable(step: Step) -> bool:
     """Stops and starts are short and must not be left half-done; the rest is interrupted."""
-    return isinstance(step, Prepare | AwaitReady)
+    return isinstance(step, Prepare | Check | AwaitReady)
 
 
 def exit_message(container: Container) -> str:
@@ -208,24 +220,40 @@ def _plan_running(memory: Memory, observed: Observed, container: Container | Non
     serving = container is not None and container.id == memory.ready
     if observed.missing:
         step = Prepare(observed.missing[0])
-        if serving and container is not None:  # a library re-sync: the engine keeps serving
-            return _serving(memory, observed, container, describe(step), step)
+        if container is not None:  # a library re-sync or a build: a serving engine serves on
+            return _serving_or_working(memory, observed, container, step)
         return _working(memory, step)
     spec = observed.spec
     if spec is None:
         return failed(memory, "the engine image is missing after it was built")
+    checked = memory.checked == spec.fingerprint()
     if container is None:
-        return _working(memory, Start(spec))
-    if container.image_id != spec.image:
-        return _working(memory, Stop(container.id, "replacing: it runs on another image"))
-    changed = changed_settings(container.labels.get(labels.FINGERPRINT, ""), spec.fingerprint())
-    if changed:
-        what = ", ".join(changed)
-        return _working(memory, Stop(container.id, f"replacing: its {what} changed"))
+        return _working(memory, Start(spec) if checked else Check(spec))
+    reason = _replacing(container, spec)
+    if reason is not None:
+        if not checked:  # a replacement that cannot start never stops the running engine
+            return _serving_or_working(memory, observed, container, Check(spec, container.id))
+        return _working(memory, Stop(container.id, reason))
     if not serving:
         return _working(memory, AwaitReady(container.id))
     message = f"serving at {observed.url}" + (f"; {observed.notes}" if observed.notes else "")
     return _serving(memory, observed, container, message)
+
+
+def _replacing(container: Container, spec: RunSpec) -> str | None:
+    """Why this container is not what the spec says, or None when it is."""
+    if container.image_id != spec.image:
+        return "replacing: it runs on another image"
+    changed = changed_settings(container.labels.get(labels.FINGERPRINT, ""), spec.fingerprint())
+    return f"replacing: its {', '.join(changed)} changed" if changed else None
+
+
+def _serving_or_working(
+    memory: Memory, observed: Observed, container: Container, step: Step
+) -> Decision:
+    if container.id == memory.ready:
+        return _serving(memory, observed, container, describe(step), step)
+    return _working(memory, step)
 
 
 def _working(memory: Memory, step: Step) -> Decision:
@@ -268,4 +296,6 @@ def conclude(memory: Memory, step: Step, error: str | None) -> Memory:
         return replace(memory, failure=error)
     if isinstance(step, AwaitReady):
         return replace(memory, ready=step.container_id)
+    if isinstance(step, Check):
+        return replace(memory, checked=step.spec.fingerprint())
     return memory

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..plan import Observed, Prerequisite
+from ..spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Engine(Protocol):
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         """Make one missing prerequisite (raises Permanent, Transient or Cancelled)."""
+
+    def preflight(self, spec: RunSpec, replacing: str | None, ctx: StepContext) -> None:
+        """Check, without stopping or starting anything, that this spec can start; raises
+        Permanent with the reason when it cannot (a running engine then serves on)."""
 
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""

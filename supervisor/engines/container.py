@@ -6,6 +6,8 @@ all. Engine modules add how their image and prerequisites are made and how readi
 from __future__ import annotations
 
 import contextlib
+import errno
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,9 @@ class ContainerEngine:
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
         raise ValueError(f"{self.kind} cannot make {what!r}")
 
+    def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
+        """The engine's own checks before a start (its argument parser, its memory need)."""
+
     # -- shared ---------------------------------------------------------------------------------
 
     def observe(self) -> Observed:
@@ -136,6 +141,20 @@ class ContainerEngine:
                 self.runtime.pull(ref, ctx.progress, ctx.cancel)
             case _:
                 self.make_own(what, ctx)
+
+    def preflight(self, spec: RunSpec, replacing: str | None, ctx: StepContext) -> None:
+        """What can be checked before anything is stopped: the image exists, the port is free
+        (or held by the container this start replaces), then the engine's own checks."""
+        if self.runtime.image(spec.image) is None:
+            raise Permanent(f"the engine image {spec.image[:19]} is missing; request again")
+        old = self.runtime.container(replacing) if replacing else None
+        ours = old is not None and (spec.host_ip, spec.host_port) in old.bindings
+        if not ours and not port_free(spec.host_ip, spec.host_port):
+            raise Permanent(
+                f"port {spec.host_port} on {spec.host_ip} is taken by another program; "
+                "free it or change run.port in the recipe"
+            )
+        self.check_more(spec, ctx)
 
     def secrets(self) -> dict[str, str]:
         """Read when used (a rotated token is picked up), registered for masking."""
@@ -191,3 +210,15 @@ class ContainerEngine:
                 **extra,
             },
         )
+
+
+def port_free(host: str, port: int) -> bool:
+    """Is host:port free for docker's port publishing? Only "in use" says no: a privileged
+    port (dockerd binds as root) or an address this process cannot see is left to docker."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
+    return True

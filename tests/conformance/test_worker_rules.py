@@ -369,3 +369,23 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
     engine.request("stopped")
     stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
     assert stopped["engine"] is None
+
+
+def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, client) -> None:
+    """The new port is taken: the preflight refuses before the running engine is stopped."""
+    engine = kind.make()
+    status = _up(engine)
+    before = client.containers.get(engine.container)
+    with socket.socket() as squatter:
+        squatter.bind((_gateway(client, engine), 0))
+        squatter.listen()
+        engine.port = squatter.getsockname()[1]
+        engine.write_recipe()
+        engine.procs[-1].send_signal(signal.SIGHUP)
+        failed = engine.wait_status(lambda s: s["state"] == "failed", timeout=60)
+    assert f"port {engine.port}" in failed["message"] and "taken" in failed["message"]
+    after = client.containers.get(engine.container)
+    assert after.id == before.id and after.status == "running"
+    assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
+    assert _get(f"{status['url']}/v1/models" if kind.name == "tensorfold"
+                else f"{status['url']}/health") == 200

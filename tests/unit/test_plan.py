@@ -16,6 +16,7 @@ from supervisor.plan import (
     UNREQUESTED,
     Answer,
     AwaitReady,
+    Check,
     Decision,
     Memory,
     Observed,
@@ -64,6 +65,8 @@ def seen(c: Container | None = None, missing: tuple[Any, ...] = (),
 
 RUN = Memory(1, "running")
 READY = Memory(1, "running", ready="c1")
+CHECKED = Memory(1, "running", checked=SPEC.fingerprint())
+CHECKED_READY = Memory(1, "running", ready="c1", checked=SPEC.fingerprint())
 STOP = Memory(1, "stopped")
 ENGINE = RunningEngine(image="tf:grammar", image_id=IMAGE, container_id="c1",
                        recipe_commit="c" * 40, model="qwen")
@@ -93,8 +96,12 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
     ("running, build while an unproven engine runs", RUN,
      seen(container(image=OTHER), (RecipeImage("tf"),), None), Prepare(RecipeImage("tf")),
      "starting", "preparing: building tf", False, None),
-    ("running, nothing there", RUN, seen(), Start(SPEC), "starting",
+    ("running, nothing there, not yet checked", RUN, seen(), Check(SPEC), "starting",
+     "checking that the engine can start", False, None),
+    ("running, nothing there, checked", CHECKED, seen(), Start(SPEC), "starting",
      "starting the engine container", False, None),
+    ("running, checked for another spec", replace(CHECKED, checked="x"), seen(), Check(SPEC),
+     "starting", "checking that the engine can start", False, None),
     ("running, right spec, not yet answered", RUN, seen(container()), AwaitReady("c1"),
      "starting", "waiting for the engine to answer", False, None),
     ("running, right spec, answered", READY, seen(container()), None, "running",
@@ -102,13 +109,19 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
     ("running, another container answered before", Memory(1, "running", ready="c0"),
      seen(container()), AwaitReady("c1"), "starting", "waiting for the engine to answer", False,
      None),
-    ("running, wrong image", READY, seen(container(image=OTHER)),
-     Stop("c1", "replacing: it runs on another image"), "starting",
+    ("running, wrong image: checked before the serving engine is touched", READY,
+     seen(container(image=OTHER)), Check(SPEC, "c1"), "running",
+     "checking that the engine can start", True, None),
+    ("running, wrong image, not serving: checked", RUN, seen(container(image=OTHER)),
+     Check(SPEC, "c1"), "starting", "checking that the engine can start", False, None),
+    ("running, wrong image, checked", replace(READY, checked=SPEC.fingerprint()),
+     seen(container(image=OTHER)), Stop("c1", "replacing: it runs on another image"), "starting",
      "stopping the engine container (replacing: it runs on another image)", False, None),
-    ("running, environment edited", READY, seen(container(), spec=EDITED),
+    ("running, environment edited", replace(READY, checked=EDITED.fingerprint()),
+     seen(container(), spec=EDITED),
      Stop("c1", "replacing: its environment changed"), "starting",
      "stopping the engine container (replacing: its environment changed)", False, None),
-    ("running, created before fingerprints", READY, seen(container(spec=None)),
+    ("running, created before fingerprints", CHECKED_READY, seen(container(spec=None)),
      Stop("c1", "replacing: its image, command, environment, ports, gpus, limits, mounts, "
           "labels changed"), "starting",
      "stopping the engine container (replacing: its image, command, environment, ports, gpus, "
@@ -245,6 +258,8 @@ def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: 
 @pytest.mark.parametrize(("step", "error", "expected"), [
     (AwaitReady("c2"), None, Memory(1, "running", ready="c2")),
     (Start(SPEC), None, RUN),
+    (Check(SPEC), None, Memory(1, "running", checked=SPEC.fingerprint())),
+    (Check(SPEC, "c1"), "port 8888 is taken", Memory(1, "running", failure="port 8888 is taken")),
     (Prepare(Prepared()), "prepare failed", Memory(1, "running", failure="prepare failed")),
     (AwaitReady("c2"), "not ready", Memory(1, "running", failure="not ready")),
 ])
@@ -280,7 +295,9 @@ CHANGES: list[tuple[str, dict[str, Any], str]] = [
 def test_every_setting_is_in_the_fingerprint(change: dict[str, Any], setting: str) -> None:
     edited = replace(SPEC, **change)
     assert changed_settings(SPEC.fingerprint(), edited.fingerprint()) == (setting,)
-    step = plan(READY, seen(container(), spec=edited)).step
+    assert plan(READY, seen(container(), spec=edited)).step == Check(edited, "c1")
+    checked = replace(READY, checked=edited.fingerprint())
+    step = plan(checked, seen(container(), spec=edited)).step
     if setting == "image":
         assert step == Stop("c1", "replacing: it runs on another image")
     else:
