@@ -1,0 +1,473 @@
+"""A seeded chaos soak against the real parts: real workers under the real systemd user manager
+(tensorfold on the stand-in recipe repository, the router on the real llama-server), a fault
+schedule drawn from the seed, and the independent checker judging what they claimed.
+
+    .venv/bin/python -m tests.soak.run --seconds 180 --seed 1      # as root, after machine.sh
+
+A failure prints the seed and the schedule up to the failure; the same seed replays it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pwd
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import requests
+
+from tests.gguf_fixtures import add_model, write_llama
+from tests.soak.schedule import Fault, draw
+from tests.system.harness import as_user, free_port, systemctl
+
+ROOT = Path(__file__).resolve().parents[2]
+USER = "lucia"
+SETTLE = 240.0  # after the schedule: every engine answers its last request within this
+# faults that last a while run beside the next ones, so that faults overlap as on a real machine
+LASTING = ("worker-stop", "dockerd-stall", "disk-full", "bad-desired")
+_DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+@dataclass
+class SoakEngine:
+    name: str
+    kind: str
+    recipe: Path  # the installed copy, which recipe edits change
+    container: str
+    ready_path: str
+    oom: bool  # whether its engine can be made to exceed its memory limit
+
+    @property
+    def unit(self) -> str:
+        return f"lucia-{self.name}.service"
+
+
+class Soak:
+    def __init__(self, seed: int, seconds: float, max_stall: float) -> None:
+        self.seed, self.seconds, self.max_stall = seed, seconds, max_stall
+        self.run_id = uuid.uuid4().hex[:6]
+        self.user = pwd.getpwnam(USER)
+        self.home = Path(self.user.pw_dir)
+        self.work = self.home / f"lucia-soak-{self.run_id}"
+        self.share = self.home / ".local/share/lucia"
+        self.data = self.share / "host/data"
+        self.cli = str(self.share / "venv/bin/lucia-supervisor")
+        self.client = docker.from_env(timeout=20)
+        self.events = self.work / "events.jsonl"
+        self.engines: list[SoakEngine] = []
+        self.token = uuid.uuid4().hex  # a secret that must never show
+        self.mounted = False
+        self.images: list[str] = []
+        self.network = f"lucia-soak-{self.run_id}"
+        self.started: dict[float, float] = {}  # a fault's offset -> when it began
+
+    # -- setting up, as an operator would --------------------------------------------------------
+
+    def setup(self) -> None:
+        self.work.mkdir(parents=True)
+        self.data.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,uid={self.user.pw_uid},"
+                        f"gid={self.user.pw_gid},mode=0750", "tmpfs", str(self.data)], check=True)
+        self.mounted = True
+        recipes = [self._tensorfold_recipe(), self._router_recipe()]
+        source = self._copy_source()
+        subprocess.run(["chown", "-R", f"{self.user.pw_uid}:{self.user.pw_gid}", str(self.work)],
+                       check=True)
+        subprocess.run(["git", "config", "--system", "--add", "safe.directory", "*"], check=False)
+        args = [arg for recipe in recipes for arg in ("--recipe", str(recipe))]
+        as_user(str(source / "install.sh"), *args, timeout=900)
+        for engine in self.engines:
+            systemctl("start", engine.unit)
+            self.request(engine, "running")
+        for engine in self.engines:
+            self.wait_answered(engine, 300)
+
+    def _copy_source(self) -> Path:
+        """The project as a user would have it: a copy of the tracked (and new) files."""
+        source = self.work / "src"
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                                check=True, capture_output=True).stdout.split(b"\0")
+        for rel in filter(None, listed):
+            path = Path(rel.decode())
+            if (ROOT / path).is_file():
+                (source / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / path, source / path)
+        return source
+
+    def _base_image(self) -> str:
+        context = self.work / "base"
+        context.mkdir()
+        shutil.copy(shutil.which("busybox") or "/bin/busybox", context / "busybox")
+        (context / "Dockerfile").write_text(
+            "FROM scratch\nCOPY busybox /bin/busybox\n"
+            'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
+            "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n")
+        tag = f"lucia-soak-busybox-{self.run_id}:1"
+        self.client.images.build(path=str(context), tag=tag, rm=True)
+        self.images.append(tag)
+        return tag
+
+    def _tensorfold_recipe(self) -> Path:
+        repo = self.work / "recipe-repo"
+        shutil.copytree(ROOT / "demo" / "recipe-repo", repo)
+        env = {**os.environ, "GIT_AUTHOR_NAME": "s", "GIT_AUTHOR_EMAIL": "s@s",
+               "GIT_COMMITTER_NAME": "s", "GIT_COMMITTER_EMAIL": "s@s"}
+        for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "r"]):
+            subprocess.run(["git", *args], cwd=repo, env=env, check=True)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        name, port = f"soaktf{self.run_id}", free_port()
+        secret = self.work / "token"
+        secret.write_text(self.token + "\n")
+        secret.chmod(0o600)
+        tag = f"lucia-soak-recipe-{self.run_id}:v1"
+        self.images += [tag + "-grammar", tag]
+        recipe = self.work / f"{name}.toml"
+        recipe.write_text(f"""\
+name = "{name}"
+engine = "tensorfold"
+model = "test/tiny-model"
+[source]
+repository = "file://{repo}"
+commit = "{commit}"
+[image]
+tag = "{tag}"
+build_args = {{ BASE = "{self._base_image()}" }}
+[grammar]
+requirement = "xgrammar>=0.2.8,<0.3"
+modules = ["xgrammar", "tensorfold"]
+[settings]
+PORT = "{port}"
+MODEL_ID = "test/tiny-model"
+SERVED_NAME = "tiny"
+SOAK_EDIT = "0"
+[secrets]
+SOAK_TOKEN = "{secret}"
+[run]
+network = "{self.network}"
+port = {port}
+ready_path = "/v1/models"
+ready_timeout = 60
+stop_grace = 5
+memory = "64m"
+""")
+        self.engines.append(SoakEngine(name, "tensorfold", self._installed(name),
+                                       f"lucia-{name}", "/v1/models", oom=True))
+        return recipe
+
+    def _router_recipe(self) -> Path:
+        image = subprocess.run(["bash", str(ROOT / "scripts" / "llama-server-image.sh")],
+                               capture_output=True, text=True, check=True).stdout.split()[-1]
+        models = self.work / "models"
+        files = add_model(models, "Ready")
+        write_llama(files / "tiny.gguf")
+        name, port = f"soaklr{self.run_id}", free_port()
+        recipe = self.work / f"{name}.toml"
+        recipe.write_text(f"""\
+name = "{name}"
+engine = "llama-router"
+model = "gguf-library"
+[library]
+models_dir = "{models}"
+cache_dir = "{self.work / 'cache'}"
+poll_seconds = 2
+[router]
+image = "{image}"
+models_max = 1
+load_on_startup = ["tiny"]
+defaults = {{ ctx-size = 256 }}
+[settings]
+SOAK_EDIT = "0"
+[run]
+network = "{self.network}"
+port = {port}
+ready_timeout = 120
+stop_grace = 5
+""")
+        self.engines.append(SoakEngine(name, "llama-router", self._installed(name),
+                                       f"lucia-{name}", "/health", oom=False))
+        return recipe
+
+    def _installed(self, name: str) -> Path:
+        return self.share / "recipes" / f"{name}.toml"
+
+    # -- acting as the host and the operator ---------------------------------------------------
+
+    def request(self, engine: SoakEngine, desired: str) -> bool:
+        """As the host does; on a full disk the host's own write fails, and is said."""
+        done = as_user(self.cli, "request", engine.name, desired, check=False)
+        if done.returncode != 0:
+            print(f"    (request not written: {done.stderr.strip()[:120]})", flush=True)
+        return done.returncode == 0
+
+    def status(self, engine: SoakEngine) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((self.data / engine.name / "status.json").read_text()))
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def answered(self, engine: SoakEngine) -> bool:
+        try:
+            desired = json.loads((self.data / engine.name / "desired.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        status = self.status(engine)
+        return (status is not None and status["generation"] == desired["generation"]
+                and status["state"] in ("running", "stopped", "failed"))
+
+    def wait_answered(self, engine: SoakEngine, timeout: float) -> float | None:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.answered(engine):
+                return time.monotonic() - started
+            time.sleep(0.2)
+        return None
+
+    def _event(self, fault: Fault, start: float, end: float, **extra: Any) -> None:
+        with self.events.open("a") as out:
+            out.write(json.dumps({"kind": fault.kind, "engine": fault.engine, "start": start,
+                                  "end": end, **fault.params, **extra}) + "\n")
+
+    def inject(self, fault: Fault) -> None:  # noqa: PLR0912 - one case per kind of fault
+        engine = next((e for e in self.engines if e.name == fault.engine), self.engines[0])
+        start = time.time()
+        stops = False
+        # an announced fault: the checker excuses what it must before it happens
+        self._event(fault, start, start + 3600)
+        p = fault.params
+        match fault.kind:
+            case "request":
+                self.request(engine, p["desired"])
+                stops = p["desired"] == "stopped"
+            case "burst":
+                for index in range(p["count"]):
+                    self.request(engine, p["desired"] if index % 2 else "running")
+                stops = True
+            case "race":
+                self.request(engine, p["first"])
+                self.request(engine, p["second"])
+                stops = "stopped" in (p["first"], p["second"])
+            case "recipe-edit":
+                text = engine.recipe.read_text()
+                lines = [f'SOAK_EDIT = "{p["value"]}"' if line.startswith("SOAK_EDIT")
+                         else line for line in text.splitlines()]
+                tmp = engine.recipe.with_suffix(".tmp")
+                tmp.write_text("\n".join(lines) + "\n")
+                os.replace(tmp, engine.recipe)
+                systemctl("reload", engine.unit, check=False)
+            case "worker-kill":
+                systemctl("kill", "-s", "KILL", engine.unit, check=False)
+                time.sleep(3)
+            case "worker-stop":
+                systemctl("stop", engine.unit, check=False)
+                time.sleep(p["pause"])
+                systemctl("start", engine.unit, check=False)
+            case "worker-reload":
+                systemctl("reload", engine.unit, check=False)
+            case "dockerd-restart":
+                _restart_dockerd()
+            case "dockerd-stall":
+                pid = _dockerd_pid()
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    time.sleep(p["pause"])
+                finally:
+                    with contextlib.suppress(ProcessLookupError):  # restarted meanwhile
+                        os.kill(pid, signal.SIGCONT)
+            case "engine-kill":
+                with contextlib.suppress(*_DOCKER_ERRORS):
+                    self.client.containers.get(engine.container).kill()
+            case "engine-oom":
+                with contextlib.suppress(*_DOCKER_ERRORS):
+                    self.client.containers.get(engine.container).exec_run(
+                        ["sh", "-c", "echo 200 > /tmp/hog"])
+            case "disk-full":
+                filler = self.data / ".soak-filler"
+                with contextlib.suppress(OSError), filler.open("wb") as out:
+                    while out.write(b"\0" * 65536):
+                        pass
+                time.sleep(p["pause"])
+                filler.unlink(missing_ok=True)
+            case "bad-desired":
+                self._damage(engine, p["how"], p["pause"])
+        self._event(fault, start, time.time(), stops=stops)
+
+    def _damage(self, engine: SoakEngine, how: str, pause: float) -> None:
+        desired = self.data / engine.name / "desired.json"
+        valid = desired.read_bytes() if desired.is_file() else None
+        if how == "directory":
+            desired.unlink(missing_ok=True)
+            desired.mkdir()
+        else:
+            desired.write_bytes(valid[: len(valid) // 2] if how == "truncated" and valid
+                                else b"\x00garbage{")
+        time.sleep(pause)
+        if desired.is_dir():
+            desired.rmdir()
+        if valid is not None:
+            tmp = desired.with_name(".soak-restore.tmp")
+            tmp.write_bytes(valid)
+            os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
+            os.replace(tmp, desired)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        names = tuple(e.name for e in self.engines)
+        oom = {e.name for e in self.engines if e.oom}
+        schedule = [f if f.kind != "engine-oom" or f.engine in oom
+                    else Fault(f.at, "engine-kill", f.engine, f.params)
+                    for f in draw(self.seed, self.seconds, names, max_stall=self.max_stall)]
+        print(f"soak {self.run_id}: seed {self.seed}, {self.seconds:g} s, "
+              f"{len(schedule)} faults on {', '.join(names)}", flush=True)
+        checker = self._start_checker()
+        started = time.monotonic()
+        recoveries: list[float] = []
+        done: list[Fault] = []
+        lasting: list[threading.Thread] = []
+        for fault in schedule:
+            time.sleep(max(fault.at - (time.monotonic() - started), 0.0))
+            print(f"  {fault.describe()}", flush=True)
+            self.started[fault.at] = time.time()
+            if fault.kind in LASTING and not any(t.name == fault.kind and t.is_alive()
+                                                 for t in lasting):
+                thread = threading.Thread(target=self.inject, args=(fault,), name=fault.kind)
+                thread.start()
+                lasting.append(thread)
+            else:
+                self.inject(fault)
+            done.append(fault)
+        for thread in lasting:
+            thread.join()
+        for engine in self.engines:  # the last word: every engine asked to run, and answered
+            self.request(engine, "running")
+        for engine in self.engines:
+            took = self.wait_answered(engine, SETTLE)
+            if took is not None:
+                recoveries.append(took)
+        (self.work / "stop").touch()
+        checker.wait(60)
+        verdict = json.loads((self.work / "verdict.json").read_text())
+        return self._report(verdict, done, recoveries, len(recoveries) == len(self.engines))
+
+    def _start_checker(self) -> subprocess.Popen[bytes]:
+        config = {
+            "engines": [{"name": e.name, "status": str(self.data / e.name / "status.json"),
+                         "desired": str(self.data / e.name / "desired.json"),
+                         "file_sd": str(self.data / "telemetry" / f"{e.name}.json"),
+                         "recipe": str(e.recipe), "container": e.container,
+                         "setting": "SOAK_EDIT", "ready_path": e.ready_path}
+                        for e in self.engines],
+            "events": str(self.events), "stop": str(self.work / "stop"),
+            "verdict": str(self.work / "verdict.json"), "secrets": [self.token],
+        }
+        path = self.work / "checker.json"
+        path.write_text(json.dumps(config))
+        return subprocess.Popen([sys.executable, "-m", "tests.soak.checker", str(path)],
+                                cwd=ROOT)
+
+    def _report(self, verdict: dict[str, Any], done: list[Fault], recoveries: list[float],
+                settled: bool) -> int:
+        figures = verdict["figures"]
+        counts = Counter(f.kind for f in done)
+        print("faults injected: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+        print(f"worst heartbeat age {figures['worst_heartbeat_age']:.2f} s; acknowledgement "
+              f"p50 {_ms(figures['ack_p50'])}, max {_ms(figures['ack_max'])} over "
+              f"{figures['acks']}; recovery to the last answer "
+              f"max {max(recoveries, default=0):.1f} s; {figures['samples']} samples")
+        violations = verdict["violations"]
+        if not settled:
+            violations.append({"invariant": "settle", "detail": "not every engine answered "
+                               f"its last request within {SETTLE:g} s"})
+        print(f"{len(violations)} invariant violations")
+        if not violations:
+            return 0
+        first = min((v.get("t", float("inf")) for v in violations), default=float("inf"))
+        for violation in violations[:20]:
+            print(f"  VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
+                  f"{violation['detail']}")
+        print(f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
+              f"--seed {self.seed}; the schedule up to the first violation:")
+        for fault in done:
+            if self.started[fault.at] <= first:
+                print(f"  {fault.describe()}")
+        return 1
+
+    def cleanup(self) -> None:
+        for engine in self.engines:
+            systemctl("stop", engine.unit, check=False)
+            with contextlib.suppress(*_DOCKER_ERRORS):
+                self.client.containers.get(engine.container).remove(force=True)
+        as_user(str(self.work / "src" / "install.sh"), "--uninstall", check=False)
+        for engine in self.engines:
+            engine.recipe.unlink(missing_ok=True)
+        for tag in self.images:
+            with contextlib.suppress(docker.errors.DockerException):
+                self.client.images.remove(tag, force=True)
+        with contextlib.suppress(docker.errors.DockerException):
+            self.client.networks.get(self.network).remove()
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.data)], check=False)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def _dockerd_pid() -> int:
+    out = subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+def _restart_dockerd() -> None:
+    pid = _dockerd_pid()
+    os.kill(pid, signal.SIGCONT)  # a stalled dockerd must wake to stop
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    os.makedirs("/var/log/lucia-machine", exist_ok=True)
+    log = open("/var/log/lucia-machine/dockerd-soak.log", "ab")  # noqa: SIM115
+    subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("dockerd did not come back")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.soak.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=180.0)
+    parser.add_argument("--seed", type=int, help="default: a random seed, printed")
+    parser.add_argument("--max-stall", type=float, default=90.0,
+                        help="longest dockerd SIGSTOP, seconds (default 90)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    soak = Soak(seed, args.seconds, args.max_stall)
+    try:
+        soak.setup()
+        return soak.run()
+    finally:
+        soak.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
