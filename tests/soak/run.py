@@ -73,6 +73,7 @@ class Soak:
         self.mounted = False
         self.images: list[str] = []
         self.network = f"lucia-soak-{self.run_id}"
+        self.last_valid: dict[str, bytes] = {}  # per engine: its last whole desired.json
         self.started: dict[float, float] = {}  # a fault's offset -> when it began
 
     # -- setting up, as an operator would --------------------------------------------------------
@@ -308,21 +309,38 @@ stop_grace = 5
 
     def _damage(self, engine: SoakEngine, how: str, pause: float) -> None:
         desired = self.data / engine.name / "desired.json"
-        valid = desired.read_bytes() if desired.is_file() else None
-        if how == "directory":
-            desired.unlink(missing_ok=True)
-            desired.mkdir()
-        else:
-            desired.write_bytes(valid[: len(valid) // 2] if how == "truncated" and valid
-                                else b"\x00garbage{")
-        time.sleep(pause)
-        if desired.is_dir():
-            desired.rmdir()
+        valid = desired.read_bytes() if desired.is_file() else self.last_valid.get(engine.name)
         if valid is not None:
-            tmp = desired.with_name(".soak-restore.tmp")
-            tmp.write_bytes(valid)
-            os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
-            os.replace(tmp, desired)
+            self.last_valid[engine.name] = valid
+        with contextlib.suppress(OSError):  # the disk may be full meanwhile: damage is partial
+            if desired.is_dir():
+                desired.rmdir()
+            if how == "directory":
+                desired.unlink(missing_ok=True)
+                desired.mkdir()
+            else:
+                desired.write_bytes(valid[: len(valid) // 2] if how == "truncated" and valid
+                                    else b"\x00garbage{")
+        time.sleep(pause)
+        self._restore(desired, valid)
+
+    def _restore(self, desired: Path, valid: bytes | None) -> None:
+        """Put the last valid request back, as a host would: retried while the disk is full."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if desired.is_dir():
+                    desired.rmdir()
+                if valid is not None:
+                    tmp = desired.with_name(".soak-restore.tmp")
+                    tmp.write_bytes(valid)
+                    os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
+                    os.replace(tmp, desired)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     # -- the run -------------------------------------------------------------------------------
 
