@@ -117,7 +117,10 @@ class Worker:
         self._monitored: str | None = None
 
     def _engine(self, recipe: Recipe) -> Engine:
-        return engines.create(self.settings.name, recipe, self.runtime, self.settings.state_dir)
+        return engines.create(
+            self.settings.name, recipe, self.runtime, self.settings.state_dir,
+            self.settings.data_dir,
+        )  # fmt: skip
 
     # -- life ----------------------------------------------------------------------------------
 

@@ -77,9 +77,14 @@ class LlamaRouter(ContainerEngine):
     kind = "llama-router"
 
     def __init__(
-        self, name: str, recipe: LlamaRouterRecipe, runtime: Runtime, state_dir: Path
+        self,
+        name: str,
+        recipe: LlamaRouterRecipe,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
     ) -> None:
-        super().__init__(name, recipe, runtime, state_dir)
+        super().__init__(name, recipe, runtime, state_dir, data_dir)
         self.recipe = recipe
         self.poll_interval = recipe.library.poll_seconds
         self.cache_dir = recipe.library.cache_path
