@@ -57,6 +57,9 @@ class Engine(Protocol):
         """After a Start step: the container it made (its memory claim now holds while it
         runs), or None when the start failed (the claim is dropped)."""
 
+    def planned_memory(self) -> tuple[int, int] | None:
+        """(need, limit) in bytes at the last memory check; None before one."""
+
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
 

@@ -127,6 +127,12 @@ class ContainerEngine:
         if self.memory is not None and need is not None:
             self.memory.claim(need, replacing)
 
+    def planned_memory(self) -> tuple[int, int] | None:
+        guard = self.memory
+        if guard is None or guard.last is None or guard.limit is None:
+            return None
+        return guard.last.need.need, guard.limit
+
     def started(self, container_id: str | None) -> None:
         """After a Start step: the container it made, or None when it failed."""
         if self.memory is not None:

@@ -8,15 +8,18 @@ needs 0.5 + 0.1 GiB, so one fits and two do not.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
 
-from tests.fixtures import Engine
+from supervisor.memplan.settings import GIB, gib
+from tests.fixtures import Engine, free_port
 
 pytestmark = pytest.mark.docker
 
@@ -36,8 +39,8 @@ def shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return data
 
 
-def _up(engine: Engine) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    proc = engine.start_worker()
+def _up(engine: Engine, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    proc = engine.start_worker(*extra)
     return proc, engine.wait_state(engine.request("running"), "running", timeout=120)
 
 
@@ -47,6 +50,12 @@ def _settled(engine: Engine, generation: int) -> dict[str, Any]:
         timeout=180, what="running or failed")
 
 
+def _gauge(text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in the metrics"
+    return float(found.group(1))
+
+
 def _none(client: docker.DockerClient, engine: Engine) -> bool:
     return client.containers.list(all=True, filters={"name": engine.container}) == []
 
@@ -54,7 +63,12 @@ def _none(client: docker.DockerClient, engine: Engine) -> bool:
 def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client, shared) -> None:
     a: Engine = make_engine(memory=FIGURES, data_root=shared)
     b: Engine = make_engine(memory=FIGURES, data_root=shared)
-    _up(a)
+    port = free_port()
+    _up(a, "--metrics-port", str(port))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert _gauge(metrics, "lucia_worker_memory_need_bytes") == gib(0.5) + gib(0.1)
+    assert _gauge(metrics, "lucia_worker_memory_limit_bytes") == GIB
     before = client.containers.get(a.container)
     b.start_worker()
     failed = b.wait_state(b.request("running"), "failed", timeout=120)
