@@ -24,6 +24,42 @@ from .probe import Memory
 from .settings import MachineSettings
 
 
+@dataclass(frozen=True)
+class Room:
+    """The machine as a plan sees it: its settings, its memory, what the others hold."""
+
+    settings: MachineSettings
+    memory: Memory
+    held: tuple[Holding, ...] = ()
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.memory.limit, self.settings.reserves.total, self.held)
+
+
+def load_settings() -> MachineSettings:
+    try:
+        return settings.load()
+    except settings.MachineError as exc:
+        raise Permanent(f"the machine memory settings cannot be used: {exc}") from None
+
+
+def measure(machine: MachineSettings) -> Memory:
+    try:
+        return probe.measure(machine)
+    except (probe.ProbeFailed, OSError) as exc:
+        raise Permanent(f"cannot measure the memory limit: {exc}") from None
+
+
+def room(guard: Guard | None) -> Room:
+    """The room now; what the others hold counts only with a ledger to read it from."""
+    machine = load_settings()
+    if guard is None:
+        return Room(machine, measure(machine))
+    held = guard.ledger.held(running_engines(guard.runtime), exclude=guard.name)
+    return Room(machine, guard.measure(machine), held)
+
+
 def running_engines(runtime: Runtime) -> set[str]:
     """The names of the running lucia engines, from their containers' labels."""
     found = runtime.containers(f"{labels.MANAGED}=true")
@@ -35,7 +71,7 @@ class Guard:
     name: str
     ledger: Ledger
     runtime: Runtime
-    measure: Callable[[MachineSettings], Memory] = probe.measure
+    measure: Callable[[MachineSettings], Memory] = measure
     last: Verdict | None = field(default=None, init=False)  # for the worker's gauges
     limit: int | None = field(default=None, init=False)
 
@@ -45,20 +81,14 @@ class Guard:
 
     def claim(self, need: EngineNeed, replacing: str | None) -> Verdict:
         """Record need as this engine's claim, or raise Permanent with the refusal."""
-        try:
-            machine = settings.load()
-        except settings.MachineError as exc:
-            raise Permanent(f"the machine memory settings cannot be used: {exc}") from None
+        machine = load_settings()
         running = running_engines(self.runtime)
         own = [c.bytes for c in self.ledger.claims() if c.name == self.name]
         releasing = sum(own) if replacing else 0
         reserves = machine.reserves.total
 
         def decide(held: tuple[Holding, ...]) -> Verdict:
-            try:
-                memory = self.measure(machine)
-            except (probe.ProbeFailed, OSError) as exc:
-                raise Permanent(f"cannot measure the memory limit: {exc}") from None
+            memory = self.measure(machine)
             self.limit = memory.limit
             planned = check(need, Budget(memory.limit, reserves, held))
             if not planned.fits:
