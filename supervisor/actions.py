@@ -29,7 +29,12 @@ def execute(
         case Check(spec, replacing):
             engine.preflight(spec, replacing, ctx)
         case Start(spec):
-            _start(runtime, spec, generation)
+            try:
+                made = _start(runtime, spec, generation)
+            except BaseException:
+                engine.started(None)  # nothing runs: its memory claim is dropped
+                raise
+            engine.started(made)
         case AwaitReady(container_id):
             _await_ready(engine, runtime, container_id, ctx)
         case Stop(container_id, reason):
@@ -50,7 +55,7 @@ def stamped(spec: RunSpec, generation: int) -> RunSpec:
     )
 
 
-def _start(runtime: Runtime, spec: RunSpec, generation: int) -> None:
+def _start(runtime: Runtime, spec: RunSpec, generation: int) -> str:
     container = runtime.run(stamped(spec, generation))
     log.info(
         "engine container started",
@@ -58,6 +63,7 @@ def _start(runtime: Runtime, spec: RunSpec, generation: int) -> None:
         image=spec.image[:19],
         published=f"{spec.host_ip}:{spec.host_port}",
     )
+    return container.id
 
 
 def last_lines(runtime: Runtime, container_id: str) -> str:

@@ -229,8 +229,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (probe.ProbeFailed, OSError) as exc:
         _print_err(f"cannot measure the memory limit: {exc}")
         return EXIT_FAILED
-    # Without Docker here, a claim holds while its worker lives (see memplan/ledger.py).
-    held = Ledger.for_data_dir(data_dir_from(args.data_dir)).held(running=())
+    # What runs holds its claim; without Docker, only starts in progress show (ledger.py).
+    from .errors import Transient
+    from .memplan.guard import running_engines
+    from .runtime import Runtime
+
+    try:
+        running = running_engines(Runtime())
+    except Transient:
+        running = set()
+    held = Ledger.for_data_dir(data_dir_from(args.data_dir)).held(running=running)
     plan = overview.build(recipes, machine, memory, held)
     if args.json:
         print(json.dumps(overview.as_json(plan), indent=2))

@@ -86,8 +86,10 @@ def render(
     defaults: Mapping[str, Value],
     load_on_startup: Iterable[str],
     container_cache_dir: str,
+    contexts: Mapping[str, int] | None = None,
 ) -> str:
-    """The preset text: deterministic (sections and keys sorted), ending in one newline."""
+    """The preset text: deterministic (sections and keys sorted), ending in one newline.
+    contexts: a model's planned ctx-size (the memory plan's "auto"), set in its section."""
     container_dir = PurePosixPath(container_cache_dir)
     if not container_dir.is_absolute():
         raise PresetError(f"container cache directory {container_cache_dir!r} is not absolute")
@@ -112,6 +114,8 @@ def render(
         lines.append(f"model = {_container_path(container_dir, model.model_file)}")
         if model.mmproj_file is not None:
             lines.append(f"mmproj = {_container_path(container_dir, model.mmproj_file)}")
+        if contexts and model.name in contexts:
+            lines.append(f"ctx-size = {contexts[model.name]}")
         if model.name in startup:
             lines.append("load-on-startup = true")
     return "\n".join(lines) + "\n"

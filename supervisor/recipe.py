@@ -196,6 +196,22 @@ class RecipeBase(_Section):
         return [Template(arg).substitute(env) for arg in self.run.command]
 
 
+class MemoryFigures(_Section):
+    """What a start needs, from the recipe's own measurements (GiB): the engine's startup
+    estimate (weights and buffers, counted as measured) and its KV cache, either whole for the
+    recipe's CONTEXT x PARALLEL or per token of CONTEXT x PARALLEL."""
+
+    weights_gib: float = Field(ge=0, le=1_048_576, allow_inf_nan=False)
+    kv_gib: float | None = Field(default=None, ge=0, le=1_048_576, allow_inf_nan=False)
+    kv_bytes_per_token: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_kv(self) -> Self:
+        if (self.kv_gib is None) == (self.kv_bytes_per_token is None):
+            raise ValueError("give exactly one of kv_gib and kv_bytes_per_token")
+        return self
+
+
 class TensorFoldRecipe(RecipeBase):
     engine: Literal["tensorfold"]
     model: str = Field(min_length=1, description="the model it serves, for labels and messages")
@@ -203,6 +219,9 @@ class TensorFoldRecipe(RecipeBase):
     image: ImageBuild
     prepare: Prepare = Field(default_factory=Prepare)
     grammar: Grammar
+    memory: MemoryFigures | None = Field(
+        default=None, description="what a start needs; without it the start is not planned"
+    )
 
     @property
     def grammar_tag(self) -> str:

@@ -15,7 +15,7 @@ import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from typing import IO, Any, Final, cast
 
@@ -114,6 +114,16 @@ class Runtime:
                 return _container(self.api.inspect_container(name))
             except docker.errors.NotFound:
                 return None
+
+    def containers(self, label: str, running: bool = True) -> list[Container]:
+        """The containers carrying label (a key, or key=value): running ones, or all."""
+        with _translated(f"listing containers labelled {label}"):
+            found = self.api.containers(all=not running, filters={"label": label})
+            listed = []
+            for entry in found:
+                with suppress(docker.errors.NotFound):  # gone since it was listed
+                    listed.append(_container(self.api.inspect_container(entry["Id"])))
+            return listed
 
     def image(self, ref: str) -> Image | None:
         with _translated(f"inspecting image {ref}"):

@@ -77,6 +77,16 @@ class Metrics:
             registry=self.registry,
         )
         self.info.labels(name=name).set(1)
+        self.memory_need = Gauge(
+            "lucia_worker_memory_need_bytes",
+            "What the engine's start needs by the memory plan (at its last check).",
+            registry=self.registry,
+        )
+        self.memory_limit = Gauge(
+            "lucia_worker_memory_limit_bytes",
+            "The memory limit the plan divides (at the last check).",
+            registry=self.registry,
+        )
 
     def set_state(self, current: State) -> None:
         for state in STATES:

@@ -26,7 +26,7 @@ from .errors import Cancelled, Permanent, Transient
 from .heartbeat import Heartbeat
 from .host import DESIRED, STATUS, engine_dir
 from .notify import Notifier
-from .plan import Decision, Memory, Observed, Step
+from .plan import Check, Decision, Memory, Observed, Step
 from .protocol import DesiredFile, InvalidDocument, parse_desired
 from .recipe import Recipe
 from .runtime import Runtime
@@ -117,7 +117,10 @@ class Worker:
         self._monitored: str | None = None
 
     def _engine(self, recipe: Recipe) -> Engine:
-        return engines.create(self.settings.name, recipe, self.runtime, self.settings.state_dir)
+        return engines.create(
+            self.settings.name, recipe, self.runtime, self.settings.state_dir,
+            self.settings.data_dir,
+        )  # fmt: skip
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -364,6 +367,10 @@ class Worker:
             log.error("step failed", step=job.name, generation=job.generation, reason=reason)
             self.metrics.failures.labels(reason=job.name).inc()
         self.memory = plan.conclude(memory, step, reason)
+        planned = self.engine.planned_memory() if isinstance(step, Check) else None
+        if planned is not None:
+            self.metrics.memory_need.set(planned[0])
+            self.metrics.memory_limit.set(planned[1])
 
     def _fail_outside_a_step(self, where: str, error: BaseException) -> None:
         if not isinstance(error, Permanent):

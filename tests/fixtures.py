@@ -142,10 +142,12 @@ class Engine:
     models_max: int = 2
     defaults: dict[str, Any] = field(default_factory=lambda: {"ctx-size": 4096})
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    memory: dict[str, float] = field(default_factory=dict)  # the tensorfold [memory] section
+    data_root: Path | None = None  # a data directory shared with other engines (the ledger)
 
     @property
     def data_dir(self) -> Path:
-        return self.root / "data"
+        return self.data_root or self.root / "data"
 
     @property
     def state_dir(self) -> Path:
@@ -221,6 +223,8 @@ class Engine:
             'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
             "[grammar]", f'requirement = "{self.requirement}"',
             "modules = " + json.dumps(list(self.modules)),
+            *(["[memory]", *(f"{k} = {v}" for k, v in self.memory.items())]
+              if self.memory else []),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
             "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
             "[run]", f'network = "{self.network}"', f"port = {self.port}",

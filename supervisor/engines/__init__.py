@@ -9,15 +9,18 @@ from ..runtime import Runtime
 from .base import Endpoint, Engine, StepContext
 
 
-def create(name: str, recipe: Recipe, runtime: Runtime, state_dir: Path) -> Engine:
+def create(
+    name: str, recipe: Recipe, runtime: Runtime, state_dir: Path, data_dir: Path | None = None
+) -> Engine:
+    """data_dir: where the machine's memory claims are shared; None plans no memory."""
     if isinstance(recipe, TensorFoldRecipe):
         from .tensorfold import TensorFold
 
-        return TensorFold(name, recipe, runtime, state_dir)
+        return TensorFold(name, recipe, runtime, state_dir, data_dir)
     if isinstance(recipe, LlamaRouterRecipe):
         from .llama_router import LlamaRouter
 
-        return LlamaRouter(name, recipe, runtime, state_dir)
+        return LlamaRouter(name, recipe, runtime, state_dir, data_dir)
     # the vllm recipe, its preflight and its tiers exist; its worker engine does not yet
     raise RecipeError(
         f"{name}: engine {recipe.engine!r} has no worker in this version; "

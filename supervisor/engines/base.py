@@ -53,6 +53,13 @@ class Engine(Protocol):
         """Check, without stopping or starting anything, that this spec can start; raises
         Permanent with the reason when it cannot (a running engine then serves on)."""
 
+    def started(self, container_id: str | None) -> None:
+        """After a Start step: the container it made (its memory claim now holds while it
+        runs), or None when the start failed (the claim is dropped)."""
+
+    def planned_memory(self) -> tuple[int, int] | None:
+        """(need, limit) in bytes at the last memory check; None before one."""
+
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
 

@@ -15,6 +15,8 @@ from typing import Final
 
 from .. import labels, redaction
 from ..errors import Permanent
+from ..memplan.guard import Guard
+from ..memplan.need import EngineNeed
 from ..plan import Observed, Prerequisite
 from ..protocol import TargetGroup
 from ..recipe import RecipeBase, RecipeError
@@ -66,8 +68,17 @@ class ContainerEngine:
     kind = "engine"
     poll_interval = 30.0
 
-    def __init__(self, name: str, recipe: RecipeBase, runtime: Runtime, state_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        recipe: RecipeBase,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
+    ) -> None:
         self.name = name
+        # the memory plan's claims are shared through the data directory; none: not planned
+        self.memory = Guard.for_data_dir(name, data_dir, runtime) if data_dir else None
         self.base_recipe = recipe
         self.runtime = runtime
         self.state_dir = state_dir
@@ -104,6 +115,28 @@ class ContainerEngine:
 
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
         """The engine's own checks before a start (its argument parser, its memory need)."""
+
+    def memory_need(self) -> EngineNeed | None:
+        """What a start needs (its models planned together); None: the start is not planned."""
+        return None
+
+    def check_memory(self, replacing: str | None) -> None:
+        """Claim the start's memory, or refuse it with the numbers (raises Permanent); last of
+        the checks, so a claim is made only for a start that passed the others."""
+        need = self.memory_need() if self.memory is not None else None
+        if self.memory is not None and need is not None:
+            self.memory.claim(need, replacing)
+
+    def planned_memory(self) -> tuple[int, int] | None:
+        guard = self.memory
+        if guard is None or guard.last is None or guard.limit is None:
+            return None
+        return guard.last.need.need, guard.limit
+
+    def started(self, container_id: str | None) -> None:
+        """After a Start step: the container it made, or None when it failed."""
+        if self.memory is not None:
+            self.memory.started(container_id)
 
     # -- shared ---------------------------------------------------------------------------------
 
@@ -155,6 +188,7 @@ class ContainerEngine:
                 "free it or change run.port in the recipe"
             )
         self.check_more(spec, ctx)
+        self.check_memory(replacing)
 
     def secrets(self) -> dict[str, str]:
         """Read when used (a rotated token is picked up), registered for masking."""

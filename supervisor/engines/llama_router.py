@@ -14,11 +14,13 @@ from typing import Any, Final
 
 from .. import files, gguf_cache, library, logs, preset
 from ..errors import Permanent, Transient
+from ..memplan.need import EngineNeed, ModelNeed
 from ..plan import Prerequisite
 from ..protocol import TargetGroup
 from ..recipe import LlamaRouterRecipe
 from ..runtime import Runtime
 from ..spec import Mount
+from . import router_memory
 from .base import Endpoint, StepContext
 from .container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 
@@ -35,6 +37,8 @@ class Synced:
     models: tuple[tuple[str, str, str | None], ...]  # (name, model file, mmproj file)
     preset: str
     skipped: str = ""  # the files refused, named for the status message
+    startup: tuple[ModelNeed, ...] = ()  # the memory plan's start: what the Check claims
+    unfit: str = ""  # models not offered: they cannot fit even alone
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -77,9 +81,14 @@ class LlamaRouter(ContainerEngine):
     kind = "llama-router"
 
     def __init__(
-        self, name: str, recipe: LlamaRouterRecipe, runtime: Runtime, state_dir: Path
+        self,
+        name: str,
+        recipe: LlamaRouterRecipe,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
     ) -> None:
-        super().__init__(name, recipe, runtime, state_dir)
+        super().__init__(name, recipe, runtime, state_dir, data_dir)
         self.recipe = recipe
         self.poll_interval = recipe.library.poll_seconds
         self.cache_dir = recipe.library.cache_path
@@ -124,7 +133,10 @@ class LlamaRouter(ContainerEngine):
         try:
             data = json.loads(files.read_text(self._stamp, limit=8 * 1024 * 1024))
             models = tuple((m[0], m[1], m[2]) for m in data["models"])
-            return Synced(data["library"], models, data["preset"], data.get("skipped", ""))
+            return Synced(
+                data["library"], models, data["preset"], data.get("skipped", ""),
+                router_memory.load(data.get("startup")), data.get("unfit", ""),
+            )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -150,14 +162,19 @@ class LlamaRouter(ContainerEngine):
             result = gguf_cache.sync(found, self.cache_dir, ctx.progress, ctx.cancel)
         except OSError as exc:
             raise Transient(f"cannot write the GGUF cache {self.cache_dir}: {exc}") from None
-        names = tuple(model.name for model in result.models)
+        planned = router_memory.plan(
+            self.name, self.recipe, result.models, self.cache_dir, self.memory
+        )
+        offered = [m for m in result.models if m.name in planned.offered]
+        names = tuple(model.name for model in offered)
         try:
             preset.check_startup(router.load_on_startup, names, router.models_max)
             text = preset.render(
-                [_Section(m.name, m.model_file, m.mmproj_file) for m in result.models],
-                router.defaults,
+                [_Section(m.name, m.model_file, m.mmproj_file) for m in offered],
+                planned.defaults,
                 startup_models(self.recipe, names),
                 self.recipe.library.container_dir,
+                planned.contexts,
             )
         except preset.PresetError as exc:
             raise Permanent(f"{exc}; {result.summary()}") from None
@@ -167,13 +184,17 @@ class LlamaRouter(ContainerEngine):
             "library": fingerprint,
             "preset": text,
             "skipped": skipped,
-            "models": [[m.name, m.model_file, m.mmproj_file] for m in result.models],
+            "models": [[m.name, m.model_file, m.mmproj_file] for m in offered],
+            "startup": router_memory.dump(planned.startup),
+            "unfit": ", ".join(planned.unfit),
         }
         files.write_atomic(self._stamp, json.dumps(synced).encode(), 0o600)
         ctx.progress(result.summary())
         log.info("library synced", summary=result.summary(), preset_changed=wrote)
         if skipped:
             log.warning("library files skipped", bad=skipped)
+        if planned.unfit or planned.unplanned:
+            log.warning("memory plan", not_offered=planned.unfit, not_planned=planned.unplanned)
         if wrote:
             self._reload()
 
@@ -243,7 +264,16 @@ class LlamaRouter(ContainerEngine):
 
     def notes(self) -> str:
         synced = self._synced()
-        return f"skipped {synced.skipped}" if synced and synced.skipped else ""
+        if synced is None:
+            return ""
+        parts = [f"skipped {synced.skipped}"] if synced.skipped else []
+        if synced.unfit:
+            parts.append(f"not offered (cannot fit even alone): {synced.unfit}")
+        return "; ".join(parts)
+
+    def memory_need(self) -> EngineNeed | None:
+        synced = self._synced()
+        return router_memory.need(self.name, synced.startup) if synced is not None else None
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp, self.preset_path)

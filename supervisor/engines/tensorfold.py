@@ -13,6 +13,8 @@ from typing import Final
 
 from .. import files, labels
 from ..errors import BuildFailed
+from ..memplan import overview
+from ..memplan.need import EngineNeed
 from ..plan import Prerequisite
 from ..process import run
 from ..protocol import TargetGroup
@@ -87,9 +89,14 @@ class TensorFold(ContainerEngine):
     kind = "tensorfold"
 
     def __init__(
-        self, name: str, recipe: TensorFoldRecipe, runtime: Runtime, state_dir: Path
+        self,
+        name: str,
+        recipe: TensorFoldRecipe,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
     ) -> None:
-        super().__init__(name, recipe, runtime, state_dir)
+        super().__init__(name, recipe, runtime, state_dir, data_dir)
         self.recipe = recipe
         self.checkout = GitCheckout(
             state_dir / "checkout", recipe.source.repository, recipe.source.commit
@@ -226,6 +233,10 @@ class TensorFold(ContainerEngine):
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp,)
+
+    def memory_need(self) -> EngineNeed | None:
+        found = overview.recipe_figures(self.recipe)
+        return overview.tensorfold_need(self.recipe, found) if found is not None else None
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}

@@ -44,6 +44,7 @@ _BLOCKS: Final[dict[str, tuple[int, int]]] = {
 CACHE_TYPES: Final = tuple(_BLOCKS)
 INTERVAL_ARCHS: Final = frozenset({"qwen3next", "qwen35", "qwen35moe"})
 DEFAULT_INTERVAL: Final = 4
+CELL_PAD: Final = 256  # llama.cpp pads the context (and each sequence's cache) to this
 # encoder-only architectures: embedding models, no KV cache (llama.cpp src/llama-arch.cpp names)
 ENCODER_ARCHS: Final = frozenset(
     {"bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
@@ -83,14 +84,17 @@ class KvShape:
         )
 
     def cells(self, ctx_size: int, parallel: int = 1) -> int:
-        """KV cells llama-server allocates for ctx_size over parallel sequences: each sequence
-        gets ctx_size // parallel, capped at the native context (when the header gives one)."""
+        """KV cells llama-server allocates for ctx_size, as the real engine logs them
+        (tests/integration/test_memory_oracle.py): ctx_size is padded up to a multiple of 256;
+        with parallel 1 (or llama-server's auto: 4 slots, one unified cache) that is all of it;
+        with an explicit parallel N, N caches of (padded // N) padded up to 256 again. It is
+        not capped at the native context (llama.cpp only warns of an overflow)."""
         if parallel < 1 or ctx_size < 0:
             raise ValueError("parallel must be at least 1 and ctx_size not negative")
-        per_sequence = ctx_size // parallel
-        if self.native_context > 0:
-            per_sequence = min(per_sequence, self.native_context)
-        return per_sequence * parallel
+        padded = _pad(ctx_size)
+        if parallel == 1:
+            return padded
+        return _pad(padded // parallel) * parallel
 
     def cache_bytes(
         self,
@@ -104,6 +108,10 @@ class KvShape:
         if self.embedding:
             return 0
         return self.cells(ctx_size, parallel) * self.bytes_per_token(type_k, type_v)
+
+
+def _pad(cells: int) -> int:
+    return -(-cells // CELL_PAD) * CELL_PAD
 
 
 def row_size(cache_type: CacheType, elements: int) -> int:

@@ -10,9 +10,10 @@ once are serialised: the second sees the first one's claim.
 A claim is `{name, bytes, pid, pidStart, container, at}`. It holds while its engine runs (the
 caller passes the names of the running lucia engines it observed), or while the worker that
 made it is alive (same pid and the same start time in /proc/<pid>/stat, so a reused pid does
-not count): a start in progress holds before its container exists. A stopped worker's engine
-still runs and so still holds. A worker releases its claim when its engine stops or its start
-fails; one that dies leaves a claim that holds only while the engine runs.
+not count) and no container is attached yet: a start in progress holds before its container
+exists. Once attached, a claim holds only while its engine runs, so an engine that stops or
+exits frees its memory with no release. A stopped worker's engine still runs and so still
+holds. A worker releases its claim when its start fails before a container exists.
 """
 
 from __future__ import annotations
@@ -103,7 +104,11 @@ class Ledger:
 
     @staticmethod
     def _live(claims: list[Claim], running: Collection[str]) -> list[Claim]:
-        return [claim for claim in claims if claim.name in running or alive(claim)]
+        return [
+            claim
+            for claim in claims
+            if claim.name in running or (claim.container is None and alive(claim))
+        ]
 
     def held(self, running: Collection[str], exclude: str | None = None) -> tuple[Holding, ...]:
         """What the claims that still hold say, other than exclude's; changes nothing."""

@@ -7,9 +7,10 @@ the reserves and what others hold):
     context     = min(nativeContext, cacheBudget / kvBytesPerToken), rounded down to 256
 
 The rounding applies to the budget's figure; a native context below 256 (tiny models) is kept.
-With parallel sequences the context is the engine's ctx-size (all sequences together) and each
-sequence is capped at the native context, as llama-server does. Embedding models count at
-their file size: no KV cache and no multiplier.
+With parallel sequences the context is the engine's ctx-size (all sequences together), a
+multiple of 256 a sequence, and the plan keeps each sequence within the native context
+(llama-server itself does not cap it, and pads every cache to 256 cells: kv.cells).
+Embedding models count at their file size: no KV cache and no multiplier.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def planned_context(shape: KvShape, room: int, parallel: int = 1, **types: Cache
     per_token = shape.bytes_per_token(**types)
     if per_token == 0:
         return shape.native_context * parallel
-    by_room = max(room, 0) // per_token // ROUND * ROUND
+    step = ROUND * parallel  # each sequence's cache is padded to 256 cells too
+    by_room = max(room, 0) // per_token // step * step
     if shape.native_context <= 0:
         return by_room
     native = shape.native_context * parallel
-    if native <= by_room:
-        return native
-    return by_room
+    if native <= by_room and shape.cells(native, parallel) * per_token <= max(room, 0):
+        return native  # a native context below 256 is padded by the engine: it must fit too
+    return min(by_room, native // step * step) if native > by_room else by_room
 
 
 def plan_model(

@@ -2,7 +2,7 @@
 
 Each engine is planned against the limit less the reserves and what the other engines' claims
 hold (the engine's own claim is not counted against itself). A tensorfold engine's figures
-come from its recipe (TensorfoldFigures, until the recipe carries them); a llama-router's from
+come from its recipe's [memory] section (recipe_figures); a llama-router's from
 the GGUF headers of its library's Ready models.
 """
 
@@ -19,7 +19,7 @@ from . import router
 from .fit import Budget, Holding, Verdict, check, size
 from .need import EngineNeed, figures
 from .probe import Memory
-from .settings import MachineSettings
+from .settings import MachineSettings, gib
 
 AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe
 
@@ -61,9 +61,25 @@ class Overview:
         return all(engine.fits for engine in self.engines)
 
 
+def recipe_figures(recipe: TensorFoldRecipe) -> TensorfoldFigures | None:
+    """The figures of the recipe's [memory] section; None when it has none. A per-token KV
+    figure counts for CONTEXT x PARALLEL tokens."""
+    found = recipe.memory
+    if found is None:
+        return None
+    if found.kv_gib is not None:
+        return TensorfoldFigures(gib(found.weights_gib), 0, gib(found.kv_gib))
+    per_token = found.kv_bytes_per_token or 0
+    settings = recipe.settings
+    tokens = int(settings.get("CONTEXT", 0)) * int(settings.get("PARALLEL", 1))
+    return TensorfoldFigures(gib(found.weights_gib), per_token, per_token * tokens)
+
+
 def tensorfold_need(
-    recipe: TensorFoldRecipe, found: TensorfoldFigures, multiplier: float
+    recipe: TensorFoldRecipe, found: TensorfoldFigures, multiplier: float = 1.0
 ) -> EngineNeed:
+    """The weights figure is the engine's measured startup estimate: counted once (the
+    multiplier calibrates GGUF file sizes, not measurements)."""
     settings = recipe.settings
     context = int(settings.get("CONTEXT", 0))
     parallel = int(settings.get("PARALLEL", 1))
@@ -84,7 +100,7 @@ def plan_engine(
         found = tensorfold(recipe)
         if found is None:
             return EnginePlan(recipe.name, None, "the recipe gives no memory figures")
-        return EnginePlan(recipe.name, check(tensorfold_need(recipe, found, multiplier), budget))
+        return EnginePlan(recipe.name, check(tensorfold_need(recipe, found), budget))
     if isinstance(recipe, VllmRecipe):
         return EnginePlan(recipe.name, None, "the vllm engine is not planned yet")
     opts = router.options(recipe.router.defaults)
@@ -103,7 +119,7 @@ def build(
     settings: MachineSettings,
     memory: Memory,
     held: Sequence[Holding],
-    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None] = lambda _r: None,
+    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None] = recipe_figures,
 ) -> Overview:
     plans = []
     for recipe in recipes:

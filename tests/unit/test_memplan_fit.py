@@ -29,7 +29,10 @@ BIG = KvShape("llama", 131072, 4, (Layer(8, 128, 128),) * 4)
         (TINY, 384 * 255, 1, 0),  # not even 256
         (TINY, 384 * 10_000, 1, 2048),  # native 2048 wins over 9984
         (TINY, 384 * 10_000, 4, 8192),  # 4 sequences x native 2048 = 8192 < 9984
-        (TINY, 384 * 5_000, 4, 4864),  # 5000 -> 4864, below 4 x 2048
+        # 5000 -> 4096: 4 sequences of a multiple of 256 each (4864 would be 4 x 1216, which
+        # llama-server pads to 4 x 1280 = 5120 cells, more than the room)
+        (TINY, 384 * 5_000, 4, 4096),
+        (TINY, 384 * 5_000, 2, 4096),  # 2 x 2048 = native, 4096 cells <= 5000
         (BIG, 10 * G, 1, 131072),  # 10 GiB / 16 KiB = 655360 > native 131072
         (BIG, 1 * G, 1, 65536),  # 1 GiB / 16 KiB = 65536 (a multiple of 256)
         (BIG, 1 * G + 16384 * 300, 1, 65792),  # 65836 -> 65792

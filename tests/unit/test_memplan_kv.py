@@ -114,13 +114,18 @@ def test_cache_types(tmp_path: Path, type_k: CacheType, type_v: CacheType, expec
     [
         (2048, 1024, 2, 1024),  # 2 sequences of 512 cells: the 0.38 MiB = 1024 x 384
         (2048, 1024, 1, 1024),
-        (128, 1024, 2, 256),  # 512 per sequence capped at native 128: 2 x 128
-        (128, 1024, 1, 128),
-        (4096, 1000, 3, 999),  # 333 per sequence
-        (0, 5000, 1, 5000),  # no native context in the header: no cap
+        # what llama-server logged (tests/integration/test_memory_oracle.py): padded to 256,
+        # never capped at the native context
+        (128, 1024, 2, 1024),  # 2 x 512, past native 128 (llama.cpp only warns)
+        (128, 1024, 1, 1024),
+        (256, 300, 1, 512),  # one unified cache of 300 padded to 512
+        (256, 300, 2, 512),  # 300 -> 512, 2 sequences of 256
+        (4096, 1000, 3, 1536),  # 1000 -> 1024, // 3 = 341 -> 512 a sequence, x 3
+        (256, 100, 1, 256),
+        (0, 5000, 1, 5120),  # no native context in the header
     ],
 )
-def test_cache_bytes_caps_each_sequence_at_native(
+def test_cells_are_padded_to_256_as_the_engine_allocates_them(
     tmp_path: Path, native: int, ctx_size: int, parallel: int, cells: int
 ) -> None:
     kv = shape(read_metadata(write_model(tmp_path / "m.gguf", context=native)))

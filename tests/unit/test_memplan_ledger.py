@@ -134,3 +134,13 @@ def test_an_unreadable_ledger_holds_nothing(tmp_path: Path) -> None:
     assert ledger.held(running=()) == ()
     assert ledger.claim("a", running=(), decide=_decide("a", 60)).fits
     assert [c.name for c in ledger.claims()] == ["a"]
+
+
+def test_an_attached_claim_holds_only_while_its_engine_runs(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "memory")
+    assert ledger.claim("a", running=(), decide=_decide("a", 60)).fits
+    assert ledger.attach("a", "c0ffee")
+    # its worker (this process) lives, but the engine stopped or exited: nothing is held
+    assert ledger.held(running=()) == ()
+    assert ledger.held(running={"a"}) == (Holding("a", 60 * G),)
+    assert ledger.claim("b", running=(), decide=_decide("b", 60)).fits

@@ -1,0 +1,110 @@
+"""The worker's side of the plan: claim a start's memory under the ledger's lock, or refuse it.
+
+Run by the Check step before any Start or replacement. What counts as held is what runs: the
+names of the running lucia containers (any worker's, a stopped worker's too) keep their claims;
+a claim whose start is still in progress holds while its worker lives. The container this start
+replaces is the same name, so its claim is replaced, not counted, and what it frees is credited
+to the check against the memory free now. The settings file is read at each check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import labels
+from ..errors import Permanent
+from ..runtime import Runtime
+from . import probe, settings
+from .fit import Budget, Holding, Verdict, check, check_now
+from .ledger import Ledger
+from .need import EngineNeed
+from .probe import Memory
+from .settings import MachineSettings
+
+
+@dataclass(frozen=True)
+class Room:
+    """The machine as a plan sees it: its settings, its memory, what the others hold."""
+
+    settings: MachineSettings
+    memory: Memory
+    held: tuple[Holding, ...] = ()
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.memory.limit, self.settings.reserves.total, self.held)
+
+
+def load_settings() -> MachineSettings:
+    try:
+        return settings.load()
+    except settings.MachineError as exc:
+        raise Permanent(f"the machine memory settings cannot be used: {exc}") from None
+
+
+def measure(machine: MachineSettings) -> Memory:
+    try:
+        return probe.measure(machine)
+    except (probe.ProbeFailed, OSError) as exc:
+        raise Permanent(f"cannot measure the memory limit: {exc}") from None
+
+
+def room(guard: Guard | None) -> Room:
+    """The room now; what the others hold counts only with a ledger to read it from."""
+    machine = load_settings()
+    if guard is None:
+        return Room(machine, measure(machine))
+    held = guard.ledger.held(running_engines(guard.runtime), exclude=guard.name)
+    return Room(machine, guard.measure(machine), held)
+
+
+def running_engines(runtime: Runtime) -> set[str]:
+    """The names of the running lucia engines, from their containers' labels."""
+    found = runtime.containers(f"{labels.MANAGED}=true")
+    return {c.labels[labels.NAME] for c in found if c.running and labels.NAME in c.labels}
+
+
+@dataclass
+class Guard:
+    name: str
+    ledger: Ledger
+    runtime: Runtime
+    measure: Callable[[MachineSettings], Memory] = measure
+    last: Verdict | None = field(default=None, init=False)  # for the worker's gauges
+    limit: int | None = field(default=None, init=False)
+
+    @classmethod
+    def for_data_dir(cls, name: str, data_dir: Path, runtime: Runtime) -> Guard:
+        return cls(name, Ledger.for_data_dir(data_dir), runtime)
+
+    def claim(self, need: EngineNeed, replacing: str | None) -> Verdict:
+        """Record need as this engine's claim, or raise Permanent with the refusal."""
+        machine = load_settings()
+        running = running_engines(self.runtime)
+        own = [c.bytes for c in self.ledger.claims() if c.name == self.name]
+        releasing = sum(own) if replacing else 0
+        reserves = machine.reserves.total
+
+        def decide(held: tuple[Holding, ...]) -> Verdict:
+            memory = self.measure(machine)
+            self.limit = memory.limit
+            planned = check(need, Budget(memory.limit, reserves, held))
+            if not planned.fits:
+                return planned
+            return check_now(need, memory.available, reserves, releasing)
+
+        verdict = self.ledger.claim(self.name, running, decide)
+        self.last = verdict
+        if not verdict.fits:
+            raise Permanent(verdict.message)
+        return verdict
+
+    def started(self, container_id: str | None) -> None:
+        """The start made container_id (its claim now holds while it runs), or failed (the
+        claim is dropped: nothing was allocated)."""
+        if container_id is None:
+            self.ledger.release(self.name)
+        else:
+            self.ledger.attach(self.name, container_id)

@@ -1,0 +1,123 @@
+"""The memory plan against the real dockerd: a start that cannot fit is refused before anything
+is stopped or started, every running lucia engine counts (a stopped worker's too), and two
+workers starting at once cannot both take the last of it.
+
+The machine file sets a fixed limit of 1 GiB with no reserves; each engine's recipe says it
+needs 0.5 + 0.1 GiB, so one fits and two do not.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from supervisor.memplan.settings import GIB, gib
+from tests.fixtures import Engine, free_port
+
+pytestmark = pytest.mark.docker
+
+FIGURES = {"weights_gib": 0.5, "kv_gib": 0.1}
+MODEL = "The model test/tiny-model does not fit after voice, OS, services, and runtime reservations"
+
+
+@pytest.fixture
+def shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """One data directory for the engines (the host's: its memory ledger is shared), and the
+    machine file every worker started from here reads."""
+    machine = tmp_path / "machine.toml"
+    machine.write_text('limit = 1.0\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
+    monkeypatch.setenv("LUCIA_MACHINE_FILE", str(machine))
+    data = tmp_path / "data"
+    data.mkdir()
+    return data
+
+
+def _up(engine: Engine, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    proc = engine.start_worker(*extra)
+    return proc, engine.wait_state(engine.request("running"), "running", timeout=120)
+
+
+def _settled(engine: Engine, generation: int) -> dict[str, Any]:
+    return engine.wait_status(
+        lambda s: s["generation"] == generation and s["state"] in ("running", "failed"),
+        timeout=180, what="running or failed")
+
+
+def _gauge(text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not in the metrics"
+    return float(found.group(1))
+
+
+def _none(client: docker.DockerClient, engine: Engine) -> bool:
+    return client.containers.list(all=True, filters={"name": engine.container}) == []
+
+
+def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client, shared) -> None:
+    a: Engine = make_engine(memory=FIGURES, data_root=shared)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    port = free_port()
+    _up(a, "--metrics-port", str(port))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert _gauge(metrics, "lucia_worker_memory_need_bytes") == gib(0.5) + gib(0.1)
+    assert _gauge(metrics, "lucia_worker_memory_limit_bytes") == GIB
+    before = client.containers.get(a.container)
+    b.start_worker()
+    failed = b.wait_state(b.request("running"), "failed", timeout=120)
+    assert failed["message"] == (
+        f"{MODEL}: needs 0.6 GiB, 0.4 GiB left (limit 1.0, reserves 0.0, held by {a.name} 0.6)."
+        f" Lower CONTEXT or stop {a.name}."
+    )
+    assert _none(client, b)  # nothing started
+    # a replacement of a that needs more than there is: refused before a is stopped
+    a.memory = {"weights_gib": 0.9, "kv_gib": 0.2}
+    a.settings["READY_DELAY"] = "2"  # a new run spec: a replacement
+    a.write_recipe()
+    a.procs[-1].send_signal(signal.SIGHUP)
+    refused = a.wait_status(lambda s: s["state"] == "failed", timeout=120)
+    assert refused["message"] == (
+        f"{MODEL}: needs 1.1 GiB, 1.0 GiB left (limit 1.0, reserves 0.0). Lower CONTEXT."
+    )
+    after = client.containers.get(a.container)
+    assert after.id == before.id and after.status == "running"
+    assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
+
+
+def test_two_workers_starting_at_once_one_gets_the_memory(make_engine, client, shared) -> None:
+    a: Engine = make_engine(memory=FIGURES, data_root=shared)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    a.start_worker()
+    b.start_worker()
+    generations = a.request("running"), b.request("running")
+    outcome = {e.name: _settled(e, g) for e, g in zip((a, b), generations, strict=True)}
+    running = [name for name, s in outcome.items() if s["state"] == "running"]
+    assert len(running) == 1, outcome
+    (loser,) = (e for e in (a, b) if e.name not in running)
+    message = outcome[loser.name]["message"]
+    assert message.startswith(f"{MODEL}: needs 0.6 GiB, 0.4 GiB left")
+    assert f"held by {running[0]} 0.6" in message
+    assert _none(client, loser)
+
+
+def test_a_stopped_workers_engine_still_counts_until_it_stops(make_engine, client, shared) -> None:
+    a: Engine = make_engine(memory=FIGURES, data_root=shared)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    proc, _ = _up(a)
+    assert a.stop_worker(proc, signal.SIGTERM) == 0
+    assert client.containers.get(a.container).status == "running"  # left running
+    b.start_worker()
+    failed = b.wait_state(b.request("running"), "failed", timeout=120)
+    assert f"held by {a.name} 0.6" in failed["message"]
+    assert _none(client, b)
+    # a stops (through its worker again); a new request for b then starts it
+    a.start_worker()
+    a.wait_state(a.request("stopped"), "stopped", timeout=120)
+    b.wait_state(b.request("running"), "running", timeout=120)
