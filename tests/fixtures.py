@@ -147,6 +147,7 @@ class Engine:
     nvidia_smi: str = ""  # a test nvidia-smi (tests/gpu_recordings.py)
     vllm: dict[str, Any] = field(default_factory=dict)  # [vllm] keys beyond the writer's
     revision: str = "0123456789abcdef0123456789abcdef01234567"
+    tiers_extra: dict[str, Any] = field(default_factory=dict)  # [tiers] keys beyond the writer's
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -228,6 +229,7 @@ class Engine:
             "[tiers]", 'shm_bytes = "16m"',
             "nvme = " + _inline({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
             "hdd = " + _inline({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
+            *(f"{k} = {_toml(v)}" for k, v in self.tiers_extra.items()),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
             "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in secrets.items()),
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
