@@ -146,6 +146,7 @@ class Engine:
     vllm_repository: str = ""  # the stand-in's images, tagged as the preflight names them
     nvidia_smi: str = ""  # a test nvidia-smi (tests/gpu_recordings.py)
     vllm: dict[str, Any] = field(default_factory=dict)  # [vllm] keys beyond the writer's
+    vllm_model: str = "test/tiny-model"  # the Hugging Face id vLLM serves
     revision: str = "0123456789abcdef0123456789abcdef01234567"
     tiers_extra: dict[str, Any] = field(default_factory=dict)  # [tiers] keys beyond the writer's
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -225,7 +226,7 @@ class Engine:
         lines = [
             f'name = "{self.name}"', 'engine = "vllm"', 'model = "test/tiny-model"',
             "[vllm]", *(f"{k} = {_toml(v)}" for k, v in vllm.items()),
-            "[vllm.model.hf]", 'id = "test/tiny-model"', f'revision = "{self.revision}"',
+            "[vllm.model.hf]", f'id = "{self.vllm_model}"', f'revision = "{self.revision}"',
             "[tiers]", 'shm_bytes = "16m"',
             "nvme = " + _inline({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
             "hdd = " + _inline({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
@@ -377,9 +378,10 @@ def make_engine(
         root.mkdir()
         if overrides.get("kind") == "llama-router" and not overrides.get("router_image"):
             overrides["router_image"] = request.getfixturevalue("router_images")[0]
-        if overrides.get("kind") == "vllm":
-            overrides.setdefault("vllm_repository", request.getfixturevalue("vllm_images")[0])
-            overrides.setdefault("nvidia_smi", str(fake_nvidia_smi(root / "gpu", "h100")))
+        if overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
+            overrides["vllm_repository"] = request.getfixturevalue("vllm_images")[0]
+        if overrides.get("kind") == "vllm" and "nvidia_smi" not in overrides:
+            overrides["nvidia_smi"] = str(fake_nvidia_smi(root / "gpu", "h100"))
         engine = Engine(name=name, repo=recipe_repo, base=base_image, root=root, **overrides)
         engine.commit = engine.commit or git(recipe_repo.path, "rev-parse", "HEAD")
         made.append(engine)
