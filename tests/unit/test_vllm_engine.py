@@ -104,3 +104,35 @@ def test_the_replaced_engines_share_of_the_smallest_gpu_counts_as_free(tmp_path:
     assert reclaimable_mib(facts, 90) == 40960 * 90 // 100
     assert reclaimable_mib(facts, None) == 0
     assert reclaimable_mib(gpu.GpuUnavailable("absent", "none"), 90) == 0
+
+
+def test_a_library_model_is_mounted_read_only_and_its_files_name_the_manifest(
+    tmp_path: Path,
+) -> None:
+    files = tmp_path / "library" / "guid-1" / "files"
+    files.mkdir(parents=True)
+    (files / "config.json").write_text("{}")
+    parsed = parse(
+        f"""
+name = "v"
+engine = "vllm"
+[vllm]
+served_name = "m"
+max_model_len = 4096
+[vllm.model.library]
+models_dir = "{tmp_path / 'library'}"
+guid = "guid-1"
+[run]
+port = 8000
+"""
+    )
+    assert isinstance(parsed, VllmRecipe)
+    found = Vllm("v", parsed, Runtime(), tmp_path / "state")
+    (mount,) = found.mounts()
+    assert (mount.source, mount.target, mount.read_only) == (str(files), "/models/guid-1", True)
+    assert found.choices.model == "/models/guid-1" and found.choices.revision is None
+    before = found.model_manifest()
+    revision = found.extra_labels()["lucia.model.revision"]
+    (files / "model.safetensors").write_bytes(b"weights")
+    assert found.model_manifest() != before
+    assert found.extra_labels()["lucia.model.revision"] != revision
