@@ -347,6 +347,18 @@ class Vllm(_Section):
     pipeline_parallel: int = Field(default=1, ge=1)
     args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
     model: VllmModel
+    repository: Annotated[str, AfterValidator(_image_reference)] = Field(
+        default="vllm/vllm-openai",
+        pattern=r"^[^:@]+$",
+        description="where the vLLM images come from: a mirror or an air-gapped registry holding "
+        "the same tags (v0.32.0, v0.32.0-cu129, nightly-<commit>); the preflight picks the tag",
+    )
+    nvidia_smi: str = Field(
+        default="nvidia-smi",
+        min_length=1,
+        description="the nvidia-smi the GPU preflight runs: a path where it is not on PATH; "
+        "tests point it at a script printing a recorded card's outputs",
+    )
 
     @model_validator(mode="after")
     def _nightly_pinned(self) -> Self:
@@ -403,6 +415,7 @@ class VllmRecipe(RecipeBase):
             prefix_caching=v.prefix_caching,
             port=self.run.inner_port,
             extra_args=tuple(v.args),
+            repository=v.repository,
         )
 
     def tier_plan(self) -> TierPlan:

@@ -45,6 +45,7 @@ class Choices:
     prefix_caching: bool = True
     port: int = CONTAINER_PORT
     extra_args: tuple[str, ...] = ()
+    repository: str = REPOSITORY  # a mirror of vllm/vllm-openai: the tags are chosen the same
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def image(choices: Choices, facts: GpuFacts) -> str | Refusal:
                 "vllm.nightly_commit is unset",
                 f"Set it to the full 40-hex commit of {NIGHTLY_COMMIT}.",
             )
-        return f"{REPOSITORY}:nightly-{choices.nightly_commit}"
+        return f"{choices.repository}:nightly-{choices.nightly_commit}"
     if cuda is None or cuda.major < 12:
         return _refuse(
             CUDA_UNSUPPORTED,
@@ -101,7 +102,8 @@ def image(choices: Choices, facts: GpuFacts) -> str | Refusal:
             shown,
             "Update the NVIDIA driver to one that supports CUDA 12.9 or 13.",
         )
-    return STABLE_CUDA12_IMAGE if cuda.major == 12 else STABLE_IMAGE
+    tag = f"{STABLE_VERSION}-cu129" if cuda.major == 12 else STABLE_VERSION
+    return f"{choices.repository}:{tag}"
 
 
 def fp8_refusal(facts: GpuFacts) -> Refusal | None:

@@ -24,6 +24,8 @@ from typing import Any
 import docker
 import pytest
 
+from tests.gpu_recordings import fake_nvidia_smi
+
 ROOT = Path(__file__).resolve().parents[1]
 REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"
 RUN_ID = uuid.uuid4().hex[:8]
@@ -141,6 +143,12 @@ class Engine:
     load_on_startup: tuple[str, ...] = ()
     models_max: int = 2
     defaults: dict[str, Any] = field(default_factory=lambda: {"ctx-size": 4096})
+    vllm_repository: str = ""  # the stand-in's images, tagged as the preflight names them
+    nvidia_smi: str = ""  # a test nvidia-smi (tests/gpu_recordings.py)
+    vllm: dict[str, Any] = field(default_factory=dict)  # [vllm] keys beyond the writer's
+    vllm_model: str = "test/tiny-model"  # the Hugging Face id vLLM serves
+    revision: str = "0123456789abcdef0123456789abcdef01234567"
+    tiers_extra: dict[str, Any] = field(default_factory=dict)  # [tiers] keys beyond the writer's
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     memory: dict[str, float] = field(default_factory=dict)  # the tensorfold [memory] section
     data_root: Path | None = None  # a data directory shared with other engines (the ledger)
@@ -184,6 +192,8 @@ class Engine:
     def write_recipe(self) -> Path:
         if self.kind == "llama-router":
             return self._write_router_recipe()
+        if self.kind == "vllm":
+            return self._write_vllm_recipe()
         return self._write_tensorfold_recipe()
 
     def _write_router_recipe(self) -> Path:
@@ -202,6 +212,34 @@ class Engine:
             'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
             *(f"{k} = {_toml(v)}" for k, v in self.run_extra.items()),
+        ]
+        self.recipe_path.write_text("\n".join(lines) + "\n")
+        return self.recipe_path
+
+    def _write_vllm_recipe(self) -> Path:
+        key = self.root / "kv.key"
+        if not key.exists():
+            key.write_text(uuid.uuid4().hex + "\n")
+            key.chmod(0o600)
+        settings = {"LOAD_DELAY": "1", **self.settings}
+        secrets = {"LUCIA_KV_KEY": str(key), **self.secrets}
+        vllm = {"repository": self.vllm_repository, "nvidia_smi": self.nvidia_smi,
+                "served_name": "tiny", "max_model_len": 4096, **self.vllm}
+        lines = [
+            f'name = "{self.name}"', 'engine = "vllm"', 'model = "test/tiny-model"',
+            "[vllm]", *(f"{k} = {_toml(v)}" for k, v in vllm.items()),
+            "[vllm.model.hf]", f'id = "{self.vllm_model}"', f'revision = "{self.revision}"',
+            "[tiers]", 'shm_bytes = "16m"',
+            "nvme = " + _inline({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
+            "hdd = " + _inline({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
+            *(f"{k} = {_toml(v)}" for k, v in self.tiers_extra.items()),
+            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in secrets.items()),
+            "[run]", f'network = "{self.network}"', f"port = {self.port}",
+            "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            *(f"{k} = {_toml(v)}" for k, v in
+              {"shm_size": "64m", "memory": "512m", **self.run_extra}.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -316,6 +354,21 @@ def router_images(client: docker.DockerClient, base_image: str) -> tuple[str, st
     return tags[0], tags[1]
 
 
+@pytest.fixture(scope="session")
+def vllm_images(client: docker.DockerClient, base_image: str) -> tuple[str, str]:
+    """The vLLM stand-in twice (other ids), each under a repository of its own with the tag
+    the preflight picks on a CUDA 12 host: `[vllm] repository` names one (as a mirror)."""
+    repositories = []
+    for version in (1, 2):
+        repository = f"lucia-test-vllm{version}-{RUN_ID}"
+        client.images.build(path=str(ROOT / "tests" / "vllm-standin"),
+                            tag=f"{repository}:v0.32.0-cu129", rm=True,
+                            buildargs={"BASE": base_image},
+                            labels={TEST_LABEL: RUN_ID, "version": str(version)})
+        repositories.append(repository)
+    return repositories[0], repositories[1]
+
+
 @pytest.fixture
 def make_engine(
     client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,
@@ -329,6 +382,10 @@ def make_engine(
         root.mkdir()
         if overrides.get("kind") == "llama-router" and not overrides.get("router_image"):
             overrides["router_image"] = request.getfixturevalue("router_images")[0]
+        if overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
+            overrides["vllm_repository"] = request.getfixturevalue("vllm_images")[0]
+        if overrides.get("kind") == "vllm" and "nvidia_smi" not in overrides:
+            overrides["nvidia_smi"] = str(fake_nvidia_smi(root / "gpu", "h100"))
         engine = Engine(name=name, repo=recipe_repo, base=base_image, root=root, **overrides)
         engine.commit = engine.commit or git(recipe_repo.path, "rev-parse", "HEAD")
         made.append(engine)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..recipe import LlamaRouterRecipe, Recipe, RecipeError, TensorFoldRecipe
+from ..recipe import LlamaRouterRecipe, Recipe, TensorFoldRecipe
 from ..runtime import Runtime
 from .base import Endpoint, Engine, StepContext
 
@@ -21,11 +21,9 @@ def create(
         from .llama_router import LlamaRouter
 
         return LlamaRouter(name, recipe, runtime, state_dir, data_dir)
-    # the vllm recipe, its preflight and its tiers exist; its worker engine does not yet
-    raise RecipeError(
-        f"{name}: engine {recipe.engine!r} has no worker in this version; "
-        "run `lucia-supervisor plan` for its figures, or use tensorfold or llama-router"
-    )
+    from .vllm import Vllm
+
+    return Vllm(name, recipe, runtime, state_dir, data_dir)
 
 
 __all__ = ["Endpoint", "Engine", "StepContext", "create"]

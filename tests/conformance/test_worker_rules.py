@@ -75,9 +75,25 @@ def _llama_router(make_engine: Callable[..., Engine], request: pytest.FixtureReq
     )
 
 
-@pytest.fixture(params=["tensorfold", "llama-router"])
+def _vllm(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    images = request.getfixturevalue("vllm_images")
+
+    def change(engine: Engine) -> None:
+        engine.vllm_repository = images[1]  # another vLLM image (a mirror's newer build)
+
+    return Kind(
+        "vllm",
+        make=lambda **knobs: make_engine(kind="vllm", **knobs),
+        slow_step=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
+        slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
+        change_image=change,
+    )
+
+
+@pytest.fixture(params=["tensorfold", "llama-router", "vllm"])
 def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine]) -> Kind:
-    factory = {"tensorfold": _tensorfold, "llama-router": _llama_router}[request.param]
+    factory = {"tensorfold": _tensorfold, "llama-router": _llama_router,
+               "vllm": _vllm}[request.param]
     return factory(make_engine, request)
 
 
@@ -363,9 +379,12 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
     assert running["containerId"] == container.id
     assert running["imageId"] == container.image.id
     assert running["image"] and running["image"] in (
-        engine.image_tag + "-grammar", engine.router_image)
+        engine.image_tag + "-grammar", engine.router_image,
+        engine.vllm_repository + ":v0.32.0-cu129")
     if kind.name == "tensorfold":
         assert running["recipeCommit"] == engine.commit
+    if kind.name == "vllm":
+        assert running["modelRevision"] == engine.revision
     engine.request("stopped")
     stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
     assert stopped["engine"] is None

@@ -119,7 +119,7 @@ def test_grammar_image_is_current_exactly_when_base_and_pin_match(
 
 # --- vllm ---------------------------------------------------------------------------------------
 
-VLLM = ROOT / "recipes" / "preview" / "vllm.toml"
+VLLM = ROOT / "recipes" / "vllm.toml"
 GIB = 1024**3
 
 VLLM_MINIMAL = """

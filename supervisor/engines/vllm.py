@@ -1,0 +1,290 @@
+"""vLLM on a GPU server: a GPU preflight before anything is pulled, the image it picks, the
+KV-cache tier directories, and one `vllm serve` container.
+
+The order of the prerequisites is the guarantee: `Preflight` (nvidia-smi read, the guide's
+refusals) comes before the image pull, so a refused recipe pulls and starts nothing. A pass is
+kept in the state directory (`preflight.json`, keyed by the recipe's choices), so a worker
+restart adopts the running engine without a new step. The Check step before every start or
+replacement reads the GPU again and decides again, with what the replaced engine holds counted
+as free: a refusal there leaves the running engine serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+from .. import files, gpu, kv_tiers, labels, logs
+from .. import vllm_preflight as pf
+from ..errors import Permanent
+from ..plan import Prerequisite
+from ..protocol import TargetGroup
+from ..recipe import VllmRecipe
+from ..runtime import Runtime
+from ..spec import Image, Mount, RunSpec
+from .base import Endpoint, StepContext
+from .container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+
+MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
+NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
+_PROBE_TIMEOUT: Final = 2.0
+log = logs.get("vllm")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Read the GPU and decide the image and arguments (or refuse) before any pull."""
+
+    @property
+    def description(self) -> str:
+        return "checking the GPU for vLLM (nvidia-smi)"
+
+
+@dataclass(frozen=True)
+class TierDirectories:
+    """The namespace's directory under each disk tier, owner-only."""
+
+    namespace: str
+
+    @property
+    def description(self) -> str:
+        return f"creating the KV-cache tier directories for namespace {self.namespace[:12]}"
+
+
+def refused(decision: pf.Launch | pf.Refusal) -> pf.Launch:
+    if isinstance(decision, pf.Refusal):
+        raise Permanent(str(decision))
+    return decision
+
+
+def reclaimable_mib(facts: gpu.GpuFacts | gpu.GpuUnavailable, share: int | None) -> int:
+    """What an engine started with `share` percent holds on the smallest GPU: free once it
+    is stopped. 0 when nothing is replaced."""
+    if share is None or isinstance(facts, gpu.GpuUnavailable):
+        return 0
+    totals = [g.memory_total_mib for g in facts.gpus if g.memory_total_mib is not None]
+    return min(totals) * share // 100 if totals else 0
+
+
+class Vllm(ContainerEngine):
+    kind = "vllm"
+
+    def __init__(
+        self,
+        name: str,
+        recipe: VllmRecipe,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
+    ) -> None:
+        super().__init__(name, recipe, runtime, state_dir, data_dir)
+        self.recipe = recipe
+        self.choices = recipe.preflight_choices()
+        self._stamp = state_dir / "preflight.json"
+        self._namespace: str | None = None  # of the spec last observed
+
+    # -- the GPU -------------------------------------------------------------------------------
+
+    def probe(self) -> gpu.GpuFacts | gpu.GpuUnavailable:
+        smi = self.recipe.vllm.nvidia_smi
+
+        def run(command: Any, timeout: float) -> gpu.Completed:
+            return gpu.run_command((smi, *command[1:]), timeout)
+
+        return gpu.probe(run)
+
+    def _choices_key(self) -> str:
+        blob = json.dumps([repr(self.choices), self.recipe.vllm.nvidia_smi], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _passed(self) -> pf.Launch | None:
+        """The launch of the last preflight that passed for these choices, if any."""
+        try:
+            data = json.loads(files.read_text(self._stamp))
+            if data["key"] == self._choices_key():
+                return pf.Launch(str(data["image"]), tuple(str(a) for a in data["args"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+    def _preflight(self, ctx: StepContext) -> None:
+        facts = self.probe()
+        launch = refused(pf.decide(self.choices, facts))
+        shown = facts.gpus[0].name if isinstance(facts, gpu.GpuFacts) else ""
+        ctx.progress(f"GPU preflight passed ({shown}, CUDA {getattr(facts, 'cuda', '')}): "
+                     f"{launch.image}")
+        record = {"key": self._choices_key(), "image": launch.image, "args": list(launch.args)}
+        files.write_atomic(self._stamp, json.dumps(record).encode(), 0o600)
+        log.info("vLLM preflight passed", image=launch.image)
+
+    # -- observe -------------------------------------------------------------------------------
+
+    def prerequisites(self) -> Prerequisites:
+        launch = self._passed()
+        if launch is None:  # nothing is pulled before the GPU says which image, or refuses
+            return Prerequisites((Preflight(),))
+        image = self.runtime.image(launch.image)
+        if image is None:
+            return Prerequisites((PulledImage(launch.image),))
+        space = self.namespace(image)
+        self._namespace = space
+        if not all((tier.root / space).is_dir() for tier in self.recipe.tier_plan().disks):
+            return Prerequisites((TierDirectories(space),))
+        return Prerequisites((), EngineImage(launch.image, image))
+
+    def namespace(self, image: Image) -> str:
+        recipe, tiers = self.recipe, self.recipe.tiers
+        return kv_tiers.namespace(
+            kv_tiers.Identity(
+                model_manifest=self.model_manifest(),
+                image_digest=image.id,
+                plugin_version=tiers.plugin_version,
+                key_id=self.key_id(),
+                layout=kv_tiers.KvLayout(tiers.kv_dtype, tiers.block_size),
+                parallel=kv_tiers.Parallel(
+                    recipe.vllm.tensor_parallel, recipe.vllm.pipeline_parallel
+                ),
+            )
+        )
+
+    def model_manifest(self) -> str:
+        model = self.recipe.vllm.model
+        if model.hf is not None:
+            return kv_tiers.hf_manifest(model.hf.id, model.hf.revision)
+        assert model.library is not None
+        # each file's size and change time: a re-downloaded file is another manifest
+        found = {}
+        with contextlib.suppress(OSError):
+            for entry in sorted(os.scandir(self._library_files()), key=lambda e: e.name):
+                info = entry.stat()
+                found[entry.name] = f"{info.st_size}:{info.st_mtime_ns}"
+        return kv_tiers.library_manifest(model.library.guid, found)
+
+    def _library_files(self) -> Path:
+        ref = self.recipe.vllm.model.library
+        assert ref is not None
+        return Path(ref.models_dir).expanduser() / ref.guid / "files"
+
+    def key_id(self) -> str:
+        key = self.secrets().get(self.recipe.tiers.key_secret)
+        return kv_tiers.key_id(key) if key else ""
+
+    # -- make ----------------------------------------------------------------------------------
+
+    def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
+        match what:
+            case Preflight():
+                self._preflight(ctx)
+            case TierDirectories(space):
+                for tier in self.recipe.tier_plan().disks:
+                    try:
+                        made = kv_tiers.prepare(tier.root, space)
+                    except kv_tiers.TierRefused as exc:
+                        raise Permanent(f"KV-cache tier {tier.name}: {exc}") from None
+                    ctx.progress(f"KV-cache tier {tier.name}: {made}")
+            case _:
+                super().make_own(what, ctx)
+
+    def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
+        """The GPU again, just before the start: the guide's refusals, and the memory share free
+        on every GPU once the engine this start replaces is stopped."""
+        ctx.progress("checking the GPU again before the start")
+        facts = self.probe()
+        replaced = self.runtime.container(self.container_name)
+        share = None
+        if replaced is not None and replaced.running and replaced.managed:
+            with contextlib.suppress(ValueError, KeyError):
+                share = int(replaced.labels[MEMORY_LABEL])
+        launch = refused(pf.decide(self.choices, facts, reclaimable_mib(facts, share)))
+        wanted = (launch.image, (*launch.args, *self.parallel_args()))
+        if wanted != (spec.labels.get(labels.IMAGE_REF), spec.command):
+            with contextlib.suppress(FileNotFoundError):
+                self._stamp.unlink()  # the next request runs the preflight afresh
+            raise Permanent(
+                f"the GPU changed since the preflight (it now asks for {launch.image}); "
+                "request again"
+            )
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def command(self) -> tuple[str, ...]:
+        launch = self._passed()
+        return (*(launch.args if launch else ()), *self.parallel_args())
+
+    def parallel_args(self) -> tuple[str, ...]:
+        """The parallel configuration and KV layout the namespace names, as vLLM flags."""
+        args: list[str] = []
+        vllm, tiers = self.recipe.vllm, self.recipe.tiers
+        if vllm.tensor_parallel > 1:
+            args += ["--tensor-parallel-size", str(vllm.tensor_parallel)]
+        if vllm.pipeline_parallel > 1:
+            args += ["--pipeline-parallel-size", str(vllm.pipeline_parallel)]
+        if tiers.kv_dtype != "auto":
+            args += ["--kv-cache-dtype", tiers.kv_dtype]
+        if tiers.block_size != 16:  # vLLM's default on CUDA
+            args += ["--block-size", str(tiers.block_size)]
+        return tuple(args)
+
+    def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
+        base = super().run_spec(found, endpoint)
+        space = self._namespace or self.namespace(found.image)
+        plan = self.recipe.tier_plan()
+        tiers = kv_tiers.container(plan, space, self.key_id())
+        environment = dict(base.environment)
+        if self.recipe.tiers.any:
+            environment.update(tiers.environment)  # the key itself came with the secrets
+        mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
+        return replace(
+            base,
+            environment=environment,
+            mounts=mounts + base.mounts,
+            shm_size=f"{tiers.shm_size}b" if tiers.shm_size else base.shm_size,
+            memory=f"{tiers.memory}b" if tiers.memory else base.memory,
+            labels={**base.labels, NAMESPACE_LABEL: space},
+        )
+
+    def mounts(self) -> tuple[Mount, ...]:
+        ref = self.recipe.vllm.model.library
+        if ref is None:
+            return ()
+        return (Mount(str(self._library_files()), self.recipe.model_argument, read_only=True),)
+
+    def extra_labels(self) -> dict[str, str]:
+        revision = self.recipe.model_revision or hashlib.sha256(
+            self.model_manifest().encode()
+        ).hexdigest()[:16]
+        return {labels.MODEL_REVISION: revision, MEMORY_LABEL: str(self.recipe.vllm.memory)}
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        if self.endpoint is None:
+            raise OSError("the engine's network has not been seen yet")
+        url = self.endpoint.url + path
+        with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
+            return int(response.status), response.read()
+
+    def ready(self) -> bool:
+        """`/health` answers 200 (the engine loaded), then `/v1/models` lists the served name."""
+        try:
+            if self._get(self.recipe.run.ready_path)[0] != 200:
+                return False
+            listing = json.loads(self._get("/v1/models")[1].decode())
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        data = listing.get("data") if isinstance(listing, dict) else None
+        served = self.recipe.vllm.served_name
+        return any(isinstance(m, dict) and m.get("id") == served for m in data or [])
+
+    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+        group = {"model": self.recipe.model or self.recipe.vllm.served_name,
+                 "served_name": self.recipe.vllm.served_name}
+        return (self.target_group(endpoint, group),)
+
+    def private_files(self) -> tuple[Path, ...]:
+        return (self._stamp,)

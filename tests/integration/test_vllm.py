@@ -1,0 +1,202 @@
+"""The vllm engine's refusals and KV-cache tiers, through the worker against the real dockerd,
+with the vLLM stand-in and a test nvidia-smi printing recorded cards (tests/gpu_recordings.py).
+
+A refused start pulls and starts nothing; a running engine is never stopped for a start that
+would be refused; the tier directories are owner-only and namespaced, and a change of what makes
+old blocks wrong gives a new directory, the old one never mounted again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from supervisor import vllm_preflight as pf
+from tests.fixtures import RUN_ID, Engine
+from tests.gpu_recordings import fake_nvidia_smi
+
+pytestmark = pytest.mark.docker
+
+NIGHTLY = {"channel": "nightly", "nightly_commit": "e68efc685ab1" + "0" * 28}
+
+
+def _up(engine: Engine) -> dict[str, Any]:
+    engine.start_worker()
+    return engine.wait_state(engine.request("running"), "running", timeout=120)
+
+
+def _reload(engine: Engine) -> None:
+    engine.write_recipe()
+    engine.procs[-1].send_signal(signal.SIGHUP)
+
+
+def _absent(client: docker.DockerClient, engine: Engine, repository: str) -> None:
+    """Nothing of this engine exists in Docker, and nothing was pulled."""
+    assert client.containers.list(all=True, filters={"name": engine.container}) == []
+    assert client.images.list(name=repository) == []
+    assert "pulling" not in engine.log_tail(200)
+    assert "engine container started" not in engine.log_tail(200)
+
+
+@pytest.mark.parametrize(
+    ("card", "vllm", "code", "fix"),
+    [
+        ("h100", NIGHTLY, pf.NIGHTLY_NEEDS_CUDA13, "Use stable, or move the model to a CUDA 13"),
+        ("a100", {"quantization": "fp8"}, pf.FP8_UNSUPPORTED, "Use none."),
+    ],
+)
+def test_a_refused_start_is_failed_and_pulls_and_starts_nothing(
+    make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path,
+    card: str, vllm: dict[str, str], code: str, fix: str,
+) -> None:
+    repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
+    engine = make_engine(kind="vllm", vllm=vllm, vllm_repository=repository,
+                         nvidia_smi=str(fake_nvidia_smi(tmp_path / "gpu", card)))
+    engine.start_worker()
+    status = engine.wait_state(engine.request("running"), "failed", timeout=60)
+    assert status["message"].startswith(f"{code}: ") and fix in status["message"]
+    assert status["url"] is None and status["engine"] is None
+    _absent(client, engine, repository)
+
+
+def test_a_host_without_nvidia_smi_is_refused_before_the_pull(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
+    engine = make_engine(kind="vllm", vllm_repository=repository,
+                         nvidia_smi="/nonexistent/nvidia-smi")
+    engine.start_worker()
+    status = engine.wait_state(engine.request("running"), "failed", timeout=60)
+    assert status["message"].startswith(f"{pf.NO_GPU}: ")
+    _absent(client, engine, repository)
+
+
+def test_a_reload_that_would_be_refused_never_stops_the_running_engine(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    engine = make_engine(kind="vllm")
+    status = _up(engine)
+    before = client.containers.get(engine.container)
+    engine.vllm.update(NIGHTLY)  # this host's driver is CUDA 12.8
+    _reload(engine)
+    failed = engine.wait_status(lambda s: s["state"] == "failed", timeout=60)
+    assert failed["message"].startswith(f"{pf.NIGHTLY_NEEDS_CUDA13}: ")
+    after = client.containers.get(engine.container)
+    assert (after.id, after.status, after.attrs["State"]["StartedAt"]) == (
+        before.id, "running", before.attrs["State"]["StartedAt"])
+    with urllib.request.urlopen(f"{status['url']}/health", timeout=5) as answer:
+        assert answer.status == 200
+
+
+def _gpu_free(engine: Engine, percent: int) -> None:
+    """What the test nvidia-smi reports free on each H100 from now on: `percent` of 81559 MiB
+    (as a running vLLM holding its share, and whatever else, leaves it)."""
+    query = Path(engine.nvidia_smi).parent / "h100-query.csv"
+    header, *rows = query.read_text().splitlines()
+    fields = [row.split(", ") for row in rows]
+    for row in fields:
+        row[3] = str(int(row[2]) * percent // 100)
+    query.write_text("\n".join([header, *(", ".join(row) for row in fields)]) + "\n")
+
+
+def test_the_check_counts_the_replaced_engines_gpu_memory_and_refuses_what_is_held_by_others(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    engine = make_engine(kind="vllm", vllm={"memory": 50})
+    _up(engine)
+    first = client.containers.get(engine.container)
+    _gpu_free(engine, 40)  # ours holds 50 %, something else 10 %
+    engine.vllm["memory"] = 60  # 40 % free + our 50 % once it is stopped: it fits
+    _reload(engine)
+    replaced = engine.wait_status(
+        lambda s: s["state"] == "running"
+        and (s.get("engine") or {}).get("containerId") not in (None, first.id), timeout=60)
+    second = client.containers.get(replaced["engine"]["containerId"])
+    args = second.attrs["Args"]
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.60"
+    _gpu_free(engine, 30)  # ours holds 60 %, the other 10 %
+    engine.vllm["memory"] = 95  # 30 % + 60 % is not 95 %: refused, and ours serves on
+    _reload(engine)
+    failed = engine.wait_status(lambda s: s["state"] == "failed", timeout=60)
+    assert failed["message"].startswith(f"{pf.GPU_MEMORY_BUSY}: ")
+    after = client.containers.get(engine.container)
+    assert (after.id, after.status, after.attrs["State"]["StartedAt"]) == (
+        second.id, "running", second.attrs["State"]["StartedAt"])
+
+
+# -- tiers -------------------------------------------------------------------------------------
+
+
+def _tiers(container: Any, engine: Engine) -> tuple[str, dict[str, str]]:
+    """The namespace the container mounts, after checking what it mounts and is told."""
+    env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
+    space = env["LUCIA_KV_NAMESPACE"]
+    mounts = {m["Destination"]: m["Source"] for m in container.attrs["Mounts"]}
+    assert mounts == {"/kv/nvme": str(engine.root / "kv-nvme" / space),
+                      "/kv/hdd": str(engine.root / "kv-hdd" / space)}
+    assert env["LUCIA_KV_NVME_DIR"] == "/kv/nvme" and env["LUCIA_KV_HDD_DIR"] == "/kv/hdd"
+    assert env["LUCIA_KV_NVME_BYTES"] == str(1024**3)
+    assert env["LUCIA_KV_SHM_DIR"] == f"/dev/shm/lucia-kv/{space}"
+    assert env["LUCIA_KV_SHM_BYTES"] == str(16 * 1024**2)
+    assert container.attrs["HostConfig"]["ShmSize"] == 64 * 1024**2
+    assert container.attrs["HostConfig"]["Memory"] == 512 * 1024**2
+    for tier in ("kv-nvme", "kv-hdd"):
+        for path in (engine.root / tier, engine.root / tier / space):
+            info = os.stat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o700, path
+            assert info.st_uid == os.geteuid(), path
+    return space, env
+
+
+def _rotate_key(engine: Engine) -> None:
+    (engine.root / "kv.key").write_text("a rotated cache key\n")
+
+
+CHANGES: dict[str, Callable[[Engine, tuple[str, str]], None]] = {
+    "model revision": lambda e, images: setattr(e, "revision", "f" * 40),
+    "image digest": lambda e, images: setattr(e, "vllm_repository", images[1]),
+    "KV layout": lambda e, images: _set_tiers(e, block_size=32),
+    "parallel configuration": lambda e, images: e.vllm.update({"tensor_parallel": 2}),
+    "cache key": lambda e, images: _rotate_key(e),
+}
+
+
+def _set_tiers(engine: Engine, **tiers: Any) -> None:
+    engine.tiers_extra.update(tiers)
+
+
+def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    vllm_images: tuple[str, str],
+) -> None:
+    engine = make_engine(kind="vllm")
+    _up(engine)
+    container = client.containers.get(engine.container)
+    space, env = _tiers(container, engine)
+    key = (engine.root / "kv.key").read_text().strip()
+    assert env["LUCIA_KV_KEY"] == key  # the key: in the environment only
+    assert key not in " ".join(container.attrs["Args"])
+    assert key not in (engine.dir / "status.json").read_text() and key not in engine.log_tail(500)
+    seen = [space]
+    for name, change in CHANGES.items():
+        change(engine, vllm_images)
+        _reload(engine)
+        old = container.id
+        status = engine.wait_status(
+            lambda s, old=old: s["state"] == "running"
+            and (s.get("engine") or {}).get("containerId") not in (None, old),
+            timeout=60, what=f"a replacement for the {name}")
+        container = client.containers.get(status["engine"]["containerId"])
+        space, _ = _tiers(container, engine)
+        assert space not in seen, f"a {name} change reused the namespace {space}"
+        seen.append(space)
+    for tier in ("kv-nvme", "kv-hdd"):
+        assert sorted(os.listdir(engine.root / tier)) == sorted(seen)
