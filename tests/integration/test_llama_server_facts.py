@@ -226,3 +226,19 @@ def test_models_max_evicts_the_least_recently_used_and_errors_are_plain(
     idle = router.post("/models/unload", {"model": "tiny"})
     assert idle.status == 400
     assert idle.json()["error"]["message"] == "model is not running"
+
+
+def test_reload_unloads_a_loaded_model_whose_section_changed(llama_router, tmp_path: Path) -> None:
+    """So a load-on-startup flag dropped from a loaded model's section unloads it on reload;
+    the sections that did not change keep serving."""
+    models = tmp_path / "models"
+    write_llama(models / "tiny.gguf")
+    first = Section("first", "tiny.gguf", {"load-on-startup": True})
+    second = Section("second", "tiny.gguf", {"load-on-startup": True})
+    router = llama_router(models, [first, second], defaults={"ctx-size": 256})
+    router.wait_value("first", "loaded")
+    router.wait_value("second", "loaded")
+    router.write_preset([Section("first", "tiny.gguf"), second], defaults={"ctx-size": 256})
+    router.models(reload=True)
+    router.wait_value("first", "unloaded", timeout=10)
+    assert router.models()["second"]["value"] == "loaded"
