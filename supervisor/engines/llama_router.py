@@ -123,7 +123,7 @@ class LlamaRouter(ContainerEngine):
         if container is None or not container.running or not container.managed:
             self._listing = None
             return replace(observed, targets=(), notes=self.notes())
-        applied = self._applied_set(container)
+        applied, reloaded = self._applied_set(container)
         if self._listing is None or observed.missing or observed.spec is None:
             return observed
         if (container.image_id, container.labels.get(labels.FINGERPRINT)) != (
@@ -132,9 +132,9 @@ class LlamaRouter(ContainerEngine):
         ):
             return observed  # it is to be replaced: the new container starts with the preset
         wanted = self._wanted()
-        if set(applied) == set(wanted):
+        if set(applied) == set(wanted) and not reloaded:
             return observed
-        load, unload = router_api.changes(self._listing, wanted, applied)
+        load, unload = router_api.changes(self._listing, wanted, applied, reloaded)
         return replace(observed, missing=(StartupModels(container.id, wanted, load, unload),))
 
     def _wanted(self) -> tuple[str, ...]:
@@ -145,22 +145,27 @@ class LlamaRouter(ContainerEngine):
             return synced.startup
         return startup_models(self.recipe, synced.names)
 
-    def _applied_set(self, container: Container) -> tuple[str, ...]:
-        """The load-on-startup set this container has. First seen (just started, or adopted
-        without a record), it is the preset's: only a sync step changes the preset, and an
-        observation follows every step."""
-        try:
-            data = json.loads(files.read_text(self._applied, limit=1024 * 1024))
-            if data["container"] == container.id:
-                return tuple(str(name) for name in data["models"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    def _applied_set(self, container: Container) -> tuple[tuple[str, ...], bool]:
+        """The load-on-startup set this container has, and whether it has re-read a changed
+        preset since. First seen (just started, or adopted without a record), it is the
+        preset's: only a sync step changes the preset, and an observation follows every step."""
+        found = self._read_record()
+        if found is not None and found[0] == container.id:
+            return found[1], found[2]
         wanted = self._wanted()
         self._record(container.id, wanted)
-        return wanted
+        return wanted, False
 
-    def _record(self, container_id: str, models: tuple[str, ...]) -> None:
-        document = {"container": container_id, "models": list(models)}
+    def _read_record(self) -> tuple[str, tuple[str, ...], bool] | None:
+        try:
+            data = json.loads(files.read_text(self._applied, limit=1024 * 1024))
+            models = tuple(str(name) for name in data["models"])
+            return str(data["container"]), models, data.get("reloaded") is True
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _record(self, container_id: str, models: tuple[str, ...], reloaded: bool = False) -> None:
+        document = {"container": container_id, "models": list(models), "reloaded": reloaded}
         files.write_atomic(self._applied, json.dumps(document).encode(), 0o600)
 
     def prerequisites(self) -> Prerequisites:
@@ -264,10 +269,14 @@ class LlamaRouter(ContainerEngine):
             self._reload()
 
     def _reload(self) -> None:
-        """Ask a running router to re-read its preset; nothing to do when none answers."""
+        """Ask a running router to re-read its preset; nothing to do when none answers. It
+        unloads the models whose sections changed, so the load-on-startup set is due again."""
         with contextlib.suppress(OSError, ValueError, Transient, Permanent):
             self._get("/models?reload=1")
             log.info("router asked to reload its preset")
+            found = self._read_record()
+            if found is not None:
+                self._record(found[0], found[1], reloaded=True)
 
     def _apply_startup(self, what: StartupModels, ctx: StepContext) -> None:
         """POST /models/unload and /models/load, then wait for the loads to end (loaded or

@@ -241,6 +241,31 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
     assert "path='/models/load' model='zeta' answer=200" in log
 
 
+def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_again(
+    make_engine, client
+) -> None:
+    """A new [*] section makes the router unload every model as it reloads the preset; the
+    worker loads the load-on-startup set again, in the same container."""
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    _library(engine)
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    container = client.containers.get(engine.container)
+    engine.defaults = {"ctx-size": 2048}
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    engine.wait_status(lambda s: "[*]\nctx-size = 2048" in (
+        engine.cache_dir / "llama-models.ini").read_text(), timeout=30, what="the new preset")
+    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
+                       timeout=60, what="alpha loaded again")
+    assert _models(engine)["alpha"] == "loaded"
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
+    assert [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"]
+
+
 def _chat_until(engine: Engine, model: str, stop: threading.Event, answers: list[int]) -> None:
     url = engine.status()["url"]  # type: ignore[index]
     body = json.dumps({"model": model, "max_tokens": 2,

@@ -242,3 +242,19 @@ def test_reload_unloads_a_loaded_model_whose_section_changed(llama_router, tmp_p
     router.models(reload=True)
     router.wait_value("first", "unloaded", timeout=10)
     assert router.models()["second"]["value"] == "loaded"
+
+
+def test_reload_of_a_new_global_section_unloads_all_and_loads_none(
+    llama_router, tmp_path: Path
+) -> None:
+    """The reload's own answer already says so; the load-on-startup models stay unloaded."""
+    models = tmp_path / "models"
+    write_llama(models / "tiny.gguf")
+    sections = [Section(n, "tiny.gguf", {"load-on-startup": True}) for n in ("a", "b")]
+    router = llama_router(models, sections, defaults={"ctx-size": 256})
+    router.wait_value("a", "loaded")
+    router.wait_value("b", "loaded")
+    router.write_preset(sections, defaults={"ctx-size": 512})
+    assert {n: s["value"] for n, s in router.models(reload=True).items()} == {
+        "a": "unloaded", "b": "unloaded"}
+    _stays_unloaded(router, "a")

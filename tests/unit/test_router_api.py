@@ -97,6 +97,20 @@ def test_a_startup_model_the_router_evicted_is_not_loaded_back() -> None:
     assert changes((evicted, SP), ["tiny"], ["tiny"]) == ((), ())
 
 
+@pytest.mark.parametrize(
+    ("wanted", "applied", "load", "unload"),
+    [
+        (["sp"], ["sp"], ("sp",), ()),  # a new [*] section unloaded it: loaded again
+        (["tiny", "sp"], ["tiny"], ("sp",), ()),  # tiny's section did not change: it serves
+        (["sp"], ["tiny"], ("sp",), ("tiny",)),
+    ],
+)
+def test_after_a_preset_reload_the_whole_set_is_due(
+    wanted: list[str], applied: list[str], load: tuple[str, ...], unload: tuple[str, ...]
+) -> None:
+    assert changes((TINY, SP, BROKEN, BIG), wanted, applied, reloaded=True) == (load, unload)
+
+
 def test_failed_models_and_their_gauge() -> None:
     assert failed((TINY, SP, BROKEN, BIG)) == (BROKEN,)
     metrics = Metrics("r")
