@@ -132,7 +132,7 @@ class LlamaRouter(ContainerEngine):
         ):
             return observed  # it is to be replaced: the new container starts with the preset
         wanted = self._wanted()
-        if set(applied) == set(wanted) and not reloaded:
+        if set(applied) == set(wanted) and not set(reloaded) & set(wanted):
             return observed
         load, unload = router_api.changes(self._listing, wanted, applied, reloaded)
         return replace(observed, missing=(StartupModels(container.id, wanted, load, unload),))
@@ -145,26 +145,30 @@ class LlamaRouter(ContainerEngine):
             return synced.startup
         return startup_models(self.recipe, synced.names)
 
-    def _applied_set(self, container: Container) -> tuple[tuple[str, ...], bool]:
-        """The load-on-startup set this container has, and whether it has re-read a changed
-        preset since. First seen (just started, or adopted without a record), it is the
-        preset's: only a sync step changes the preset, and an observation follows every step."""
+    def _applied_set(self, container: Container) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The load-on-startup set this container has, and the models whose sections it has
+        reloaded since (and so unloaded). First seen (just started, or adopted without a
+        record), it is the preset's: only a sync step changes the preset, and an observation
+        follows every step."""
         found = self._read_record()
         if found is not None and found[0] == container.id:
             return found[1], found[2]
         wanted = self._wanted()
         self._record(container.id, wanted)
-        return wanted, False
+        return wanted, ()
 
-    def _read_record(self) -> tuple[str, tuple[str, ...], bool] | None:
+    def _read_record(self) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
         try:
             data = json.loads(files.read_text(self._applied, limit=1024 * 1024))
             models = tuple(str(name) for name in data["models"])
-            return str(data["container"]), models, data.get("reloaded") is True
+            reloaded = tuple(str(name) for name in data.get("reloaded", []))
+            return str(data["container"]), models, reloaded
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def _record(self, container_id: str, models: tuple[str, ...], reloaded: bool = False) -> None:
+    def _record(
+        self, container_id: str, models: tuple[str, ...], reloaded: tuple[str, ...] = ()
+    ) -> None:
         document = {"container": container_id, "models": list(models), "reloaded": reloaded}
         files.write_atomic(self._applied, json.dumps(document).encode(), 0o600)
 
@@ -251,6 +255,7 @@ class LlamaRouter(ContainerEngine):
             )
         except preset.PresetError as exc:
             raise Permanent(f"{exc}; {result.summary()}") from None
+        before = self._preset_text()
         wrote = preset.write(self.preset_path, text)
         skipped = "; ".join(str(b) for b in result.bad)
         synced = {
@@ -266,17 +271,18 @@ class LlamaRouter(ContainerEngine):
         if skipped:
             log.warning("library files skipped", bad=skipped)
         if wrote:
-            self._reload()
+            self._reload(preset.changed_sections(before, text))
 
-    def _reload(self) -> None:
+    def _reload(self, changed: tuple[str, ...]) -> None:
         """Ask a running router to re-read its preset; nothing to do when none answers. It
-        unloads the models whose sections changed, so the load-on-startup set is due again."""
+        unloads the models whose sections changed: those of the load-on-startup set are due
+        again (the next observation loads them)."""
         with contextlib.suppress(OSError, ValueError, Transient, Permanent):
             self._get("/models?reload=1")
-            log.info("router asked to reload its preset")
+            log.info("router asked to reload its preset", changed=",".join(changed))
             found = self._read_record()
             if found is not None:
-                self._record(found[0], found[1], reloaded=True)
+                self._record(found[0], found[1], tuple(sorted({*found[2], *changed})))
 
     def _apply_startup(self, what: StartupModels, ctx: StepContext) -> None:
         """POST /models/unload and /models/load, then wait for the loads to end (loaded or

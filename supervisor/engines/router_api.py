@@ -108,19 +108,19 @@ def changes(
     models: tuple[ModelState, ...],
     wanted: Iterable[str],
     applied: Iterable[str],
-    reloaded: bool = False,
+    reloaded: Iterable[str] = (),
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(load, unload) that bring a running router from the load-on-startup set it was given
     (`applied`) to the preset's (`wanted`): only the difference, so a startup model the router
-    evicted (models-max) is not loaded back, and a model loaded on demand is left alone. After
-    the router `reloaded` a changed preset (which unloads every model whose section changed, and
-    loads none) the whole wanted set is due."""
+    evicted (models-max) is not loaded back, and a model loaded on demand is left alone. A
+    model whose section the router `reloaded` (it unloads those, and loads none) is due again."""
     by_name = {model.name: model for model in models}
     wanted, applied = tuple(dict.fromkeys(wanted)), tuple(dict.fromkeys(applied))
+    due = set(reloaded)
     load = tuple(
         name
         for name in wanted
-        if (reloaded or name not in applied) and name in by_name and not by_name[name].active
+        if (name in due or name not in applied) and name in by_name and not by_name[name].active
     )
     unload = tuple(
         name

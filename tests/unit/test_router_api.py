@@ -98,17 +98,19 @@ def test_a_startup_model_the_router_evicted_is_not_loaded_back() -> None:
 
 
 @pytest.mark.parametrize(
-    ("wanted", "applied", "load", "unload"),
+    ("wanted", "applied", "reloaded", "load", "unload"),
     [
-        (["sp"], ["sp"], ("sp",), ()),  # a new [*] section unloaded it: loaded again
-        (["tiny", "sp"], ["tiny"], ("sp",), ()),  # tiny's section did not change: it serves
-        (["sp"], ["tiny"], ("sp",), ("tiny",)),
+        (["sp"], ["sp"], ["sp"], ("sp",), ()),  # its section changed, the router unloaded it
+        (["sp"], ["sp"], ["tiny"], (), ()),  # another section changed: sp stays as it is
+        (["tiny", "sp"], ["tiny"], ["sp"], ("sp",), ()),
+        (["sp"], ["tiny"], ["sp", "tiny"], ("sp",), ("tiny",)),
     ],
 )
-def test_after_a_preset_reload_the_whole_set_is_due(
-    wanted: list[str], applied: list[str], load: tuple[str, ...], unload: tuple[str, ...]
+def test_a_model_whose_section_the_router_reloaded_is_due_again(
+    wanted: list[str], applied: list[str], reloaded: list[str], load: tuple[str, ...],
+    unload: tuple[str, ...],
 ) -> None:
-    assert changes((TINY, SP, BROKEN, BIG), wanted, applied, reloaded=True) == (load, unload)
+    assert changes((TINY, SP, BROKEN, BIG), wanted, applied, reloaded) == (load, unload)
 
 
 def test_failed_models_and_their_gauge() -> None:
