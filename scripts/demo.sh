@@ -3,14 +3,18 @@
 # recipe, as an operator would: install.sh as the user `lucia`, `systemctl --user start`, a
 # request with the CLI, the answer over HTTP on the gateway address, the file_sd target and the
 # journal. The demo engine is the stand-in recipe in demo/recipe-repo (busybox playing the
-# engine, python and pip), so no GPU, registry or model download is needed. Run as root; safe
-# to run again (the running engine is adopted, not restarted).
+# engine, python and pip), so no GPU, registry or model download is needed. Then the shipped
+# llama-router recipe on the real llama-server (Debian's llama.cpp-tools, built by machine.sh)
+# with a tiny llama model generated here, answering a chat completion on the gateway address.
+# Run as root; safe to run again (the running engines are adopted, not restarted).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 user=${LUCIA_USER:-lucia}
 name=demo
 port=${LUCIA_DEMO_PORT:-18080}
+router=demo-router
+router_port=${LUCIA_DEMO_ROUTER_PORT:-18081}
 as_user=$root/scripts/as-lucia
 
 say() { printf '\n==> %s\n' "$*"; }
@@ -88,10 +92,40 @@ metrics_path = "/metrics"
 ready_timeout = 120
 stop_grace = 60
 EOF
+
+say "a tiny llama model (written with the gguf package) in a model library: $work/models"
+PYTHONPATH=$root "$root/.venv/bin/python" - "$work/models" <<'PY'
+import sys
+from pathlib import Path
+
+from tests.gguf_fixtures import add_model, write_llama
+
+library = Path(sys.argv[1])
+guid = "000000000000000000000000000de000"  # the library names models by a 32-hex GUID
+if not (library / guid / "files" / "tiny.gguf").is_file():
+    write_llama(add_model(library, "Ready", guid=guid) / "tiny.gguf")
+PY
+# the image machine.sh built (cached by the package version: this only reads its tag)
+llama_image=$(bash "$root/scripts/llama-server-image.sh" 2>/dev/null | tail -1)
+[ -n "$llama_image" ] || { echo "demo.sh: no llama-server image (machine.sh builds it)" >&2; exit 1; }
+say "the shipped recipes/llama-router.toml, made for this machine: $work/$router.toml"
+# only its name, image, directories, startup list, defaults, network and port change, and gpus
+# (this machine has none)
+sed -e "s|^name = .*|name = \"$router\"|" \
+    -e "s|^models_dir = \"[^\"]*\"|models_dir = \"$work/models\"|" \
+    -e "s|^cache_dir = \"[^\"]*\"|cache_dir = \"$work/llama-cache\"|" \
+    -e "s|^image = .*|image = \"$llama_image\"|" \
+    -e "s|^load_on_startup = .*|load_on_startup = [\"tiny\"]|" \
+    -e "s|^defaults = .*|defaults = { ctx-size = 256 }|" \
+    -e "s|^network = .*|network = \"lucia-demo\"|" \
+    -e "s|^port = .*|port = $router_port|" \
+    -e "s|^gpus = .*|gpus = \"none\"|" \
+    "$root/recipes/llama-router.toml" >"$work/$router.toml"
+diff "$root/recipes/llama-router.toml" "$work/$router.toml" || true
 chown -R "$user:" "$work"
 
-say "installing as $user: $work/src/install.sh --recipe $work/$name.toml"
-"$as_user" "$work/src/install.sh" --recipe "$work/$name.toml"
+say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recipe $work/$router.toml"
+"$as_user" "$work/src/install.sh" --recipe "$work/$name.toml" --recipe "$work/$router.toml"
 
 say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
 "$as_user" systemctl --user start "lucia-$name"
@@ -114,4 +148,30 @@ cat "$home/.local/share/lucia/host/data/telemetry/$name.json"
 say "journalctl -t lucia-$name (the worker's lines, one per event, with priorities)"
 journalctl -t "lucia-$name" -n 12 --no-pager -o cat
 
-say "done. The demo engine keeps running. To stop it: $as_user $cli request $name stopped --wait"
+say "the router: systemctl --user start lucia-$router, then request $router running --wait"
+"$as_user" systemctl --user start "lucia-$router"
+"$as_user" "$cli" request "$router" running --wait --timeout 300
+"$as_user" "$cli" status "$router"
+router_url=$("$as_user" "$cli" status "$router" --json \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["url"])')
+
+say "a chat completion from the real llama-server on the gateway address: $router_url"
+python3 - "$router_url" <<'PY'
+import json
+import sys
+import urllib.request
+
+body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+request = urllib.request.Request(sys.argv[1] + "/v1/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=60) as response:
+    answer = json.load(response)
+print(json.dumps({key: answer[key] for key in ("model", "object", "usage")}))
+print("content:", repr(answer["choices"][0]["message"]["content"]), "(random weights)")
+PY
+
+say "its Prometheus file_sd: one target per loaded model, scraped with autoload=false"
+cat "$home/.local/share/lucia/host/data/telemetry/$router.json"
+
+say "done. The demo engines keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router)"

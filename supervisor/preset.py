@@ -121,6 +121,26 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def changed_sections(before: str | None, after: str) -> tuple[str, ...]:
+    """The model sections of `after` that differ from `before` (all of them when the global
+    `[*]` section or the rest of the header changed): those a reloading router unloads."""
+
+    def split(text: str) -> dict[str, str]:
+        found: dict[str, str] = {}
+        name = ""
+        for line in filter(None, text.splitlines()):
+            if line.startswith("[") and line.endswith("]"):
+                name = line[1:-1]
+            found[name] = found.get(name, "") + line + "\n"
+        return found
+
+    old, new = split(before or ""), split(after)
+    shared = old.get("") == new.get("") and old.get("*") == new.get("*")
+    return tuple(
+        name for name in new if name not in ("", "*") and (not shared or old.get(name) != new[name])
+    )
+
+
 def write(path: Path, text: str) -> bool:
     """Write the preset atomically unless it already holds exactly text; whether it wrote."""
     try:

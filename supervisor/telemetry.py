@@ -87,6 +87,22 @@ class Metrics:
             "The memory limit the plan divides (at the last check).",
             registry=self.registry,
         )
+        self.model_load_failed = Gauge(
+            "lucia_router_model_load_failed",
+            "1 for a router model whose last load failed.",
+            ["model"],
+            registry=self.registry,
+        )
+        self._failed: frozenset[str] = frozenset()
+
+    def set_load_failed(self, models: Sequence[str]) -> None:
+        """The failed models of the latest observation; a model that loads again is dropped."""
+        now = frozenset(models)
+        for model in self._failed - now:
+            self.model_load_failed.remove(model)
+        for model in now:
+            self.model_load_failed.labels(model=model).set(1)
+        self._failed = now
 
     def set_state(self, current: State) -> None:
         for state in STATES:

@@ -347,6 +347,7 @@ class Worker:
             self._fail_outside_a_step("observation", error)
         elif job.result is not None:
             self._failures = 0
+            self.metrics.set_load_failed(job.engine.failed_models())
             self._apply(plan.plan(self.memory, job.result))
 
     def _stepped(self, job: Job, step: Step) -> None:

@@ -7,6 +7,7 @@ leftovers of earlier runs on the same dockerd never matter.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -198,7 +199,7 @@ class Engine:
 
     def _write_router_recipe(self) -> Path:
         self.models_dir.mkdir(exist_ok=True)
-        settings = {"LOAD_DELAY": "1", **self.settings}
+        settings = dict(self.settings)
         lines = [
             f'name = "{self.name}"', 'engine = "llama-router"', 'model = "gguf-library"',
             "[library]", f'models_dir = "{self.models_dir}"', f'cache_dir = "{self.cache_dir}"',
@@ -342,13 +343,14 @@ def _toml(value: Any) -> str:
 
 
 @pytest.fixture(scope="session")
-def router_images(client: docker.DockerClient, base_image: str) -> tuple[str, str]:
-    """The stand-in llama-server image, twice under different tags (and ids): an upgrade."""
+def router_images(client: docker.DockerClient, llama_server_image: str) -> tuple[str, str]:
+    """The real llama-server image, twice under different tags and ids (a label apart): an
+    upgrade."""
     tags = []
     for version in (1, 2):
         tag = f"lucia-test-router-{RUN_ID}:{version}"
-        client.images.build(path=str(ROOT / "demo" / "llama-router"), tag=tag, rm=True,
-                            buildargs={"BASE": base_image},
+        client.images.build(fileobj=io.BytesIO(f"FROM {llama_server_image}\n".encode()),
+                            tag=tag, rm=True,
                             labels={TEST_LABEL: RUN_ID, "version": str(version)})
         tags.append(tag)
     return tags[0], tags[1]
@@ -367,6 +369,16 @@ def vllm_images(client: docker.DockerClient, base_image: str) -> tuple[str, str]
                             labels={TEST_LABEL: RUN_ID, "version": str(version)})
         repositories.append(repository)
     return repositories[0], repositories[1]
+
+
+@pytest.fixture(scope="session")
+def router_standin(client: docker.DockerClient, base_image: str) -> str:
+    """The shell stand-in of llama-server (demo/llama-router), for the cases the real one
+    cannot make: a model load that takes as long as a test says (LOAD_DELAY)."""
+    tag = f"lucia-test-router-standin-{RUN_ID}:1"
+    client.images.build(path=str(ROOT / "demo" / "llama-router"), tag=tag, rm=True,
+                        buildargs={"BASE": base_image}, labels={TEST_LABEL: RUN_ID})
+    return tag
 
 
 @pytest.fixture

@@ -63,5 +63,8 @@ class Engine(Protocol):
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
 
+    def failed_models(self) -> tuple[str, ...]:
+        """The models whose load failed, as the last observation saw (the worker's gauge)."""
+
     def private_files(self) -> tuple[Path, ...]:
         """Files only this engine's worker writes (their stale temp files are cleaned)."""

@@ -110,6 +110,9 @@ class ContainerEngine:
     def notes(self) -> str:
         return ""
 
+    def failed_models(self) -> tuple[str, ...]:
+        return ()
+
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
         raise ValueError(f"{self.kind} cannot make {what!r}")
 

@@ -6,26 +6,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from .. import files, gguf_cache, library, logs, preset
-from ..errors import Permanent, Transient
+from .. import files, gguf_cache, labels, library, logs, preset
+from ..errors import Cancelled, Permanent, Transient
 from ..memplan.need import EngineNeed, ModelNeed
-from ..plan import Prerequisite
+from ..plan import Observed, Prerequisite
 from ..protocol import TargetGroup
 from ..recipe import LlamaRouterRecipe
 from ..runtime import Runtime
-from ..spec import Mount
-from . import router_memory
+from ..spec import Container, Mount
+from . import router_api, router_memory
 from .base import Endpoint, StepContext
 from .container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 
-STARTUP_LABEL: Final = "lucia.router.startup"  # the models it loads at start, comma-joined
-_PROBE_TIMEOUT: Final = 2.0
+_LOAD_POLL: Final = 0.25
 log = logs.get("llama-router")
 
 
@@ -37,12 +35,30 @@ class Synced:
     models: tuple[tuple[str, str, str | None], ...]  # (name, model file, mmproj file)
     preset: str
     skipped: str = ""  # the files refused, named for the status message
-    startup: tuple[ModelNeed, ...] = ()  # the memory plan's start: what the Check claims
+    startup: tuple[str, ...] | None = None  # the preset's load-on-startup models
+    startup_need: tuple[ModelNeed, ...] = ()  # the memory plan's start: what the Check claims
     unfit: str = ""  # models not offered: they cannot fit even alone
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.models)
+
+
+@dataclass(frozen=True)
+class StartupModels:
+    """A running router given a new load-on-startup set through its API, not a restart: the
+    models new to the set are loaded, those dropped from it unloaded; the rest serve on."""
+
+    container_id: str
+    wanted: tuple[str, ...]
+    load: tuple[str, ...] = ()
+    unload: tuple[str, ...] = ()
+
+    @property
+    def description(self) -> str:
+        doing = [f"loading {', '.join(self.load)}"] if self.load else []
+        doing += [f"unloading {', '.join(self.unload)}"] if self.unload else []
+        return "applying the load-on-startup set" + (f": {'; '.join(doing)}" if doing else "")
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,13 @@ def library_fingerprint(found: library.Library) -> str:
     return digest.hexdigest()
 
 
+def _settled(model: router_api.ModelState | None) -> bool:
+    """A load has ended: loaded, failed, or the model is no longer offered."""
+    return model is None or model.value == router_api.LOADED or (
+        model.failed and model.value != router_api.LOADING
+    )
+
+
 def startup_models(recipe: LlamaRouterRecipe, cached: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(name for name in recipe.router.load_on_startup if name in cached)
 
@@ -94,8 +117,68 @@ class LlamaRouter(ContainerEngine):
         self.cache_dir = recipe.library.cache_path
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self._stamp = state_dir / "synced.json"
+        self._applied = state_dir / "startup.json"  # the load-on-startup set a container has
+        self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
 
     # -- observe -------------------------------------------------------------------------------
+
+    def observe(self) -> Observed:
+        """The shared observation, with one poll of the router's /models (its targets and
+        note), and a new load-on-startup set to apply to the router that runs."""
+        self._listing = None
+        observed = super().observe()
+        container = observed.container
+        if container is None or not container.running or not container.managed:
+            self._listing = None
+            return replace(observed, targets=(), notes=self.notes())
+        applied, reloaded = self._applied_set(container)
+        if self._listing is None or observed.missing or observed.spec is None:
+            return observed
+        if (container.image_id, container.labels.get(labels.FINGERPRINT)) != (
+            observed.spec.image,
+            observed.spec.fingerprint(),
+        ):
+            return observed  # it is to be replaced: the new container starts with the preset
+        wanted = self._wanted()
+        if set(applied) == set(wanted) and not set(reloaded) & set(wanted):
+            return observed
+        load, unload = router_api.changes(self._listing, wanted, applied, reloaded)
+        return replace(observed, missing=(StartupModels(container.id, wanted, load, unload),))
+
+    def _wanted(self) -> tuple[str, ...]:
+        synced = self._synced()
+        if synced is None:
+            return ()
+        if synced.startup is not None:
+            return synced.startup
+        return startup_models(self.recipe, synced.names)
+
+    def _applied_set(self, container: Container) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The load-on-startup set this container has, and the models whose sections it has
+        reloaded since (and so unloaded). First seen (just started, or adopted without a
+        record), it is the preset's: only a sync step changes the preset, and an observation
+        follows every step."""
+        found = self._read_record()
+        if found is not None and found[0] == container.id:
+            return found[1], found[2]
+        wanted = self._wanted()
+        self._record(container.id, wanted)
+        return wanted, ()
+
+    def _read_record(self) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
+        try:
+            data = json.loads(files.read_text(self._applied, limit=1024 * 1024))
+            models = tuple(str(name) for name in data["models"])
+            reloaded = tuple(str(name) for name in data.get("reloaded", []))
+            return str(data["container"]), models, reloaded
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _record(
+        self, container_id: str, models: tuple[str, ...], reloaded: tuple[str, ...] = ()
+    ) -> None:
+        document = {"container": container_id, "models": list(models), "reloaded": reloaded}
+        files.write_atomic(self._applied, json.dumps(document).encode(), 0o600)
 
     def prerequisites(self) -> Prerequisites:
         found = library.scan(self.recipe.library.models_path)
@@ -133,10 +216,16 @@ class LlamaRouter(ContainerEngine):
         try:
             data = json.loads(files.read_text(self._stamp, limit=8 * 1024 * 1024))
             models = tuple((m[0], m[1], m[2]) for m in data["models"])
+            startup = data.get("startup")
             return Synced(
-                data["library"], models, data["preset"], data.get("skipped", ""),
-                router_memory.load(data.get("startup")), data.get("unfit", ""),
-            )  # fmt: skip
+                data["library"],
+                models,
+                data["preset"],
+                data.get("skipped", ""),
+                tuple(startup) if isinstance(startup, list) else None,
+                router_memory.load(data.get("startupNeed")),
+                data.get("unfit", ""),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -151,6 +240,8 @@ class LlamaRouter(ContainerEngine):
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
         if isinstance(what, LibrarySync):
             self._sync(ctx)
+        elif isinstance(what, StartupModels):
+            self._apply_startup(what, ctx)
         else:
             super().make_own(what, ctx)
 
@@ -169,23 +260,26 @@ class LlamaRouter(ContainerEngine):
         names = tuple(model.name for model in offered)
         try:
             preset.check_startup(router.load_on_startup, names, router.models_max)
+            startup = startup_models(self.recipe, names)
             text = preset.render(
                 [_Section(m.name, m.model_file, m.mmproj_file) for m in offered],
                 planned.defaults,
-                startup_models(self.recipe, names),
+                startup,
                 self.recipe.library.container_dir,
                 planned.contexts,
             )
         except preset.PresetError as exc:
             raise Permanent(f"{exc}; {result.summary()}") from None
+        before = self._preset_text()
         wrote = preset.write(self.preset_path, text)
         skipped = "; ".join(str(b) for b in result.bad)
         synced = {
             "library": fingerprint,
             "preset": text,
             "skipped": skipped,
+            "startup": list(startup),
             "models": [[m.name, m.model_file, m.mmproj_file] for m in offered],
-            "startup": router_memory.dump(planned.startup),
+            "startupNeed": router_memory.dump(planned.startup),
             "unfit": ", ".join(planned.unfit),
         }
         files.write_atomic(self._stamp, json.dumps(synced).encode(), 0o600)
@@ -196,13 +290,40 @@ class LlamaRouter(ContainerEngine):
         if planned.unfit or planned.unplanned:
             log.warning("memory plan", not_offered=planned.unfit, not_planned=planned.unplanned)
         if wrote:
-            self._reload()
+            self._reload(preset.changed_sections(before, text))
 
-    def _reload(self) -> None:
-        """Ask a running router to re-read its preset; nothing to do when none answers."""
+    def _reload(self, changed: tuple[str, ...]) -> None:
+        """Ask a running router to re-read its preset; nothing to do when none answers. It
+        unloads the models whose sections changed: those of the load-on-startup set are due
+        again (the next observation loads them)."""
         with contextlib.suppress(OSError, ValueError, Transient, Permanent):
             self._get("/models?reload=1")
-            log.info("router asked to reload its preset")
+            log.info("router asked to reload its preset", changed=",".join(changed))
+            found = self._read_record()
+            if found is not None:
+                self._record(found[0], found[1], tuple(sorted({*found[2], *changed})))
+
+    def _apply_startup(self, what: StartupModels, ctx: StepContext) -> None:
+        """POST /models/unload and /models/load, then wait for the loads to end (loaded or
+        failed; a failure is named in the status by the next observation)."""
+        for path, names in (("/models/unload", what.unload), ("/models/load", what.load)):
+            for name in names:
+                ctx.progress(f"{path.rsplit('/', 1)[1]}ing {name} on the running router")
+                try:
+                    code = router_api.post(self._url(), path, {"model": name})
+                except OSError as exc:
+                    raise Transient(f"the router did not take {path} for {name}: {exc}") from None
+                log.info("router asked", path=path, model=name, answer=code)
+                if code >= 500:
+                    raise Transient(f"the router answered {code} to {path} for {name}")
+        deadline = time.monotonic() + self.ready_timeout
+        while what.load and time.monotonic() < deadline:
+            states = {model.name: model for model in self._models() or ()}
+            if all(_settled(states.get(name)) for name in what.load):
+                break
+            if ctx.sleep(_LOAD_POLL):
+                raise Cancelled("loading the load-on-startup models was cancelled")
+        self._record(what.container_id, what.wanted)
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -221,59 +342,65 @@ class LlamaRouter(ContainerEngine):
             *self.recipe.router.args,
         )
 
-    def extra_labels(self) -> dict[str, str]:
-        synced = self._synced()
-        return {
-            STARTUP_LABEL: ",".join(startup_models(self.recipe, synced.names if synced else ()))
-        }
-
     def mounts(self) -> tuple[Mount, ...]:
         return (Mount(str(self.cache_dir), self.recipe.library.container_dir, read_only=True),)
 
-    def _get(self, path: str) -> Any:
+    def _url(self) -> str:
         if self.endpoint is None:
             raise OSError("the router's network has not been seen yet")
-        url = self.endpoint.url + path
-        with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
-            return json.loads(response.read().decode())
+        return self.endpoint.url
+
+    def _get(self, path: str) -> Any:
+        return router_api.get(self._url(), path)
+
+    def _models(self) -> tuple[router_api.ModelState, ...] | None:
+        """What /models says now; None while the router does not answer."""
+        try:
+            return router_api.parse(self._get("/models"))
+        except (OSError, ValueError):
+            return None
 
     def ready(self) -> bool:
         """Router mode answers /health before any model loads: ready means every
         load-on-startup model reports loaded in /models. A model that failed fails the start."""
-        try:
-            listing = self._get("/models")
-        except (OSError, ValueError, urllib.error.URLError):
+        models = self._models()
+        if models is None:
             return False
-        synced = self._synced()
-        wanted = set(startup_models(self.recipe, synced.names if synced else ()))
-        states = {}
-        for entry in listing.get("data", []) if isinstance(listing, dict) else []:
-            status = entry.get("status") or {}
-            if entry.get("id") in wanted and (
-                status.get("failed") or status.get("value") == "failed"
-            ):
-                raise Permanent(
-                    f"model {entry['id']} failed to load (exit code "
-                    f"{status.get('exit_code', 'unknown')})"
-                )
-            states[entry.get("id")] = status.get("value")
-        return all(states.get(name) == "loaded" for name in wanted)
+        wanted = set(self._wanted())
+        for model in router_api.failed(models):
+            if model.name in wanted:
+                code = model.exit_code if model.exit_code is not None else "unknown"
+                raise Permanent(f"model {model.name} failed to load (exit code {code})")
+        loaded = {model.name for model in models if model.value == router_api.LOADED}
+        return wanted <= loaded
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
-        return (self.target_group(endpoint, {"model": self.recipe.model or "router"}),)
+        """One target per loaded model, from this observation's poll of /models."""
+        self._listing = self._models()
+        address = f"{endpoint.host}:{endpoint.port}"
+        common = {
+            "__metrics_path__": self.recipe.run.metrics_path,
+            "engine": self.kind,
+            "name": self.name,
+        }
+        return router_api.target_groups(self._listing or (), address, common)
 
     def notes(self) -> str:
         synced = self._synced()
-        if synced is None:
-            return ""
-        parts = [f"skipped {synced.skipped}"] if synced.skipped else []
-        if synced.unfit:
+        parts = [router_api.note(self._listing)] if self._listing is not None else []
+        if synced and synced.skipped:
+            parts.append(f"skipped {synced.skipped}")
+        if synced and synced.unfit:
             parts.append(f"not offered (cannot fit even alone): {synced.unfit}")
         return "; ".join(parts)
 
     def memory_need(self) -> EngineNeed | None:
         synced = self._synced()
-        return router_memory.need(self.name, synced.startup) if synced is not None else None
+        return router_memory.need(self.name, synced.startup_need) if synced is not None else None
+
+    def failed_models(self) -> tuple[str, ...]:
+        """The models of the last observation whose load failed (the worker's gauge)."""
+        return tuple(model.name for model in router_api.failed(self._listing or ()))
 
     def private_files(self) -> tuple[Path, ...]:
-        return (self._stamp, self.preset_path)
+        return (self._stamp, self.preset_path, self._applied)

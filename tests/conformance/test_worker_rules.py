@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import pytest
 
 from tests.corpus import INVALID, materialise
 from tests.fixtures import Engine, free_port
-from tests.gguf_fixtures import add_model, write_gguf
+from tests.gguf_fixtures import add_model, write_llama
 
 pytestmark = pytest.mark.docker
 
@@ -37,6 +38,17 @@ class Kind:
     slow_step: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a long step, and its text
     slow_ready: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a slow load, and its text
     change_image: Callable[[Engine], None]  # make the engine's image another one
+    die: Callable[[Any], tuple[str, str]]  # end the container: its exit text, a logged text
+
+
+def _die_with_3(container: Any) -> tuple[str, str]:
+    container.exec_run(["sh", "-c", "echo 3 > /tmp/die"])
+    return "exited with code 3", "fatal error"
+
+
+def _killed(container: Any) -> tuple[str, str]:
+    container.kill()  # SIGKILL, as the OOM killer or an operator would
+    return "exited with code 137", " srv "
 
 
 def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
@@ -49,10 +61,14 @@ def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureReque
         slow_step=lambda s: ({"build_args": {"SLOW": str(s)}}, "compiling kernels"),
         slow_ready=lambda s: ({"settings": {"READY_DELAY": str(s)}}, "loading weights"),
         change_image=change,
+        die=_die_with_3,
     )
 
 
 def _llama_router(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    """The real llama-server with a tiny llama model. A slow load is the stand-in's
+    (LOAD_DELAY): the real router loads a tiny model in well under a second, and nothing makes
+    it take 12 or 300 seconds on demand (the heartbeat, cancel and readiness-message cases)."""
     images = request.getfixturevalue("router_images")
 
     def make(**knobs: Any) -> Engine:
@@ -60,18 +76,24 @@ def _llama_router(make_engine: Callable[..., Engine], request: pytest.FixtureReq
         engine = make_engine(kind="llama-router", load_on_startup=("tiny",),
                              settings=settings, **knobs)
         files = add_model(engine.models_dir, "Ready")
-        write_gguf(files / "tiny.gguf")
+        write_llama(files / "tiny.gguf")
         return engine
 
     def change(engine: Engine) -> None:
         engine.router_image = images[1]  # an upgraded llama-server image
 
+    def slow(seconds: int) -> tuple[dict[str, Any], str]:
+        standin = request.getfixturevalue("router_standin")
+        return {"settings": {"LOAD_DELAY": str(seconds)}, "router_image": standin}, (
+            "router listening")
+
     return Kind(
         "llama-router",
         make=make,
-        slow_step=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "router listening"),
-        slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "router listening"),
+        slow_step=slow,
+        slow_ready=slow,
         change_image=change,
+        die=_killed,
     )
 
 
@@ -115,6 +137,15 @@ def _up(engine: Engine, *extra: str) -> dict[str, Any]:
     engine.start_worker(*extra)
     generation = engine.request("running")
     return engine.wait_state(generation, "running", timeout=120)
+
+
+def _scrape_url(group: dict[str, Any]) -> str:
+    """The URL Prometheus scrapes for a file_sd group: its __param_* labels are the query."""
+    labels = group["labels"]
+    params = {k.removeprefix("__param_"): v for k, v in labels.items()
+              if k.startswith("__param_")}
+    query = "?" + urllib.parse.urlencode(params) if params else ""
+    return f"http://{group['targets'][0]}{labels['__metrics_path__']}{query}"
 
 
 def _gateway(client: docker.DockerClient, engine: Engine) -> str:
@@ -189,11 +220,11 @@ def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, clien
     engine = kind.make()
     _up(engine)
     died = time.monotonic()
-    client.containers.get(engine.container).exec_run(["sh", "-c", "echo 3 > /tmp/die"])
+    exit_text, logged = kind.die(client.containers.get(engine.container))
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
     assert time.monotonic() - died < 2.5
-    assert "exited with code 3" in status["message"]
-    assert "fatal error" in status["message"]  # its last log lines
+    assert exit_text in status["message"]
+    assert logged in status["message"]  # its last log lines
     assert status["url"] is None and engine.file_sd() == []
 
 
@@ -267,7 +298,7 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
-    assert _get(f"http://{group['targets'][0]}{group['labels']['__metrics_path__']}") == 200
+    assert _get(_scrape_url(group)) == 200
     assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
     # a request for what already runs is re-acknowledged; the target stays while it serves
     again = engine.request("running")
@@ -366,7 +397,7 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     assert applied(after, engine), f"{edit} did not reach the new container"
     assert after_status["engine"]["containerId"] == after.id
     assert after_status["generation"] == status["generation"]
-    assert _get(f"{after_status['url']}/metrics") == 200
+    assert all(_get(_scrape_url(group)) == 200 for group in engine.file_sd())
     with pytest.raises(docker.errors.NotFound):
         client.containers.get(before.id)
 

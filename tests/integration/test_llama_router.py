@@ -1,25 +1,30 @@
-"""The llama-router engine against the real dockerd: library -> cache -> preset -> router."""
+"""The llama-router engine against the real dockerd and the real llama-server (Debian's
+llama.cpp-tools): library -> cache -> preset -> router, with tiny llama GGUFs that load on the CPU.
+"""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures import CLI, ROOT, Engine
+from tests.fixtures import CLI, ROOT, Engine, free_port
 from tests.gguf_fixtures import (
     add_model,
     break_magic,
     set_version,
     write_gguf,
+    write_llama,
     write_mmproj,
-    write_split,
 )
 
 pytestmark = pytest.mark.docker
@@ -28,15 +33,18 @@ NOT_READY = ("Queued", "Downloading", "Failed", "Canceled", "Interrupted")
 
 
 def _library(engine: Engine) -> dict[str, Path]:
-    """alpha (one file), beta (3 shards + mmproj), a corrupt file, a bad version, and a model in
-    every state that is not Ready."""
+    """alpha (a tiny llama), beta (3 shards + mmproj), zeta (a tiny llama), a corrupt file, a
+    bad version, and a model in every state that is not Ready."""
     models = engine.models_dir
     dirs = {}
     files = add_model(models, "Ready")
-    write_gguf(files / "alpha.gguf")
+    write_llama(files / "alpha.gguf")
     dirs["alpha"] = files.parent
     files = add_model(models, "Ready")
-    write_split(files, "beta", 3)
+    write_llama(files / "zeta.gguf")
+    dirs["zeta"] = files.parent
+    files = add_model(models, "Ready")
+    write_llama(files / "beta.gguf", split_max_tensors=8)
     write_mmproj(files / "mmproj-beta-f16.gguf")
     dirs["beta"] = files.parent
     files = add_model(models, "Ready")
@@ -76,7 +84,7 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
         "beta-00001-of-00003.gguf", "beta-00002-of-00003.gguf", "beta-00003-of-00003.gguf",
         "mmproj-beta-f16.gguf"]
     present = {p.name for p in cache.iterdir() if p.is_dir()}
-    assert present == {"alpha", "beta"}, "corrupt, bad-version and non-Ready models are not copied"
+    assert present == {"alpha", "beta", "zeta"}, "corrupt, bad-version, non-Ready: not copied"
     assert "gamma.gguf" in status["message"] and "delta.gguf" in status["message"]
     preset = (cache / "llama-models.ini").read_text()
     assert "version = 1" in preset
@@ -93,11 +101,15 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
     mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
     assert mounts["/models"]["RW"] is False
     assert mounts["/models"]["Source"] == str(engine.cache_dir)
-    assert _models(engine) == {"alpha": "loaded", "beta": "unloaded"}
+    assert _models(engine) == {"alpha": "loaded", "beta": "unloaded", "zeta": "unloaded"}
+    assert "loaded: alpha; offered: alpha, beta, zeta" in status["message"]
 
 
-def test_readiness_comes_from_models_not_health(make_engine) -> None:
-    engine = _router(make_engine, load_on_startup=("alpha",), settings={"LOAD_DELAY": "4"})
+def test_readiness_comes_from_models_not_health(make_engine, router_standin) -> None:
+    """The stand-in: the real router loads a tiny model too fast to see /health answer
+    before it; the stand-in takes LOAD_DELAY seconds."""
+    engine = _router(make_engine, load_on_startup=("alpha",), settings={"LOAD_DELAY": "4"},
+                     router_image=router_standin)
     write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
     engine.start_worker()
     generation = engine.request("running")
@@ -118,7 +130,8 @@ def _gateway(engine: Engine) -> str:
 
 def test_a_model_that_fails_to_load_fails_the_start_naming_it(make_engine) -> None:
     engine = _router(make_engine, load_on_startup=("alpha", "broken-model"))
-    write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    # a valid GGUF header without a model in it: llama-server's child exits 1 loading it
     write_gguf(add_model(engine.models_dir, "Ready") / "broken-model.gguf")
     engine.start_worker()
     generation = engine.request("running")
@@ -187,24 +200,142 @@ def _safe_models(engine: Engine) -> dict[str, Any]:
         return {}
 
 
-def test_a_changed_load_on_startup_set_restarts_the_router(make_engine, client) -> None:
+def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, client) -> None:
+    """A new load-on-startup set reaches the running router through its API (POST
+    /models/load, /models/unload), not a restart: the same container, alpha serving on."""
     engine = _router(make_engine, load_on_startup=("alpha",))
     _library(engine)
     proc = engine.start_worker()
     generation = engine.request("running")
     engine.wait_state(generation, "running", timeout=120)
-    first = client.containers.get(engine.container).id
-    engine.load_on_startup = ("alpha", "beta")
+    container = client.containers.get(engine.container)
+    stop = threading.Event()
+    answers: list[int] = []
+    chatting = threading.Thread(target=_chat_until, args=(engine, "alpha", stop, answers))
+    chatting.start()
+    try:
+        engine.load_on_startup = ("alpha", "zeta")
+        engine.write_recipe()
+        proc.send_signal(signal.SIGHUP)
+        engine.wait_status(lambda s: s["state"] == "running"
+                           and "loaded: alpha, zeta;" in s["message"], timeout=60,
+                           what="zeta loaded beside alpha")
+    finally:
+        stop.set()
+        chatting.join(60)
+    assert len(answers) >= 2 and set(answers) == {200}, "alpha answered while zeta loaded"
+    engine.load_on_startup = ("zeta",)
     engine.write_recipe()
     proc.send_signal(signal.SIGHUP)
     engine.wait_status(lambda s: s["state"] == "running"
-                       and _safe_models(engine).get("beta") == "loaded", timeout=60)
-    assert client.containers.get(engine.container).id != first
+                       and "loaded: zeta;" in s["message"], timeout=60, what="alpha unloaded")
+    assert _models(engine) == {"alpha": "unloaded", "beta": "unloaded", "zeta": "loaded"}
+    assert [g["labels"]["model"] for g in engine.file_sd()] == ["zeta"]
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
+    # zeta was loaded by the worker's POST /models/load; alpha was unloaded by the router itself
+    # as it re-read a preset whose alpha section had changed (test_llama_server_facts), before
+    # the worker's POST /models/unload would have been needed
+    log = (engine.root / "worker-0.log").read_text()
+    assert "path='/models/load' model='zeta' answer=200" in log
+
+
+def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_again(
+    make_engine, client
+) -> None:
+    """A new [*] section makes the router unload every model as it reloads the preset; the
+    worker loads the load-on-startup set again, in the same container."""
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    _library(engine)
+    proc = engine.start_worker()
+    generation = engine.request("running")
+    engine.wait_state(generation, "running", timeout=120)
+    container = client.containers.get(engine.container)
+    engine.defaults = {"ctx-size": 2048}
+    engine.write_recipe()
+    proc.send_signal(signal.SIGHUP)
+    engine.wait_status(lambda s: "[*]\nctx-size = 2048" in (
+        engine.cache_dir / "llama-models.ini").read_text(), timeout=30, what="the new preset")
+    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
+                       timeout=60, what="alpha loaded again")
+    assert _models(engine)["alpha"] == "loaded"
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
+    assert [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"]
+
+
+def _chat_until(engine: Engine, model: str, stop: threading.Event, answers: list[int]) -> None:
+    url = engine.status()["url"]  # type: ignore[index]
+    body = json.dumps({"model": model, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    while not stop.is_set():
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers.append(response.status)
+        except urllib.error.HTTPError as error:
+            answers.append(error.code)
+        time.sleep(0.1)
+
+
+def _scrape(group: dict[str, Any]) -> tuple[int, bytes]:
+    labels = group["labels"]
+    params = {k.removeprefix("__param_"): v for k, v in labels.items()
+              if k.startswith("__param_")}
+    url = (f"http://{group['targets'][0]}{labels['__metrics_path__']}?"
+           + urllib.parse.urlencode(params))
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, response.read()
+
+
+def test_one_target_per_loaded_model_and_failures_named(make_engine) -> None:
+    engine = _router(make_engine, load_on_startup=("alpha",), models_max=3)
+    _library(engine)
+    write_gguf(add_model(engine.models_dir, "Ready") / "broken.gguf")
+    metrics_port = free_port()
+    engine.start_worker("--metrics-port", str(metrics_port))
+    generation = engine.request("running")
+    status = engine.wait_state(generation, "running", timeout=120)
+    (group,) = engine.file_sd()
+    assert group["labels"] == {
+        "__metrics_path__": "/metrics", "__param_model": "alpha", "__param_autoload": "false",
+        "model": "alpha", "engine": "llama-router", "name": engine.name}
+    assert group["targets"] == [status["url"].removeprefix("http://")]
+
+    post = urllib.request.Request(status["url"] + "/models/load", method="POST",
+                                  data=json.dumps({"model": "zeta"}).encode())
+    urllib.request.urlopen(post, timeout=10).close()
+    engine.wait_status(lambda s: len(engine.file_sd()) == 2, timeout=10, what="zeta's target")
+    before = _models(engine)
+    for target in engine.file_sd():
+        code, body = _scrape(target)
+        assert code == 200 and b"llamacpp:" in body, target
+    assert _models(engine) == before == {"alpha": "loaded", "beta": "unloaded",
+                                         "zeta": "loaded", "broken": "unloaded"}
+
+    post = urllib.request.Request(status["url"] + "/models/load", method="POST",
+                                  data=json.dumps({"model": "broken"}).encode())
+    urllib.request.urlopen(post, timeout=10).close()
+    failed = engine.wait_status(lambda s: "failed to load" in s["message"], timeout=30)
+    assert "failed to load: broken (exit code 1)" in failed["message"]
+    assert failed["state"] == "running", "a model loaded on demand that fails is only named"
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as answer:
+        exposed = answer.read().decode()
+    assert 'lucia_router_model_load_failed{model="broken"} 1.0' in exposed
+
+    post = urllib.request.Request(status["url"] + "/models/unload", method="POST",
+                                  data=json.dumps({"model": "zeta"}).encode())
+    urllib.request.urlopen(post, timeout=10).close()
+    engine.wait_status(lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
+                       timeout=10, what="zeta's target gone")
 
 
 def test_cli_status_reads_the_router(make_engine) -> None:
     engine = _router(make_engine, load_on_startup=("alpha",))
-    write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
     engine.start_worker()
     out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
                           "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,

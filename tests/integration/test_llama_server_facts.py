@@ -226,3 +226,35 @@ def test_models_max_evicts_the_least_recently_used_and_errors_are_plain(
     idle = router.post("/models/unload", {"model": "tiny"})
     assert idle.status == 400
     assert idle.json()["error"]["message"] == "model is not running"
+
+
+def test_reload_unloads_a_loaded_model_whose_section_changed(llama_router, tmp_path: Path) -> None:
+    """So a load-on-startup flag dropped from a loaded model's section unloads it on reload;
+    the sections that did not change keep serving."""
+    models = tmp_path / "models"
+    write_llama(models / "tiny.gguf")
+    first = Section("first", "tiny.gguf", {"load-on-startup": True})
+    second = Section("second", "tiny.gguf", {"load-on-startup": True})
+    router = llama_router(models, [first, second], defaults={"ctx-size": 256})
+    router.wait_value("first", "loaded")
+    router.wait_value("second", "loaded")
+    router.write_preset([Section("first", "tiny.gguf"), second], defaults={"ctx-size": 256})
+    router.models(reload=True)
+    router.wait_value("first", "unloaded", timeout=10)
+    assert router.models()["second"]["value"] == "loaded"
+
+
+def test_reload_of_a_new_global_section_unloads_all_and_loads_none(
+    llama_router, tmp_path: Path
+) -> None:
+    """The reload's own answer already says so; the load-on-startup models stay unloaded."""
+    models = tmp_path / "models"
+    write_llama(models / "tiny.gguf")
+    sections = [Section(n, "tiny.gguf", {"load-on-startup": True}) for n in ("a", "b")]
+    router = llama_router(models, sections, defaults={"ctx-size": 256})
+    router.wait_value("a", "loaded")
+    router.wait_value("b", "loaded")
+    router.write_preset(sections, defaults={"ctx-size": 512})
+    assert {n: s["value"] for n, s in router.models(reload=True).items()} == {
+        "a": "unloaded", "b": "unloaded"}
+    _stays_unloaded(router, "a")

@@ -15,6 +15,7 @@ from supervisor.preset import (
     StartupModelsMissing,
     StartupRefused,
     TooManyStartupModels,
+    changed_sections,
     check_startup,
     format_value,
     render,
@@ -238,3 +239,27 @@ def test_file_is_never_partially_visible(tmp_path: Path) -> None:
         assert os.pread(fd, 1 << 16, 0).decode() == EXPECTED
     finally:
         os.close(fd)
+
+
+# --- what a reload unloads -----------------------------------------------------------------------
+
+_BEFORE = (
+    "version = 1\n\n[*]\nctx-size = 256\n\n[a]\nmodel = /models/a.gguf\n\n"
+    "[b]\nmodel = /models/b.gguf\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "changed"),
+    [
+        (_BEFORE, _BEFORE, ()),
+        (_BEFORE, _BEFORE.replace("[b]\nmodel = /models/b.gguf", "[b]\nmodel = /models/b.gguf\n"
+                                  "load-on-startup = true"), ("b",)),
+        (_BEFORE, _BEFORE.replace("ctx-size = 256", "ctx-size = 512"), ("a", "b")),
+        (_BEFORE, _BEFORE + "\n[c]\nmodel = /models/c.gguf\n", ("c",)),
+        (_BEFORE, _BEFORE.replace("version = 1", "version = 2"), ("a", "b")),
+        (None, _BEFORE, ("a", "b")),
+    ],
+)
+def test_changed_sections(before: str | None, after: str, changed: tuple[str, ...]) -> None:
+    assert changed_sections(before, after) == changed
