@@ -194,7 +194,7 @@ class ContainerEngine:
             mounts=(
                 *self.mounts(),
                 *(
-                    Mount(str(Path(v.source).expanduser()), v.target, v.read_only)
+                    Mount(str(Path(recipe.expand(v.source)).expanduser()), v.target, v.read_only)
                     for v in run.volumes
                 ),
             ),
