@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,12 +62,19 @@ class Tail:
         self._redrawn = not line
 
 
+def _read(stream: IO[bytes]) -> bytes:
+    try:
+        return stream.read1(8192)  # type: ignore[attr-defined,no-any-return]
+    except (ValueError, OSError):  # closed under us after a cancel
+        return b""
+
+
 def _pump(stream: IO[bytes], progress: Callable[[str], None], tail: list[str]) -> None:
     """Read output as bytes, split on newlines and carriage returns (progress bars redraw with
     \\r): every line becomes progress, of a burst of redraws only the latest."""
     kept = Tail()
     pending = b""
-    for chunk in iter(lambda: stream.read1(8192), b""):  # type: ignore[attr-defined]
+    for chunk in iter(lambda: _read(stream), b""):
         found, pending = segments(pending + chunk)
         for index, (text, line) in enumerate(found):
             kept.add(text, line)
@@ -79,18 +88,33 @@ def _pump(stream: IO[bytes], progress: Callable[[str], None], tail: list[str]) -
     tail[:] = kept.lines
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def terminate(proc: subprocess.Popen[bytes], grace: float = _GRACE) -> None:
-    """SIGTERM the whole process group, then SIGKILL after the grace."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+    """SIGTERM the whole process group, then SIGKILL what is left of it after the grace. The
+    group, not only its leader: a shell that dies at once may leave a `docker run` behind that
+    passes the signal on to its container and waits for it, holding the output pipe open."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, so that only live members keep the group
+        if not _group_alive(proc.pid):
             break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -101,6 +125,7 @@ def run(
     env: dict[str, str],
     progress: Callable[[str], None],
     cancel: threading.Event,
+    grace: float = _GRACE,
 ) -> Outcome:
     """Run command in its own session; stream its output; a cancel ends it and its children."""
     proc = subprocess.Popen(
@@ -119,7 +144,7 @@ def run(
     try:
         while proc.poll() is None:
             if cancel.wait(0.1):
-                terminate(proc)
+                terminate(proc, grace)
                 raise Cancelled(f"{command[0]} cancelled")
     finally:
         if proc.poll() is None:
