@@ -27,6 +27,9 @@ from .container import ContainerEngine, EngineImage, Prerequisites
 _PROBE_TIMEOUT: Final = 2.0
 _CACHE_SETTINGS: Final = ("HF_CACHE", "KERNEL_CACHE")  # directories prepare and run both use
 _CHECK_TIMEOUT: Final = 120.0
+# A cancelled prepare gets this long after SIGTERM: `docker run` passes the signal on to its
+# container and waits for it, and a download in a container may not stop for it at once.
+_PREPARE_GRACE: Final = 0.5
 _TOKENS: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
@@ -237,7 +240,12 @@ class TensorFold(ContainerEngine):
         for command in self.recipe.prepare.commands:
             ctx.progress(f"running {' '.join(command)}")
             outcome = run(
-                command, cwd=self.checkout.path, env=env, progress=ctx.progress, cancel=ctx.cancel
+                command,
+                cwd=self.checkout.path,
+                env=env,
+                progress=ctx.progress,
+                cancel=ctx.cancel,
+                grace=_PREPARE_GRACE,
             )
             if outcome.code != 0:
                 raise BuildFailed(
