@@ -189,7 +189,12 @@ class Runtime:
         return found
 
     def run_once(
-        self, image: str, entrypoint: str, command: list[str], timeout: float
+        self,
+        image: str,
+        entrypoint: str,
+        command: list[str],
+        timeout: float,
+        labels: dict[str, str] | None = None,
     ) -> tuple[int, list[str]]:
         """Run a throwaway container (no network, GPU or mounts) to its end and remove it:
         its exit code (-1 when it ran out of time) and the last lines of its output."""
@@ -200,7 +205,7 @@ class Runtime:
                 image,
                 entrypoint=[entrypoint],
                 command=command,
-                labels={MANAGED: "check"},
+                labels={**(labels or {}), MANAGED: "check"},
                 host_config=host_config,
                 network_disabled=True,
             )

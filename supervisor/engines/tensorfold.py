@@ -262,7 +262,9 @@ class TensorFold(ContainerEngine):
         if not command:
             return
         ctx.progress("checking the engine's arguments with its own parser")
-        code, tail = self.runtime.run_once(spec.image, command[0], command[1:], _CHECK_TIMEOUT)
+        code, tail = self.runtime.run_once(
+            spec.image, command[0], command[1:], _CHECK_TIMEOUT, {labels.NAME: self.name}
+        )
         if code != 0:
             errors = [line for line in tail if "error:" in line] or tail or ["no output"]
             raise Permanent(

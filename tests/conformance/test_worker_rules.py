@@ -40,14 +40,21 @@ class Kind:
 
 
 def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    """The shipped recipe on the real layout (tests/tensorfold-recipe), driven by its knobs."""
+
+    def make(**knobs: Any) -> Engine:
+        return make_engine(layout="real", **knobs)
+
     def change(engine: Engine) -> None:
         engine.requirement = "xgrammar>=0.2.9,<0.3"  # a new pin: a new grammar image
 
     return Kind(
         "tensorfold",
-        make=make_engine,
-        slow_step=lambda s: ({"build_args": {"SLOW": str(s)}}, "compiling kernels"),
-        slow_ready=lambda s: ({"settings": {"READY_DELAY": str(s)}}, "loading weights"),
+        make=make,
+        slow_step=lambda s: ({"settings": {"TEST_DOWNLOAD_SECONDS": str(s)}},
+                             "model.safetensors"),
+        slow_ready=lambda s: ({"settings": {"TENSORFOLD_TEST_READY_DELAY": str(s)}},
+                              "loading weights"),
         change_image=change,
     )
 
@@ -177,7 +184,7 @@ def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, clien
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
     assert time.monotonic() - died < 2.5
     assert "exited with code 3" in status["message"]
-    assert "fatal error" in status["message"]  # its last log lines
+    assert "fatal" in status["message"] and "exiting with 3" in status["message"]  # last lines
     assert status["url"] is None and engine.file_sd() == []
 
 
@@ -198,7 +205,7 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
 
 
 def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
-    engine = kind.make(settings={"STOP_DELAY": "2"})
+    engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
     status = _up(engine)
     old = client.containers.get(engine.container)
     engine.stop_worker(engine.procs[-1])
