@@ -369,3 +369,4 @@ def test_importing_the_planner_imports_no_docker() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
