@@ -26,6 +26,7 @@ from .kv_tiers import DiskTier, TierPlan
 from .vllm_preflight import Choices
 
 RECIPES_ENV: Final = "LUCIA_RECIPES_DIR"
+RUN_ARGUMENTS: Final = "$@"  # in run.check: the run command's arguments after its program
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _IMAGE_TAG = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
@@ -64,6 +65,11 @@ class Source(_Section):
 
 class ImageBuild(_Section):
     tag: ImageRef = Field(description="the recipe image, built from the checkout")
+    from_: Literal["dockerfile", "prepare"] = Field(
+        default="dockerfile",
+        alias="from",
+        description="dockerfile: built from the checkout; prepare: the prepare commands make it",
+    )
     context: str = Field(default=".", description="build context, relative to the checkout")
     dockerfile: str = Field(default="Dockerfile", description="relative to the context")
     build_args: dict[str, str] = Field(default_factory=dict)
@@ -124,6 +130,12 @@ class Run(_Section):
     ulimits: dict[str, Annotated[int, Field(ge=-1, le=2**63 - 1)]] = Field(default_factory=dict)
     volumes: list[Volume] = Field(default_factory=list)
     command: list[str] = Field(default_factory=list, description="${SETTING} is expanded")
+    check: list[str] = Field(
+        default_factory=list,
+        description="run in a throwaway container (no GPU, mounts or network) before a start; "
+        "the first item is the entrypoint, ${SETTING} is expanded, an item \"$@\" stands for "
+        "run.command's arguments after its program; non-zero refuses the start",
+    )
 
     @field_validator("ready_path", "metrics_path")
     @classmethod
@@ -160,12 +172,22 @@ class RecipeBase(_Section):
 
     @model_validator(mode="after")
     def _command_expands(self) -> Self:
-        for arg in self.run.command:
-            try:
-                Template(arg).substitute(self.environment)
-            except (KeyError, ValueError) as exc:
-                raise ValueError(f"run.command {arg!r} names an unknown setting {exc}") from None
+        fields = (
+            ("run.command", self.run.command),
+            ("run.check", [arg for arg in self.run.check if arg != RUN_ARGUMENTS]),
+            ("run.volumes", [volume.source for volume in self.run.volumes]),
+        )
+        for where, values in fields:
+            for arg in values:
+                try:
+                    Template(arg).substitute(self.environment)
+                except (KeyError, ValueError) as exc:
+                    raise ValueError(f"{where} {arg!r} names an unknown setting {exc}") from None
         return self
+
+    def expand(self, text: str) -> str:
+        """${SETTING} replaced by the setting's value (validated at load)."""
+        return Template(text).substitute(self.environment)
 
     @property
     def environment(self) -> dict[str, str]:
@@ -192,8 +214,15 @@ class RecipeBase(_Section):
 
     @property
     def command(self) -> list[str]:
-        env = self.environment
-        return [Template(arg).substitute(env) for arg in self.run.command]
+        return [self.expand(arg) for arg in self.run.command]
+
+    @property
+    def check_command(self) -> list[str]:
+        """run.check expanded; "$@" becomes the run command's arguments (what start.sh checks)."""
+        out: list[str] = []
+        for arg in self.run.check:
+            out.extend(self.command[1:] if arg == RUN_ARGUMENTS else [self.expand(arg)])
+        return out
 
 
 class MemoryFigures(_Section):
@@ -226,6 +255,16 @@ class TensorFoldRecipe(RecipeBase):
     @property
     def grammar_tag(self) -> str:
         return f"{self.image.tag}-grammar"
+
+    @property
+    def image_from_prepare(self) -> bool:
+        return self.image.from_ == "prepare"
+
+    @model_validator(mode="after")
+    def _prepare_makes_image(self) -> Self:
+        if self.image_from_prepare and not self.prepare.commands:
+            raise ValueError('image.from = "prepare" needs prepare.commands that make the image')
+        return self
 
 
 class Library(_Section):
@@ -481,13 +520,14 @@ def parse(text: str, origin: str = "<recipe>") -> TensorFoldRecipe | LlamaRouter
     if engine not in _ENGINES:
         shown = f"'{_clip(engine)}'" if isinstance(engine, str) else "missing"
         raise RecipeError(f"{origin}: engine: must be one of {', '.join(_ENGINES)} ({shown})")
+    try:
+        parsed = _RECIPE.validate_python(data)
+    except ValidationError as exc:  # an unknown key is named as such, NUL in it or not
+        raise RecipeError(f"{origin}: {_format(exc)}"[:_MESSAGE]) from None
     where = _nul(data)
     if where:
         raise RecipeError(f"{origin}: {_clip(where)}: contains a NUL character")
-    try:
-        return _RECIPE.validate_python(data)
-    except ValidationError as exc:
-        raise RecipeError(f"{origin}: {_format(exc)}"[:_MESSAGE]) from None
+    return parsed
 
 
 def load(path: Path) -> TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe:

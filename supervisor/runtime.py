@@ -198,6 +198,44 @@ class Runtime:
             raise Transient(f"container {spec.name} vanished right after it started")
         return found
 
+    def run_once(
+        self,
+        image: str,
+        entrypoint: str,
+        command: list[str],
+        timeout: float,
+        labels: dict[str, str] | None = None,
+    ) -> tuple[int, list[str]]:
+        """Run a throwaway container (no network, GPU or mounts) to its end and remove it:
+        its exit code (-1 when it ran out of time) and the last lines of its output."""
+        api = self.api
+        host_config = api.create_host_config(network_mode="none", restart_policy={"Name": "no"})
+        with _translated(f"creating a check container on {image[:19]}"):
+            created = api.create_container(
+                image,
+                entrypoint=[entrypoint],
+                command=command,
+                labels={**(labels or {}), MANAGED: "check"},
+                host_config=host_config,
+                network_disabled=True,
+            )
+        cid = created["Id"]
+        try:
+            with _translated(f"running a check container on {image[:19]}"):
+                api.start(cid)
+                client = self._client(timeout)
+                try:
+                    code = int(client.wait(cid).get("StatusCode", -1))
+                except requests.exceptions.RequestException:
+                    code = -1
+                finally:
+                    client.close()
+                raw = api.logs(cid, stdout=True, stderr=True, tail=20)
+        finally:
+            self.remove(cid)
+        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+        return code, [line for line in text.splitlines() if line.strip()]
+
     def stop(self, container_id: str, grace: float) -> None:
         with _translated(f"stopping container {container_id[:12]}"):
             try:

@@ -10,12 +10,14 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,9 @@ import pytest
 from tests.gpu_recordings import fake_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"
+REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"  # a recipe with a Dockerfile: image.from = dockerfile
+REAL_TEMPLATE = ROOT / "tests" / "tensorfold-recipe"  # the real recipe's layout: prepare.sh builds
+SHIPPED_RECIPE = ROOT / "recipes" / "spark-model.toml"
 RUN_ID = uuid.uuid4().hex[:8]
 TEST_LABEL = "lucia.test.run"
 CLI = [sys.executable, "-m", "supervisor.cli"]
@@ -110,14 +114,41 @@ class RecipeRepo:
         return git(self.path, "rev-parse", "HEAD")
 
 
-@pytest.fixture
-def recipe_repo(tmp_path: Path) -> RecipeRepo:
-    path = tmp_path / "recipe-repo"
-    shutil.copytree(REPO_TEMPLATE, path)
+def _repo(template: Path, path: Path) -> RecipeRepo:
+    shutil.copytree(template, path)
     git(path, "init", "-q", "-b", "main")
     repo = RecipeRepo(path)
     repo.commit("recipe 0.7.0")
     return repo
+
+
+@pytest.fixture
+def recipe_repo(tmp_path: Path) -> RecipeRepo:
+    return _repo(REPO_TEMPLATE, tmp_path / "recipe-repo")
+
+
+@pytest.fixture
+def real_recipe_repo(tmp_path: Path) -> RecipeRepo:
+    """A copy of tests/tensorfold-recipe: laid out like the public Spark recipe at its pin."""
+    return _repo(REAL_TEMPLATE, tmp_path / "real-recipe-repo")
+
+
+def shipped_recipe(repository: str, commit: str, network: str, port: int) -> str:
+    """recipes/spark-model.toml changed only where this machine differs: [source], the network,
+    the host port, no GPU line and no memlock ulimit (this dockerd refuses memlock=-1)."""
+    text = SHIPPED_RECIPE.read_text()
+    edits = [
+        (r'(?m)^repository = ".*"$', f'repository = "{repository}"'),
+        (r'(?m)^commit = "[0-9a-f]{40}"', f'commit = "{commit}"'),
+        (r'(?m)^network = ".*"$', f'network = "{network}"'),
+        (r'(?m)^port = 8888$', f"port = {port}"),
+        (r'(?m)^gpus = "all"\n', ""),
+        (r"memlock = -1, ", ""),
+    ]
+    for pattern, replacement in edits:
+        text, count = re.subn(pattern, replacement, text)
+        assert count == 1, f"the shipped recipe no longer has {pattern}"
+    return text
 
 
 @dataclass
@@ -150,6 +181,9 @@ class Engine:
     vllm_model: str = "test/tiny-model"  # the Hugging Face id vLLM serves
     revision: str = "0123456789abcdef0123456789abcdef01234567"
     tiers_extra: dict[str, Any] = field(default_factory=dict)  # [tiers] keys beyond the writer's
+    layout: str = "demo"  # tensorfold: "demo" (a Dockerfile) or "real" (prepare.sh builds)
+    recipe_text: str = ""  # written as it is, instead of the recipe made from the fields
+    env: dict[str, str] = field(default_factory=dict)  # the worker's environment on top of ours
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     memory: dict[str, float] = field(default_factory=dict)  # the tensorfold [memory] section
     data_root: Path | None = None  # a data directory shared with other engines (the ledger)
@@ -190,12 +224,47 @@ class Engine:
     def cache_dir(self) -> Path:
         return self.root / "cache"
 
+    @property
+    def home(self) -> Path:
+        """The worker's HOME (real layout): the shipped recipe's ~/.cache directories are here."""
+        return self.root / "home"
+
     def write_recipe(self) -> Path:
+        if self.recipe_text:
+            self.recipe_path.write_text(self.recipe_text)
+            return self.recipe_path
         if self.kind == "llama-router":
             return self._write_router_recipe()
         if self.kind == "vllm":
             return self._write_vllm_recipe()
+        if self.layout == "real":
+            return self._write_real_recipe()
         return self._write_tensorfold_recipe()
+
+    def _write_real_recipe(self) -> Path:
+        """The shipped recipe as shipped_recipe() changes it, with this test's image tag (so
+        tests never share an image), grammar pin, settings (the fixture's knobs), secrets,
+        timeouts and run extras."""
+        data = tomllib.loads(shipped_recipe(self.repo.url, self.commit, self.network, self.port))
+        data["name"] = self.name
+        data["image"]["tag"] = self.image_tag
+        data["grammar"] = {"requirement": self.requirement, "modules": list(self.modules)}
+        data["settings"].update({
+            "IMAGE": self.image_tag, "TEST_DOWNLOAD_SECONDS": "0.3",
+            "TEST_BUILD_LABEL": f"{TEST_LABEL}={RUN_ID}",
+            "TEST_RUN_LABEL": f"{TEST_LABEL}={RUN_ID}",
+            **self.settings,
+        })
+        data["secrets"] = dict(self.secrets)
+        extra = dict(self.run_extra)  # extra volumes come on top of the caches the recipe needs
+        extra["volumes"] = data["run"]["volumes"] + extra.get("volumes", [])
+        data["run"].update({"ready_timeout": self.ready_timeout, "stop_grace": self.stop_grace,
+                            **extra})
+        top = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
+        tables = [f"[{k}]\n" + "\n".join(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
+                  for k, v in data.items() if isinstance(v, dict)]
+        self.recipe_path.write_text("\n".join(top + tables) + "\n")
+        return self.recipe_path
 
     def _write_router_recipe(self) -> Path:
         self.models_dir.mkdir(exist_ok=True)
@@ -281,7 +350,7 @@ class Engine:
             [*CLI, "worker", self.name, "--recipe", str(self.recipe_path),
              "--data-dir", str(self.data_dir), "--state-dir", str(self.state_dir),
              "--heartbeat", str(heartbeat), *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
         )
         self.procs.append(proc)
         return proc
@@ -394,12 +463,17 @@ def make_engine(
         root.mkdir()
         if overrides.get("kind") == "llama-router" and not overrides.get("router_image"):
             overrides["router_image"] = request.getfixturevalue("router_images")[0]
+        repo = recipe_repo
+        if overrides.get("layout") == "real":
+            repo = request.getfixturevalue("real_recipe_repo")
+            overrides["env"] = {"HOME": str(root / "home"), **overrides.get("env", {})}
+            (root / "home").mkdir()
         if overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
             overrides["vllm_repository"] = request.getfixturevalue("vllm_images")[0]
         if overrides.get("kind") == "vllm" and "nvidia_smi" not in overrides:
             overrides["nvidia_smi"] = str(fake_nvidia_smi(root / "gpu", "h100"))
-        engine = Engine(name=name, repo=recipe_repo, base=base_image, root=root, **overrides)
-        engine.commit = engine.commit or git(recipe_repo.path, "rev-parse", "HEAD")
+        engine = Engine(name=name, repo=repo, base=base_image, root=root, **overrides)
+        engine.commit = engine.commit or git(engine.repo.path, "rev-parse", "HEAD")
         made.append(engine)
         return engine
 

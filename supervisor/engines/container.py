@@ -25,6 +25,7 @@ from ..spec import Container, Image, Mount, RunSpec
 from .base import Endpoint, StepContext
 
 _LOG_TAIL: Final = 5
+_TAIL_CHARS: Final = 400  # of a message of at most 500, after "exited with code N: "
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,10 @@ class ContainerEngine:
     def _tail(self, container: Container | None) -> str:
         if container is None or container.running or not container.managed:
             return ""
-        return " | ".join(self.runtime.logs(container.id, tail=_LOG_TAIL))
+        lines = self.runtime.logs(container.id, tail=_LOG_TAIL)
+        while len(lines) > 1 and len(" | ".join(lines)) > _TAIL_CHARS:
+            del lines[0]  # the last line (why it died) must fit in status.json's message
+        return " | ".join(lines)
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         match what:
@@ -231,7 +235,7 @@ class ContainerEngine:
             mounts=(
                 *self.mounts(),
                 *(
-                    Mount(str(Path(v.source).expanduser()), v.target, v.read_only)
+                    Mount(str(Path(recipe.expand(v.source)).expanduser()), v.target, v.read_only)
                     for v in run.volumes
                 ),
             ),

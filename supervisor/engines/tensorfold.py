@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from .. import files, labels
-from ..errors import BuildFailed
+from ..errors import BuildFailed, Permanent
 from ..memplan import overview
 from ..memplan.need import EngineNeed
 from ..plan import Prerequisite
@@ -21,12 +21,18 @@ from ..protocol import TargetGroup
 from ..recipe import TensorFoldRecipe
 from ..runtime import Runtime
 from ..source import Checkout as GitCheckout
-from ..spec import BuildRequest
+from ..spec import BuildRequest, RunSpec
 from . import grammar
 from .base import Endpoint, StepContext
 from .container import ContainerEngine, EngineImage, Prerequisites
 
 _PROBE_TIMEOUT: Final = 2.0
+_CACHE_SETTINGS: Final = ("HF_CACHE", "KERNEL_CACHE")  # directories prepare and run both use
+_CHECK_TIMEOUT: Final = 120.0
+# A cancelled prepare gets this long after SIGTERM: `docker run` passes the signal on to its
+# container and waits for it, and a download in a container may not stop for it at once.
+_PREPARE_GRACE: Final = 0.5
+_TOKENS: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,20 @@ def missing(
     grammar_ok: bool,
 ) -> tuple[Prerequisite, ...]:
     """Pure: which prerequisites to make, in order. The checkout is only needed to build the
-    recipe image or to run the prepare commands, so a worker restart never touches git."""
+    recipe image or to run the prepare commands, so a worker restart never touches git.
+
+    With `image.from = "prepare"` the prepare commands make the recipe image: recipe_ok then
+    says only that it exists, and a missing one runs them again, before the grammar image."""
     steps: list[Prerequisite] = []
+    if recipe.image_from_prepare:
+        again = not prepared or not recipe_ok
+        if again and not checkout_ok:
+            steps.append(Checkout(recipe.source.commit))
+        if again:
+            steps.append(Prepared())
+        if not grammar_ok:
+            steps.append(GrammarImage(recipe.grammar_tag))
+        return tuple(steps)
     if (not recipe_ok or not prepared) and not checkout_ok:
         steps.append(Checkout(recipe.source.commit))
     if not recipe_ok:
@@ -108,8 +126,9 @@ class TensorFold(ContainerEngine):
     def prerequisites(self) -> Prerequisites:
         recipe = self.recipe
         base = self.runtime.image(recipe.image.tag)
-        recipe_ok = (
-            base is not None and base.labels.get(labels.RECIPE_COMMIT) == recipe.source.commit
+        recipe_ok = base is not None and (
+            recipe.image_from_prepare
+            or base.labels.get(labels.RECIPE_COMMIT) == recipe.source.commit
         )
         image = self.runtime.image(recipe.grammar_tag) if base is not None and recipe_ok else None
         grammar_ok = (
@@ -132,9 +151,10 @@ class TensorFold(ContainerEngine):
 
     def _prepare_key(self) -> str:
         recipe = self.recipe
-        blob = json.dumps(
-            [recipe.source.commit, recipe.prepare.commands, recipe.environment], sort_keys=True
-        )
+        facts: list[object] = [recipe.source.commit, recipe.prepare.commands, recipe.environment]
+        if recipe.image_from_prepare:
+            facts.append(recipe.image.tag)
+        blob = json.dumps(facts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def _prepared(self) -> bool:
@@ -197,18 +217,42 @@ class TensorFold(ContainerEngine):
             ctx.cancel,
         )
 
-    def _run_prepare(self, ctx: StepContext) -> None:
+    def prepare_environment(self) -> dict[str, str]:
+        """What the prepare commands see: PATH, HOME, the settings (the cache directories
+        expanded, as the container's mounts are) and the recipe's secrets. Nothing else of the
+        worker's environment, so a token in it never reaches a download by accident; without a
+        token of the recipe's own, huggingface_hub must not pick up a cached one either."""
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/"),
             "LANG": "C.UTF-8",
-            **self.recipe.environment,
-            **self.secrets(),
         }
+        if "DOCKER_HOST" in os.environ:
+            env["DOCKER_HOST"] = os.environ["DOCKER_HOST"]
+        settings = self.recipe.environment
+        for key in _CACHE_SETTINGS:
+            if key in settings:
+                settings[key] = str(Path(settings[key]).expanduser())
+        secrets = self.secrets()
+        env.update(settings)
+        for key in _TOKENS:
+            env.pop(key, None)
+        env.update(secrets)
+        if not any(key in secrets for key in _TOKENS):
+            env["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"  # noqa: S105 (a switch, not a token)
+        return env
+
+    def _run_prepare(self, ctx: StepContext) -> None:
+        env = self.prepare_environment()
         for command in self.recipe.prepare.commands:
             ctx.progress(f"running {' '.join(command)}")
             outcome = run(
-                command, cwd=self.checkout.path, env=env, progress=ctx.progress, cancel=ctx.cancel
+                command,
+                cwd=self.checkout.path,
+                env=env,
+                progress=ctx.progress,
+                cancel=ctx.cancel,
+                grace=_PREPARE_GRACE,
             )
             if outcome.code != 0:
                 raise BuildFailed(
@@ -217,6 +261,23 @@ class TensorFold(ContainerEngine):
         files.write_atomic(self._stamp, json.dumps({"key": self._prepare_key()}).encode(), 0o600)
 
     # -- run -----------------------------------------------------------------------------------
+
+    def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
+        """The recipe's check command (TensorFold's own argument parser, as start.sh runs it
+        before it stops a server), in a throwaway container on the image the start would use."""
+        command = self.recipe.check_command
+        if not command:
+            return
+        ctx.progress("checking the engine's arguments with its own parser")
+        code, tail = self.runtime.run_once(
+            spec.image, command[0], command[1:], _CHECK_TIMEOUT, {labels.NAME: self.name}
+        )
+        if code != 0:
+            errors = [line for line in tail if "error:" in line] or tail or ["no output"]
+            raise Permanent(
+                f"the engine's own check refused the recipe's arguments (exit {code}): "
+                f"{errors[-1]}; the running engine, if any, was left alone"
+            )
 
     def extra_labels(self) -> dict[str, str]:
         return {labels.RECIPE_COMMIT: self.recipe.source.commit}

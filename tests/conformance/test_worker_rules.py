@@ -41,9 +41,14 @@ class Kind:
     die: Callable[[Any], tuple[str, str]]  # end the container: its exit text, a logged text
 
 
-def _die_with_3(container: Any) -> tuple[str, str]:
-    container.exec_run(["sh", "-c", "echo 3 > /tmp/die"])
-    return "exited with code 3", "fatal error"
+def _dies_with_3_saying(logged: str) -> Callable[[Any], tuple[str, str]]:
+    """The stand-in's /tmp/die: it exits with 3, logging a line with `logged` in it."""
+
+    def die(container: Any) -> tuple[str, str]:
+        container.exec_run(["sh", "-c", "echo 3 > /tmp/die"])
+        return "exited with code 3", logged
+
+    return die
 
 
 def _killed(container: Any) -> tuple[str, str]:
@@ -52,16 +57,23 @@ def _killed(container: Any) -> tuple[str, str]:
 
 
 def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    """The shipped recipe on the real layout (tests/tensorfold-recipe), driven by its knobs."""
+
+    def make(**knobs: Any) -> Engine:
+        return make_engine(layout="real", **knobs)
+
     def change(engine: Engine) -> None:
         engine.requirement = "xgrammar>=0.2.9,<0.3"  # a new pin: a new grammar image
 
     return Kind(
         "tensorfold",
-        make=make_engine,
-        slow_step=lambda s: ({"build_args": {"SLOW": str(s)}}, "compiling kernels"),
-        slow_ready=lambda s: ({"settings": {"READY_DELAY": str(s)}}, "loading weights"),
+        make=make,
+        slow_step=lambda s: ({"settings": {"TEST_DOWNLOAD_SECONDS": str(s)}},
+                             "model.safetensors"),
+        slow_ready=lambda s: ({"settings": {"TENSORFOLD_TEST_READY_DELAY": str(s)}},
+                              "loading weights"),
         change_image=change,
-        die=_die_with_3,
+        die=_dies_with_3_saying("exiting with 3"),
     )
 
 
@@ -109,6 +121,7 @@ def _vllm(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) ->
         slow_step=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
         slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
         change_image=change,
+        die=_dies_with_3_saying("fatal error"),
     )
 
 
@@ -245,7 +258,7 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
 
 
 def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
-    engine = kind.make(settings={"STOP_DELAY": "2"})
+    engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
     status = _up(engine)
     old = client.containers.get(engine.container)
     engine.stop_worker(engine.procs[-1])

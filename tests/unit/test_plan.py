@@ -332,8 +332,41 @@ def test_missing_prerequisites() -> None:
                        prepared=prepared, grammar_ok=grammar_ok) == expected
 
 
+PREPARE_MAKES_IMAGE = MINIMAL_RECIPE.replace(
+    'tag = "img:1"', 'tag = "img:1"\nfrom = "prepare"\n[prepare]\ncommands = [["bash", "p.sh"]]'
+)
+
+
+@pytest.mark.parametrize(
+    ("checkout", "image", "prepared", "grammar_ok", "expected"),
+    [
+        (True, True, True, True, ()),
+        (False, True, True, True, ()),  # a restart with everything in place never touches git
+        (False, True, True, False, ("grammar",)),  # a new pin or base id: only the grammar image
+        (False, True, False, True, ("checkout", "prepare")),  # commit, commands or settings
+        (True, True, False, True, ("prepare",)),
+        (False, False, True, False, ("checkout", "prepare", "grammar")),  # the image is gone
+        (True, False, True, False, ("prepare", "grammar")),
+        (False, False, False, False, ("checkout", "prepare", "grammar")),
+    ],
+)
+def test_missing_when_the_prepare_makes_the_image(
+    checkout: bool, image: bool, prepared: bool, grammar_ok: bool, expected: tuple[str, ...]
+) -> None:
+    recipe = parse(PREPARE_MAKES_IMAGE, "prepare.toml")
+    assert recipe.image_from_prepare  # type: ignore[union-attr]
+    made = {
+        "checkout": Checkout(recipe.source.commit),  # type: ignore[union-attr]
+        "prepare": Prepared(),
+        "grammar": GrammarImage("img:1-grammar"),
+    }
+    assert missing(recipe, checkout_ok=checkout, recipe_ok=image,  # type: ignore[arg-type]
+                   prepared=prepared, grammar_ok=grammar_ok) == tuple(made[e] for e in expected)
+
+
 def test_importing_the_planner_imports_no_docker() -> None:
     code = "import sys, supervisor.plan; print('docker' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+

@@ -35,6 +35,34 @@ def test_the_spark_recipe_has_the_operators_values() -> None:
     assert "--port" in recipe.command and "8888" in recipe.command
 
 
+def test_the_spark_recipe_serves_as_start_sh_does() -> None:
+    recipe = load(SPARK)
+    assert recipe.image.from_ == "prepare"  # type: ignore[union-attr]
+    assert recipe.prepare.commands == [["bash", "scripts/prepare.sh"]]  # type: ignore[union-attr]
+    assert recipe.command[3:] == [
+        "--host", "0.0.0.0", "--port", "8888", "--name", "Qwen3.8-Flash-Next",
+        "--parallel", "4", "--context", "200000", "--kv-dtype", "int8", "--mtp-drafts", "6",
+        "--mtp-confidence", "0.60", "--temperature", "1.0", "--top-p", "0.95", "--top-k", "20",
+        "--max-tokens", "32768", "--vision", "--vision-max-images", "50",
+        "--vision-image-tokens", "16384", "--thinking",
+    ]
+    env = recipe.environment
+    assert {k: v for k, v in env.items() if k.startswith("TENSORFOLD_")} == {
+        "TENSORFOLD_VISION_WORKSPACE_MIB": "0", "TENSORFOLD_IMAGE_TOKENS": "16384",
+        "TENSORFOLD_VIDEO_TOKENS": "16384", "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
+        "TENSORFOLD_MTP_COPY": "1", "TENSORFOLD_NO_UPDATE_CHECK": "1",
+    }
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PULL"] == "0"
+    assert env["IMAGE"] == recipe.image.tag  # type: ignore[union-attr]
+    assert [(v.source, v.target) for v in recipe.run.volumes] == [
+        ("${HF_CACHE}", "/root/.cache/huggingface"), ("${KERNEL_CACHE}", "/cache")]
+    assert env["KERNEL_CACHE"] == "~/.cache/tensorfold-qwen38"
+    # start.sh's check: TensorFold's own parser on exactly the arguments it will serve with
+    assert recipe.check_command[:2] == ["python", "-c"]
+    assert "build_parser().parse_args(sys.argv[1:])" in recipe.check_command[2]
+    assert recipe.check_command[3:] == recipe.command[1:]
+
+
 MINIMAL = MINIMAL_RECIPE
 
 BAD = [
@@ -52,6 +80,13 @@ BAD = [
     ("bad image tag", MINIMAL.replace('tag = "img:1"', 'tag = "Img With Spaces"'),
      "image reference"),
     ("command names an unknown setting", MINIMAL + 'command = ["serve", "${NOPE}"]\n', "NOPE"),
+    ("check names an unknown setting", MINIMAL + 'check = ["python", "${NOPE}"]\n', "NOPE"),
+    ("volume names an unknown setting",
+     MINIMAL + 'volumes = [{ source = "${NOPE}", target = "/a" }]\n', "NOPE"),
+    ("image from a prepare without commands",
+     MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "prepare"'), "prepare.commands"),
+    ("image from something else", MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "x"'),
+     "image.from"),
     ("relative volume target",
      MINIMAL + 'volumes = [{ source = "/a", target = "rel" }]\n', "absolute"),
     ("setting that is not an env name", MINIMAL + '[settings]\n"A-B" = "1"\n',
