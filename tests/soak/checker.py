@@ -76,8 +76,8 @@ class Checker:
         self.stop_path = Path(config["stop"])
         self.verdict_path = Path(config["verdict"])
         self.secrets: list[str] = list(config.get("secrets", []))
-        self.status_schema = _load_schema("status.schema.json")
-        self.file_sd_schema = _load_schema("file_sd.schema.json")
+        self.status_schema = jsonschema.Draft202012Validator(_load_schema("status.schema.json"))
+        self.file_sd_schema = jsonschema.Draft202012Validator(_load_schema("file_sd.schema.json"))
         self.docker = docker.from_env(timeout=3)
         self._events: dict[tuple[str, str, float], dict[str, Any]] = {}
         self._events_offset = 0
@@ -151,15 +151,15 @@ class Checker:
             self._check_status(engine, status, desired, file_sd, now)
         self._check_docker(engine, status, now)
 
-    def _read_json(self, engine: EngineTruth, path: Path, schema: dict[str, Any],
-                   now: float) -> Any:
+    def _read_json(self, engine: EngineTruth, path: Path,
+                   schema: jsonschema.Draft202012Validator, now: float) -> Any:
         try:
             text = path.read_text()
         except (FileNotFoundError, IsADirectoryError):
             return None
         try:
             value = json.loads(text)
-            jsonschema.validate(value, schema)
+            schema.validate(value)  # the schema itself was checked once, when loaded
         except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
             self.violations.append({"t": now, "engine": engine.name, "invariant": "whole-file",
                                     "detail": f"{path.name}: {str(exc)[:200]}"})
