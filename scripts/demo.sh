@@ -2,8 +2,9 @@
 # Set up this machine (scripts/machine.sh) and run the product end to end on an embedded demo
 # recipe, as an operator would: install.sh as the user `lucia`, `systemctl --user start`, a
 # request with the CLI, the answer over HTTP on the gateway address, the file_sd target and the
-# journal. The demo engine is the stand-in recipe in demo/recipe-repo (busybox playing the
-# engine, python and pip), so no GPU, registry or model download is needed. Then the shipped
+# journal. The demo engine is the shipped Spark recipe on a repository laid out like the real
+# one (tests/tensorfold-recipe: prepare.sh builds its image, busybox plays TensorFold, python and
+# pip), so no GPU, registry or model download is needed. Then the shipped
 # llama-router recipe on the real llama-server (Debian's llama.cpp-tools, built by machine.sh)
 # with a tiny llama model generated here, answering a chat completion on the gateway address.
 # Run as root; safe to run again (the running engines are adopted, not restarted).
@@ -31,67 +32,34 @@ rm -rf "$work/src"
 mkdir -p "$work/src"
 (cd "$root" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -C "$work/src" -xf -
 
-say "building the demo base image (FROM scratch, Debian's static busybox)"
-context=$(mktemp -d)
-cp "$(command -v busybox)" "$context/busybox"
-cat >"$context/Dockerfile" <<'EOF'
-FROM scratch
-COPY busybox /bin/busybox
-RUN ["/bin/busybox", "--install", "-s", "/bin"]
-RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp
-EOF
-docker build -q -t lucia-demo-busybox:1 "$context" >/dev/null
-rm -rf "$context"
-
-if [ ! -d "$work/recipe-repo/.git" ]; then
-    say "making the demo recipe repository (git, served over file://)"
-    cp -r "$root/demo/recipe-repo" "$work/recipe-repo"
+if [ ! -d "$work/recipe-repo/.git" ] || [ ! -f "$work/recipe-repo/scripts/config.sh" ]; then
+    say "making the demo recipe repository: the Spark recipe's layout, busybox playing TensorFold"
+    rm -rf "$work/recipe-repo"
+    cp -r "$root/tests/tensorfold-recipe" "$work/recipe-repo"
     git -C "$work/recipe-repo" init -q -b main
     git -C "$work/recipe-repo" add -A
     git -C "$work/recipe-repo" -c user.name=demo -c user.email=demo@localhost commit -q -m "demo recipe"
 fi
 commit=$(git -C "$work/recipe-repo" rev-parse HEAD)
 
-cat >"$work/$name.toml" <<EOF
-# The demo: the shape of the Spark recipe, with a stand-in engine.
-name = "$name"
-engine = "tensorfold"
-model = "demo/tiny-model"
+say "the shipped recipes/spark-model.toml, made for this machine: $work/$name.toml"
+# only [source], the network, the port, the GPU line, memlock (this dockerd refuses -1) and the
+# [memory] figures (the Spark's 103 GiB do not fit here) change, and the name and image tag, so
+# that the demo never takes a real installation's names
+PYTHONPATH=$root "$root/.venv/bin/python" - "$work/$name.toml" "file://$work/recipe-repo" \
+    "$commit" "$port" <<'PY'
+import sys
+from pathlib import Path
 
-[source]
-repository = "file://$work/recipe-repo"
-commit = "$commit"
+from tests.fixtures import shipped_recipe
 
-[image]
-tag = "lucia-demo-recipe:v1"
-build_args = { BASE = "lucia-demo-busybox:1" }
-
-[prepare]
-commands = [["sh", "scripts/prepare.sh"]]
-
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar", "tensorfold"]
-
-[settings]
-PARALLEL = 4
-CONTEXT = 200000
-TENSORFOLD_MEMORY_RESERVE_GIB = 4
-PORT = $port
-MODEL_ID = "demo/tiny-model"
-SERVED_NAME = "tiny"
-HF_CACHE = "$work/hf-cache"
-PREPARE_SECONDS = 3
-READY_DELAY = 3
-
-[run]
-network = "lucia-demo"
-port = $port
-ready_path = "/v1/models"
-metrics_path = "/metrics"
-ready_timeout = 120
-stop_grace = 60
-EOF
+out, repository, commit, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+text = shipped_recipe(repository, commit, "lucia-demo", port)
+text = text.replace('name = "spark-model"', 'name = "demo"', 1)
+text = text.replace('"tensorfold-qwen38:v0.6.6"', '"lucia-demo-tensorfold:v0.6.6"')
+Path(out).write_text(text)
+PY
+diff "$root/recipes/spark-model.toml" "$work/$name.toml" || true
 
 say "a tiny llama model (written with the gguf package) in a model library: $work/models"
 PYTHONPATH=$root "$root/.venv/bin/python" - "$work/models" <<'PY'
