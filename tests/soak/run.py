@@ -426,6 +426,12 @@ stop_grace = 5
         return 1
 
     def cleanup(self) -> None:
+        """Leave the machine as it was, whatever fault was under way when the soak ended."""
+        with contextlib.suppress(subprocess.CalledProcessError, ProcessLookupError):
+            os.kill(_dockerd_pid(), signal.SIGCONT)  # ended during a stall
+        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode:
+            _start_dockerd()  # ended during a restart
+        (self.data / ".soak-filler").unlink(missing_ok=True)
         for engine in self.engines:
             systemctl("stop", engine.unit, check=False)
             with contextlib.suppress(*_DOCKER_ERRORS):
@@ -459,6 +465,10 @@ def _restart_dockerd() -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
         time.sleep(0.2)
+    _start_dockerd()
+
+
+def _start_dockerd() -> None:
     os.makedirs("/var/log/lucia-machine", exist_ok=True)
     log = open("/var/log/lucia-machine/dockerd-soak.log", "ab")  # noqa: SIM115
     subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
@@ -480,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     soak = Soak(seed, args.seconds, args.max_stall)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ended from outside: clean up too
     try:
         soak.setup()
         return soak.run()
