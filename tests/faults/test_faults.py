@@ -15,6 +15,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from tests import dockerd
 from tests.fixtures import Engine
 
 pytestmark = pytest.mark.docker
@@ -28,25 +29,6 @@ def _up(engine: Engine) -> tuple[subprocess.Popen[bytes], dict]:
     proc = engine.start_worker()
     generation = engine.request("running")
     return proc, engine.wait_state(generation, "running", timeout=120)
-
-
-def _restart_dockerd() -> None:
-    """Stop dockerd (SIGTERM, as a package upgrade would) and start it again."""
-    pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True,
-                             check=True).stdout.split()[0])
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        time.sleep(0.2)
-    os.makedirs("/var/log/lucia-machine", exist_ok=True)
-    log = open("/var/log/lucia-machine/dockerd-restart.log", "ab")  # noqa: SIM115
-    subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0:
-            return
-        time.sleep(0.5)
-    raise AssertionError("dockerd did not come back")
 
 
 def test_engine_killed_with_sigkill_is_failed_137(make_engine, client) -> None:
@@ -73,7 +55,7 @@ def test_dockerd_restart_while_running_and_while_building(make_engine, client) -
     engine: Engine = make_engine()
     proc, status = _up(engine)
     assert not client.info().get("LiveRestoreEnabled"), "these tests need live-restore off"
-    _restart_dockerd()
+    dockerd.restart()
     # without live-restore, dockerd stops its containers: the truth is that the engine died
     after = engine.wait_status(lambda s: s["state"] == "failed"
                                and s["checkedAt"] > status["checkedAt"], timeout=60)
@@ -86,7 +68,7 @@ def test_dockerd_restart_while_running_and_while_building(make_engine, client) -
     slow_proc = slow.start_worker()
     generation = slow.request("running")
     slow.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
-    _restart_dockerd()
+    dockerd.restart()
     final = slow.wait_state(generation, "running", timeout=180)
     assert final["url"]
     assert slow_proc.poll() is None
@@ -285,8 +267,7 @@ def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> No
     engine: Engine = make_engine()
     proc, status = _up(engine)
     container = client.containers.get(engine.container).id
-    pid = int(subprocess.run(["pidof", "dockerd"], capture_output=True, text=True,
-                             check=True).stdout.split()[0])
+    pid = dockerd.pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         generation = engine.request("running")  # observed while dockerd cannot answer

@@ -30,9 +30,10 @@ from typing import Any
 import docker
 import requests
 
+from tests import dockerd
 from tests.gguf_fixtures import add_model, write_llama
 from tests.soak.schedule import Fault, draw
-from tests.system.harness import as_user, free_port, systemctl
+from tests.system.harness import as_user, copy_project, free_port, systemctl
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = "lucia"
@@ -85,7 +86,7 @@ class Soak:
                         f"gid={self.user.pw_gid},mode=0750", "tmpfs", str(self.data)], check=True)
         self.mounted = True
         recipes = [self._tensorfold_recipe(), self._router_recipe()]
-        source = self._copy_source()
+        source = copy_project(self.work / "src")
         subprocess.run(["chown", "-R", f"{self.user.pw_uid}:{self.user.pw_gid}", str(self.work)],
                        check=True)
         subprocess.run(["git", "config", "--system", "--add", "safe.directory", "*"], check=False)
@@ -96,18 +97,6 @@ class Soak:
             self.request(engine, "running")
         for engine in self.engines:
             self.wait_answered(engine, 300)
-
-    def _copy_source(self) -> Path:
-        """The project as a user would have it: a copy of the tracked (and new) files."""
-        source = self.work / "src"
-        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                                check=True, capture_output=True).stdout.split(b"\0")
-        for rel in filter(None, listed):
-            path = Path(rel.decode())
-            if (ROOT / path).is_file():
-                (source / path).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / path, source / path)
-        return source
 
     def _base_image(self) -> str:
         context = self.work / "base"
@@ -280,9 +269,9 @@ stop_grace = 5
             case "worker-reload":
                 systemctl("reload", engine.unit, check=False)
             case "dockerd-restart":
-                _restart_dockerd()
+                dockerd.restart("dockerd-soak.log")
             case "dockerd-stall":
-                pid = _dockerd_pid()
+                pid = dockerd.pid()
                 os.kill(pid, signal.SIGSTOP)
                 try:
                     time.sleep(p["pause"])
@@ -428,9 +417,9 @@ stop_grace = 5
     def cleanup(self) -> None:
         """Leave the machine as it was, whatever fault was under way when the soak ended."""
         with contextlib.suppress(subprocess.CalledProcessError, ProcessLookupError):
-            os.kill(_dockerd_pid(), signal.SIGCONT)  # ended during a stall
-        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode:
-            _start_dockerd()  # ended during a restart
+            os.kill(dockerd.pid(), signal.SIGCONT)  # ended during a stall
+        if not dockerd.answers():
+            dockerd.start("dockerd-soak.log")  # ended during a restart
         (self.data / ".soak-filler").unlink(missing_ok=True)
         for engine in self.engines:
             systemctl("stop", engine.unit, check=False)
@@ -451,33 +440,6 @@ stop_grace = 5
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
-
-
-def _dockerd_pid() -> int:
-    out = subprocess.run(["pidof", "dockerd"], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[0])
-
-
-def _restart_dockerd() -> None:
-    pid = _dockerd_pid()
-    os.kill(pid, signal.SIGCONT)  # a stalled dockerd must wake to stop
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        time.sleep(0.2)
-    _start_dockerd()
-
-
-def _start_dockerd() -> None:
-    os.makedirs("/var/log/lucia-machine", exist_ok=True)
-    log = open("/var/log/lucia-machine/dockerd-soak.log", "ab")  # noqa: SIM115
-    subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0:
-            return
-        time.sleep(0.5)
-    raise RuntimeError("dockerd did not come back")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,6 +107,18 @@ class Installation:
         return int(show(self.unit, "MainPID"))
 
 
+def copy_project(source: Path) -> Path:
+    """The project as a user would have it: a copy of the tracked (and new) files."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    for rel in filter(None, files):
+        path = Path(rel.decode())
+        if (ROOT / path).is_file():
+            (source / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, source / path)
+    return source
+
+
 def free_port() -> int:
     import socket
 
@@ -151,15 +163,7 @@ def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerCl
     work = home / f"lucia-system-test-{RUN_ID}"
     if work.exists():
         shutil.rmtree(work)
-    # the project as a user would have it: a copy of the tracked (and new) files
-    source = work / "src"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.split(b"\0")
-    for rel in filter(None, files):
-        path = Path(rel.decode())
-        if (ROOT / path).is_file():
-            (source / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / path, source / path)
+    source = copy_project(work / "src")
     # the stand-in recipe repository and its base image
     base_context = tmp_path_factory.mktemp("base")
     shutil.copy(shutil.which("busybox") or "/bin/busybox", base_context / "busybox")
