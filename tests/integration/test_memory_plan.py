@@ -61,8 +61,9 @@ def _none(client: docker.DockerClient, engine: Engine) -> bool:
 
 
 def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client, shared) -> None:
-    a: Engine = make_engine(memory=FIGURES, data_root=shared)
-    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    # a generous readiness timeout: both workers build their images at once on a busy machine
+    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     port = free_port()
     _up(a, "--metrics-port", str(port))
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -92,8 +93,9 @@ def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client
 
 
 def test_two_workers_starting_at_once_one_gets_the_memory(make_engine, client, shared) -> None:
-    a: Engine = make_engine(memory=FIGURES, data_root=shared)
-    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    # a generous readiness timeout: both workers build their images at once on a busy machine
+    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     a.start_worker()
     b.start_worker()
     generations = a.request("running"), b.request("running")
@@ -108,8 +110,9 @@ def test_two_workers_starting_at_once_one_gets_the_memory(make_engine, client, s
 
 
 def test_a_stopped_workers_engine_still_counts_until_it_stops(make_engine, client, shared) -> None:
-    a: Engine = make_engine(memory=FIGURES, data_root=shared)
-    b: Engine = make_engine(memory=FIGURES, data_root=shared)
+    # a generous readiness timeout: both workers build their images at once on a busy machine
+    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     proc, _ = _up(a)
     assert a.stop_worker(proc, signal.SIGTERM) == 0
     assert client.containers.get(a.container).status == "running"  # left running
