@@ -23,7 +23,6 @@ EXIT_USAGE: Final = 2
 EXIT_UNANSWERED: Final = 3
 EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the recipe is fixed
 DEFAULT_DATA_DIR: Final = "~/.local/share/lucia/host/data"
-TELEMETRY: Final = "telemetry"
 
 
 def data_dir_from(value: str | None) -> Path:
@@ -105,7 +104,7 @@ def _engine_names(data_dir: Path) -> list[str]:
     return sorted(
         entry.name
         for entry in data_dir.iterdir()
-        if entry.is_dir() and entry.name != TELEMETRY and not entry.name.startswith(".")
+        if entry.is_dir() and entry.name not in host.SHARED_DIRS and not entry.name.startswith(".")
     )
 
 

@@ -26,6 +26,8 @@ DESIRED: Final = "desired.json"
 STATUS: Final = "status.json"
 _REQUEST_LOCK: Final = ".request.lock"
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+# directories of the data directory that every worker shares: never an engine's name
+SHARED_DIRS: Final = frozenset({"telemetry", "memory"})
 
 Answer = Literal["current", "pending", "unavailable"]
 
@@ -41,6 +43,8 @@ def check_name(name: str) -> str:
             f"invalid engine name {name!r}: use lowercase letters, digits, '-', '_' and '.', "
             "starting with a letter or digit, at most 63 characters"
         )
+    if name in SHARED_DIRS:
+        raise BadName(f"invalid engine name {name!r}: the data directory's {name}/ is shared")
     return name
 
 
