@@ -66,8 +66,11 @@ def shipped_images(client: docker.DockerClient):
 
 def test_the_shipped_recipe_serves_as_start_sh_does(make_engine, client, shipped_images) -> None:
     engine: Engine = make_engine(layout="real")
+    # the shipped recipe, and one test knob: a download long enough that status.json, which
+    # coalesces progress to one write a second, shows its bar more than once
     engine.recipe_text = shipped_recipe(engine.repo.url, engine.commit, engine.network,
-                                        engine.port)
+                                        engine.port).replace(
+        "[settings]\n", '[settings]\nTEST_DOWNLOAD_SECONDS = "5"\n', 1)
     engine.start_worker()
     seen: list[str] = []
     status = _running(engine, seen)
