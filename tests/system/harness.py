@@ -13,6 +13,7 @@ import pwd
 import shutil
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -117,6 +118,50 @@ def copy_project(source: Path) -> Path:
             (source / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / path, source / path)
     return source
+
+
+def prometheus_api(base: str, path: str, raw: bool = False) -> Any:
+    """A Prometheus API answer's data (or the raw body); None while it does not answer."""
+    try:
+        with urllib.request.urlopen(base + path, timeout=5) as response:
+            body = response.read().decode()
+    except OSError:
+        return None
+    return body if raw else json.loads(body)["data"]
+
+
+def prometheus_targets(base: str, name: str) -> list[dict[str, Any]]:
+    """The active targets Prometheus discovered for the engine `name` (its file_sd label)."""
+    data = prometheus_api(base, "/api/v1/targets?state=active") or {"activeTargets": []}
+    return [t for t in data["activeTargets"] if t["labels"].get("name") == name]
+
+
+@contextlib.contextmanager
+def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
+    """Debian's real Prometheus on loopback, discovering the file_sd files in `telemetry`
+    every second; yields its URL once it is ready."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("Debian's prometheus package is needed (scripts/machine.sh installs it)")
+    port = free_port()
+    config = work / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
+        f"      - files: ['{telemetry}/*.json']\n"
+        "        refresh_interval: 1s\n")
+    log = (work / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: prometheus_api(url, "/-/ready", raw=True), 60, "prometheus to be ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
 
 
 def free_port() -> int:

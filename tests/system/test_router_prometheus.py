@@ -8,8 +8,6 @@ the unit); Prometheus reads its file_sd file and scrapes every loaded model's ta
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -19,24 +17,16 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures import Engine, free_port
+from tests.fixtures import Engine
 from tests.gguf_fixtures import add_model, write_llama
-from tests.system.harness import wait_for
+from tests.system.harness import prometheus_api as _api
+from tests.system.harness import prometheus_targets as _targets
+from tests.system.harness import (
+    running_prometheus,
+    wait_for,
+)
 
 pytestmark = pytest.mark.docker
-
-
-def _api(base: str, path: str) -> Any:
-    try:
-        with urllib.request.urlopen(base + path, timeout=5) as response:
-            return json.loads(response.read())["data"]
-    except OSError:
-        return None
-
-
-def _targets(base: str, name: str) -> list[dict[str, Any]]:
-    data = _api(base, "/api/v1/targets?state=active") or {"activeTargets": []}
-    return [t for t in data["activeTargets"] if t["labels"].get("name") == name]
 
 
 def _query(base: str, expr: str) -> dict[str, str]:
@@ -69,28 +59,8 @@ def router_engine(make_engine) -> Engine:
 
 @pytest.fixture
 def prometheus(router_engine: Engine, tmp_path: Path) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("Debian's prometheus package is needed (scripts/machine.sh installs it)")
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
-        f"      - files: ['{router_engine.data_dir}/telemetry/*.json']\n"
-        "        refresh_interval: 1s\n")
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _api(url, "/api/v1/status/buildinfo"), 60, "prometheus to be ready")
+    with running_prometheus(router_engine.data_dir / "telemetry", tmp_path) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def test_prometheus_scrapes_every_loaded_model_without_loading_any(

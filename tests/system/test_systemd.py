@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +21,16 @@ import pytest
 
 from supervisor.host import classify
 from supervisor.protocol import parse_status
-from tests.system.harness import Installation, as_user, free_port, show, systemctl, wait_for
+from tests.system.harness import (
+    Installation,
+    as_user,
+    running_prometheus,
+    show,
+    systemctl,
+    wait_for,
+)
+from tests.system.harness import prometheus_api as _api
+from tests.system.harness import prometheus_targets as _targets
 
 pytestmark = pytest.mark.system
 
@@ -205,43 +213,8 @@ def test_the_journal_has_one_line_per_event_with_its_priority(
 
 @pytest.fixture
 def prometheus(installation: Installation, tmp_path) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("Debian's prometheus package is needed (scripts/machine.sh installs it)")
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
-        f"      - files: ['{installation.data_dir}/telemetry/*.json']\n"
-        "        refresh_interval: 1s\n")
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _api(url, "/-/ready", raw=True), 60, "prometheus to be ready")
+    with running_prometheus(installation.data_dir / "telemetry", tmp_path) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-
-
-def _api(base: str, path: str, raw: bool = False) -> object:
-    try:
-        with urllib.request.urlopen(base + path, timeout=5) as response:
-            body = response.read().decode()
-    except OSError:
-        return None
-    return body if raw else json.loads(body)["data"]
-
-
-def _targets(base: str, name: str) -> list[dict]:
-    data = _api(base, "/api/v1/targets?state=active") or {"activeTargets": []}
-    return [t for t in data["activeTargets"]  # type: ignore[index]
-            if t["labels"].get("name") == name]
 
 
 def test_prometheus_discovers_scrapes_and_drops_the_engine(
