@@ -287,6 +287,18 @@ def stalled(previous: Decision, reason: str) -> Decision:
     return replace(previous, answer=replace(previous.answer, message=reason), step=None)
 
 
+def means_to_start(memory: Memory | None) -> bool:
+    """Whether this generation still means to start the spec its Check passed, so that what
+    the Check claimed (its memory) is still wanted: a stop, a failure or a newer request ends
+    that, and a newer request's own Check claims again."""
+    return (
+        memory is not None
+        and memory.desired == "running"
+        and memory.failure is None
+        and memory.checked is not None
+    )
+
+
 # -- a step has ended --------------------------------------------------------------------------
 
 

@@ -348,7 +348,11 @@ class Worker:
         elif job.result is not None:
             self._failures = 0
             self.metrics.set_load_failed(job.engine.failed_models())
-            self._apply(plan.plan(self.memory, job.result))
+            decision = plan.plan(self.memory, job.result)
+            if not plan.means_to_start(decision.memory):  # before a step that may claim anew
+                container = job.result.container
+                self.engine.abandoned(container.id if container and container.running else None)
+            self._apply(decision)
 
     def _stepped(self, job: Job, step: Step) -> None:
         self._pending = True

@@ -57,6 +57,10 @@ class Engine(Protocol):
         """After a Start step: the container it made (its memory claim now holds while it
         runs), or None when the start failed (the claim is dropped)."""
 
+    def abandoned(self, running: str | None) -> None:
+        """The generation no longer means to start what its Check passed: a claim that Check
+        made holds for the running container (running), or is dropped."""
+
     def planned_memory(self) -> tuple[int, int] | None:
         """(need, limit) in bytes at the last memory check; None before one."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .. import labels, redaction
+from .. import labels, logs, redaction
 from ..errors import Permanent
 from ..memplan.guard import Guard
 from ..memplan.need import EngineNeed
@@ -26,6 +26,7 @@ from .base import Endpoint, StepContext
 
 _LOG_TAIL: Final = 5
 _TAIL_CHARS: Final = 400  # of a message of at most 500, after "exited with code N: "
+log = logs.get("engine")
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,19 @@ class ContainerEngine:
         """After a Start step: the container it made, or None when it failed."""
         if self.memory is not None:
             self.memory.started(container_id)
+
+    def abandoned(self, running: str | None) -> None:
+        """The start a passed Check was for will not run: its memory claim moves to the
+        container still running (running), or is dropped. A ledger that cannot be written
+        keeps the claim pending until the next observation."""
+        if self.memory is None:
+            return
+        try:
+            if self.memory.abandon(running):
+                log.info("memory claim settled: its start was not run",
+                         held_by=running[:12] if running else None)
+        except OSError as exc:
+            log.warning("memory claim not settled; retrying at the next look", error=str(exc))
 
     # -- shared ---------------------------------------------------------------------------------
 

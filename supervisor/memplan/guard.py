@@ -74,6 +74,7 @@ class Guard:
     measure: Callable[[MachineSettings], Memory] = measure
     last: Verdict | None = field(default=None, init=False)  # for the worker's gauges
     limit: int | None = field(default=None, init=False)
+    pending: bool = field(default=False, init=False)  # a claim made whose start has not run
 
     @classmethod
     def for_data_dir(cls, name: str, data_dir: Path, runtime: Runtime) -> Guard:
@@ -99,12 +100,28 @@ class Guard:
         self.last = verdict
         if not verdict.fits:
             raise Permanent(verdict.message)
+        self.pending = True
         return verdict
 
     def started(self, container_id: str | None) -> None:
         """The start made container_id (its claim now holds while it runs), or failed (the
         claim is dropped: nothing was allocated)."""
+        self.pending = False
         if container_id is None:
             self.ledger.release(self.name)
         else:
             self.ledger.attach(self.name, container_id)
+
+    def abandon(self, running: str | None) -> bool:
+        """The start a claim was made for will not run (a stop, a failure or a new request came
+        first): the claim now holds for the container that still runs (a replacement that did
+        not happen), or is dropped. Whether there was such a claim; raises OSError when the
+        ledger cannot be written (the claim then stays pending, to be settled later)."""
+        if not self.pending:
+            return False
+        if running is None:
+            self.ledger.release(self.name)
+        else:
+            self.ledger.attach(self.name, running)
+        self.pending = False
+        return True

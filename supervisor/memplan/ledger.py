@@ -13,7 +13,8 @@ made it is alive (same pid and the same start time in /proc/<pid>/stat, so a reu
 not count) and no container is attached yet: a start in progress holds before its container
 exists. Once attached, a claim holds only while its engine runs, so an engine that stops or
 exits frees its memory with no release. A stopped worker's engine still runs and so still
-holds. A worker releases its claim when its start fails before a container exists.
+holds. A worker releases its claim when its start fails before a container exists, or when
+the start will not follow (a stop or a newer request came first).
 """
 
 from __future__ import annotations

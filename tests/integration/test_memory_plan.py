@@ -8,6 +8,7 @@ needs 0.5 + 0.1 GiB, so one fits and two do not.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -124,3 +125,25 @@ def test_a_stopped_workers_engine_still_counts_until_it_stops(make_engine, clien
     a.start_worker()
     a.wait_state(a.request("stopped"), "stopped", timeout=120)
     b.wait_state(b.request("running"), "running", timeout=120)
+
+
+def test_a_replacement_stopped_before_it_started_frees_its_claim(
+    make_engine, client, shared
+) -> None:
+    # a's Check for the replacement claims its memory; a stop request lands while the old
+    # container drains (5 s), so the replacement never starts: that claim must not outlive it
+    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180,
+                            settings={"STOP_DELAY": "5"})
+    b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    _up(a)
+    a.settings["READY_DELAY"] = "1"  # a new run spec: a replacement
+    a.write_recipe()
+    a.procs[-1].send_signal(signal.SIGHUP)
+    a.wait_status(lambda s: s["message"].startswith("stopping the engine container (replacing"),
+                  timeout=60, what="the replacement's stop under way")
+    a.wait_state(a.request("stopped"), "stopped", timeout=60)
+    assert _none(client, a)
+    claims = json.loads((shared / "memory" / "claims.json").read_text())["claims"]
+    assert [c["name"] for c in claims] == []
+    b.start_worker()
+    b.wait_state(b.request("running"), "running", timeout=120)  # nothing of a's is held

@@ -27,6 +27,7 @@ from supervisor.plan import (
     accept,
     acknowledge,
     conclude,
+    means_to_start,
     plan,
     shown,
     stalled,
@@ -265,6 +266,20 @@ def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: 
 ])
 def test_conclude(step: Any, error: str | None, expected: Memory) -> None:
     assert conclude(RUN, step, error) == expected
+
+
+@pytest.mark.parametrize(("memory", "expected"), [
+    (None, False),
+    (Memory(1, "running"), False),  # nothing checked yet: nothing was claimed
+    (Memory(1, "running", checked=SPEC.fingerprint()), True),  # a Start or a Stop for it next
+    (Memory(1, "running", checked=SPEC.fingerprint(), failure="stop failed"), False),
+    (Memory(2, "stopped"), False),  # a stop came between the Check and the Start
+    (accept(Memory(1, "running", checked=SPEC.fingerprint()), desired(2, "running")), False),
+])
+def test_what_a_passed_check_claimed_is_wanted_until_its_start(
+    memory: Memory | None, expected: bool
+) -> None:
+    assert means_to_start(memory) is expected
 
 
 # -- the run spec's fingerprint: every setting a container is created with ---------------------
