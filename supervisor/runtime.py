@@ -207,15 +207,23 @@ class Runtime:
         labels: dict[str, str] | None = None,
     ) -> tuple[int, list[str]]:
         """Run a throwaway container (no network, GPU or mounts) to its end and remove it:
-        its exit code (-1 when it ran out of time) and the last lines of its output."""
+        its exit code (-1 when it ran out of time) and the last lines of its output. Check
+        containers carrying the same labels that a worker killed mid-check, or a dockerd
+        restart, left behind are removed first."""
         api = self.api
+        marks = {**(labels or {}), MANAGED: "check"}
+        wanted = [f"{key}={value}" for key, value in marks.items()]
+        with _translated("listing check containers left behind"):
+            left = api.containers(all=True, filters={"label": wanted})
+        for entry in left:
+            self.remove(entry["Id"])
         host_config = api.create_host_config(network_mode="none", restart_policy={"Name": "no"})
         with _translated(f"creating a check container on {image[:19]}"):
             created = api.create_container(
                 image,
                 entrypoint=[entrypoint],
                 command=command,
-                labels={**(labels or {}), MANAGED: "check"},
+                labels=marks,
                 host_config=host_config,
                 network_disabled=True,
             )
