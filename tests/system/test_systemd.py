@@ -220,6 +220,7 @@ def prometheus(installation: Installation, tmp_path) -> Iterator[str]:
 def test_prometheus_discovers_scrapes_and_drops_the_engine(
     installation: Installation, prometheus: str, docker_client: docker.DockerClient
 ) -> None:
+    installation.request("running", "--wait", "--timeout", "120")  # whatever ran before
     (target,) = wait_for(lambda: [t for t in _targets(prometheus, installation.name)
                                   if t["health"] == "up"], 60, "the engine target up")
     gateway = docker_client.networks.get(installation.network).attrs["IPAM"]["Config"][0][
