@@ -30,12 +30,12 @@ import docker
 import docker.errors
 
 from supervisor import host
+from tests.standin import busybox_image, recipe_repository
 
 RUN_ID = uuid.uuid4().hex[:8]
 LABEL = "lucia.bench.run"
 ROLE = "lucia.bench.role"
 ROOT = Path(__file__).resolve().parents[1]
-REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"
 PYTHON = sys.executable
 WORKER = [PYTHON, "-m", "supervisor.cli", "worker"]
 
@@ -270,20 +270,6 @@ def _kill_group(proc: subprocess.Popen[Any]) -> None:
         proc.wait(10)
 
 
-def _git(cwd: Path, *args: str) -> str:
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "bench",
-        "GIT_AUTHOR_EMAIL": "bench@lucia.invalid",
-        "GIT_COMMITTER_NAME": "bench",
-        "GIT_COMMITTER_EMAIL": "bench@lucia.invalid",
-    }
-    out = subprocess.run(
-        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
-    )
-    return out.stdout.strip()
-
-
 def adopt_run(run_id: str) -> None:
     """Make this process clean up after an earlier run that was killed (SIGKILL, a crash)."""
     global RUN_ID  # noqa: PLW0603 - the run id names everything; --clean swaps it once
@@ -318,31 +304,15 @@ class Lab:
     def base_image(self) -> str:
         """FROM scratch with Debian's static busybox, labelled from the first instruction on."""
         if self._base is None:
-            busybox = shutil.which("busybox")
-            if busybox is None:
-                raise RuntimeError("busybox-static is needed (apt-get install busybox-static)")
-            context = self.tmp / "base"
-            context.mkdir()
-            shutil.copy(busybox, context / "busybox")
-            (context / "Dockerfile").write_text(
-                f'FROM scratch\nLABEL {LABEL}="{RUN_ID}"\nCOPY busybox /bin/busybox\n'
-                'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
-                "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n"
-            )
             tag = f"lucia-bench-{RUN_ID}-busybox:1"
-            self.client.images.build(path=str(context), tag=tag, rm=True, forcerm=True)
-            self._base = tag
+            self._base = busybox_image(self.client, self.tmp / "base", tag, {LABEL: RUN_ID})
         return self._base
 
     def repo(self) -> tuple[Path, str]:
         """A git copy of demo/recipe-repo; its path and commit."""
         if self._repo is None:
             path = self.tmp / "recipe-repo"
-            shutil.copytree(REPO_TEMPLATE, path)
-            _git(path, "init", "-q", "-b", "main")
-            _git(path, "add", "-A")
-            _git(path, "commit", "-q", "-m", "recipe 0.7.0 (bench)")
-            self._repo = (path, _git(path, "rev-parse", "HEAD"))
+            self._repo = (path, recipe_repository(path, message="recipe 0.7.0 (bench)"))
         return self._repo
 
     def gateway(self) -> str:

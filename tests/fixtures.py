@@ -11,9 +11,7 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +26,19 @@ import docker
 import pytest
 
 from tests.gpu_recordings import fake_nvidia_smi
+from tests.standin import (
+    DEMO_REPO,
+    busybox_image,
+    free_port,
+    git,
+    inline_table,
+    recipe_repository,
+    toml_text,
+    toml_value,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_TEMPLATE = ROOT / "demo" / "recipe-repo"  # a recipe with a Dockerfile: image.from = dockerfile
+REPO_TEMPLATE = DEMO_REPO
 REAL_TEMPLATE = ROOT / "tests" / "tensorfold-recipe"  # the real recipe's layout: prepare.sh builds
 SHIPPED_RECIPE = ROOT / "recipes" / "spark-model.toml"
 RUN_ID = uuid.uuid4().hex[:8]
@@ -69,31 +77,7 @@ def _cleanup(cli: docker.DockerClient) -> None:
 def base_image(client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> str:
     """FROM scratch with Debian's static busybox: the only base these tests may use."""
     context = tmp_path_factory.mktemp("base")
-    busybox = shutil.which("busybox")
-    assert busybox, "busybox-static is needed (apt-get install busybox-static)"
-    shutil.copy(busybox, context / "busybox")
-    (context / "Dockerfile").write_text(
-        "FROM scratch\nCOPY busybox /bin/busybox\n"
-        'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
-        "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n"
-    )
-    tag = f"lucia-test-busybox-{RUN_ID}:1"
-    client.images.build(path=str(context), tag=tag, rm=True, labels={TEST_LABEL: RUN_ID})
-    return tag
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    out = subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
-                         text=True)
-    return out.stdout.strip()
+    return busybox_image(client, context, f"lucia-test-busybox-{RUN_ID}:1", {TEST_LABEL: RUN_ID})
 
 
 @dataclass
@@ -115,11 +99,8 @@ class RecipeRepo:
 
 
 def _repo(template: Path, path: Path) -> RecipeRepo:
-    shutil.copytree(template, path)
-    git(path, "init", "-q", "-b", "main")
-    repo = RecipeRepo(path)
-    repo.commit("recipe 0.7.0")
-    return repo
+    recipe_repository(path, template, "recipe 0.7.0")
+    return RecipeRepo(path)
 
 
 @pytest.fixture
@@ -263,10 +244,7 @@ class Engine:
         extra["volumes"] = data["run"]["volumes"] + extra.get("volumes", [])
         data["run"].update({"ready_timeout": self.ready_timeout, "stop_grace": self.stop_grace,
                             **extra})
-        top = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
-        tables = [f"[{k}]\n" + "\n".join(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
-                  for k, v in data.items() if isinstance(v, dict)]
-        self.recipe_path.write_text("\n".join(top + tables) + "\n")
+        self.recipe_path.write_text(toml_text(data))
         return self.recipe_path
 
     def _write_router_recipe(self) -> Path:
@@ -278,13 +256,13 @@ class Engine:
             "poll_seconds = 1",
             "[router]", f'image = "{self.router_image}"', f"models_max = {self.models_max}",
             "load_on_startup = " + json.dumps(list(self.load_on_startup)),
-            "defaults = " + _inline(self.defaults),
+            "defaults = " + inline_table(self.defaults),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
             "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {_toml(v)}" for k, v in self.run_extra.items()),
+            *(f"{k} = {toml_value(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -300,18 +278,18 @@ class Engine:
                 "served_name": "tiny", "max_model_len": 4096, **self.vllm}
         lines = [
             f'name = "{self.name}"', 'engine = "vllm"', 'model = "test/tiny-model"',
-            "[vllm]", *(f"{k} = {_toml(v)}" for k, v in vllm.items()),
+            "[vllm]", *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
             "[vllm.model.hf]", f'id = "{self.vllm_model}"', f'revision = "{self.revision}"',
             "[tiers]", 'shm_bytes = "16m"',
-            "nvme = " + _inline({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
-            "hdd = " + _inline({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
-            *(f"{k} = {_toml(v)}" for k, v in self.tiers_extra.items()),
+            "nvme = " + inline_table({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
+            "hdd = " + inline_table({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
+            *(f"{k} = {toml_value(v)}" for k, v in self.tiers_extra.items()),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
             "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in secrets.items()),
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {_toml(v)}" for k, v in
+            *(f"{k} = {toml_value(v)}" for k, v in
               {"shm_size": "64m", "memory": "512m", **self.run_extra}.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
@@ -329,7 +307,7 @@ class Engine:
             f'name = "{self.name}"', 'engine = "tensorfold"', 'model = "test/tiny-model"',
             "[source]", f'repository = "{self.repo.url}"', f'commit = "{self.commit}"',
             "[image]", f'tag = "{self.image_tag}"',
-            "build_args = " + _inline(build_args),
+            "build_args = " + inline_table(build_args),
             "[prepare]",
             'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
             "[grammar]", f'requirement = "{self.requirement}"',
@@ -341,7 +319,7 @@ class Engine:
             "[run]", f'network = "{self.network}"', f"port = {self.port}",
             'ready_path = "/v1/models"', 'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {_toml(v)}" for k, v in self.run_extra.items()),
+            *(f"{k} = {toml_value(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -398,20 +376,6 @@ class Engine:
 
     def file_sd(self) -> list[dict[str, Any]]:
         return list(json.loads((self.data_dir / "telemetry" / f"{self.name}.json").read_text()))
-
-
-def _inline(table: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in table.items()) + "}"
-
-
-def _toml(value: Any) -> str:
-    """A TOML value: inline tables and arrays of them, else JSON's spelling (the same in TOML
-    for strings, numbers, booleans and flat arrays)."""
-    if isinstance(value, dict):
-        return _inline(value)
-    if isinstance(value, list) and any(isinstance(item, dict) for item in value):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    return json.dumps(value)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ import requests
 from tests import dockerd
 from tests.gguf_fixtures import add_model, write_llama
 from tests.soak.schedule import Fault, draw
-from tests.system.harness import as_user, copy_project, free_port, systemctl
+from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
+from tests.system.harness import as_user, copy_project, systemctl
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = "lucia"
@@ -99,27 +100,13 @@ class Soak:
             self.wait_answered(engine, 300)
 
     def _base_image(self) -> str:
-        context = self.work / "base"
-        context.mkdir()
-        shutil.copy(shutil.which("busybox") or "/bin/busybox", context / "busybox")
-        (context / "Dockerfile").write_text(
-            "FROM scratch\nCOPY busybox /bin/busybox\n"
-            'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
-            "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n")
-        tag = f"lucia-soak-busybox-{self.run_id}:1"
-        self.client.images.build(path=str(context), tag=tag, rm=True)
+        tag = busybox_image(self.client, self.work / "base", f"lucia-soak-busybox-{self.run_id}:1")
         self.images.append(tag)
         return tag
 
     def _tensorfold_recipe(self) -> Path:
         repo = self.work / "recipe-repo"
-        shutil.copytree(ROOT / "demo" / "recipe-repo", repo)
-        env = {**os.environ, "GIT_AUTHOR_NAME": "s", "GIT_AUTHOR_EMAIL": "s@s",
-               "GIT_COMMITTER_NAME": "s", "GIT_COMMITTER_EMAIL": "s@s"}
-        for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "r"]):
-            subprocess.run(["git", *args], cwd=repo, env=env, check=True)
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = recipe_repository(repo)
         name, port = f"soaktf{self.run_id}", free_port()
         secret = self.work / "token"
         secret.write_text(self.token + "\n")
@@ -127,34 +114,10 @@ class Soak:
         tag = f"lucia-soak-recipe-{self.run_id}:v1"
         self.images += [tag + "-grammar", tag]
         recipe = self.work / f"{name}.toml"
-        recipe.write_text(f"""\
-name = "{name}"
-engine = "tensorfold"
-model = "test/tiny-model"
-[source]
-repository = "file://{repo}"
-commit = "{commit}"
-[image]
-tag = "{tag}"
-build_args = {{ BASE = "{self._base_image()}" }}
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar", "tensorfold"]
-[settings]
-PORT = "{port}"
-MODEL_ID = "test/tiny-model"
-SERVED_NAME = "tiny"
-SOAK_EDIT = "0"
-[secrets]
-SOAK_TOKEN = "{secret}"
-[run]
-network = "{self.network}"
-port = {port}
-ready_path = "/v1/models"
-ready_timeout = 60
-stop_grace = 5
-memory = "64m"
-""")
+        recipe.write_text(demo_recipe(
+            name, repo, commit, tag, self._base_image(), port, self.network,
+            settings={"SOAK_EDIT": "0"}, secrets={"SOAK_TOKEN": str(secret)},
+            run={"stop_grace": 5, "memory": "64m"}))
         self.engines.append(SoakEngine(name, "tensorfold", self._installed(name),
                                        f"lucia-{name}", "/v1/models", oom=True))
         return recipe

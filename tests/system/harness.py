@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pwd
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ from typing import Any
 
 import docker
 import pytest
+
+from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
 
 ROOT = Path(__file__).resolve().parents[2]
 AS_USER = ROOT / "scripts" / "as-lucia"
@@ -164,21 +165,6 @@ def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
         log.close()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
 @pytest.fixture(scope="session")
 def user_manager() -> pwd.struct_passwd:
     try:
@@ -210,50 +196,17 @@ def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerCl
         shutil.rmtree(work)
     source = copy_project(work / "src")
     # the stand-in recipe repository and its base image
-    base_context = tmp_path_factory.mktemp("base")
-    shutil.copy(shutil.which("busybox") or "/bin/busybox", base_context / "busybox")
-    (base_context / "Dockerfile").write_text(
-        "FROM scratch\nCOPY busybox /bin/busybox\n"
-        'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
-        "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n")
-    base = f"lucia-systest-busybox-{RUN_ID}:1"
-    docker_client.images.build(path=str(base_context), tag=base, rm=True)
+    base = busybox_image(docker_client, tmp_path_factory.mktemp("base") / "context",
+                         f"lucia-systest-busybox-{RUN_ID}:1")
     repo = work / "recipe-repo"
-    shutil.copytree(ROOT / "demo" / "recipe-repo", repo)
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "recipe")
-    commit = _git(repo, "rev-parse", "HEAD")
+    commit = recipe_repository(repo)
     name = f"sys{RUN_ID}"
     port = free_port()
     network = f"lucia-systest-{RUN_ID}"
     image_tag = f"lucia-systest-recipe-{RUN_ID}:v1"
     recipe = work / f"{name}.toml"
-    recipe.write_text(f"""\
-name = "{name}"
-engine = "tensorfold"
-model = "test/tiny-model"
-[source]
-repository = "file://{repo}"
-commit = "{commit}"
-[image]
-tag = "{image_tag}"
-build_args = {{ BASE = "{base}" }}
-[grammar]
-requirement = "xgrammar>=0.2.8,<0.3"
-modules = ["xgrammar", "tensorfold"]
-[settings]
-PORT = "{port}"
-MODEL_ID = "test/tiny-model"
-SERVED_NAME = "tiny"
-[run]
-network = "{network}"
-port = {port}
-ready_path = "/v1/models"
-metrics_path = "/metrics"
-ready_timeout = 60
-stop_grace = 10
-""")
+    recipe.write_text(demo_recipe(name, repo, commit, image_tag, base, port, network,
+                                  run={"metrics_path": "/metrics"}))
     subprocess.run(["chown", "-R", f"{uid}:{gid}", str(work)], check=True)
     subprocess.run(["git", "config", "--system", "--add", "safe.directory", "*"], check=False)
     install = as_user(str(source / "install.sh"), "--recipe", str(recipe), timeout=900)
