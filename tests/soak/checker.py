@@ -84,6 +84,12 @@ class Checker:
         self.violations: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {"worst_heartbeat_age": 0.0, "ack": [], "samples": 0}
 
+    def _violate(self, violation: dict[str, Any]) -> None:
+        """Record a violation, and say it at once: a long soak shows it when it happens."""
+        self.violations.append(violation)
+        print(f"  checker: VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
+              f"{violation['detail']}", flush=True)
+
     # -- events --------------------------------------------------------------------------------
 
     def _read_events(self) -> None:
@@ -137,7 +143,7 @@ class Checker:
             return
         since = engine.breaches.setdefault(key, now)
         if now - since >= tolerance:
-            self.violations.append({"t": now, "engine": engine.name, "invariant": invariant,
+            self._violate({"t": now, "engine": engine.name, "invariant": invariant,
                                     "detail": detail})
             engine.breaches[key] = now + 3600  # once an hour at most per invariant
 
@@ -161,7 +167,7 @@ class Checker:
             value = json.loads(text)
             schema.validate(value)  # the schema itself was checked once, when loaded
         except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            self.violations.append({"t": now, "engine": engine.name, "invariant": "whole-file",
+            self._violate({"t": now, "engine": engine.name, "invariant": "whole-file",
                                     "detail": f"{path.name}: {str(exc)[:200]}"})
             return None
         return value
@@ -198,7 +204,7 @@ class Checker:
                          tolerance=0)
         for secret in self.secrets:
             if secret in json.dumps(status):
-                self.violations.append({"t": now, "engine": engine.name,
+                self._violate({"t": now, "engine": engine.name,
                                         "invariant": "secret", "detail": "status.json"})
         current = desired is not None and status["generation"] == desired["generation"]
         if file_sd is not None and current:
@@ -221,7 +227,7 @@ class Checker:
         running = container is not None and container.status == "running"
         if running and container is not None and container.id != engine.container_id:
             if engine.container_id is not None and not self._caused(engine):
-                self.violations.append({"t": now, "engine": engine.name,
+                self._violate({"t": now, "engine": engine.name,
                                         "invariant": "restart-without-cause",
                                         "detail": f"{engine.container_id[:12]} -> "
                                                   f"{container.id[:12]}"})
@@ -268,13 +274,13 @@ class Checker:
             status = self._read_json(engine, engine.status, self.status_schema, now)
             desired = self._desired(engine)
             if status is None or desired is None:
-                self.violations.append({"t": now, "engine": engine.name, "invariant": "final",
+                self._violate({"t": now, "engine": engine.name, "invariant": "final",
                                         "detail": "no status or no valid desired.json"})
                 continue
             answered = (status["generation"] == desired["generation"]
                         and status["state"] in ("running", "stopped", "failed"))
             if not answered:
-                self.violations.append({"t": now, "engine": engine.name, "invariant": "final",
+                self._violate({"t": now, "engine": engine.name, "invariant": "final",
                                         "detail": f"generation {desired['generation']} "
                                                   f"unanswered: {status['state']} "
                                                   f"{status['message'][:120]}"})
@@ -283,7 +289,7 @@ class Checker:
                                      check=False).stdout
             for secret in self.secrets:
                 if secret in journal:
-                    self.violations.append({"t": now, "engine": engine.name,
+                    self._violate({"t": now, "engine": engine.name,
                                             "invariant": "secret", "detail": "journal"})
         acks = sorted(self.figures.pop("ack"))
         self.figures["ack_p50"] = acks[len(acks) // 2] if acks else None
