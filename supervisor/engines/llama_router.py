@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from .. import files, gguf_cache, labels, library, logs, preset
 from ..errors import Cancelled, Permanent, Transient
+from ..memplan import settings
 from ..memplan.need import EngineNeed, ModelNeed
 from ..plan import Observed, Prerequisite
 from ..protocol import TargetGroup
@@ -196,8 +197,9 @@ class LlamaRouter(ContainerEngine):
         return Prerequisites(missing, EngineImage(ref, image) if image is not None else None)
 
     def _sync_key(self, found: library.Library) -> str:
-        """The library as seen, and the recipe's part of the preset: a change in either means
-        a new sync (which copies only what changed) and a new preset."""
+        """The library as seen, the recipe's part of the preset and the machine settings the
+        memory plan divides: a change in any means a new sync (which copies only what changed)
+        and a new preset (its contexts and offered models planned again)."""
         router, where = self.recipe.router, self.recipe.library
         recipe_part = json.dumps(
             [
@@ -206,11 +208,21 @@ class LlamaRouter(ContainerEngine):
                 router.models_max,
                 where.container_dir,
                 str(where.cache_path),
+                self._machine_key(),
             ],
             sort_keys=True,
             default=str,
         )
         return library_fingerprint(found) + ":" + hashlib.sha256(recipe_part.encode()).hexdigest()
+
+    def _machine_key(self) -> str:
+        """The machine settings as the memory plan reads them; empty with no plan."""
+        if self.memory is None:
+            return ""
+        try:
+            return repr(settings.load())
+        except settings.MachineError as exc:  # the sync reports it; a fix means a new sync
+            return f"unusable: {exc}"
 
     def _synced(self) -> Synced | None:
         try:

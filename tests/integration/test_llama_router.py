@@ -5,6 +5,7 @@ llama.cpp-tools): library -> cache -> preset -> router, with tiny llama GGUFs th
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -19,6 +20,7 @@ import pytest
 
 from tests.fixtures import CLI, ROOT, Engine, free_port
 from tests.gguf_fixtures import (
+    TinyLlama,
     add_model,
     break_magic,
     set_version,
@@ -264,6 +266,40 @@ def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_aga
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
     assert [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"]
+
+
+def _planned_context(engine: Engine, model: str) -> int:
+    text = (engine.cache_dir / "llama-models.ini").read_text()
+    found = re.search(rf"^\[{model}\]\n(?:[^\[\n].*\n)*?ctx-size = (\d+)$", text, re.MULTILINE)
+    assert found, f"no ctx-size for {model} in the preset:\n{text}"
+    return int(found.group(1))
+
+
+def test_new_machine_settings_replan_the_contexts_in_the_same_router(
+    make_engine, client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ctx-size "auto" is what fits the machine's limit; a new limit in the settings file is
+    planned again at the next look, with no new request, and the router serves on."""
+    machine = tmp_path / "machine.toml"
+    machine.write_text('limit = 1.0\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
+    monkeypatch.setenv("LUCIA_MACHINE_FILE", str(machine))
+    engine = _router(make_engine, load_on_startup=("alpha",), defaults={"ctx-size": "auto"})
+    # 2 layers x 4 KV heads x (16 + 16) x 2 B = 512 B a token: 16 MiB at its native 32768
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf", TinyLlama(context=32768))
+    engine.start_worker()
+    engine.wait_state(engine.request("running"), "running", timeout=120)
+    assert _planned_context(engine, "alpha") == 32768  # 1 GiB: all of its native context
+    container = client.containers.get(engine.container)
+    machine.write_text('limit = 0.01\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
+    engine.wait_status(lambda s: _planned_context(engine, "alpha") < 32768, timeout=30,
+                       what="the context planned again for 0.01 GiB")
+    smaller = _planned_context(engine, "alpha")
+    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
+                       timeout=60, what="alpha loaded again")
+    after = client.containers.get(engine.container)
+    assert after.id == container.id, "the router was not replaced"
+    assert 0 < smaller * 512 < 0.01 * 1024**3
+    assert _models(engine)["alpha"] == "loaded"
 
 
 def _chat_until(engine: Engine, model: str, stop: threading.Event, answers: list[int]) -> None:
