@@ -2,8 +2,8 @@
 
 One policy for both: written at once when what they say changes, status.json at least every
 interval. A write that fails (a full disk) keeps the last good file, is said in the journal (and
-in status.json when that one can still be written) and is retried on the next tick; the worker
-never exits for it.
+in status.json when that one can still be written) and is retried a second later, not sooner:
+a full disk costs one attempt a second, not a busy loop. The worker never exits for it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .protocol import Status, TargetGroup, clean_message, dump, utc_now
 from .telemetry import FileSdWriter, Metrics
 
 _MESSAGE_EVERY: Final = 1.0  # progress lines are coalesced to one write a second
+_RETRY_EVERY: Final = 1.0  # a failed write is tried again this much later
 log = logs.get("heartbeat")
 
 
@@ -46,6 +47,7 @@ class Heartbeat:
         self._dirty = False
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
         self._sd_error: str | None = None
+        self._retry_at = float("-inf")  # after a failed write: nothing pending is tried before
 
     def show(
         self, answer: Answer, refused: str | None, targets: Sequence[TargetGroup] = ()
@@ -93,24 +95,32 @@ class Heartbeat:
 
     def tick(self) -> None:
         """Write what waits: a failed file_sd write, a coalesced message, a due heartbeat."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
         if self._targets is not None:
             self._publish_targets()
-        elapsed = time.monotonic() - self._written_at
+        elapsed = now - self._written_at
         if (self._dirty and elapsed >= _MESSAGE_EVERY) or elapsed >= self.interval:
             self._write()
 
     def due_in(self) -> float:
-        elapsed = time.monotonic() - self._written_at
+        now = time.monotonic()
+        elapsed = now - self._written_at
         wait = self.interval - elapsed
         if self._dirty or self._targets is not None:
             wait = min(wait, _MESSAGE_EVERY - elapsed)
-        return max(wait, 0.0)
+        return max(wait, self._retry_at - now, 0.0)
+
+    def _failed(self) -> None:
+        self._retry_at = time.monotonic() + _RETRY_EVERY
 
     def _publish_targets(self) -> None:
         assert self._targets is not None
         try:
             self.file_sd.publish(self._targets)
         except OSError as exc:
+            self._failed()
             if self._sd_error is None:
                 log.error("file_sd write failed", path=str(self.file_sd.path), error=str(exc))
                 self._dirty = True
@@ -133,10 +143,9 @@ class Heartbeat:
             )
         try:
             files.write_atomic(self.path, dump(shown))
-        except OSError as exc:
-            # the previous status stays intact; retried a second from now
+        except OSError as exc:  # the previous status stays intact; retried a second from now
             self._dirty = True
-            self._written_at = time.monotonic() - self.interval + _MESSAGE_EVERY
+            self._failed()
             log.error("status write failed", path=str(self.path), error=str(exc))
             return
         self.status = status

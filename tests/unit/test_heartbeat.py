@@ -1,0 +1,53 @@
+"""The heartbeat's failure policy, with writes that really fail (status.json's directory is a
+file, so every write raises as a full disk's does): the last good file stays, and a failed
+write is tried again a second later, never in a busy loop."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.heartbeat import Heartbeat
+from supervisor.notify import Notifier
+from supervisor.plan import Answer
+from supervisor.protocol import TargetGroup
+from supervisor.telemetry import FileSdWriter, Metrics
+
+TARGETS = (TargetGroup(targets=["172.21.0.1:8000"], labels={"name": "e"}),)
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path) -> Path:
+    blocker = tmp_path / "engine"
+    blocker.write_text("a file where the engine's directory should be\n")
+    return blocker / "status.json"
+
+
+def _heartbeat(status: Path, data: Path) -> Heartbeat:
+    return Heartbeat(status, FileSdWriter(data, "e"), 15.0, Notifier(), Metrics("e"))
+
+
+def test_a_failed_status_write_is_retried_a_second_later(unwritable: Path, tmp_path: Path) -> None:
+    beat = _heartbeat(unwritable, tmp_path / "data")
+    beat.show(Answer(1, "starting", "acknowledged: running requested"), None)
+    assert 0.9 <= beat.due_in() <= 1.0  # not 0: the loop would spin on a full disk
+    beat.tick()  # early: nothing is tried
+    assert 0.8 <= beat.due_in() <= 1.0
+
+
+def test_a_failed_file_sd_write_is_retried_a_second_later(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    beat = _heartbeat(tmp_path / "status.json", data)
+    beat.show(Answer(1, "starting", "starting"), None)  # both written: the disk has room
+    telemetry = beat.file_sd.path.parent
+    shutil.rmtree(telemetry)
+    telemetry.write_text("a file where the telemetry directory should be\n")
+    beat.show(Answer(1, "running", "serving", "http://172.21.0.1:8000"), None, TARGETS)
+    assert "Prometheus targets not written" in (tmp_path / "status.json").read_text()
+    for _ in range(2):  # each retry, when it falls due, fails and waits a second again
+        assert 0.9 <= beat.due_in() <= 1.0  # the targets wait, but not in a busy loop
+        time.sleep(beat.due_in() + 0.05)
+        beat.tick()
