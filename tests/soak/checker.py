@@ -46,6 +46,21 @@ QUIET: Final = {
 _WORKER_RETURN: Final = 15.0  # systemd's restart and the worker's first status after a fault
 
 
+def excused(events: list[dict[str, Any]], engine: str, invariant: str, now: float) -> bool:
+    """Is a fault that excuses this invariant under way (or just over) for this engine? An
+    invariant of one generation ("ack 41") is excused as its kind ("ack") is."""
+    kind = invariant.split(maxsplit=1)[0]
+    for event in events:
+        if kind not in QUIET.get(event["kind"], ()):
+            continue
+        if event["engine"] not in (engine, "*"):
+            continue
+        end = event.get("end", now + 1)
+        if event["start"] - TOLERANCE <= now <= end + _WORKER_RETURN:
+            return True
+    return False
+
+
 def _load_schema(name: str) -> dict[str, Any]:
     return dict(json.loads((ROOT / "schemas" / name).read_text()))
 
@@ -109,17 +124,7 @@ class Checker:
         return list(self._events.values())
 
     def _active(self, engine: str, invariant: str, now: float) -> bool:
-        """Is a fault that excuses this invariant under way (or just over) for this engine?"""
-        for event in self.events:
-            kinds = QUIET.get(event["kind"], ())
-            if invariant not in kinds:
-                continue
-            if event["engine"] not in (engine, "*"):
-                continue
-            end = event.get("end", now + 1)
-            if event["start"] - TOLERANCE <= now <= end + _WORKER_RETURN:
-                return True
-        return False
+        return excused(self.events, engine, invariant, now)
 
     def _since_edit(self, engine: str, now: float) -> float:
         edits = [e["start"] for e in self.events if e["kind"] == "recipe-edit"
