@@ -136,7 +136,7 @@ def test_a_replacement_stopped_before_it_started_frees_its_claim(
                             settings={"STOP_DELAY": "5"})
     b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     _up(a)
-    a.settings["READY_DELAY"] = "1"  # a new run spec: a replacement
+    a.settings["READY_DELAY"] = "2"  # a new run spec: a replacement
     a.write_recipe()
     a.procs[-1].send_signal(signal.SIGHUP)
     a.wait_status(lambda s: s["message"].startswith("stopping the engine container (replacing"),
