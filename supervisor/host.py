@@ -25,6 +25,7 @@ STALE_AFTER: Final = timedelta(seconds=60)
 DESIRED: Final = "desired.json"
 STATUS: Final = "status.json"
 _REQUEST_LOCK: Final = ".request.lock"
+_ISSUED: Final = ".generation"  # the last generation the host issued, never reused
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 # directories of the data directory that every worker shares: never an engine's name
 SHARED_DIRS: Final = frozenset({"telemetry", "memory"})
@@ -80,21 +81,33 @@ def request(data_dir: Path, name: str, desired: DesiredState) -> int:
     """Write the next generation of desired.json and return it; the first request is 1.
 
     A lock around read-increment-write means concurrent requesters never issue the same
-    generation. The next generation is above both the last request and the last applied status,
-    so a lost or hand-edited desired.json cannot make a new request look already answered.
+    generation. The next generation is above the last request, the last applied status and the
+    last one issued here, so a lost, hand-edited or restored desired.json (which the worker then
+    answers) can neither make a new request look already answered nor reuse a number.
     """
     directory = ensure_dir(engine_dir(data_dir, name))
     with FileLock(directory / _REQUEST_LOCK):
         previous = read_desired(directory)
         status = load_status(directory)
         generation = 1 + max(
-            previous.generation if previous else 0, status.generation if status else 0
+            previous.generation if previous else 0,
+            status.generation if status else 0,
+            _issued(directory),
         )
         document = DesiredFile.model_validate(
             {"schemaVersion": SCHEMA_VERSION, "generation": generation, "desired": desired}
         )
+        write_atomic(directory / _ISSUED, f"{generation}\n".encode(), 0o600)
         write_atomic(directory / DESIRED, dump(document))
     return generation
+
+
+def _issued(directory: Path) -> int:
+    try:
+        text = read_text(directory / _ISSUED, limit=64)
+    except (OSError, ValueError):
+        return 0
+    return int(text) if text.strip().isdigit() else 0
 
 
 def classify(status: Status | None, generation: int, now: datetime) -> Reading:

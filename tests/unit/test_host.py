@@ -143,6 +143,20 @@ def test_request_goes_above_both_request_and_status(
     assert classify(host.load_status(directory), expected, NOW).answer in {"pending", "unavailable"}
 
 
+def test_a_restored_older_request_never_makes_a_generation_reused(tmp_path: Path) -> None:
+    """An older desired.json put back by hand (and answered by the worker, which applies what
+    the file says) does not make the host issue 39 a second time."""
+    for _ in range(41):
+        request(tmp_path, "tf", "running")
+    directory = tmp_path / "tf"
+    (directory / host.DESIRED).write_bytes(
+        b'{"schemaVersion": 1, "generation": 38, "desired": "stopped"}')
+    write_atomic(directory / host.STATUS, dump(heartbeat(38, timedelta(0), "stopped")))
+    assert request(tmp_path, "tf", "running") == 42
+    (directory / ".generation").write_text("not a number\n")  # damaged: the files still count
+    assert request(tmp_path, "tf", "running") == 43
+
+
 def test_request_replaces_a_symlinked_desired(tmp_path: Path) -> None:
     outside = tmp_path / "outside.json"
     outside.write_text('{"schemaVersion": 1, "generation": 50, "desired": "running"}')
