@@ -76,6 +76,9 @@ class Soak:
         self.images: list[str] = []
         self.network = f"lucia-soak-{self.run_id}"
         self.last_valid: dict[str, bytes] = {}  # per engine: its last whole desired.json
+        # the host's requests and the repair of a damaged desired.json, one at a time: a repair
+        # must see whether a request replaced the damage meanwhile
+        self.writing = threading.Lock()
         self.started: dict[float, float] = {}  # a fault's offset -> when it began
 
     # -- setting up, as an operator would --------------------------------------------------------
@@ -162,7 +165,8 @@ stop_grace = 5
 
     def request(self, engine: SoakEngine, desired: str) -> bool:
         """As the host does; on a full disk the host's own write fails, and is said."""
-        done = as_user(self.cli, "request", engine.name, desired, check=False)
+        with self.writing:
+            done = as_user(self.cli, "request", engine.name, desired, check=False)
         if done.returncode != 0:
             print(f"    (request not written: {done.stderr.strip()[:120]})", flush=True)
         return done.returncode == 0
@@ -277,22 +281,29 @@ stop_grace = 5
         self._restore(desired, valid)
 
     def _restore(self, desired: Path, valid: bytes | None) -> None:
-        """Put the last valid request back, as a host would: retried while the disk is full."""
+        """Put the last valid request back, as a host would (retried while the disk is full),
+        unless a newer request has replaced the damage meanwhile: that one stands."""
         deadline = time.monotonic() + 60
         while True:
             try:
-                if desired.is_dir():
-                    desired.rmdir()
-                if valid is not None:
-                    tmp = desired.with_name(".soak-restore.tmp")
-                    tmp.write_bytes(valid)
-                    os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
-                    os.replace(tmp, desired)
+                with self.writing:
+                    self._repair(desired, valid)
                 return
             except OSError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+
+    def _repair(self, desired: Path, valid: bytes | None) -> None:
+        if desired.is_dir():
+            desired.rmdir()
+        elif _generation(desired) > _generation(valid):
+            return  # a request came after the damage
+        if valid is not None:
+            tmp = desired.with_name(".soak-restore.tmp")
+            tmp.write_bytes(valid)
+            os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
+            os.replace(tmp, desired)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -399,6 +410,17 @@ stop_grace = 5
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.data)], check=False)
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _generation(request: Path | bytes | None) -> int:
+    """The generation of a whole desired.json (a file or its bytes); 0 for anything else."""
+    try:
+        text = request.read_bytes() if isinstance(request, Path) else request
+        value = json.loads(text) if text else None
+    except (OSError, ValueError):
+        return 0
+    found = value.get("generation") if isinstance(value, dict) else None
+    return found if isinstance(found, int) else 0
 
 
 def _ms(value: float | None) -> str:
