@@ -73,6 +73,7 @@ def test_files_and_directories_have_the_narrowest_modes(make_engine) -> None:
         engine.dir / "desired.json": 0o640,
         engine.dir / "status.json": 0o640,
         engine.dir / ".lease": 0o600,
+        engine.dir / ".generation": 0o600,  # the host's last issued generation: the host's alone
         telemetry: 0o755,  # Prometheus runs as its own user: addresses and labels only
         telemetry / f"{engine.name}.json": 0o644,
         engine.state_dir: 0o700,  # the checkout and stamps: the worker's alone
