@@ -115,8 +115,9 @@ class Runtime:
             except docker.errors.NotFound:
                 return None
 
-    def containers(self, label: str, running: bool = True) -> list[Container]:
-        """The containers carrying label (a key, or key=value): running ones, or all."""
+    def containers(self, label: str | list[str], running: bool = True) -> list[Container]:
+        """The containers carrying label (a key, or key=value; a list: every one of them):
+        running ones, or all."""
         with _translated(f"listing containers labelled {label}"):
             found = self.api.containers(all=not running, filters={"label": label})
             listed = []
@@ -212,11 +213,8 @@ class Runtime:
         restart, left behind are removed first."""
         api = self.api
         marks = {**(labels or {}), MANAGED: "check"}
-        wanted = [f"{key}={value}" for key, value in marks.items()]
-        with _translated("listing check containers left behind"):
-            left = api.containers(all=True, filters={"label": wanted})
-        for entry in left:
-            self.remove(entry["Id"])
+        for left in self.containers([f"{k}={v}" for k, v in marks.items()], running=False):
+            self.remove(left.id)
         host_config = api.create_host_config(network_mode="none", restart_policy={"Name": "no"})
         with _translated(f"creating a check container on {image[:19]}"):
             created = api.create_container(

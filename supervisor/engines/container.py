@@ -128,8 +128,10 @@ class ContainerEngine:
     def check_memory(self, replacing: str | None) -> None:
         """Claim the start's memory, or refuse it with the numbers (raises Permanent); last of
         the checks, so a claim is made only for a start that passed the others."""
-        need = self.memory_need() if self.memory is not None else None
-        if self.memory is not None and need is not None:
+        if self.memory is None:
+            return
+        need = self.memory_need()
+        if need is not None:
             self.memory.claim(need, replacing)
 
     def planned_memory(self) -> tuple[int, int] | None:
