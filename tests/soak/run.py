@@ -202,22 +202,20 @@ stop_grace = 5
     def inject(self, fault: Fault) -> None:  # noqa: PLR0912 - one case per kind of fault
         engine = next((e for e in self.engines if e.name == fault.engine), self.engines[0])
         start = time.time()
-        stops = False
-        # an announced fault: the checker excuses what it must before it happens
-        self._event(fault, start, start + 3600)
+        stops = _stops(fault)
+        # an announced fault: the checker excuses what it must (and knows a stop was asked for,
+        # so a start after it has its cause) before it happens
+        self._event(fault, start, start + 3600, stops=stops)
         p = fault.params
         match fault.kind:
             case "request":
                 self.request(engine, p["desired"])
-                stops = p["desired"] == "stopped"
             case "burst":
                 for index in range(p["count"]):
                     self.request(engine, p["desired"] if index % 2 else "running")
-                stops = True
             case "race":
                 self.request(engine, p["first"])
                 self.request(engine, p["second"])
-                stops = "stopped" in (p["first"], p["second"])
             case "recipe-edit":
                 text = engine.recipe.read_text()
                 lines = [f'SOAK_EDIT = "{p["value"]}"' if line.startswith("SOAK_EDIT")
@@ -410,6 +408,16 @@ stop_grace = 5
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.data)], check=False)
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _stops(fault: Fault) -> bool:
+    """Whether a fault asks for a stop, known before it is injected."""
+    p = fault.params
+    if fault.kind == "request":
+        return bool(p["desired"] == "stopped")
+    if fault.kind == "race":
+        return "stopped" in (p["first"], p["second"])
+    return fault.kind == "burst"  # a burst always has a stop among its requests
 
 
 def _generation(request: Path | bytes | None) -> int:
