@@ -55,16 +55,18 @@ private_apt() {
 
 # The newest image built here before, as repository:tag, or nothing.
 built_before() {
+    # awk reads to the end (no early exit): under pipefail, a writer cut off early dies of SIGPIPE.
     docker images --filter "label=$label" --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' \
-        | sort -r | awk -F'\t' '$2 !~ /<none>/ {print $2; exit}'
+        | sort -r | awk -F'\t' '$2 !~ /<none>/ && !found {print $2; found = 1}'
 }
 
 sid_version() {
     mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
     printf 'deb [check-valid-until=no] %s sid main\n' "$1" >"$cache/sources.list"
     private_apt apt-get update >"$cache/update.log" 2>&1 || return 1
-    private_apt apt-cache show --no-all-versions "$package" 2>/dev/null \
-        | awk '/^Version:/ {print $2; exit}'
+    private_apt apt-cache show --no-all-versions "$package" >"$cache/show.txt" 2>"$cache/show.log" \
+        || { cat "$cache/show.log" >&2; return 1; }
+    awk '/^Version:/ && !found {print $2; found = 1}' "$cache/show.txt"
 }
 
 mirror=$(mirror)
@@ -81,7 +83,7 @@ fi
 tag=$(printf '%s' "$version" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-128)
 image=$repository:$tag
 
-existing=$(docker images -q --filter "label=$label=$version" | head -1)
+existing=$(docker images -q --filter "label=$label=$version" | awk 'NR == 1')
 if [ -n "$existing" ]; then
     say "$package $version is already built"
     docker tag "$existing" "$image"
@@ -97,8 +99,12 @@ mmdebstrap --variant=apt --include="$package" \
     --aptopt='Acquire::Check-Valid-Until "false"' \
     sid "$work/rootfs.tar" "deb [check-valid-until=no] $mirror sid main" >"$work/mmdebstrap.log" 2>&1 \
     || { tail -30 "$work/mmdebstrap.log" >&2; die "mmdebstrap failed"; }
-built=$(tar -xOf "$work/rootfs.tar" ./var/lib/dpkg/status \
-    | awk -v p="$package" '$1 == "Package:" {hit = ($2 == p)} hit && $1 == "Version:" {print $2; exit}')
+# The dpkg status file is larger than a pipe: extract it first, so that no early exit of its
+# reader can kill tar with SIGPIPE under pipefail.
+tar -xOf "$work/rootfs.tar" ./var/lib/dpkg/status >"$work/dpkg-status" \
+    || die "the root file system has no ./var/lib/dpkg/status (mmdebstrap log: $work/mmdebstrap.log)"
+built=$(awk -v p="$package" '$1 == "Package:" {hit = ($2 == p)} hit && $1 == "Version:" && !found {print $2; found = 1}' \
+    "$work/dpkg-status")
 [ "$built" = "$version" ] || die "the root file system holds $package ${built:-nothing}, not $version"
 docker import \
     --change 'ENTRYPOINT ["/usr/bin/llama-server"]' \
