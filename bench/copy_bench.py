@@ -34,8 +34,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor import gguf_cache, ggufcheck  # noqa: E402
-from supervisor.library import scan  # noqa: E402
+from supervisor.library import cache as gguf_cache  # noqa: E402
+from supervisor.library import ggufcheck  # noqa: E402
+from supervisor.library.models import scan  # noqa: E402
 
 MIB = 1024 * 1024
 TENSOR_MIB = 64

@@ -29,7 +29,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from supervisor import host
+from supervisor.protocol import host
 from tests.standin import busybox_image, recipe_repository
 
 RUN_ID = uuid.uuid4().hex[:8]

@@ -19,7 +19,7 @@ from typing import Any
 import docker.errors
 from watchfiles import watch
 
-from supervisor import host
+from supervisor.protocol import host
 
 from .lab import PYTHON, RUN_ID, Engine, Lab, StatusWatch, Timeout, answers, epoch, floor_ms
 from .procfs import CLK_TCK, cpu_seconds, percentile, processes, pss_mb, rss_mb, tree
@@ -109,7 +109,7 @@ class Shared:
 def worker_watch_settings() -> dict[str, int]:
     """The keyword arguments supervisor/worker.py passes to watchfiles.watch, so that the
     baseline always listens exactly as the worker does."""
-    from supervisor import worker
+    from supervisor.worker import loop as worker
 
     return {
         "debounce": worker.WATCH_DEBOUNCE_MS,
@@ -442,7 +442,7 @@ def adoption(lab: Lab, plan: Plan, shared: Shared) -> list[Row]:
         time.sleep(1)
         adopted_rss.append(rss_mb(engine.proc.pid) if engine.proc is not None else 0.0)
         began = time.perf_counter()
-        subprocess.run([PYTHON, "-c", "import supervisor.worker"], check=True)
+        subprocess.run([PYTHON, "-c", "import supervisor.worker.loop"], check=True)
         base.append((time.perf_counter() - began) * MS)
     p50, high = summary(times)
     b50, _ = summary(base)

@@ -30,9 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor import ggufcheck  # noqa: E402
-from supervisor.ggufmeta import read_metadata  # noqa: E402
-from supervisor.library import scan  # noqa: E402
+from supervisor.library import ggufcheck  # noqa: E402
+from supervisor.library.ggufmeta import read_metadata  # noqa: E402
+from supervisor.library.models import scan  # noqa: E402
 from supervisor.memplan import router  # noqa: E402
 
 MIB = 1024 * 1024

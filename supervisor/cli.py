@@ -13,9 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from . import host
-from .files import ensure_dir, write_atomic
-from .protocol import STATES, State, json_schemas, utc_now
+from supervisor.protocol import host
+from supervisor.protocol.documents import STATES, State, json_schemas, utc_now
+from supervisor.protocol.files import ensure_dir, write_atomic
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -174,11 +174,11 @@ def _cmd_schemas(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from . import logs
-    from .errors import Transient
-    from .files import LeaseHeld
-    from .recipe import RecipeError, load, locate
-    from .worker import Settings, Worker
+    from supervisor import logs
+    from supervisor.errors import Transient
+    from supervisor.protocol.files import LeaseHeld
+    from supervisor.recipe.schema import RecipeError, load, locate
+    from supervisor.worker.loop import Settings, Worker
 
     logs.configure()
     log = logs.get("worker")
@@ -208,9 +208,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .memplan import overview, probe, settings
-    from .memplan.ledger import Ledger
-    from .recipe import RecipeError, load, locate, recipes_dir
+    from supervisor.memplan import overview, probe, settings
+    from supervisor.memplan.ledger import Ledger
+    from supervisor.recipe.schema import RecipeError, load, locate, recipes_dir
 
     try:
         machine = settings.load(Path(args.machine).expanduser() if args.machine else None)
@@ -229,9 +229,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_err(f"cannot measure the memory limit: {exc}")
         return EXIT_FAILED
     # What runs holds its claim; without Docker, only starts in progress show (ledger.py).
-    from .errors import Transient
-    from .memplan.guard import running_engines
-    from .runtime import Runtime
+    from supervisor.docker.runtime import Runtime
+    from supervisor.errors import Transient
+    from supervisor.memplan.guard import running_engines
 
     try:
         running = running_engines(Runtime())

@@ -10,7 +10,7 @@ from typing import Any, Final, TextIO
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-from . import redaction
+from supervisor import redaction
 
 _PRIORITY: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
 _configured = False

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
-from .errors import Cancelled
+from supervisor.errors import Cancelled
 
 _GRACE: Final = 5.0
 _TAIL: Final = 20

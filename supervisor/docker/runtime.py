@@ -25,9 +25,9 @@ import requests.exceptions
 from docker.types import DeviceRequest, Ulimit
 from docker.utils import parse_repository_tag
 
-from .errors import BuildFailed, Cancelled, Permanent, Transient
-from .labels import MANAGED
-from .spec import BuildRequest, Container, Gpus, Image, RunSpec
+from supervisor.docker.labels import MANAGED
+from supervisor.docker.spec import BuildRequest, Container, Gpus, Image, RunSpec
+from supervisor.errors import BuildFailed, Cancelled, Permanent, Transient
 
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
@@ -308,7 +308,7 @@ class Runtime:
         # A plain child process (not multiprocessing, whose resource tracker would outlive the
         # build by the worker's whole life, 13 MB of it): the job in on stdin, JSON lines out.
         child = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.runtime"],
+            [sys.executable, "-m", "supervisor.docker.runtime"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -457,5 +457,5 @@ def _pull_line(chunk: dict[str, Any]) -> str:
     return f"{layer}: {status}" if layer else status
 
 
-if __name__ == "__main__":  # the build and pull child: python -m supervisor.runtime
+if __name__ == "__main__":  # the build and pull child: python -m supervisor.docker.runtime
     _child(*_decode_job(sys.stdin.buffer.read()))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from . import labels
+from supervisor.docker import labels
 
 _DIGEST: Final = 12  # hex digits per field: enough to tell settings apart, short enough to read
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..plan import Observed, Prerequisite
-from ..spec import RunSpec
+from supervisor.docker.spec import RunSpec
+from supervisor.worker.plan import Observed, Prerequisite
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import ggufcheck
-from .errors import Cancelled
-from .files import FileRefused, ensure_dir, fsync_dir, read_text, write_atomic
-from .ggufcheck import Rejected, Unit
-from .library import Library
+from supervisor.errors import Cancelled
+from supervisor.library import ggufcheck
+from supervisor.library.ggufcheck import Rejected, Unit
+from supervisor.library.models import Library
+from supervisor.protocol.files import FileRefused, ensure_dir, fsync_dir, read_text, write_atomic
 
 MANIFEST_NAME: Final = ".lucia-gguf-cache.json"
 CHUNK_SIZE: Final = 64 * 1024 * 1024

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .ggufcheck import MAGIC, Unreadable, header_problem, open_regular
+from supervisor.library.ggufcheck import MAGIC, Unreadable, header_problem, open_regular
 
 FIRST_CHUNK: Final = 64 * 1024  # most of a header without a vocabulary, little tensor data
 CHUNK: Final = 4 * 1024 * 1024

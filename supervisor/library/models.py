@@ -16,8 +16,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import Transient
-from .files import FileRefused, read_text
+from supervisor.errors import Transient
+from supervisor.protocol.files import FileRefused, read_text
 
 MODEL_JSON: Final = "model.json"
 FILES_DIR: Final = "files"

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from .need import EngineNeed, ModelNeed
-from .settings import GIB
+from supervisor.memplan.need import EngineNeed, ModelNeed
+from supervisor.memplan.settings import GIB
 
 AFTER: Final = "does not fit after voice, OS, services, and runtime reservations"
 

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels
-from ..errors import Permanent
-from ..runtime import Runtime
-from . import probe, settings
-from .fit import Budget, Holding, Verdict, check, check_now
-from .ledger import Ledger
-from .need import EngineNeed
-from .probe import Memory
-from .settings import MachineSettings
+from supervisor.docker import labels
+from supervisor.docker.runtime import Runtime
+from supervisor.errors import Permanent
+from supervisor.memplan import probe, settings
+from supervisor.memplan.fit import Budget, Holding, Verdict, check, check_now
+from supervisor.memplan.ledger import Ledger
+from supervisor.memplan.need import EngineNeed
+from supervisor.memplan.probe import Memory
+from supervisor.memplan.settings import MachineSettings
 
 
 @dataclass(frozen=True)

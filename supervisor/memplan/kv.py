@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from ..ggufmeta import Metadata, Value
+from supervisor.library.ggufmeta import Metadata, Value
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 # cache type -> (elements per block, bytes per block)

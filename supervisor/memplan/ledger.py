@@ -28,9 +28,9 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
-from ..protocol import utc_now
-from .fit import Holding, Verdict
+from supervisor.memplan.fit import Holding, Verdict
+from supervisor.protocol.documents import utc_now
+from supervisor.protocol.files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
 
 MEMORY_DIR: Final = "memory"
 CLAIMS: Final = "claims.json"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from .kv import CacheType, KvShape
+from supervisor.memplan.kv import CacheType, KvShape
 
 ROUND: Final = 256
 Context = int | Literal["auto"]

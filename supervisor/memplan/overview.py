@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import ggufcheck
-from ..library import scan
-from ..recipe import LlamaRouterRecipe, TensorFoldRecipe, VllmRecipe
-from . import router
-from .fit import Budget, Holding, Verdict, check, size
-from .need import EngineNeed, figures
-from .probe import Memory
-from .settings import MachineSettings, gib
+from supervisor.library import ggufcheck
+from supervisor.library.models import scan
+from supervisor.memplan import router
+from supervisor.memplan.fit import Budget, Holding, Verdict, check, size
+from supervisor.memplan.need import EngineNeed, figures
+from supervisor.memplan.probe import Memory
+from supervisor.memplan.settings import MachineSettings, gib
+from supervisor.recipe.schema import LlamaRouterRecipe, TensorFoldRecipe, VllmRecipe
 
 AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe
 

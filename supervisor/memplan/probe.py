@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..files import read_text
-from .settings import MachineSettings
+from supervisor.memplan.settings import MachineSettings
+from supervisor.protocol.files import read_text
 
 MEMINFO: Final = Path("/proc/meminfo")
 MIB: Final = 1024 * 1024

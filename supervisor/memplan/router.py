@@ -18,10 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, cast
 
-from ..ggufcheck import Unit, Unreadable
-from ..ggufmeta import BadHeader, read_metadata
-from .kv import CACHE_TYPES, CacheType, KvShape, NotAModel, shape
-from .need import Context, EngineNeed, ModelNeed, plan_model, share_room
+from supervisor.library.ggufcheck import Unit, Unreadable
+from supervisor.library.ggufmeta import BadHeader, read_metadata
+from supervisor.memplan.kv import CACHE_TYPES, CacheType, KvShape, NotAModel, shape
+from supervisor.memplan.need import Context, EngineNeed, ModelNeed, plan_model, share_room
 
 ADVICE: Final = "Lower ctx-size or load fewer models at start"
 DefaultValue = str | int | float | bool

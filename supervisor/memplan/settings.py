@@ -32,7 +32,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..files import FileRefused, read_text
+from supervisor.protocol.files import FileRefused, read_text
 
 GIB: Final = 1024**3
 MACHINE_ENV: Final = "LUCIA_MACHINE_FILE"

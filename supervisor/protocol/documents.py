@@ -27,7 +27,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from .library import LibraryModel
+from supervisor.library.models import LibraryModel
 
 SCHEMA_VERSION: Final = 1
 MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly

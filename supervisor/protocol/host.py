@@ -8,8 +8,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Final, Literal
 
-from .files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
-from .protocol import (
+from supervisor.protocol.documents import (
     SCHEMA_VERSION,
     DesiredFile,
     DesiredState,
@@ -20,6 +19,7 @@ from .protocol import (
     parse_status,
     utc_now,
 )
+from supervisor.protocol.files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
 
 STALE_AFTER: Final = timedelta(seconds=60)
 DESIRED: Final = "desired.json"

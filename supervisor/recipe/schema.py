@@ -21,9 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from .files import FileRefused, read_text
-from .kv_tiers import DiskTier, TierPlan
-from .vllm_preflight import Choices
+from supervisor.engines.vllm.preflight import Choices
+from supervisor.engines.vllm.tiers import DiskTier, TierPlan
+from supervisor.protocol.files import FileRefused, read_text
 
 RECIPES_ENV: Final = "LUCIA_RECIPES_DIR"
 RUN_ARGUMENTS: Final = "$@"  # in run.check: the run command's arguments after its program

@@ -7,12 +7,22 @@ import time
 from dataclasses import replace
 from typing import Final
 
-from . import labels, logs
-from .engines.base import Engine, StepContext
-from .errors import Cancelled, Permanent
-from .plan import AwaitReady, Check, Prepare, Remove, Start, Step, Stop, exit_message
-from .runtime import Runtime
-from .spec import Container, RunSpec
+from supervisor import logs
+from supervisor.docker import labels
+from supervisor.docker.runtime import Runtime
+from supervisor.docker.spec import Container, RunSpec
+from supervisor.engines.base import Engine, StepContext
+from supervisor.errors import Cancelled, Permanent
+from supervisor.worker.plan import (
+    AwaitReady,
+    Check,
+    Prepare,
+    Remove,
+    Start,
+    Step,
+    Stop,
+    exit_message,
+)
 
 _PROBE_FIRST: Final = 0.05  # probes start fast (a warm engine answers at once) ...
 _PROBE_EVERY: Final = 0.5  # ... and back off to this

@@ -14,11 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from . import files, logs, redaction
-from .notify import Notifier
-from .plan import Answer
-from .protocol import Status, TargetGroup, clean_message, dump, utc_now
-from .telemetry import FileSdWriter, Metrics
+from supervisor import logs, redaction
+from supervisor.protocol import files
+from supervisor.protocol.documents import Status, TargetGroup, clean_message, dump, utc_now
+from supervisor.worker.notify import Notifier
+from supervisor.worker.plan import Answer
+from supervisor.worker.telemetry import FileSdWriter, Metrics
 
 _MESSAGE_EVERY: Final = 1.0  # progress lines are coalesced to one write a second
 _RETRY_EVERY: Final = 1.0  # a failed write is tried again this much later

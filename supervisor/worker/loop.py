@@ -20,18 +20,21 @@ from typing import Any, Final
 
 from watchfiles import watch
 
-from . import actions, engines, files, logs, plan
-from .engines.base import Engine, StepContext
-from .errors import Cancelled, Permanent, Transient
-from .heartbeat import Heartbeat
-from .host import DESIRED, STATUS, engine_dir
-from .notify import Notifier
-from .plan import Check, Decision, Memory, Observed, Step
-from .protocol import DesiredFile, InvalidDocument, parse_desired
-from .recipe import Recipe
-from .runtime import Runtime
-from .telemetry import FileSdWriter, Metrics
-from .wakeup import Wakeup
+from supervisor import logs
+from supervisor.docker.runtime import Runtime
+from supervisor.engines import registry
+from supervisor.engines.base import Engine, StepContext
+from supervisor.errors import Cancelled, Permanent, Transient
+from supervisor.protocol import files
+from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
+from supervisor.protocol.host import DESIRED, STATUS, engine_dir
+from supervisor.recipe.schema import Recipe
+from supervisor.worker import actions, plan
+from supervisor.worker.heartbeat import Heartbeat
+from supervisor.worker.notify import Notifier
+from supervisor.worker.plan import Check, Decision, Memory, Observed, Step
+from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.wakeup import Wakeup
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
 OBSERVE_DEADLINE: Final = 10.0  # an observation that takes longer is reported, and waited for
@@ -117,7 +120,7 @@ class Worker:
         self._monitored: str | None = None
 
     def _engine(self, recipe: Recipe) -> Engine:
-        return engines.create(
+        return registry.create(
             self.settings.name, recipe, self.runtime, self.settings.state_dir,
             self.settings.data_dir,
         )  # fmt: skip

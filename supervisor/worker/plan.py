@@ -10,9 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Final, Protocol
 
-from . import labels
-from .protocol import DesiredFile, DesiredState, RunningEngine, State, TargetGroup
-from .spec import Container, RunSpec, changed_settings
+from supervisor.docker import labels
+from supervisor.docker.spec import Container, RunSpec, changed_settings
+from supervisor.protocol.documents import (
+    DesiredFile,
+    DesiredState,
+    RunningEngine,
+    State,
+    TargetGroup,
+)
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "

@@ -8,8 +8,8 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from . import files
-from .protocol import STATES, FileSd, State, TargetGroup, dump
+from supervisor.protocol import files
+from supervisor.protocol.documents import STATES, FileSd, State, TargetGroup, dump
 
 TELEMETRY_DIR: Final = "telemetry"
 

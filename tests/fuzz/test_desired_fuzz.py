@@ -41,15 +41,16 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from supervisor import files, protocol
-from supervisor.files import FileRefused
-from supervisor.heartbeat import Heartbeat
-from supervisor.host import DESIRED, STATUS
-from supervisor.notify import Notifier
-from supervisor.plan import Answer, Decision, Memory, accept, acknowledge, shown
-from supervisor.protocol import MAX_GENERATION, DesiredFile, InvalidDocument, TargetGroup
-from supervisor.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
-from supervisor.worker import read_request
+from supervisor.protocol import documents as protocol
+from supervisor.protocol import files
+from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, InvalidDocument, TargetGroup
+from supervisor.protocol.files import FileRefused
+from supervisor.protocol.host import DESIRED, STATUS
+from supervisor.worker.heartbeat import Heartbeat
+from supervisor.worker.loop import read_request
+from supervisor.worker.notify import Notifier
+from supervisor.worker.plan import Answer, Decision, Memory, accept, acknowledge, shown
+from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
 from tests.corpus import INVALID, VALID, materialise
 
 FUZZ = settings.get_profile("lucia-fuzz")

@@ -42,14 +42,8 @@ import pytest
 from hypothesis import currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from supervisor import files
-from supervisor.recipe import (
-    LlamaRouterRecipe,
-    RecipeError,
-    TensorFoldRecipe,
-    load,
-    parse,
-)
+from supervisor.protocol import files
+from supervisor.recipe.schema import LlamaRouterRecipe, RecipeError, TensorFoldRecipe, load, parse
 from tests.support import MINIMAL_RECIPE
 
 FUZZ = settings.get_profile("lucia-fuzz")

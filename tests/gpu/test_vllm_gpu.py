@@ -25,8 +25,8 @@ from pathlib import Path
 import docker
 import pytest
 
-from supervisor import gpu
-from supervisor import vllm_preflight as pf
+from supervisor.engines.vllm import preflight as pf
+from supervisor.hw import gpu
 from tests.fixtures import Engine
 
 MODEL = os.environ.get("LUCIA_VLLM_GPU_MODEL", "")
@@ -79,7 +79,7 @@ def test_the_real_vllm_image_serves_on_this_gpu(
 
 
 def engine_choices(engine: Engine) -> pf.Choices:
-    from supervisor.recipe import VllmRecipe, load
+    from supervisor.recipe.schema import VllmRecipe, load
 
     recipe = load(engine.recipe_path)
     assert isinstance(recipe, VllmRecipe)

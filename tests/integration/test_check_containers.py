@@ -7,8 +7,8 @@ from __future__ import annotations
 import docker
 import pytest
 
-from supervisor import labels
-from supervisor.runtime import Runtime
+from supervisor.docker import labels
+from supervisor.docker.runtime import Runtime
 from tests.fixtures import RUN_ID, TEST_LABEL
 
 pytestmark = pytest.mark.docker

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.ggufcheck import Unit
-from supervisor.ggufmeta import read_metadata
+from supervisor.library.ggufcheck import Unit
+from supervisor.library.ggufmeta import read_metadata
 from supervisor.memplan import router
 from supervisor.memplan.kv import row_size, shape
 from supervisor.memplan.need import plan_model

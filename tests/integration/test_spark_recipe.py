@@ -16,7 +16,7 @@ from typing import Any
 import docker
 import pytest
 
-from supervisor import labels
+from supervisor.docker import labels
 from tests.fixtures import Engine, RecipeRepo, shipped_recipe
 
 pytestmark = pytest.mark.docker

@@ -19,7 +19,7 @@ from typing import Any
 import docker
 import pytest
 
-from supervisor import vllm_preflight as pf
+from supervisor.engines.vllm import preflight as pf
 from tests.fixtures import RUN_ID, Engine
 from tests.gpu_recordings import fake_nvidia_smi
 

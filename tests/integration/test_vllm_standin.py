@@ -13,8 +13,8 @@ from typing import Any
 import docker
 import pytest
 
-from supervisor import vllm_preflight as pf
-from supervisor.gpu import CudaVersion, Gpu, GpuFacts
+from supervisor.engines.vllm import preflight as pf
+from supervisor.hw.gpu import CudaVersion, Gpu, GpuFacts
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
 
 pytestmark = pytest.mark.docker

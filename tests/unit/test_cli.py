@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from supervisor import cli, host
-from supervisor.files import ensure_dir, write_atomic
-from supervisor.protocol import DesiredFile, Status, dump, utc_now
+from supervisor import cli
+from supervisor.protocol import host
+from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
+from supervisor.protocol.files import ensure_dir, write_atomic
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
 URL = "http://172.17.0.1:8888"

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from supervisor import files
-from supervisor.files import FileRefused, Lease, LeaseHeld, read_text, write_atomic
-from supervisor.protocol import Status, dump, parse_status
+from supervisor.protocol import files
+from supervisor.protocol.documents import Status, dump, parse_status
+from supervisor.protocol.files import FileRefused, Lease, LeaseHeld, read_text, write_atomic
 from tests.support import within
 
 T = TypeVar("T")
@@ -302,7 +302,7 @@ def test_read_text_refuses_invalid_utf8(tmp_path: Path, content: bytes, byte: in
 CONTENDER = """
 import sys
 from pathlib import Path
-from supervisor.files import Lease, LeaseHeld
+from supervisor.protocol.files import Lease, LeaseHeld
 try:
     Lease(Path(sys.argv[1])).acquire()
 except LeaseHeld as exc:
@@ -314,7 +314,7 @@ print("acquired", flush=True)
 HOLDER = """
 import sys
 from pathlib import Path
-from supervisor.files import Lease
+from supervisor.protocol.files import Lease
 lease = Lease(Path(sys.argv[1])).acquire()
 print("held", flush=True)
 sys.stdin.read()

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from supervisor import gguf_cache
+from supervisor.engines.llama_router.preset import render
 from supervisor.errors import Cancelled
-from supervisor.gguf_cache import (
+from supervisor.library import cache as gguf_cache
+from supervisor.library.cache import (
     MANIFEST_NAME,
     SourceChanged,
     SyncResult,
@@ -27,8 +28,7 @@ from supervisor.gguf_cache import (
     progress_message,
     sync,
 )
-from supervisor.library import MODEL_STATES, scan
-from supervisor.preset import render
+from supervisor.library.models import MODEL_STATES, scan
 from tests.gguf_fixtures import (
     add_model,
     break_magic,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import ggufcheck
-from supervisor.ggufcheck import (
+from supervisor.library import ggufcheck
+from supervisor.library.ggufcheck import (
     Rejected,
     Unit,
     check_header,

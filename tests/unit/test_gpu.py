@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import gpu
-from supervisor.gpu import Completed, CudaVersion, GpuFacts, GpuParseError, GpuUnavailable
+from supervisor.hw import gpu
+from supervisor.hw.gpu import Completed, CudaVersion, GpuFacts, GpuParseError, GpuUnavailable
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi"
 

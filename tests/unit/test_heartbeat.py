@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.heartbeat import Heartbeat
-from supervisor.notify import Notifier
-from supervisor.plan import Answer
-from supervisor.protocol import TargetGroup
-from supervisor.telemetry import FileSdWriter, Metrics
+from supervisor.protocol.documents import TargetGroup
+from supervisor.worker.heartbeat import Heartbeat
+from supervisor.worker.notify import Notifier
+from supervisor.worker.plan import Answer
+from supervisor.worker.telemetry import FileSdWriter, Metrics
 
 TARGETS = (TargetGroup(targets=["172.21.0.1:8000"], labels={"name": "e"}),)
 

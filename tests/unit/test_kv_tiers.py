@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import kv_tiers as kv
-from supervisor.kv_tiers import DiskTier, Identity, KvLayout, Parallel, TierPlan, TierRefused
+from supervisor.engines.vllm import tiers as kv
+from supervisor.engines.vllm.tiers import (
+    DiskTier,
+    Identity,
+    KvLayout,
+    Parallel,
+    TierPlan,
+    TierRefused,
+)
 
 GIB = 1024**3
 KEY = "k" * 64

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from supervisor.errors import Transient
-from supervisor.library import (
+from supervisor.library.models import (
     MODEL_STATES,
     Library,
     LibraryModel,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.ggufmeta import read_metadata
+from supervisor.library.ggufmeta import read_metadata
 from supervisor.memplan.fit import Budget, Holding, check, check_now
 from supervisor.memplan.kv import KvShape, Layer, shape
 from supervisor.memplan.need import EngineNeed, figures, plan_model, planned_context

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.docker.spec import Container
 from supervisor.errors import Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed, figures
 from supervisor.memplan.probe import Memory
-from supervisor.spec import Container
 
 G = 1024**3
 

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from supervisor.ggufcheck import Unreadable
-from supervisor.ggufmeta import BadHeader, read_metadata
+from supervisor.library.ggufcheck import Unreadable
+from supervisor.library.ggufmeta import BadHeader, read_metadata
 from supervisor.memplan.kv import CacheType, NotAModel, shape
 from tests.gguf_fixtures import write_model
 

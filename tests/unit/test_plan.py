@@ -9,10 +9,19 @@ from typing import Any
 
 import pytest
 
-from supervisor import labels
+from supervisor.docker import labels
+from supervisor.docker.spec import Container, Mount, RunSpec, changed_settings
 from supervisor.engines.container import Network
-from supervisor.engines.tensorfold import Checkout, GrammarImage, Prepared, RecipeImage, missing
-from supervisor.plan import (
+from supervisor.engines.tensorfold.engine import (
+    Checkout,
+    GrammarImage,
+    Prepared,
+    RecipeImage,
+    missing,
+)
+from supervisor.protocol.documents import DesiredFile, RunningEngine, TargetGroup
+from supervisor.recipe.schema import parse
+from supervisor.worker.plan import (
     UNREQUESTED,
     Answer,
     AwaitReady,
@@ -33,9 +42,6 @@ from supervisor.plan import (
     stalled,
     unobserved,
 )
-from supervisor.protocol import DesiredFile, RunningEngine, TargetGroup
-from supervisor.recipe import parse
-from supervisor.spec import Container, Mount, RunSpec, changed_settings
 from tests.support import MINIMAL_RECIPE
 
 IMAGE = "sha256:" + "a" * 64
@@ -380,7 +386,7 @@ def test_missing_when_the_prepare_makes_the_image(
 
 
 def test_importing_the_planner_imports_no_docker() -> None:
-    code = "import sys, supervisor.plan; print('docker' in sys.modules)"
+    code = "import sys, supervisor.worker.plan; print('docker' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.gguf_cache import CachedModel
-from supervisor.preset import (
+from supervisor.engines.llama_router.preset import (
     PresetError,
     StartupModelsMissing,
     StartupRefused,
@@ -21,6 +20,7 @@ from supervisor.preset import (
     render,
     write,
 )
+from supervisor.library.cache import CachedModel
 
 
 def cached(name: str, model: str, mmproj: str | None = None) -> CachedModel:

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from supervisor.process import Tail, _pump, segments
+from supervisor.docker.process import Tail, _pump, segments
 
 BAR = "model.safetensors:  40%|####      | 42.4G/106G [00:00<00:00]"
 

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from supervisor import files, protocol
-from supervisor.files import FileRefused, read_text
-from supervisor.protocol import (
+from supervisor.protocol import documents as protocol
+from supervisor.protocol import files
+from supervisor.protocol.documents import (
     MAX_GENERATION,
     MAX_MESSAGE,
     STATES,
@@ -31,6 +31,7 @@ from supervisor.protocol import (
     parse_desired,
     parse_status,
 )
+from supervisor.protocol.files import FileRefused, read_text
 from tests.corpus import INVALID, VALID, Case, materialise
 from tests.support import within
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engines import grammar
-from supervisor.recipe import Grammar, RecipeError, load, parse
+from supervisor.engines.tensorfold import grammar
+from supervisor.recipe.schema import Grammar, RecipeError, load, parse
 from tests.support import MINIMAL_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ port = 8000
 
 
 def test_the_shipped_vllm_recipe() -> None:
-    from supervisor.recipe import VllmRecipe
+    from supervisor.recipe.schema import VllmRecipe
 
     recipe = load(VLLM)
     assert isinstance(recipe, VllmRecipe)

@@ -6,8 +6,15 @@ from typing import Any
 
 import pytest
 
-from supervisor.engines.router_api import ModelState, changes, failed, note, parse, target_groups
-from supervisor.telemetry import Metrics
+from supervisor.engines.llama_router.api import (
+    ModelState,
+    changes,
+    failed,
+    note,
+    parse,
+    target_groups,
+)
+from supervisor.worker.telemetry import Metrics
 
 # the shape of a real answer (tests/integration/test_llama_server_facts.py)
 LISTING = {

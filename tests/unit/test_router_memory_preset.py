@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import preset
-from supervisor.engines import router_memory
+from supervisor.engines.llama_router import memory as router_memory
+from supervisor.engines.llama_router import preset
 from supervisor.errors import Permanent
-from supervisor.gguf_cache import CachedModel
-from supervisor.recipe import LlamaRouterRecipe, parse
+from supervisor.library.cache import CachedModel
+from supervisor.recipe.schema import LlamaRouterRecipe, parse
 from tests.gguf_fixtures import write_model
 
 MIB = 1024**2

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engines.tensorfold import TensorFold
-from supervisor.recipe import parse
-from supervisor.runtime import Runtime
+from supervisor.docker.runtime import Runtime
+from supervisor.engines.tensorfold.engine import TensorFold
+from supervisor.recipe.schema import parse
 from tests.unit.test_plan import PREPARE_MAKES_IMAGE
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import gpu
-from supervisor import vllm_preflight as pf
-from supervisor.engines.vllm import Vllm, reclaimable_mib
-from supervisor.recipe import VllmRecipe, parse
-from supervisor.runtime import Runtime
+from supervisor.docker.runtime import Runtime
+from supervisor.engines.vllm import preflight as pf
+from supervisor.engines.vllm.engine import Vllm, reclaimable_mib
+from supervisor.hw import gpu
+from supervisor.recipe.schema import VllmRecipe, parse
 from tests.gpu_recordings import fake_nvidia_smi
 
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor import vllm_preflight as pf
-from supervisor.gpu import CudaVersion, Gpu, GpuFacts, GpuUnavailable
+from supervisor.engines.vllm import preflight as pf
+from supervisor.hw.gpu import CudaVersion, Gpu, GpuFacts, GpuUnavailable
 
 COMMIT = "e68efc685ab1" + "0" * 28  # shape of the full pin; the real one comes from the recipe
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..protocol import TargetGroup
+from supervisor.protocol.documents import TargetGroup
 
 TIMEOUT: Final = 2.0  # /models answers at once, even while a child loads
 LOADED: Final = "loaded"

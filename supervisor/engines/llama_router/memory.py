@@ -10,14 +10,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import Permanent
-from ..gguf_cache import CachedModel
-from ..ggufcheck import Unit
-from ..memplan import router
-from ..memplan.fit import check
-from ..memplan.guard import Guard, room
-from ..memplan.need import EngineNeed, ModelNeed
-from ..recipe import LlamaRouterRecipe
+from supervisor.errors import Permanent
+from supervisor.library.cache import CachedModel
+from supervisor.library.ggufcheck import Unit
+from supervisor.memplan import router
+from supervisor.memplan.fit import check
+from supervisor.memplan.guard import Guard, room
+from supervisor.memplan.need import EngineNeed, ModelNeed
+from supervisor.recipe.schema import LlamaRouterRecipe
 
 AUTO_KEYS = ("ctx-size", "c")
 

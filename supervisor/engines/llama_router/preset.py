@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Final, Protocol
 
-from .files import FileRefused, read_text, write_atomic
+from supervisor.protocol.files import FileRefused, read_text, write_atomic
 
 PRESET_NAME: Final = "llama-models.ini"
 HEADER: Final = "; written by lucia-supervisor from the model library; edits are overwritten\n"

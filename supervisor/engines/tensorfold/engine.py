@@ -11,20 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .. import files, labels
-from ..errors import BuildFailed, Permanent
-from ..memplan import overview
-from ..memplan.need import EngineNeed
-from ..plan import Prerequisite
-from ..process import run
-from ..protocol import TargetGroup
-from ..recipe import TensorFoldRecipe
-from ..runtime import Runtime
-from ..source import Checkout as GitCheckout
-from ..spec import BuildRequest, RunSpec
-from . import grammar
-from .base import Endpoint, StepContext
-from .container import ContainerEngine, EngineImage, Prerequisites
+from supervisor.docker import labels
+from supervisor.docker.process import run
+from supervisor.docker.runtime import Runtime
+from supervisor.docker.spec import BuildRequest, RunSpec
+from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites
+from supervisor.engines.tensorfold import grammar
+from supervisor.engines.tensorfold.source import Checkout as GitCheckout
+from supervisor.errors import BuildFailed, Permanent
+from supervisor.memplan import overview
+from supervisor.memplan.need import EngineNeed
+from supervisor.protocol import files
+from supervisor.protocol.documents import TargetGroup
+from supervisor.recipe.schema import TensorFoldRecipe
+from supervisor.worker.plan import Prerequisite
 
 _PROBE_TIMEOUT: Final = 2.0
 _CACHE_SETTINGS: Final = ("HF_CACHE", "KERNEL_CACHE")  # directories prepare and run both use

@@ -9,8 +9,8 @@ import json
 from collections.abc import Mapping
 from typing import Final
 
-from ..labels import GRAMMAR_BASE, GRAMMAR_MODULES, GRAMMAR_REQUIREMENT
-from ..recipe import Grammar
+from supervisor.docker.labels import GRAMMAR_BASE, GRAMMAR_MODULES, GRAMMAR_REQUIREMENT
+from supervisor.recipe.schema import Grammar
 
 MESSAGE: Final = "Adding structured output support to the TensorFold image"
 

@@ -10,9 +10,9 @@ from typing import Final
 import git
 import git.exc
 
-from .engines.base import StepContext
-from .errors import Permanent
-from .process import run
+from supervisor.docker.process import run
+from supervisor.engines.base import StepContext
+from supervisor.errors import Permanent
 
 _GIT_ENV: Final = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from .gpu import GpuFacts, GpuUnavailable
+from supervisor.hw.gpu import GpuFacts, GpuUnavailable
 
 STABLE_VERSION: Final = "v0.32.0"
 REPOSITORY: Final = "vllm/vllm-openai"

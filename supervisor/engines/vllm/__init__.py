@@ -1,0 +1,1 @@
+"""The vLLM engine: its engine, GPU preflight and KV-cache tiers."""

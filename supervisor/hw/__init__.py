@@ -1,0 +1,1 @@
+"""The one GPU boundary: what nvidia-smi reports."""

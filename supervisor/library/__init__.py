@@ -1,0 +1,1 @@
+"""The host's model library, GGUF headers and checks, the fast copy and the local model cache."""

@@ -1,0 +1,1 @@
+"""Recipes: the common sections, secrets, and finding and loading a recipe file."""

@@ -1,0 +1,1 @@
+"""The worker: its loop and jobs, the pure plan, actions, heartbeat, telemetry, notify, wakeup."""
