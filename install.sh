@@ -26,6 +26,18 @@ warn() { printf 'install.sh: warning: %s\n' "$*" >&2; }
 die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 usage() { sed -n '2,8s/^# \{0,1\}//p' "$0"; exit 2; }
 
+# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
+# A command substitution's failure is reported once, by the line that used it.
+on_error() {
+    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
+    local how="exit $1"
+    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
+    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
+    printf 'install.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
+}
+set -E
+trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
+
 while [ $# -gt 0 ]; do
     case "$1" in
         --enable) enable=yes ;;

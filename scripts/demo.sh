@@ -19,8 +19,21 @@ router_port=${LUCIA_DEMO_ROUTER_PORT:-18081}
 as_user=$root/scripts/as-lucia
 
 say() { printf '\n==> %s\n' "$*"; }
+die() { printf 'demo.sh: %s\n' "$*" >&2; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || { echo "demo.sh: run as root (it prepares the machine)" >&2; exit 1; }
+# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
+# A command substitution's failure is reported once, by the line that used it.
+on_error() {
+    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
+    local how="exit $1"
+    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
+    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
+    printf 'demo.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
+}
+set -E
+trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
+
+[ "$(id -u)" -eq 0 ] || die "run as root (it prepares the machine)"
 bash "$root/scripts/machine.sh"
 
 home=$(getent passwd "$user" | cut -d: -f6)
@@ -73,9 +86,13 @@ guid = "000000000000000000000000000de000"  # the library names models by a 32-he
 if not (library / guid / "files" / "tiny.gguf").is_file():
     write_llama(add_model(library, "Ready", guid=guid) / "tiny.gguf")
 PY
-# the image machine.sh built (cached by the package version: this only reads its tag)
-llama_image=$(bash "$root/scripts/llama-server-image.sh" 2>/dev/null | tail -1)
-[ -n "$llama_image" ] || { echo "demo.sh: no llama-server image (machine.sh builds it)" >&2; exit 1; }
+# the image machine.sh built (cached by the package version: this only reads its tag); its last
+# line is the reference
+image_log=$work/llama-server-image.log
+llama_image=$(bash "$root/scripts/llama-server-image.sh" 2>"$image_log") \
+    || { tail -n 20 "$image_log" >&2; die "no llama-server image: scripts/llama-server-image.sh failed (log: $image_log)"; }
+llama_image=${llama_image##*$'\n'}
+[ -n "$llama_image" ] || die "no llama-server image: scripts/llama-server-image.sh named none (log: $image_log)"
 say "the shipped recipes/llama-router.toml, made for this machine: $work/$router.toml"
 # only its name, image, directories, startup list, defaults, network and port change, and gpus
 # (this machine has none)
@@ -97,7 +114,9 @@ say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recip
 
 say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
 "$as_user" systemctl --user start "lucia-$name"
-"$as_user" systemctl --user --no-pager status "lucia-$name" | head -5
+# its state without the journal lines (shown below): no pipe into head, whose early exit would
+# kill systemctl with SIGPIPE under pipefail
+"$as_user" systemctl --user --no-pager --lines=0 status "lucia-$name"
 
 say "lucia-supervisor request $name running --wait"
 "$as_user" "$cli" request "$name" running --wait --timeout 300

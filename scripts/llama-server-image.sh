@@ -1,22 +1,66 @@
 #!/usr/bin/env bash
 # Build a Docker image of the real llama-server from Debian sid's `llama.cpp-tools` package, as
-# root, once per package version: the image is tagged lucia-llama-server:<version, sanitised>
-# and labelled with the version, and when an image with that version exists nothing is built.
+# root, once per package version: the image is tagged <repository>:<version, sanitised> and
+# labelled with the version, and when an image with that version exists nothing is built.
 # The version is read from sid's Packages index, fetched by apt into a private directory (the
 # machine's own apt state is not touched); when the index is out of reach, an image built before
 # is kept. The last line of output is the image reference.
 #
-#   LUCIA_LLAMA_MIRROR   the Debian mirror (default: the first `URIs:` of the machine's apt)
-#   LUCIA_LLAMA_CACHE    the private apt directory (default: /var/cache/lucia/llama-server-apt)
+#   scripts/llama-server-image.sh                      build (or find) the image
+#   scripts/llama-server-image.sh --rootfs-version TAR the llama.cpp-tools version in a root file
+#                                                      system tar's dpkg status (no root needed)
+#
+#   LUCIA_LLAMA_MIRROR      the Debian mirror (default: the first `URIs:` of the machine's apt)
+#   LUCIA_LLAMA_CACHE       the private apt directory (default: /var/cache/lucia/llama-server-apt)
+#   LUCIA_LLAMA_REPOSITORY  the image repository (default: lucia-llama-server)
+#   LUCIA_LLAMA_LABEL       the label holding the version (default: org.lucia.llama-server.version);
+#                           another label finds none of the images built under this one, so a
+#                           private repository and label build from nothing (the tests' cold build)
 set -euo pipefail
 
 package=llama.cpp-tools
-repository=lucia-llama-server
-label=org.lucia.llama-server.version
+repository=${LUCIA_LLAMA_REPOSITORY:-lucia-llama-server}
+label=${LUCIA_LLAMA_LABEL:-org.lucia.llama-server.version}
 cache=${LUCIA_LLAMA_CACHE:-/var/cache/lucia/llama-server-apt}
 
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'llama-server-image.sh: %s\n' "$*" >&2; exit 1; }
+
+# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
+# A command substitution's failure is reported once, by the line that used it.
+on_error() {
+    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
+    local how="exit $1"
+    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
+    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
+    printf 'llama-server-image.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
+}
+set -E
+trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
+
+# rootfs_version TAR DIR: the version of $package in TAR's dpkg status, extracted into DIR.
+# The status file is larger than a pipe: it is extracted first and awk reads it to the end, so
+# that no early exit of a reader can kill tar with SIGPIPE under pipefail (exit 141, silent).
+rootfs_version() {
+    local tar=$1 status=$2/dpkg-status found
+    tar -xOf "$tar" ./var/lib/dpkg/status >"$status" 2>"$2/tar.log" \
+        || die "$tar has no ./var/lib/dpkg/status: $(sed -n 1p "$2/tar.log")"
+    found=$(awk -v p="$package" '$1 == "Package:" {hit = ($2 == p)} hit && $1 == "Version:" && !found {print $2; found = 1}' \
+        "$status")
+    [ -n "$found" ] || die "the dpkg status in $tar lists no $package"
+    echo "$found"
+}
+
+case ${1:-} in
+    --rootfs-version)
+        [ "$#" -eq 2 ] || die "usage: $0 --rootfs-version TAR"
+        work=$(mktemp -d)
+        trap 'rm -rf "$work"' EXIT
+        rootfs_version "$2" "$work"
+        exit 0 ;;
+    "") ;;
+    *) die "usage: $0 [--rootfs-version TAR]" ;;
+esac
 
 [ "$(id -u)" -eq 0 ] || die "run as root (mmdebstrap and docker import need it)"
 for tool in mmdebstrap docker apt-get apt-cache; do
@@ -61,7 +105,6 @@ built_before() {
 }
 
 sid_version() {
-    mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
     printf 'deb [check-valid-until=no] %s sid main\n' "$1" >"$cache/sources.list"
     private_apt apt-get update >"$cache/update.log" 2>&1 || return 1
     private_apt apt-cache show --no-all-versions "$package" >"$cache/show.txt" 2>"$cache/show.log" \
@@ -70,6 +113,7 @@ sid_version() {
 }
 
 mirror=$(mirror)
+mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
 if ! version=$(sid_version "$mirror"); then
     tail -20 "$cache/update.log" >&2
     previous=$(built_before)
@@ -99,13 +143,8 @@ mmdebstrap --variant=apt --include="$package" \
     --aptopt='Acquire::Check-Valid-Until "false"' \
     sid "$work/rootfs.tar" "deb [check-valid-until=no] $mirror sid main" >"$work/mmdebstrap.log" 2>&1 \
     || { tail -30 "$work/mmdebstrap.log" >&2; die "mmdebstrap failed"; }
-# The dpkg status file is larger than a pipe: extract it first, so that no early exit of its
-# reader can kill tar with SIGPIPE under pipefail.
-tar -xOf "$work/rootfs.tar" ./var/lib/dpkg/status >"$work/dpkg-status" \
-    || die "the root file system has no ./var/lib/dpkg/status (mmdebstrap log: $work/mmdebstrap.log)"
-built=$(awk -v p="$package" '$1 == "Package:" {hit = ($2 == p)} hit && $1 == "Version:" && !found {print $2; found = 1}' \
-    "$work/dpkg-status")
-[ "$built" = "$version" ] || die "the root file system holds $package ${built:-nothing}, not $version"
+built=$(rootfs_version "$work/rootfs.tar" "$work") || exit 1
+[ "$built" = "$version" ] || die "the root file system holds $package $built, not $version"
 docker import \
     --change 'ENTRYPOINT ["/usr/bin/llama-server"]' \
     --change "LABEL $label=\"$version\"" \

@@ -11,6 +11,29 @@ log_dir=${LUCIA_MACHINE_LOGS:-/var/log/lucia-machine}
 say() { printf '==> %s\n' "$*"; }
 die() { printf 'machine.sh: %s\n' "$*" >&2; exit 1; }
 
+# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
+# A command substitution's failure is reported once, by the line that used it.
+on_error() {
+    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
+    local how="exit $1"
+    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
+    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
+    printf 'machine.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
+}
+set -E
+trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
+
+# step_failed WHAT LOG HOW: the log's last lines, then one line: what failed, how (an exit
+# status), and the log's last line: the step's own reason, its error message or the command its
+# ERR trap named.
+step_failed() {
+    local what=$1 log=$2 how=$3 reason
+    reason=$(awk 'NF {line = $0} END {print line}' "$log" 2>/dev/null) || reason=
+    printf -- '--- the last lines of %s:\n' "$log" >&2
+    tail -n 20 "$log" >&2 || true
+    die "$what failed ($how): ${reason:-its log says nothing}"
+}
+
 [ "$(id -u)" -eq 0 ] || die "run as root (it installs packages and starts dockerd)"
 mkdir -p "$log_dir"
 
@@ -23,24 +46,30 @@ install_packages() {
     command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
-    say "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >"$log_dir/apt.log" 2>&1 \
-        || { tail -20 "$log_dir/apt.log" >&2; die "apt-get install failed"; }
+    say "installing ${missing[*]} (log: $log_dir/apt.log)"
+    apt-get update -qq >"$log_dir/apt.log" 2>&1 || step_failed "apt-get update" "$log_dir/apt.log" "exit $?"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >>"$log_dir/apt.log" 2>&1 \
+        || step_failed "apt-get install ${missing[*]}" "$log_dir/apt.log" "exit $?"
 }
 
 start_dockerd() {
+    local pid status
     if docker info >/dev/null 2>&1; then
         return
     fi
     say "starting dockerd (log: $log_dir/dockerd.log)"
     nohup dockerd >"$log_dir/dockerd.log" 2>&1 </dev/null &
+    pid=$!
     for _ in $(seq 1 120); do
         docker info >/dev/null 2>&1 && return
+        if ! kill -0 "$pid" 2>/dev/null; then
+            status=0
+            wait "$pid" || status=$?
+            step_failed "dockerd" "$log_dir/dockerd.log" "it exited with $status"
+        fi
         sleep 0.5
     done
-    tail -20 "$log_dir/dockerd.log" >&2
-    die "dockerd did not answer within 60 s"
+    step_failed "dockerd" "$log_dir/dockerd.log" "it runs, but did not answer within 60 s"
 }
 
 install_project() {
@@ -57,16 +86,23 @@ install_project() {
 }
 
 build_llama_server() {
-    local image
-    say "the real llama-server image, from Debian sid (log: $log_dir/llama-server-image.log)"
-    image=$(bash "$root/scripts/llama-server-image.sh" 2>"$log_dir/llama-server-image.log") \
-        || { tail -20 "$log_dir/llama-server-image.log" >&2; die "the llama-server image failed"; }
+    local log=$log_dir/llama-server-image.log image
+    say "the real llama-server image, from Debian sid (log: $log)"
+    image=$(bash "$root/scripts/llama-server-image.sh" 2>"$log") \
+        || step_failed "the llama-server image (scripts/llama-server-image.sh)" "$log" "exit $?"
     say "llama-server image: ${image##*$'\n'}"
+}
+
+# The user manager's script prints as it goes; a copy of its output is its log.
+start_systemd_user() {
+    local log=$log_dir/systemd-user-setup.log
+    bash "$root/scripts/systemd-user.sh" 2>&1 | tee "$log" \
+        || step_failed "the systemd user manager (scripts/systemd-user.sh)" "$log" "exit ${PIPESTATUS[0]}"
 }
 
 install_packages
 start_dockerd
 build_llama_server
-bash "$root/scripts/systemd-user.sh"
+start_systemd_user
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

@@ -22,11 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_REPO = ROOT / "demo" / "recipe-repo"  # a recipe with a Dockerfile: image.from = dockerfile
 
 
-def busybox_image(
-    client: docker.DockerClient, context: Path, tag: str, labels: Mapping[str, str] | None = None
-) -> str:
-    """Build the base image as tag in context (a new directory); labels are set from the first
-    instruction on, so that even a failed build's layers can be found and removed."""
+def busybox_context(context: Path, labels: Mapping[str, str] | None = None) -> Path:
+    """The base image's build context in context (a new directory): Debian's static busybox
+    and a Dockerfile FROM scratch; labels are set from the first instruction on, so that even a
+    failed build's layers can be found and removed."""
     busybox = shutil.which("busybox")
     if busybox is None:
         raise RuntimeError("busybox-static is needed (apt-get install busybox-static)")
@@ -38,7 +37,15 @@ def busybox_image(
         'RUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
         "RUN mkdir -p /tmp /usr/local/bin /site && chmod 1777 /tmp\n"
     )
-    client.images.build(path=str(context), tag=tag, rm=True, forcerm=True)
+    return context
+
+
+def busybox_image(
+    client: docker.DockerClient, context: Path, tag: str, labels: Mapping[str, str] | None = None
+) -> str:
+    """Build the base image as tag in context (a new directory)."""
+    client.images.build(path=str(busybox_context(context, labels)), tag=tag, rm=True,
+                        forcerm=True)
     return tag
 
 

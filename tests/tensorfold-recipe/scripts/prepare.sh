@@ -31,7 +31,7 @@ docker info >/dev/null 2>&1 || die "cannot talk to the docker daemon (is your us
 command -v nvidia-smi >/dev/null || warn "nvidia-smi not found on the host"
 BUSYBOX="${TEST_BUSYBOX:-$(command -v busybox || true)}"
 [[ -n "$BUSYBOX" && -x "$BUSYBOX" ]] || die "busybox is not installed (the stand-in image is made of it: apt-get install busybox-static)"
-file -L "$BUSYBOX" 2>/dev/null | grep -q 'statically linked' || [[ ! -x /usr/bin/file ]] || \
+[[ "$(file -L "$BUSYBOX" 2>/dev/null)" == *'statically linked'* ]] || [[ ! -x /usr/bin/file ]] || \
   die "$BUSYBOX is not statically linked (apt-get install busybox-static)"
 
 mkdir -p "$HF_CACHE/hub" "$KERNEL_CACHE/torch_extensions" "$KERNEL_CACHE/triton" patches
