@@ -30,8 +30,8 @@ from typing import Any
 import docker
 import pytest
 
-from supervisor.engines import grammar
-from supervisor.recipe import Grammar
+from supervisor.engines.tensorfold import grammar
+from supervisor.recipe.schema import Grammar
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
 from tests.gguf_fixtures import write_llama
 from tests.standin import busybox_context, free_port
