@@ -85,7 +85,9 @@ class Soak:
 
     def setup(self) -> None:
         self.work.mkdir(parents=True)
-        self.data.mkdir(parents=True, exist_ok=True)
+        # as the user: created by root, the share directory would be root's, and install.sh
+        # (run as the user) could not set its permissions on a machine that never ran it before
+        as_user("mkdir", "-p", str(self.data))
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,uid={self.user.pw_uid},"
                         f"gid={self.user.pw_gid},mode=0750", "tmpfs", str(self.data)], check=True)
         self.mounted = True
