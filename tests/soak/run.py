@@ -5,6 +5,12 @@ schedule drawn from the seed, and the independent checker judging what they clai
     .venv/bin/python -m tests.soak.run --seconds 180 --seed 1      # as root, after machine.sh
 
 A failure prints the seed and the schedule up to the failure; the same seed replays it.
+
+    .venv/bin/python -m tests.soak.run --seconds 90 --seed 1 --broken-engine
+
+installs the tensorfold engine with a recipe whose engine never becomes ready (it loads for
+longer than its ready timeout): every request for running fails with no fault to cause it, so
+the liveness invariants must report it. The product is the same; only the soak's recipe differs.
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ class SoakEngine:
 
 
 class Soak:
-    def __init__(self, seed: int, seconds: float, max_stall: float) -> None:
+    def __init__(self, seed: int, seconds: float, max_stall: float,
+                 broken_engine: bool = False) -> None:
         self.seed, self.seconds, self.max_stall = seed, seconds, max_stall
+        self.broken_engine = broken_engine
         self.run_id = uuid.uuid4().hex[:6]
         self.user = pwd.getpwnam(USER)
         self.home = Path(self.user.pw_dir)
@@ -119,10 +127,13 @@ class Soak:
         tag = f"lucia-soak-recipe-{self.run_id}:v1"
         self.images += [tag + "-grammar", tag]
         recipe = self.work / f"{name}.toml"
+        settings: dict[str, Any] = {"SOAK_EDIT": "0"}
+        run: dict[str, Any] = {"stop_grace": 5, "memory": "64m"}
+        if self.broken_engine:  # loads for a day, and is given 15 s to become ready
+            settings["READY_DELAY"], run["ready_timeout"] = "86400", 15
         recipe.write_text(demo_recipe(
             name, repo, commit, tag, self._base_image(), port, self.network,
-            settings={"SOAK_EDIT": "0"}, secrets={"SOAK_TOKEN": str(secret)},
-            run={"stop_grace": 5, "memory": "64m"}))
+            settings=settings, secrets={"SOAK_TOKEN": str(secret)}, run=run))
         self.engines.append(SoakEngine(name, "tensorfold", self._installed(name),
                                        f"lucia-{name}", "/v1/models", oom=True))
         return recipe
@@ -370,6 +381,11 @@ stop_grace = 5
               f"p50 {_ms(figures['ack_p50'])}, max {_ms(figures['ack_max'])} over "
               f"{figures['acks']}; recovery to the last answer "
               f"max {max(recoveries, default=0):.1f} s; {figures['samples']} samples")
+        reached = dict(figures["reached"])
+        print(f"requests seen {reached.pop('requests')}; reached "
+              + ", ".join(f"{state} {n}" for state, n in reached.items())
+              + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
+              f"max {_ms(figures['to_running_max'])}")
         violations = verdict["violations"]
         if not settled:
             violations.append({"invariant": "settle", "detail": "not every engine answered "
@@ -444,9 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="default: a random seed, printed")
     parser.add_argument("--max-stall", type=float, default=90.0,
                         help="longest dockerd SIGSTOP, seconds (default 90)")
+    parser.add_argument("--broken-engine", action="store_true",
+                        help="a tensorfold recipe whose engine never becomes ready: the "
+                             "liveness invariants must fail")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    soak = Soak(seed, args.seconds, args.max_stall)
+    soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ended from outside: clean up too
     try:
         soak.setup()
