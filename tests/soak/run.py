@@ -398,7 +398,9 @@ stop_grace = 5
             print(f"  VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
                   f"{violation['detail']}")
         print(f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
-              f"--seed {self.seed}; the schedule up to the first violation:")
+              f"--seed {self.seed} --max-stall {self.max_stall:g}"
+              f"{' --broken-engine' if self.broken_engine else ''}; "
+              "the schedule up to the first violation:")
         for fault in done:
             if self.started[fault.at] <= first:
                 print(f"  {fault.describe()}")
