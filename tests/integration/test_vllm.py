@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import tempfile
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import docker
 import pytest
 
 from supervisor.engines.vllm import preflight as pf
+from tests.docker_witness import DockerWitness
 from tests.fixtures import RUN_ID, Engine
 from tests.gpu_recordings import fake_nvidia_smi
 
@@ -38,10 +40,23 @@ def _reload(engine: Engine) -> None:
     engine.procs[-1].send_signal(signal.SIGHUP)
 
 
-def _absent(client: docker.DockerClient, engine: Engine, repository: str) -> None:
-    """Nothing of this engine exists in Docker, and nothing was pulled."""
+@pytest.fixture
+def witness() -> Iterator[DockerWitness]:
+    """What the worker asks dockerd, seen on the way (a short path: a socket's is limited).
+    Asked for before make_engine, so that it outlives the worker."""
+    with tempfile.TemporaryDirectory(prefix="lucia-witness-") as directory, \
+            DockerWitness(Path(directory)) as seen:
+        yield seen
+
+
+def _absent(client: docker.DockerClient, engine: Engine, witness: DockerWitness) -> None:
+    """Nothing of this engine exists in Docker, and the worker never asked for a pull (no
+    registry is reachable here, so a pull would fail and leave no image: the image list would
+    say nothing; the API call itself is what shows an attempt)."""
+    # the witness is on the worker's way to Docker (its observation may come after the refusal)
+    witness.wait("/containers/", 60)
+    assert witness.calls("/images/create") == []
     assert client.containers.list(all=True, filters={"name": engine.container}) == []
-    assert client.images.list(name=repository) == []
     assert "pulling" not in engine.log_tail(200)
     assert "engine container started" not in engine.log_tail(200)
 
@@ -54,29 +69,30 @@ def _absent(client: docker.DockerClient, engine: Engine, repository: str) -> Non
     ],
 )
 def test_a_refused_start_is_failed_and_pulls_and_starts_nothing(
-    make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path,
-    card: str, vllm: dict[str, str], code: str, fix: str,
+    witness: DockerWitness, make_engine: Callable[..., Engine], client: docker.DockerClient,
+    tmp_path: Path, card: str, vllm: dict[str, str], code: str, fix: str,
 ) -> None:
     repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
     engine = make_engine(kind="vllm", vllm=vllm, vllm_repository=repository,
-                         nvidia_smi=str(fake_nvidia_smi(tmp_path / "gpu", card)))
+                         nvidia_smi=str(fake_nvidia_smi(tmp_path / "gpu", card)),
+                         env={"DOCKER_HOST": witness.url})
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "failed", timeout=60)
     assert status["message"].startswith(f"{code}: ") and fix in status["message"]
     assert status["url"] is None and status["engine"] is None
-    _absent(client, engine, repository)
+    _absent(client, engine, witness)
 
 
 def test_a_host_without_nvidia_smi_is_refused_before_the_pull(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    witness: DockerWitness, make_engine: Callable[..., Engine], client: docker.DockerClient,
 ) -> None:
     repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
     engine = make_engine(kind="vllm", vllm_repository=repository,
-                         nvidia_smi="/nonexistent/nvidia-smi")
+                         nvidia_smi="/nonexistent/nvidia-smi", env={"DOCKER_HOST": witness.url})
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "failed", timeout=60)
     assert status["message"].startswith(f"{pf.NO_GPU}: ")
-    _absent(client, engine, repository)
+    _absent(client, engine, witness)
 
 
 def test_a_reload_that_would_be_refused_never_stops_the_running_engine(

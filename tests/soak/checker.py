@@ -20,7 +20,7 @@ import sys
 import time
 import tomllib
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
@@ -28,9 +28,17 @@ from typing import Any, Final
 import docker
 import jsonschema
 
+from tests.soak.liveness import (
+    RETURN,
+    TOLERANCE,
+    Request,
+    late,
+    reached_counts,
+    unexplained_failure,
+)
+
 ROOT: Final = Path(__file__).resolve().parents[2]
 SAMPLE: Final = 0.1
-TOLERANCE: Final = 3.0  # a breach must last this long: files and Docker are read one by one
 ACK_BOUND: Final = 5.0
 STALE: Final = 20.0
 EDIT_GRACE: Final = 90.0  # a recipe edit reaches the engine within this (a replacement)
@@ -43,7 +51,6 @@ QUIET: Final = {
     "dockerd-stall": ("running",),
     "dockerd-restart": ("running",),
 }
-_WORKER_RETURN: Final = 15.0  # systemd's restart and the worker's first status after a fault
 
 
 def excused(events: list[dict[str, Any]], engine: str, invariant: str, now: float) -> bool:
@@ -56,7 +63,7 @@ def excused(events: list[dict[str, Any]], engine: str, invariant: str, now: floa
         if event["engine"] not in (engine, "*"):
             continue
         end = event.get("end", now + 1)
-        if event["start"] - TOLERANCE <= now <= end + _WORKER_RETURN:
+        if event["start"] - TOLERANCE <= now <= end + RETURN:
             return True
     return False
 
@@ -80,13 +87,15 @@ class EngineTruth:
     breaches: dict[str, float] = field(default_factory=dict)  # invariant -> since
     container_id: str | None = None
     causes_since: float = 0.0  # when the current container was first seen
+    requests: dict[int, Request] = field(default_factory=dict)  # generation -> what it reached
+    judged: set[int] = field(default_factory=set)  # generations already found late or failing
 
 
 class Checker:
     def __init__(self, config: dict[str, Any]) -> None:
-        self.engines = [EngineTruth(**{k: Path(v) if k in ("status", "desired", "file_sd",
-                                                            "recipe") else v
-                                       for k, v in e.items()}) for e in config["engines"]]
+        self.engines = [EngineTruth(e["name"], Path(e["status"]), Path(e["desired"]),
+                                    Path(e["file_sd"]), Path(e["recipe"]), e["container"],
+                                    e["setting"], e["ready_path"]) for e in config["engines"]]
         self.events_path = Path(config["events"])
         self.stop_path = Path(config["stop"])
         self.verdict_path = Path(config["verdict"])
@@ -158,9 +167,43 @@ class Checker:
         file_sd = self._read_json(engine, engine.file_sd, self.file_sd_schema, now)
         if desired is not None:
             engine.seen_generation.setdefault(desired["generation"], now)
+            self._track(engine, desired, now)
         if status is not None:
             self._check_status(engine, status, desired, file_sd, now)
+            self._reach(engine, status, now)
         self._check_docker(engine, status, now)
+        self._check_liveness(engine, now)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _track(self, engine: EngineTruth, desired: dict[str, Any], now: float) -> None:
+        """A generation first seen now: a new request, and the one before it superseded."""
+        generation = desired["generation"]
+        if generation in engine.requests:
+            return
+        for older, request in engine.requests.items():
+            if older < generation and request.superseded is None:
+                engine.requests[older] = replace(request, superseded=now)
+        engine.requests[generation] = Request(engine.name, generation, desired["desired"], now)
+
+    def _reach(self, engine: EngineTruth, status: dict[str, Any], now: float) -> None:
+        request = engine.requests.get(status["generation"])
+        if request is not None and status["state"] not in request.reached:
+            engine.requests[request.generation] = replace(
+                request, reached={**request.reached, status["state"]: now})
+
+    def _check_liveness(self, engine: EngineTruth, now: float) -> None:
+        for generation, request in engine.requests.items():
+            if generation in engine.judged:
+                continue
+            for invariant, detail in (("failed-without-cause",
+                                       unexplained_failure(request, self.events)),
+                                      ("liveness", late(request, self.events, now))):
+                if detail is not None:
+                    engine.judged.add(generation)
+                    self._violate({"t": now, "engine": engine.name, "invariant": invariant,
+                                   "detail": detail})
+                    break
 
     def _read_json(self, engine: EngineTruth, path: Path,
                    schema: jsonschema.Draft202012Validator, now: float) -> Any:
@@ -231,11 +274,11 @@ class Checker:
         container = ours[0] if ours else None
         running = container is not None and container.status == "running"
         if running and container is not None and container.id != engine.container_id:
-            if engine.container_id is not None and not self._caused(engine):
+            before = engine.container_id
+            if before is not None and not self._caused(engine):
                 self._violate({"t": now, "engine": engine.name,
-                                        "invariant": "restart-without-cause",
-                                        "detail": f"{engine.container_id[:12]} -> "
-                                                  f"{container.id[:12]}"})
+                               "invariant": "restart-without-cause",
+                               "detail": f"{before[:12]} -> {str(container.id)[:12]}"})
             engine.container_id, engine.causes_since = container.id, now
         if status is None or status["state"] != "running":
             if status is not None and status["state"] == "stopped" and not running:
@@ -282,8 +325,11 @@ class Checker:
                 self._violate({"t": now, "engine": engine.name, "invariant": "final",
                                         "detail": "no status or no valid desired.json"})
                 continue
+            self._reach(engine, status, now)
+            self._check_liveness(engine, now)
+            # the request's own state, or a failure (which the liveness rule needs a cause for)
             answered = (status["generation"] == desired["generation"]
-                        and status["state"] in ("running", "stopped", "failed"))
+                        and status["state"] in (desired["desired"], "failed"))
             if not answered:
                 self._violate({"t": now, "engine": engine.name, "invariant": "final",
                                         "detail": f"generation {desired['generation']} "
@@ -300,6 +346,12 @@ class Checker:
         self.figures["ack_p50"] = acks[len(acks) // 2] if acks else None
         self.figures["ack_max"] = acks[-1] if acks else None
         self.figures["acks"] = len(acks)
+        requests = [r for engine in self.engines for r in engine.requests.values()]
+        self.figures["reached"] = reached_counts(requests)
+        to_running = sorted(r.reached["running"] - r.seen for r in requests
+                            if r.desired == "running" and "running" in r.reached)
+        self.figures["to_running_p50"] = to_running[len(to_running) // 2] if to_running else None
+        self.figures["to_running_max"] = to_running[-1] if to_running else None
         self.verdict_path.write_text(json.dumps({"violations": self.violations,
                                                  "figures": self.figures}, indent=2))
 

@@ -5,6 +5,12 @@ schedule drawn from the seed, and the independent checker judging what they clai
     .venv/bin/python -m tests.soak.run --seconds 180 --seed 1      # as root, after machine.sh
 
 A failure prints the seed and the schedule up to the failure; the same seed replays it.
+
+    .venv/bin/python -m tests.soak.run --seconds 90 --seed 1 --broken-engine
+
+installs the tensorfold engine with a recipe whose engine never becomes ready (it loads for
+longer than its ready timeout): every request for running fails with no fault to cause it, so
+the liveness invariants must report it. The product is the same; only the soak's recipe differs.
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ class SoakEngine:
 
 
 class Soak:
-    def __init__(self, seed: int, seconds: float, max_stall: float) -> None:
+    def __init__(self, seed: int, seconds: float, max_stall: float,
+                 broken_engine: bool = False) -> None:
         self.seed, self.seconds, self.max_stall = seed, seconds, max_stall
+        self.broken_engine = broken_engine
         self.run_id = uuid.uuid4().hex[:6]
         self.user = pwd.getpwnam(USER)
         self.home = Path(self.user.pw_dir)
@@ -85,7 +93,9 @@ class Soak:
 
     def setup(self) -> None:
         self.work.mkdir(parents=True)
-        self.data.mkdir(parents=True, exist_ok=True)
+        # as the user: created by root, the share directory would be root's, and install.sh
+        # (run as the user) could not set its permissions on a machine that never ran it before
+        as_user("mkdir", "-p", str(self.data))
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,uid={self.user.pw_uid},"
                         f"gid={self.user.pw_gid},mode=0750", "tmpfs", str(self.data)], check=True)
         self.mounted = True
@@ -117,10 +127,13 @@ class Soak:
         tag = f"lucia-soak-recipe-{self.run_id}:v1"
         self.images += [tag + "-grammar", tag]
         recipe = self.work / f"{name}.toml"
+        settings: dict[str, Any] = {"SOAK_EDIT": "0"}
+        run: dict[str, Any] = {"stop_grace": 5, "memory": "64m"}
+        if self.broken_engine:  # loads for a day, and is given 15 s to become ready
+            settings["READY_DELAY"], run["ready_timeout"] = "86400", 15
         recipe.write_text(demo_recipe(
             name, repo, commit, tag, self._base_image(), port, self.network,
-            settings={"SOAK_EDIT": "0"}, secrets={"SOAK_TOKEN": str(secret)},
-            run={"stop_grace": 5, "memory": "64m"}))
+            settings=settings, secrets={"SOAK_TOKEN": str(secret)}, run=run))
         self.engines.append(SoakEngine(name, "tensorfold", self._installed(name),
                                        f"lucia-{name}", "/v1/models", oom=True))
         return recipe
@@ -368,6 +381,11 @@ stop_grace = 5
               f"p50 {_ms(figures['ack_p50'])}, max {_ms(figures['ack_max'])} over "
               f"{figures['acks']}; recovery to the last answer "
               f"max {max(recoveries, default=0):.1f} s; {figures['samples']} samples")
+        reached = dict(figures["reached"])
+        print(f"requests seen {reached.pop('requests')}; reached "
+              + ", ".join(f"{state} {n}" for state, n in reached.items())
+              + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
+              f"max {_ms(figures['to_running_max'])}")
         violations = verdict["violations"]
         if not settled:
             violations.append({"invariant": "settle", "detail": "not every engine answered "
@@ -380,7 +398,9 @@ stop_grace = 5
             print(f"  VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
                   f"{violation['detail']}")
         print(f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
-              f"--seed {self.seed}; the schedule up to the first violation:")
+              f"--seed {self.seed} --max-stall {self.max_stall:g}"
+              f"{' --broken-engine' if self.broken_engine else ''}; "
+              "the schedule up to the first violation:")
         for fault in done:
             if self.started[fault.at] <= first:
                 print(f"  {fault.describe()}")
@@ -442,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="default: a random seed, printed")
     parser.add_argument("--max-stall", type=float, default=90.0,
                         help="longest dockerd SIGSTOP, seconds (default 90)")
+    parser.add_argument("--broken-engine", action="store_true",
+                        help="a tensorfold recipe whose engine never becomes ready: the "
+                             "liveness invariants must fail")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    soak = Soak(seed, args.seconds, args.max_stall)
+    soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ended from outside: clean up too
     try:
         soak.setup()

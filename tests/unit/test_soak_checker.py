@@ -1,5 +1,6 @@
-"""The soak checker's excuses, as a table: which fault excuses which invariant, for which
-engine and for how long. The checker is the soak's oracle, so its own rules are tested too."""
+"""The soak checker's rules, as tables: which fault excuses which invariant, for which engine
+and for how long; which faults touch which request, the liveness bound, what excuses a failed.
+The checker is the soak's oracle, so its own rules are tested too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from typing import Any
 import pytest
 
 from tests.soak.checker import excused
+from tests.soak.liveness import (
+    BOUND,
+    DELAYS,
+    FAILS,
+    Request,
+    late,
+    reached_counts,
+    unexplained_failure,
+)
 
 DISK_FULL = {"kind": "disk-full", "engine": "*", "start": 100.0, "end": 104.0}
 KILL = {"kind": "worker-kill", "engine": "a", "start": 100.0, "end": 101.0}
@@ -35,3 +45,77 @@ def test_excused(event: dict[str, Any], engine: str, invariant: str, now: float,
 def test_a_fault_under_way_excuses_until_it_ends() -> None:
     under_way = {"kind": "worker-stop", "engine": "a", "start": 100.0}  # no end yet
     assert excused([under_way], "a", "stale", 500.0)
+
+
+# -- liveness: which faults touch which request, the bound, what excuses a failed --------------
+
+def _request(desired: str = "running", seen: float = 100.0, superseded: float | None = None,
+             **reached: float) -> Request:
+    return Request("a", 7, desired, seen, superseded, reached)
+
+
+def _fault(kind: str, start: float, end: float | None, engine: str = "a") -> dict[str, Any]:
+    fault: dict[str, Any] = {"kind": kind, "engine": engine, "start": start}
+    if end is not None:
+        fault["end"] = end
+    return fault
+
+
+AFTER = 100.0 + BOUND  # the moment the bound has passed
+
+
+@pytest.mark.parametrize(("request_", "events", "now", "is_late"), [
+    (_request(), [], AFTER, True),  # every engine failing is no longer a pass
+    (_request(), [], AFTER - 0.1, False),  # not before the bound
+    (_request(running=130.0), [], AFTER + 100, False),  # reached in time
+    (_request(failed=110.0), [], AFTER, True),  # a failure is no answer to running
+    (_request("stopped"), [], AFTER, False),  # only requests for running
+    (_request(superseded=150.0), [], AFTER, False),  # a newer request came within the bound
+    (_request(superseded=AFTER + 1), [], AFTER + 2, True),  # ...but not after it
+    (_request(), [_fault("engine-kill", 120.0, 120.5)], AFTER, False),
+    (_request(), [_fault("engine-kill", 120.0, 120.5, engine="b")], AFTER, True),
+    (_request(), [_fault("dockerd-stall", 140.0, 170.0, engine="*")], AFTER, False),
+    (_request(), [_fault("worker-stop", 10.0, 50.0)], AFTER, True),  # long over when written
+    (_request(), [_fault("worker-stop", 70.0, 86.0)], AFTER, False),  # worker back after 101
+    (_request(), [_fault("worker-kill", 70.0, 80.0)], AFTER, True),  # back at 95, before it
+    (_request(), [_fault("recipe-edit", AFTER + 3.5, AFTER + 4)], AFTER, True),  # after it
+    (_request(), [_fault("recipe-edit", AFTER + 2.9, AFTER + 3)], AFTER, False),  # sampling
+    (_request(), [_fault("disk-full", 150.0, None, engine="*")], AFTER, False),  # under way
+    (_request(), [_fault("request", 120.0, 120.1)], AFTER, True),  # a host request: no fault
+])
+def test_late(request_: Request, events: list[dict[str, Any]], now: float,
+              is_late: bool) -> None:
+    assert (late(request_, events, now) is not None) is is_late
+
+
+@pytest.mark.parametrize(("request_", "events", "unexplained"), [
+    (_request(failed=110.0), [], True),  # a failed needs a cause in the schedule
+    (_request("stopped", failed=110.0), [], True),  # whatever was asked for
+    (_request(running=105.0), [], False),  # no failure: nothing to explain
+    (_request(running=105.0, failed=300.0), [_fault("engine-kill", 299.0, 299.1)], False),
+    (_request(running=105.0, failed=300.0), [_fault("engine-oom", 301.0, 301.1)], False),
+    (_request(running=105.0, failed=300.0), [_fault("engine-oom", 303.5, 304.0)], True),
+    (_request(failed=110.0), [_fault("dockerd-restart", 90.0, 95.0, engine="*")], False),
+    (_request(failed=110.0), [_fault("dockerd-restart", 60.0, 84.0, engine="*")], True),
+    (_request(failed=110.0), [_fault("engine-kill", 105.0, 105.1, engine="b")], True),
+    # faults that delay but never fail a request
+    (_request(failed=110.0), [_fault("worker-kill", 105.0, 106.0)], True),
+    (_request(failed=110.0), [_fault("worker-reload", 105.0, 105.1)], True),
+    (_request(failed=110.0), [_fault("recipe-edit", 105.0, 105.1)], True),
+    (_request(failed=110.0), [_fault("bad-desired", 105.0, 107.0)], True),
+])
+def test_unexplained_failure(request_: Request, events: list[dict[str, Any]],
+                             unexplained: bool) -> None:
+    assert (unexplained_failure(request_, events) is not None) is unexplained
+
+
+def test_every_delaying_fault_may_fail_a_request_only_if_listed() -> None:
+    assert FAILS < DELAYS  # a fault that may fail a request may also make it late
+
+
+def test_reached_counts() -> None:
+    requests = [_request(running=1.0), _request(running=1.0, failed=2.0),
+                _request("stopped", starting=1.0), _request("stopped", stopping=1.0, stopped=2.0)]
+    assert reached_counts(requests) == {
+        "requests": 4, "starting": 1, "running": 2, "stopping": 1, "stopped": 1, "failed": 1,
+        "unanswered": 1}
