@@ -9,6 +9,8 @@ Signal handlers only record, and wake the loop through the self-pipe.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
@@ -46,6 +48,9 @@ _JOB_POLL: Final = 0.25
 WATCH_DEBOUNCE_MS: Final = 30
 WATCH_STEP_MS: Final = 15
 WATCH_RUST_TIMEOUT_MS: Final = 1000
+# jobs (observations, steps and what they spawn) yield the CPU to every worker's loop: under a
+# burst of requests on a small machine, answers come before the work they start
+JOB_NICE: Final = 10
 log = logs.get("worker")
 
 
@@ -298,6 +303,7 @@ class Worker:
     def _begin(self, job: Job, body: Callable[[Job], Any]) -> None:
         def run() -> None:
             try:
+                _yield_cpu()
                 body(job)
             except BaseException as exc:  # handed to the loop, which decides
                 job.error = exc
@@ -452,6 +458,15 @@ class Worker:
             self._wake.set()
 
         threading.Thread(target=wait, name="exit-monitor", daemon=True).start()
+
+
+def _yield_cpu() -> None:
+    """Lower the calling thread's CPU priority by JOB_NICE (Linux: a thread id is a process id
+    here); never raise it."""
+    with contextlib.suppress(OSError, AttributeError):
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(current + JOB_NICE, 19))
 
 
 def _answers(engine: Engine) -> bool:
