@@ -16,7 +16,15 @@ from typing import Final
 
 from supervisor import logs, redaction
 from supervisor.protocol import files
-from supervisor.protocol.documents import Status, TargetGroup, clean_message, dump, utc_now
+from supervisor.protocol.documents import (
+    InvalidDocument,
+    Status,
+    TargetGroup,
+    clean_message,
+    dump,
+    parse_status,
+    utc_now,
+)
 from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
@@ -164,3 +172,11 @@ def _same_answer(a: Status, b: Status) -> bool:
         b.refused,
         b.engine,
     )
+
+
+def last_written(path: Path) -> Status | None:
+    """The status.json a previous worker left; None when there is none or it is unreadable."""
+    try:
+        return parse_status(files.read_text(path))
+    except (OSError, files.FileRefused, InvalidDocument):
+        return None

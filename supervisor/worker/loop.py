@@ -9,11 +9,14 @@ Signal handlers only record, and wake the loop through the self-pipe.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final
@@ -26,13 +29,13 @@ from supervisor.engines import registry
 from supervisor.engines.base import Engine, StepContext
 from supervisor.errors import Cancelled, Permanent, Transient
 from supervisor.protocol import files
-from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
 from supervisor.protocol.host import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
 from supervisor.worker import actions, plan
-from supervisor.worker.heartbeat import Heartbeat
+from supervisor.worker.heartbeat import Heartbeat, last_written
+from supervisor.worker.intake import intake, read_request
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Check, Decision, Memory, Observed, Step
+from supervisor.worker.plan import Check, Decision, Memory, Observed, Reported, Step
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 from supervisor.worker.wakeup import Wakeup
 
@@ -45,6 +48,9 @@ _JOB_POLL: Final = 0.25
 WATCH_DEBOUNCE_MS: Final = 30
 WATCH_STEP_MS: Final = 15
 WATCH_RUST_TIMEOUT_MS: Final = 1000
+# jobs (observations, steps and what they spawn) yield the CPU to every worker's loop: under a
+# burst of requests on a small machine, answers come before the work they start
+JOB_NICE: Final = 10
 log = logs.get("worker")
 
 
@@ -72,6 +78,7 @@ class Job:
     stalled: bool = False  # reported as overdue
     finished: bool = False  # set by the job's thread as its last act, before it wakes the loop
     thread: threading.Thread | None = None
+    answering: bool | None = None  # after an observation docker did not answer: the ready path
 
     def done(self) -> bool:
         # not thread.is_alive(): a thread that has woken the loop may still be alive for a
@@ -118,6 +125,7 @@ class Worker:
         self._observed_at = float("-inf")
         self._pending = True  # something happened that needs an observation now
         self._monitored: str | None = None
+        self._reported: Reported | None = None  # what the last status.json said served
 
     def _engine(self, recipe: Recipe) -> Engine:
         return registry.create(
@@ -130,6 +138,9 @@ class Worker:
     def run(self) -> int:
         with files.Lease(self.directory):
             log.info("worker started", name=self.settings.name, directory=str(self.directory))
+            # read before this worker's first write replaces it: an engine that died while no
+            # worker looked is still a death of the generation the last status said served
+            self._reported = plan.reported(last_written(self.heartbeat.path), booted_at())
             for path in (
                 self.heartbeat.path,
                 self.heartbeat.file_sd.path,
@@ -260,36 +271,39 @@ class Worker:
     # -- desired.json --------------------------------------------------------------------------
 
     def _read_request(self) -> None:
-        desired, refused = read_request(self.directory / DESIRED)
+        taken = intake(self.memory, self.decision, read_request(self.directory / DESIRED),
+                       self._reported)  # fmt: skip
+        refused = taken.refused
         if refused != self.refused:
             self.refused = refused
             if refused:
                 log.warning("desired.json refused; the engine is left as it is", reason=refused)
-            if self.decision is not None:  # say so at once; nothing else changes
-                self._show(self.decision)
-        if desired is None:
+            if self.decision is not None and taken.acknowledged is None:
+                self._show(self.decision)  # say so at once; nothing else changes
+        decision = taken.acknowledged
+        if decision is None:
             return
-        memory = plan.accept(self.memory, desired)
-        if memory is None:
-            return
-        if self.memory is not None and self.memory.generation == desired.generation:
+        memory = taken.memory
+        assert memory is not None
+        if self.memory is not None and self.memory.generation == memory.generation:
             log.warning(
                 "desired changed without a new generation; applying it",
-                generation=desired.generation,
+                generation=memory.generation,
             )
-        log.info("request acknowledged", generation=desired.generation, desired=desired.desired)
+        log.info("request acknowledged", generation=memory.generation, desired=memory.desired)
         self._retry_at = 0.0
         self._failures = 0
         self._pending = True
         if self.job is not None and self.job.step is not None and plan.cancellable(self.job.step):
             self.job.cancel.set()
-        self._apply(plan.acknowledge(memory, self.decision))
+        self._apply(decision)
 
     # -- jobs: observe, then plan, then a step -------------------------------------------------
 
     def _begin(self, job: Job, body: Callable[[Job], Any]) -> None:
         def run() -> None:
             try:
+                _yield_cpu()
                 body(job)
             except BaseException as exc:  # handed to the loop, which decides
                 job.error = exc
@@ -304,7 +318,11 @@ class Worker:
         job.thread.start()
 
     def _observe_body(self, job: Job) -> None:
-        job.result = job.engine.observe()
+        try:
+            job.result = job.engine.observe()
+        except Transient:
+            job.answering = _answers(job.engine)  # its ready path needs no docker
+            raise
 
     def _step_body(self, job: Job) -> None:
         assert job.step is not None
@@ -345,7 +363,7 @@ class Worker:
         self.metrics.reconciles.inc()
         error = job.error
         if isinstance(error, Transient):
-            self._retry(error)
+            self._retry(error, job.answering)
         elif error is not None:
             self._fail_outside_a_step("observation", error)
         elif job.result is not None:
@@ -389,14 +407,15 @@ class Worker:
         else:
             self._apply(plan.failed(self.memory, reason))
 
-    def _retry(self, error: BaseException) -> None:
+    def _retry(self, error: BaseException, answering: bool | None = None) -> None:
         delay = _BACKOFF[min(self._failures, len(_BACKOFF) - 1)]
         self._failures += 1
         self._retry_at = time.monotonic() + delay
         self._pending = True
         self.metrics.failures.labels(reason="transient").inc()
         log.warning("will retry", error=str(error), seconds=delay)
-        self._apply(plan.unobserved(self.memory, f"{error}; retrying in {delay:g}s"))
+        reason = f"{error}; retrying in {delay:g}s"
+        self._apply(plan.unobserved(self.memory, reason, self.decision, answering))
 
     # -- applying a decision -------------------------------------------------------------------
 
@@ -441,13 +460,24 @@ class Worker:
         threading.Thread(target=wait, name="exit-monitor", daemon=True).start()
 
 
-def read_request(path: Path) -> tuple[DesiredFile | None, str | None]:
-    """desired.json as it is now: the request, or why it is refused (neither when absent)."""
+def _yield_cpu() -> None:
+    """Lower the calling thread's CPU priority by JOB_NICE (Linux: a thread id is a process id
+    here); never raise it."""
+    with contextlib.suppress(OSError, AttributeError):
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(current + JOB_NICE, 19))
+
+
+def _answers(engine: Engine) -> bool:
+    """One readiness probe, for an observation docker did not answer; a failure is a no."""
     try:
-        return parse_desired(files.read_text(path)), None
-    except FileNotFoundError:
-        return None, None
-    except files.FileRefused as exc:
-        return None, str(exc)
-    except InvalidDocument as exc:
-        return None, f"{path}: {exc}"
+        return engine.ready()
+    except Exception:  # a probe that cannot say yes says no
+        return False
+
+
+def booted_at() -> datetime:
+    """When this machine booted (a status.json from before was written by another boot)."""
+    uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return datetime.now(UTC) - timedelta(seconds=uptime)

@@ -8,6 +8,7 @@ decides nothing itself. No I/O here, and no Docker: the container is the project
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Final, Protocol
 
 from supervisor.docker import labels
@@ -17,6 +18,7 @@ from supervisor.protocol.documents import (
     DesiredState,
     RunningEngine,
     State,
+    Status,
     TargetGroup,
 )
 
@@ -41,6 +43,17 @@ class Memory:
     ready: str | None = None  # id of the container seen answering its ready path
     failure: str | None = None  # why this generation failed; it stays failed until a new one
     checked: str | None = None  # the fingerprint of the run spec whose preflight passed
+    # the container the last status.json, written before this worker started, said served
+    # this generation: its death while no worker looked is a death all the same
+    served_before: str | None = None
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What the worker's own last status.json said served, as it found it at startup."""
+
+    generation: int
+    container_id: str
 
 
 @dataclass(frozen=True)
@@ -157,11 +170,24 @@ def running_engine(container: Container) -> RunningEngine:
 # -- a new desired.json ------------------------------------------------------------------------
 
 
-def accept(memory: Memory | None, desired: DesiredFile) -> Memory | None:
+def reported(status: Status | None, booted: datetime) -> Reported | None:
+    """What a status.json found at startup says served; None when it says nothing serves, or
+    was written before this boot (a reboot ended the engine with the machine: re-applied)."""
+    if status is None or status.state != "running" or status.engine is None:
+        return None
+    if status.checked_at < booted:
+        return None
+    return Reported(status.generation, status.engine.container_id)
+
+
+def accept(
+    memory: Memory | None, desired: DesiredFile, before: Reported | None = None
+) -> Memory | None:
     """The memory for a request read from desired.json; None when it asks nothing new.
 
     Asking again for what already serves keeps the container seen answering (no new readiness
-    probe); a failure is never carried over, so a new request retries."""
+    probe); a failure is never carried over, so a new request retries. A worker's first request
+    remembers what the last status said served for that same generation (before)."""
     if memory is not None and (memory.generation, memory.desired) == (
         desired.generation,
         desired.desired,
@@ -170,7 +196,10 @@ def accept(memory: Memory | None, desired: DesiredFile) -> Memory | None:
     ready = None
     if memory is not None and memory.desired == desired.desired and memory.failure is None:
         ready = memory.ready
-    return Memory(desired.generation, desired.desired, ready=ready)
+    served = None
+    if memory is None and before is not None and desired.desired == "running":
+        served = before.container_id if before.generation == desired.generation else None
+    return Memory(desired.generation, desired.desired, ready=ready, served_before=served)
 
 
 def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
@@ -219,7 +248,7 @@ def _plan_running(memory: Memory, observed: Observed, container: Container | Non
     if memory.failure is not None:
         return Decision(memory, Answer(memory.generation, "failed", memory.failure))
     if container is not None and not container.running:
-        if memory.ready == container.id:
+        if container.id in (memory.ready, memory.served_before):
             tail = f": {observed.tail}" if observed.tail else ""
             return failed(memory, exit_message(container) + tail)
         return _working(memory, Remove(container.id))  # left from before: clear the name
@@ -279,10 +308,20 @@ def failed(memory: Memory, reason: str) -> Decision:
     return Decision(replace(memory, failure=reason), Answer(memory.generation, "failed", reason))
 
 
-def unobserved(memory: Memory | None, reason: str) -> Decision:
-    """Docker could not be asked (it is down): no step, and no claim that anything serves."""
+def unobserved(
+    memory: Memory | None,
+    reason: str,
+    previous: Decision | None = None,
+    answering: bool | None = None,
+) -> Decision:
+    """Docker could not be asked (down, or no answer in time): no step. An engine the last
+    decision had serving serves on while its ready path answers (answering; None: not asked,
+    nothing is known to have changed), saying that docker does not answer; otherwise nothing
+    is claimed to serve."""
     if memory is None:
         return Decision(None, Answer(0, "failed", f"cannot observe the engine: {reason}"))
+    if previous is not None and answering is not False and serving(memory, previous):
+        return _unanswered(previous, f"docker does not answer: {reason}")
     state: State = "starting" if memory.desired == "running" else "stopping"
     return Decision(memory, Answer(memory.generation, state, reason))
 
@@ -290,7 +329,28 @@ def unobserved(memory: Memory | None, reason: str) -> Decision:
 def stalled(previous: Decision, reason: str) -> Decision:
     """Docker did not answer in time: nothing is known to have changed, so the last answer
     stands, saying why it is not fresh."""
+    if previous.memory is not None and serving(previous.memory, previous):
+        return _unanswered(previous, reason)
     return replace(previous, answer=replace(previous.answer, message=reason), step=None)
+
+
+def serving(memory: Memory, previous: Decision) -> bool:
+    """Whether the last decision had this generation's engine serving: running, on the
+    container seen answering its ready path."""
+    answer = previous.answer
+    return (
+        memory.ready is not None
+        and answer.state == "running"
+        and answer.generation == memory.generation
+        and answer.engine is not None
+        and answer.engine.container_id == memory.ready
+    )
+
+
+def _unanswered(previous: Decision, reason: str) -> Decision:
+    """The serving answer (its url, engine and targets) with why it is not fresh."""
+    message = f"serving at {previous.answer.url}; {reason}"
+    return replace(previous, answer=replace(previous.answer, message=message), step=None)
 
 
 def means_to_start(memory: Memory | None) -> bool:

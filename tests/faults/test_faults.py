@@ -16,7 +16,8 @@ import docker
 import pytest
 
 from tests import dockerd
-from tests.fixtures import Engine
+from tests.fixtures import Engine, free_port
+from tests.gguf_fixtures import add_model, write_llama
 
 pytestmark = pytest.mark.docker
 
@@ -310,3 +311,103 @@ def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_e
     proc.wait(10)
     assert time.monotonic() - started < 3.0
     assert "second stop signal" in engine.log_tail()
+
+
+# -- issue 19: a stall never turns a serving engine into starting; a death during a restart --
+
+_CLIENT_TIMEOUT = 30.0  # supervisor/docker/runtime.py's _API_TIMEOUT
+_POLL = 30.0  # tensorfold's observation interval (ContainerEngine.poll_interval)
+
+
+def _serving(make_engine, request, kind: str) -> Engine:
+    if kind == "llama-router":  # the real llama-server, observed every second (poll_seconds)
+        engine: Engine = make_engine(kind="llama-router", load_on_startup=("tiny",))
+        write_llama(add_model(engine.models_dir, "Ready") / "tiny.gguf")
+        return engine
+    return make_engine(layout="real")  # the shipped recipe, observed every 30 s
+
+
+def _reconciles(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("lucia_worker_reconciles_total "):
+                return float(line.split()[1])
+    raise AssertionError("the worker has no lucia_worker_reconciles_total")
+
+
+@pytest.mark.parametrize("kind", ["tensorfold", "llama-router"])
+def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, request,
+                                                                    kind: str) -> None:
+    """dockerd stopped with SIGSTOP until an observation has both been overdue (10 s) and run
+    into the docker client's timeout (30 s), and its retry: every status sample meanwhile says
+    `running` for the served generation, with its url, engine and file_sd target, and a message
+    saying docker does not answer. Was (issue 19): `starting`, from the client's timeout on."""
+    engine = _serving(make_engine, request, kind)
+    metrics = free_port()
+    engine.start_worker("--metrics-port", str(metrics))
+    generation = engine.request("running")
+    served = engine.wait_state(generation, "running", timeout=180)
+    targets = engine.file_sd()
+    assert targets
+    if kind == "tensorfold":  # stall just before the next observation is due
+        count = _reconciles(metrics)
+        deadline = time.monotonic() + _POLL + 10
+        while _reconciles(metrics) == count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(_POLL - 3)
+    pid = dockerd.pid()
+    os.kill(pid, signal.SIGSTOP)
+    samples: list[dict] = []
+    try:
+        deadline = time.monotonic() + _POLL + _CLIENT_TIMEOUT + 15
+        while time.monotonic() < deadline:
+            current = engine.status()
+            if current is not None:
+                samples.append(current)
+                if "retrying in" in current["message"]:
+                    break  # the client's timeout arrived, and was answered
+            time.sleep(0.2)
+        after = time.monotonic() + 3  # a few samples after the retry's answer
+        while time.monotonic() < after:
+            current = engine.status()
+            if current is not None:
+                samples.append(current)
+            time.sleep(0.2)
+        sd_during = engine.file_sd()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    messages = {s["message"] for s in samples}
+    assert any("docker did not answer within" in m for m in messages), messages
+    assert any("docker does not answer" in m and "retrying in" in m for m in messages), messages
+    wrong = [s for s in samples if (s["generation"], s["state"]) != (generation, "running")
+             or s["url"] != served["url"] or s["engine"] != served["engine"]]
+    assert not wrong, wrong[:3]
+    assert sd_during == targets
+    final = engine.wait_status(lambda s: s["message"].startswith("serving at ")
+                               and "docker" not in s["message"], timeout=90)
+    assert (final["generation"], final["state"]) == (generation, "running")
+
+
+def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(make_engine,
+                                                                        client) -> None:
+    """The worker stops, the engine is killed (137), a new worker starts: the status says
+    `failed` with exit code 137 for the generation, and nothing is started. Was (issue 19): the
+    new worker removed the container and started another, and never said it had died. A new
+    request then starts the engine as usual."""
+    engine: Engine = make_engine()
+    proc, status = _up(engine)
+    dead = client.containers.get(engine.container)
+    engine.stop_worker(proc)
+    dead.kill(signal="SIGKILL")
+    engine.start_worker()
+    failed = engine.wait_status(lambda s: s["checkedAt"] > status["checkedAt"]
+                                and s["state"] in ("failed", "running"), timeout=60)
+    assert (failed["generation"], failed["state"]) == (status["generation"], "failed"), failed
+    assert "exited with code 137" in failed["message"]
+    time.sleep(3)  # a few observations: still failed, and the dead container left to read
+    assert engine.status()["state"] == "failed"
+    ours = _ours(client, engine)
+    assert [c.id for c in ours] == [dead.id] and ours[0].status == "exited"
+    again = engine.request("running")
+    running = engine.wait_state(again, "running", timeout=120)
+    assert running["engine"]["containerId"] != dead.id

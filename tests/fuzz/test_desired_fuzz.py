@@ -10,12 +10,13 @@ Properties, with the "lucia-fuzz" profile (tests/fuzz/conftest.py; derandomized)
   does, with the same generation and desired. A refusal is one non-empty printable line of at most
   300 characters that names one of the problems the oracle found.
 - test_the_worker_never_acts_on_invalid_input (2 x 1,000 examples): the worker's intake as the
-  loop runs it (read_request, accept, acknowledge, shown, and the real Heartbeat writing
-  status.json and file_sd). After generation 5 "running" was accepted (acknowledged, and settled
-  as running), a fuzzed desired.json is written atomically: invalid content leaves the request and
-  file_sd untouched and sets status.json's `refused` (status.json stays valid); valid content with
-  a new request moves the request to it. The intake is pure but for those file writes, so it has
-  no way to reach Docker; the conformance suite's refused-input case runs the real worker.
+  loop runs it (read_request and intake(), the very functions Worker._read_request calls,
+  shown, and the real Heartbeat writing status.json and file_sd). After generation 5
+  "running" was accepted (acknowledged, and settled as running), a fuzzed desired.json is
+  written atomically: invalid content leaves the request and file_sd untouched and sets
+  status.json's `refused` (status.json stays valid); valid content with a new request moves
+  the request to it. The intake is pure but for those file writes, so it has no way to reach
+  Docker; the conformance suite's refused-input case runs the real worker.
 
 The strategies: arbitrary bytes; arbitrary JSON values (st.recursive, NaN and Infinity included)
 through json.dumps; the valid document mutated at the JSON-text level (fields replaced by
@@ -47,9 +48,9 @@ from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, InvalidDo
 from supervisor.protocol.files import FileRefused
 from supervisor.protocol.host import DESIRED, STATUS
 from supervisor.worker.heartbeat import Heartbeat
-from supervisor.worker.loop import read_request
+from supervisor.worker.intake import intake, read_request
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Answer, Decision, Memory, accept, acknowledge, shown
+from supervisor.worker.plan import Answer, Decision, Memory, shown
 from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
 from tests.corpus import INVALID, VALID, materialise
 
@@ -558,12 +559,11 @@ class Scene:
         self.reset()
 
     def intake(self) -> None:
-        """One pass of the worker loop's desired.json handling (supervisor/worker.py)."""
-        desired, self.refused = read_request(self.desired)
-        if desired is not None:
-            memory = accept(self.memory, desired)
-            if memory is not None:
-                self.memory, self.decision = memory, acknowledge(memory, self.decision)
+        """One pass of the worker loop's desired.json handling: the same read_request and
+        intake() that Worker._read_request calls, and the same Heartbeat."""
+        taken = intake(self.memory, self.decision, read_request(self.desired))
+        self.memory, self.refused = taken.memory, taken.refused
+        self.decision = taken.shown(self.decision)
         assert self.decision is not None
         self.heartbeat.show(shown(self.decision.answer, self.refused), self.refused,
                             self.decision.targets)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from supervisor.engines.tensorfold.engine import (
     RecipeImage,
     missing,
 )
-from supervisor.protocol.documents import DesiredFile, RunningEngine, TargetGroup
+from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
 from supervisor.recipe.schema import parse
 from supervisor.worker.plan import (
     UNREQUESTED,
@@ -31,6 +32,7 @@ from supervisor.worker.plan import (
     Observed,
     Prepare,
     Remove,
+    Reported,
     Start,
     Stop,
     accept,
@@ -38,6 +40,7 @@ from supervisor.worker.plan import (
     conclude,
     means_to_start,
     plan,
+    reported,
     shown,
     stalled,
     unobserved,
@@ -140,6 +143,16 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
     ("running, killed for memory", READY, seen(container("exited", exit_code=137, oom=True)),
      None, "failed", "exited with code 137: killed for using too much memory", False,
      "exited with code 137: killed for using too much memory"),
+    ("running, died while no worker looked (the last status said it served)",
+     Memory(1, "running", served_before="c1"),
+     seen(container("exited", exit_code=137), tail="srv killed"), None, "failed",
+     "exited with code 137: srv killed", False, "exited with code 137: srv killed"),
+    ("running, an older container than the one the last status said served",
+     Memory(1, "running", served_before="c0"), seen(container("exited", exit_code=137)),
+     Remove("c1"), "starting", "removing the old engine container", False, None),
+    ("running, the last status said it served and it still runs: probed again",
+     Memory(1, "running", served_before="c1"), seen(container()), AwaitReady("c1"), "starting",
+     "waiting for the engine to answer", False, None),
     ("running, failed generation stays failed", Memory(1, "running", failure="x"),
      seen(container("exited")), None, "failed", "x", False, "x"),
     ("running, failed build leaves the old engine alone", Memory(1, "running", failure="x"),
@@ -211,6 +224,47 @@ def test_accept(memory: Memory | None, request_: DesiredFile, expected: Memory |
     assert accept(memory, request_) == expected
 
 
+BEFORE = Reported(4, "c1")
+ACCEPT_AFTER_RESTART = [
+    ("the generation the last status said served", None, desired(4, "running"),
+     Memory(4, "running", served_before="c1")),
+    ("another generation", None, desired(5, "running"), Memory(5, "running")),
+    ("a stop", None, desired(4, "stopped"), Memory(4, "stopped")),
+    ("only the worker's first request", Memory(3, "running"), desired(4, "running"),
+     Memory(4, "running")),
+]
+
+
+@pytest.mark.parametrize(("memory", "request_", "expected"),
+                         [row[1:] for row in ACCEPT_AFTER_RESTART],
+                         ids=[row[0] for row in ACCEPT_AFTER_RESTART])
+def test_accept_after_a_worker_restart(memory: Memory | None, request_: DesiredFile,
+                                       expected: Memory) -> None:
+    assert accept(memory, request_, BEFORE) == expected
+
+
+BOOT = datetime(2025, 1, 2, 8, 0, tzinfo=UTC)
+
+
+def status(state: str = "running", checked: datetime = BOOT + timedelta(hours=1),
+           engine: RunningEngine | None = ENGINE) -> Status:
+    return Status(generation=4, state=state, since=BOOT, message="m",  # type: ignore[arg-type]
+                  url=URL if state == "running" else None, checked_at=checked,
+                  engine=engine if state == "running" else None)
+
+
+@pytest.mark.parametrize(("found", "expected"), [
+    (None, None),
+    (status(), Reported(4, "c1")),
+    (status("starting"), None),
+    (status("failed"), None),
+    (status(engine=None), None),
+    (status(checked=BOOT - timedelta(seconds=1)), None),  # a reboot: re-applied, not failed
+])
+def test_what_the_last_status_reported(found: Status | None, expected: Reported | None) -> None:
+    assert reported(found, BOOT) == expected
+
+
 SERVING = Decision(READY, Answer(1, "running", f"serving at {URL}", URL, ENGINE), TARGETS)
 
 ACKNOWLEDGE = [
@@ -249,8 +303,60 @@ def test_a_refusal_is_shown_on_settled_answers(state: str, refused: str | None,
 
 def test_a_stall_keeps_the_last_answer_and_says_why() -> None:
     decision = stalled(SERVING, "docker did not answer within 10 s")
-    assert decision.answer == replace(SERVING.answer, message="docker did not answer within 10 s")
+    assert decision.answer == replace(
+        SERVING.answer, message=f"serving at {URL}; docker did not answer within 10 s")
     assert decision.targets == TARGETS and decision.step is None
+    working = Decision(RUN, Answer(1, "starting", "waiting for the engine to answer"))
+    assert stalled(working, "late").answer == Answer(1, "starting", "late")
+    # a stall of a stall says it once
+    again = stalled(decision, "docker did not answer within 10 s")
+    assert again.answer.message == decision.answer.message
+
+
+def test_a_stall_while_serving_never_says_starting() -> None:
+    """Was (issue 19): the client's timeout became unobserved(), which said starting while the
+    engine served; and every later stall kept that starting answer."""
+    reason = "inspecting container lucia-x: docker did not answer in time; retrying in 1s"
+    decision = unobserved(READY, reason, SERVING, answering=True)
+    assert decision.answer == replace(
+        SERVING.answer, message=f"serving at {URL}; docker does not answer: {reason}")
+    assert decision.targets == TARGETS and decision.step is None
+    later = stalled(decision, "docker did not answer within 10 s; still waiting")
+    assert later.answer.state == "running" and later.answer.engine == ENGINE
+    assert unobserved(READY, reason, later, answering=None).answer.state == "running"
+
+
+DURING_A_STEP = Decision(READY, Answer(1, "running", "preparing: building tf", URL, ENGINE),
+                         TARGETS, Prepare(RecipeImage("tf")))
+NEWER = Memory(2, "running", ready="c1")
+
+UNOBSERVED = [
+    ("serving, answering", READY, SERVING, True, "running"),
+    ("serving, not asked (a step's docker call)", READY, SERVING, None, "running"),
+    ("serving during a build", READY, DURING_A_STEP, True, "running"),
+    ("serving, but the ready path does not answer", READY, SERVING, False, "starting"),
+    ("nothing seen answering yet", RUN, Decision(RUN, Answer(1, "starting", "x")), True,
+     "starting"),
+    ("a newer request not yet answered", NEWER, SERVING, True, "starting"),
+    ("a stop requested", STOP, SERVING, True, "stopping"),
+    ("no previous decision", READY, None, True, "starting"),
+]
+
+
+@pytest.mark.parametrize(("memory", "previous", "answering", "state"),
+                         [row[1:] for row in UNOBSERVED], ids=[row[0] for row in UNOBSERVED])
+def test_unobserved_keeps_serving_only_what_served(memory: Memory, previous: Decision | None,
+                                                   answering: bool | None, state: str) -> None:
+    decision = unobserved(memory, "docker did not answer in time", previous, answering)
+    assert (decision.answer.state, decision.answer.generation) == (state, memory.generation)
+    assert decision.step is None
+    if state == "running":
+        assert previous is not None
+        assert decision.targets == TARGETS and decision.answer.url == URL
+        assert decision.answer.engine == ENGINE and decision.memory == memory
+        assert "docker does not answer" in decision.answer.message
+    else:
+        assert decision.targets == () and decision.answer.url is None
 
 
 @pytest.mark.parametrize(("memory", "state", "generation"), [
