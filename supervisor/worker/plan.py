@@ -290,7 +290,8 @@ def _still_failed(
     assert memory.failure is not None
     reason = memory.failure
     if memory.retry_at is not None:
-        reason += f"; trying again in {max(math.ceil(memory.retry_at - now), 1)} s"
+        wait = max(math.ceil(memory.retry_at - now), 1)
+        reason = f"{reason.rstrip('.')}; trying again in {wait} s"
     if (
         memory.desired == "running"
         and container is not None
