@@ -12,6 +12,13 @@ class Permanent(SupervisorError):
     (the recipe, the repository, the image) and requests again."""
 
 
+class Blocked(Permanent):
+    """Refused for now: something the step needs is held by another program or engine (a port,
+    memory) or is not there (an image). Waiting may lift it, so the failure is shown and the step
+    is tried again after a growing back-off; a Permanent that is not Blocked (arguments the
+    engine's own check refused) is shown once and waits for a new request or a recipe reload."""
+
+
 class Transient(SupervisorError):
     """The world was not ready (dockerd down, a network hiccup): retried after a back-off."""
 

@@ -18,7 +18,7 @@ from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, StepContext
-from supervisor.errors import Permanent
+from supervisor.errors import Blocked, Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
@@ -167,10 +167,13 @@ class ContainerEngine:
         gateway = self.runtime.gateway(run.network)
         own = self.prerequisites()
         missing = (() if gateway is not None else (Network(run.network),)) + own.missing
-        self.endpoint = Endpoint(gateway, run.port) if gateway is not None else None
+        wanted = Endpoint(gateway, run.port) if gateway is not None else None
+        # where the engine answers is where its container is published: a replacement on
+        # another port that has not happened yet must not move the URL or the file_sd target
+        self.endpoint = published(container, gateway) or wanted
         spec = None
-        if not missing and self.endpoint is not None and own.image is not None:
-            spec = self.run_spec(own.image, self.endpoint)
+        if not missing and wanted is not None and own.image is not None:
+            spec = self.run_spec(own.image, wanted)
         return Observed(
             container=container,
             missing=missing,
@@ -201,13 +204,15 @@ class ContainerEngine:
 
     def preflight(self, spec: RunSpec, replacing: str | None, ctx: StepContext) -> None:
         """What can be checked before anything is stopped: the image exists, the port is free
-        (or held by the container this start replaces), then the engine's own checks."""
+        (or held by the container this start replaces), then the engine's own checks. A missing
+        image or a taken port is Blocked (tried again: the next look makes the image again, and
+        the port may come free)."""
         if self.runtime.image(spec.image) is None:
-            raise Permanent(f"the engine image {spec.image[:19]} is missing; request again")
+            raise Blocked(f"the engine image {spec.image[:19]} is missing; it is made again")
         old = self.runtime.container(replacing) if replacing else None
         ours = old is not None and (spec.host_ip, spec.host_port) in old.bindings
         if not ours and not port_free(spec.host_ip, spec.host_port):
-            raise Permanent(
+            raise Blocked(
                 f"port {spec.host_port} on {spec.host_ip} is taken by another program; "
                 "free it or change run.port in the recipe"
             )
@@ -268,6 +273,16 @@ class ContainerEngine:
                 **extra,
             },
         )
+
+
+def published(container: Container | None, gateway: str | None) -> Endpoint | None:
+    """Where a running container of ours is published on the gateway; None for anything else."""
+    if container is None or not container.running or not container.managed:
+        return None
+    for host, port in container.bindings:
+        if host == gateway and port > 0:
+            return Endpoint(host, port)
+    return None
 
 
 def port_free(host: str, port: int) -> bool:

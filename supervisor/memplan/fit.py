@@ -48,6 +48,7 @@ class Fits:
     left: int
     fits: bool = True
     message: str = ""
+    waitable: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Refused:
     left: int
     message: str
     fits: bool = False
+    waitable: bool = False  # what others hold or use is in the way: it may pass by waiting
 
 
 Verdict = Fits | Refused
@@ -105,7 +107,8 @@ def check(need: EngineNeed, budget: Budget) -> Verdict:
         f"{need.subject} {AFTER}: needs {_amount(need.need, show)}, {_amount(left, show)} left "
         f"({', '.join(details)}). {advice}."
     )
-    return Refused(need, left, message)
+    alone = need.need <= budget.limit - budget.reserves  # fits once the others let go
+    return Refused(need, left, message, waitable=bool(budget.held) and alone)
 
 
 def check_now(need: EngineNeed, available: int, reserves: int, releasing: int = 0) -> Verdict:
@@ -119,4 +122,4 @@ def check_now(need: EngineNeed, available: int, reserves: int, releasing: int = 
         f"{gib(left)} GiB left (available {gib(available)}, reserves {gib(reserves)}{freed}). "
         f"{need.lower} or free memory outside lucia."
     )
-    return Refused(need, left, message)
+    return Refused(need, left, message, waitable=True)

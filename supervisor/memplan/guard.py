@@ -15,7 +15,7 @@ from pathlib import Path
 
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
-from supervisor.errors import Permanent
+from supervisor.errors import Blocked, Permanent
 from supervisor.memplan import probe, settings
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, check_now
 from supervisor.memplan.ledger import Ledger
@@ -81,7 +81,8 @@ class Guard:
         return cls(name, Ledger.for_data_dir(data_dir), runtime)
 
     def claim(self, need: EngineNeed, replacing: str | None) -> Verdict:
-        """Record need as this engine's claim, or raise Permanent with the refusal."""
+        """Record need as this engine's claim, or raise the refusal: Blocked when what others
+        hold or use is in the way (it may pass by waiting), Permanent when it cannot fit."""
         machine = load_settings()
         running = running_engines(self.runtime)
         own = [c.bytes for c in self.ledger.claims() if c.name == self.name]
@@ -99,7 +100,7 @@ class Guard:
         verdict = self.ledger.claim(self.name, running, decide)
         self.last = verdict
         if not verdict.fits:
-            raise Permanent(verdict.message)
+            raise (Blocked if verdict.waitable else Permanent)(verdict.message)
         self.pending = True
         return verdict
 

@@ -27,7 +27,7 @@ from supervisor import logs
 from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
 from supervisor.engines.base import Engine, StepContext
-from supervisor.errors import Cancelled, Permanent, Transient
+from supervisor.errors import Blocked, Cancelled, Permanent, Transient
 from supervisor.protocol import files
 from supervisor.protocol.host import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
@@ -238,7 +238,16 @@ class Worker:
         now = time.monotonic()
         if now < self._retry_at:
             return False
+        if self._failure_retry_in(now) == 0.0:
+            return True
         return self._pending or now - self._observed_at >= self.engine.poll_interval
+
+    def _failure_retry_in(self, now: float) -> float | None:
+        """How long until a failed step may be tried again (0: now); None: not by waiting."""
+        memory = self.memory
+        if memory is None or memory.failure is None or memory.retry_at is None:
+            return None
+        return max(memory.retry_at - now, 0.0)
 
     def _next_wait(self) -> float:
         now = time.monotonic()
@@ -249,6 +258,9 @@ class Worker:
             waits.append(self._retry_at - now)
         else:
             waits.append(max(self.engine.poll_interval - (now - self._observed_at), 0.0))
+            failure_retry = self._failure_retry_in(now)
+            if failure_retry is not None:
+                waits.append(failure_retry)
         if self.notifier.watchdog_interval is not None:
             waits.append(self.notifier.watchdog_interval / 2)
         return max(min(waits), 0.01)
@@ -263,7 +275,7 @@ class Worker:
             self.job.cancel.set()
         self.engine = self._engine(recipe)
         if self.memory is not None:  # re-apply the current request to the new recipe
-            self.memory = Memory(self.memory.generation, self.memory.desired)
+            self.memory = plan.reloaded(self.memory)
         self._retry_at = 0.0
         self._pending = True
         log.info("recipe reloaded", name=self.settings.name)
@@ -369,7 +381,7 @@ class Worker:
         elif job.result is not None:
             self._failures = 0
             self.metrics.set_load_failed(job.engine.failed_models())
-            decision = plan.plan(self.memory, job.result)
+            decision = plan.plan(self.memory, job.result, time.monotonic())
             if not plan.means_to_start(decision.memory):  # before a step that may claim anew
                 container = job.result.container
                 self.engine.abandoned(container.id if container and container.running else None)
@@ -389,10 +401,19 @@ class Worker:
         elif error is not None:
             log.error("step crashed", step=job.name, error=repr(error), exc_info=error)
             reason = f"internal error: {error!r}"
+        self.memory = plan.conclude(
+            memory, step, reason, time.monotonic(), waitable=isinstance(error, Blocked)
+        )
         if reason is not None:
-            log.error("step failed", step=job.name, generation=job.generation, reason=reason)
+            retry_in = self._failure_retry_in(time.monotonic())
+            log.error(
+                "step failed",
+                step=job.name,
+                generation=job.generation,
+                reason=reason,
+                retry_in=None if retry_in is None else round(retry_in, 1),
+            )
             self.metrics.failures.labels(reason=job.name).inc()
-        self.memory = plan.conclude(memory, step, reason)
         planned = self.engine.planned_memory() if isinstance(step, Check) else None
         if planned is not None:
             self.metrics.memory_need.set(planned[0])
@@ -405,7 +426,7 @@ class Worker:
         if self.memory is None:
             self._apply(plan.unobserved(None, reason))
         else:
-            self._apply(plan.failed(self.memory, reason))
+            self._apply(plan.failed(self.memory, reason, time.monotonic()))
 
     def _retry(self, error: BaseException, answering: bool | None = None) -> None:
         delay = _BACKOFF[min(self._failures, len(_BACKOFF) - 1)]

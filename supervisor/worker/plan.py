@@ -7,6 +7,7 @@ decides nothing itself. No I/O here, and no Docker: the container is the project
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Final, Protocol
@@ -24,6 +25,8 @@ from supervisor.protocol.documents import (
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
+# seconds before a failed step that may pass by waiting is tried again, growing to the last
+BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class Prerequisite(Protocol):
@@ -41,8 +44,11 @@ class Memory:
     generation: int
     desired: DesiredState
     ready: str | None = None  # id of the container seen answering its ready path
-    failure: str | None = None  # why this generation failed; it stays failed until a new one
+    failure: str | None = None  # why its last step failed; shown instead of any step until retried
     checked: str | None = None  # the fingerprint of the run spec whose preflight passed
+    retry_at: float | None = None  # when a step may be planned again despite the failure (the
+    # loop's monotonic clock); None: never by waiting, only by a new request or a recipe reload
+    failures: int = 0  # failures in a row, for the back-off; forgotten once the request is met
     # the container the last status.json, written before this worker started, said served
     # this generation: its death while no worker looked is a death all the same
     served_before: str | None = None
@@ -186,20 +192,30 @@ def accept(
     """The memory for a request read from desired.json; None when it asks nothing new.
 
     Asking again for what already serves keeps the container seen answering (no new readiness
-    probe); a failure is never carried over, so a new request retries. A worker's first request
-    remembers what the last status said served for that same generation (before)."""
+    probe; its file_sd target stays, also after a refused replacement, since a death forgets
+    that container); a failure is never carried over, so a new request retries. A worker's
+    first request remembers what the last status said served for that same generation (before)."""
     if memory is not None and (memory.generation, memory.desired) == (
         desired.generation,
         desired.desired,
     ):
         return None
     ready = None
-    if memory is not None and memory.desired == desired.desired and memory.failure is None:
+    if memory is not None and memory.desired == desired.desired:
         ready = memory.ready
     served = None
     if memory is None and before is not None and desired.desired == "running":
         served = before.container_id if before.generation == desired.generation else None
     return Memory(desired.generation, desired.desired, ready=ready, served_before=served)
+
+
+def reloaded(memory: Memory) -> Memory:
+    """The current request applied anew to a reloaded recipe: what failed and what was checked
+    are forgotten (the recipe may fix or change them), so everything is tried at once; the
+    container seen answering still serves until a replacement stops it."""
+    return Memory(
+        memory.generation, memory.desired, ready=memory.ready, served_before=memory.served_before
+    )
 
 
 def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
@@ -224,7 +240,9 @@ def shown(answer: Answer, refused: str | None) -> Answer:
 # -- what to do next ---------------------------------------------------------------------------
 
 
-def plan(memory: Memory | None, observed: Observed) -> Decision:
+def plan(memory: Memory | None, observed: Observed, now: float) -> Decision:
+    """The decision for this observation; now (the loop's monotonic clock) says whether a
+    remembered failure's retry time has come."""
     container = observed.container
     if memory is None:
         state: State = "running" if container is not None and container.running else "stopped"
@@ -236,21 +254,34 @@ def plan(memory: Memory | None, observed: Observed) -> Decision:
             "remove or rename it, then request again",
         )
     if memory.desired == "stopped":
-        if container is None:
-            return Decision(memory, Answer(memory.generation, "stopped", "stopped"))
-        if container.running:
-            return _working(memory, Stop(container.id, "stop requested"))
-        return _working(memory, Remove(container.id))
-    return _plan_running(memory, observed, container)
+        decision = _plan_stopped(memory, container)
+    else:
+        decision = _plan_running(memory, observed, container)
+    step = decision.step
+    if step is None or memory.failure is None or due(memory, now):
+        return decision
+    return _still_failed(memory, observed, container, step, now)
+
+
+def due(memory: Memory, now: float) -> bool:
+    """Whether a failed generation may try a step again: only once its retry time has come."""
+    return memory.retry_at is not None and now >= memory.retry_at
+
+
+def _plan_stopped(memory: Memory, container: Container | None) -> Decision:
+    if container is None:
+        return Decision(met(memory), Answer(memory.generation, "stopped", "stopped"))
+    if container.running:
+        return _working(memory, Stop(container.id, "stop requested"))
+    return _working(memory, Remove(container.id))
 
 
 def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Decision:
-    if memory.failure is not None:
-        return Decision(memory, Answer(memory.generation, "failed", memory.failure))
     if container is not None and not container.running:
-        if container.id in (memory.ready, memory.served_before):
+        if container.id in (memory.ready, memory.served_before):  # nothing is left answering
             tail = f": {observed.tail}" if observed.tail else ""
-            return failed(memory, exit_message(container) + tail)
+            gone = replace(memory, ready=None, served_before=None)
+            return failed(gone, exit_message(container) + tail)
         return _working(memory, Remove(container.id))  # left from before: clear the name
     serving = container is not None and container.id == memory.ready
     if observed.missing:
@@ -268,19 +299,42 @@ def _plan_running(memory: Memory, observed: Observed, container: Container | Non
     if reason is not None:
         if not checked:  # a replacement that cannot start never stops the running engine
             return _serving_or_working(memory, observed, container, Check(spec, container.id))
-        return _working(memory, Stop(container.id, reason))
+        return _working(memory, Stop(container.id, f"replacing: {reason}"))
     if not serving:
         return _working(memory, AwaitReady(container.id))
     message = f"serving at {observed.url}" + (f"; {observed.notes}" if observed.notes else "")
-    return _serving(memory, observed, container, message)
+    return _serving(met(memory), observed, container, message)
 
 
 def _replacing(container: Container, spec: RunSpec) -> str | None:
     """Why this container is not what the spec says, or None when it is."""
     if container.image_id != spec.image:
-        return "replacing: it runs on another image"
+        return "it runs on another image"
     changed = changed_settings(container.labels.get(labels.FINGERPRINT, ""), spec.fingerprint())
-    return f"replacing: its {', '.join(changed)} changed" if changed else None
+    return f"its {', '.join(changed)} changed" if changed else None
+
+
+def _still_failed(
+    memory: Memory, observed: Observed, container: Container | None, step: Step, now: float
+) -> Decision:
+    """A remembered failure, shown where its step would be planned again before its retry
+    time: an engine that still serves is `running`, saying what was not done and why (its
+    file_sd target stays); anything else is `failed`."""
+    assert memory.failure is not None
+    reason = memory.failure
+    if memory.retry_at is not None:
+        wait = max(math.ceil(memory.retry_at - now), 1)
+        reason = f"{reason.rstrip('.')}; trying again in {wait} s"
+    if (
+        memory.desired == "running"
+        and container is not None
+        and container.running
+        and container.id == memory.ready
+    ):
+        why = _replacing(container, step.spec) if isinstance(step, Check) else None
+        what = f"the replacement ({why}) was refused" if why else f"{describe(step)} failed"
+        return _serving(memory, observed, container, f"serving at {observed.url}; {what}: {reason}")
+    return Decision(memory, Answer(memory.generation, "failed", reason))
 
 
 def _serving_or_working(
@@ -303,9 +357,19 @@ def _serving(
     return Decision(memory, answer, observed.targets, step)
 
 
-def failed(memory: Memory, reason: str) -> Decision:
-    """The generation is failed until a new request: nothing is started or stopped for it."""
-    return Decision(replace(memory, failure=reason), Answer(memory.generation, "failed", reason))
+def failed(memory: Memory, reason: str, now: float | None = None) -> Decision:
+    """The generation is failed: nothing is started or stopped for it until a new request, or,
+    given now (a look that failed: looking again is harmless), until the back-off has passed."""
+    retry_at = None if now is None else now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
+    remembered = replace(memory, failure=reason, retry_at=retry_at, failures=memory.failures + 1)
+    return Decision(remembered, Answer(memory.generation, "failed", reason))
+
+
+def met(memory: Memory) -> Memory:
+    """The request is met: whatever failed on the way is forgotten, and so is its back-off."""
+    if memory.failure is None and memory.failures == 0:
+        return memory
+    return replace(memory, failure=None, retry_at=None, failures=0)
 
 
 def unobserved(
@@ -368,12 +432,22 @@ def means_to_start(memory: Memory | None) -> bool:
 # -- a step has ended --------------------------------------------------------------------------
 
 
-def conclude(memory: Memory, step: Step, error: str | None) -> Memory:
-    """What this generation has now done: a container seen answering, or a failure."""
+def conclude(
+    memory: Memory, step: Step, error: str | None, now: float, waitable: bool = False
+) -> Memory:
+    """What this generation has now done: a container seen answering, a passed check, or a
+    failure. A failure that may pass by waiting (waitable: a port, memory or an image held or
+    missing for now) is tried again after a growing back-off, and so is a failed Stop or
+    Remove (its effect is always wanted, and the operator may fix Docker meanwhile); any other
+    failure waits for a new request or a recipe reload."""
     if error is not None:
-        return replace(memory, failure=error)
+        retry_at = None
+        if waitable or isinstance(step, Stop | Remove):
+            retry_at = now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
+        return replace(memory, failure=error, retry_at=retry_at, failures=memory.failures + 1)
+    done = replace(memory, failure=None, retry_at=None)  # the failures in a row stay counted
     if isinstance(step, AwaitReady):
-        return replace(memory, ready=step.container_id)
+        return replace(done, ready=step.container_id)
     if isinstance(step, Check):
-        return replace(memory, checked=step.spec.fingerprint())
-    return memory
+        return replace(done, checked=step.spec.fingerprint())
+    return done

@@ -438,20 +438,43 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
 
 
 def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, client) -> None:
-    """The new port is taken: the preflight refuses before the running engine is stopped."""
+    """The new port is taken by another program: the Check refuses before the running engine is
+    stopped, the status stays running and says why, the file_sd target stays, and the Check is
+    tried again after a back-off: once the port is free, the replacement goes ahead."""
     engine = kind.make()
     status = _up(engine)
     before = client.containers.get(engine.container)
+    (target,) = {tuple(group["targets"]) for group in engine.file_sd()}
     with socket.socket() as squatter:
         squatter.bind((_gateway(client, engine), 0))
         squatter.listen()
         engine.port = squatter.getsockname()[1]
         engine.write_recipe()
         engine.procs[-1].send_signal(signal.SIGHUP)
-        failed = engine.wait_status(lambda s: s["state"] == "failed", timeout=60)
-    assert f"port {engine.port}" in failed["message"] and "taken" in failed["message"]
-    after = client.containers.get(engine.container)
-    assert after.id == before.id and after.status == "running"
-    assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
-    assert _get(f"{status['url']}/v1/models" if kind.name == "tensorfold"
-                else f"{status['url']}/health") == 200
+        refused = engine.wait_status(lambda s: "taken" in s["message"], timeout=60)
+        assert refused["state"] == "running", refused
+        assert refused["url"] == status["url"]  # where the old engine answers, not the new port
+        assert refused["engine"]["containerId"] == before.id
+        assert f"port {engine.port}" in refused["message"]
+        change, _, why = refused["message"].partition(" was refused: ")
+        assert "the replacement (its " in change and "ports" in change, refused["message"]
+        assert why.startswith(f"port {engine.port} ")
+        assert "trying again in" in refused["message"]
+        assert {tuple(group["targets"]) for group in engine.file_sd()} == {target}
+        # tried again, and refused again, with a longer wait: the back-off grows
+        again = engine.wait_status(lambda s: "trying again in 2 s" in s["message"]
+                                   or "trying again in 5 s" in s["message"], timeout=60)
+        assert again["state"] == "running" and engine.file_sd()
+        after = client.containers.get(engine.container)
+        assert after.id == before.id and after.status == "running"
+        assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
+        assert _get(f"{status['url']}/v1/models" if kind.name == "tensorfold"
+                    else f"{status['url']}/health") == 200
+    # the port is free now: the next try passes and the engine is replaced, with no new request
+    replaced = engine.wait_status(
+        lambda s: s["state"] == "running"
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+    assert replaced["generation"] == status["generation"]
+    assert replaced["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
+    assert all(group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
+               for group in engine.file_sd())

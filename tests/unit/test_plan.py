@@ -23,6 +23,7 @@ from supervisor.engines.tensorfold.engine import (
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
 from supervisor.recipe.schema import parse
 from supervisor.worker.plan import (
+    BACKOFF,
     UNREQUESTED,
     Answer,
     AwaitReady,
@@ -38,8 +39,11 @@ from supervisor.worker.plan import (
     accept,
     acknowledge,
     conclude,
+    due,
+    failed,
     means_to_start,
     plan,
+    reloaded,
     reported,
     shown,
     stalled,
@@ -81,6 +85,16 @@ STOP = Memory(1, "stopped")
 ENGINE = RunningEngine(image="tf:grammar", image_id=IMAGE, container_id="c1",
                        recipe_commit="c" * 40, model="qwen")
 EDITED = replace(SPEC, environment={"CONTEXT": "150000"})
+NOW = 100.0  # the loop's monotonic clock when it plans
+TAKEN = "port 8889 on 172.30.0.1 is taken by another program; free it or change run.port"
+BOOM = "stopping container c1: 500 Server Error"
+
+
+def failing(memory: Memory, reason: str, retry_in: float | None, failures: int = 1) -> Memory:
+    """memory after `failures` failures, the last for reason, tried again in retry_in s."""
+    at = None if retry_in is None else NOW + retry_in
+    return replace(memory, failure=reason, retry_at=at, failures=failures)
+
 
 # (case, memory, observed) -> (step, state, message, targets, failure remembered)
 TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]] = [
@@ -168,6 +182,54 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      "a container named lucia-x exists that lucia-supervisor did not create; remove or rename "
      "it, then request again", False, "a container named lucia-x exists that lucia-supervisor "
      "did not create; remove or rename it, then request again"),
+    # a remembered failure is shown wherever a step would be planned, until its retry time
+    ("stopped, a failed stop is not planned again before its retry time",
+     failing(STOP, BOOM, 5), seen(container()), None, "failed",
+     f"{BOOM}; trying again in 5 s", False, BOOM),
+    ("stopped, a failed stop is planned again once its time has come", failing(STOP, BOOM, 0),
+     seen(container()), Stop("c1", "stop requested"), "stopping",
+     "stopping the engine container (stop requested)", False, BOOM),
+    ("stopped, a failed remove waits too", failing(STOP, BOOM, 2.5), seen(container("exited")),
+     None, "failed", f"{BOOM}; trying again in 3 s", False, BOOM),
+    ("stopped, the container went away after a failed stop: stopped, the failure forgotten",
+     failing(STOP, BOOM, 5), seen(), None, "stopped", "stopped", False, None),
+    ("running, a refused replacement: the old engine serves on, saying why",
+     failing(READY, TAKEN, 10), seen(container(), spec=EDITED), None, "running",
+     f"serving at {URL}; the replacement (its environment changed) was refused: {TAKEN}; "
+     "trying again in 10 s", True, TAKEN),
+    ("running, a refused replacement is checked again once its time has come",
+     failing(READY, TAKEN, -1), seen(container(), spec=EDITED), Check(EDITED, "c1"), "running",
+     "checking that the engine can start", True, TAKEN),
+    ("running, a replacement refused for good: shown, never checked again",
+     failing(READY, "refused --kv-dtpye", None), seen(container(image=OTHER)), None, "running",
+     f"serving at {URL}; the replacement (it runs on another image) was refused: "
+     "refused --kv-dtpye", True, "refused --kv-dtpye"),
+    ("running, a failed stop of a replacement: the old engine still serves",
+     failing(replace(READY, checked=EDITED.fingerprint()), BOOM, 2),
+     seen(container(), spec=EDITED), None, "running",
+     f"serving at {URL}; stopping the engine container (replacing: its environment changed) "
+     f"failed: {BOOM}; trying again in 2 s", True, BOOM),
+    ("running, a failed build while the old engine serves", failing(READY, "build failed", None),
+     seen(container(image=OTHER), (GrammarImage("tf-grammar"),), None), None, "running",
+     f"serving at {URL}; preparing: Adding structured output support to the TensorFold image "
+     "failed: build failed", True, "build failed"),
+    ("running, a refused first start: failed, with when it is tried again",
+     failing(RUN, TAKEN, 30), seen(), None, "failed", f"{TAKEN}; trying again in 30 s", False,
+     TAKEN),
+    ("running, a reason's full stop gives way to when it is tried again",
+     failing(RUN, "Lower CONTEXT or stop b.", 5), seen(), None, "failed",
+     "Lower CONTEXT or stop b; trying again in 5 s", False, "Lower CONTEXT or stop b."),
+    ("running, a refused first start is checked again once its time has come",
+     failing(RUN, TAKEN, 0), seen(), Check(SPEC), "starting",
+     "checking that the engine can start", False, TAKEN),
+    ("running, a first start refused for good stays failed", failing(RUN, "refused", None),
+     seen(), None, "failed", "refused", False, "refused"),
+    ("running, the engine serving as asked: a remembered failure is forgotten",
+     failing(READY, TAKEN, 10), seen(container()), None, "running", f"serving at {URL}", True,
+     None),
+    ("running, the serving engine died after a refused replacement: its exit is the failure",
+     failing(READY, TAKEN, 10), seen(container("exited", exit_code=3), spec=EDITED), None,
+     "failed", "exited with code 3", False, "exited with code 3"),
 ]
 
 
@@ -175,7 +237,7 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
                           "failure"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
 def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, message: str,
               targets: bool, failure: str | None) -> None:
-    decision = plan(memory, observed)
+    decision = plan(memory, observed, NOW)
     assert decision.step == step
     assert decision.answer.state == state
     assert decision.answer.message == message
@@ -189,15 +251,33 @@ def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, 
         assert decision.answer.generation == memory.generation
 
 
+def test_a_death_leaves_nothing_answering() -> None:
+    decision = plan(READY, seen(container("exited", exit_code=3)), NOW)
+    assert decision.memory is not None and decision.memory.ready is None
+    again = plan(decision.memory, seen(container("exited", exit_code=3)), NOW)
+    assert (again.answer.state, again.answer.message, again.step) == (
+        "failed", "exited with code 3", None)
+
+
+@pytest.mark.parametrize(("memory", "expected"), [
+    (failing(READY, TAKEN, 30, failures=4), READY),  # a refused replacement: tried at once
+    (failing(replace(CHECKED_READY, generation=3), "x", None), Memory(3, "running", ready="c1")),
+    (failing(STOP, BOOM, 60, failures=9), STOP),
+])
+def test_a_reload_tries_everything_at_once_and_keeps_what_serves(memory: Memory,
+                                                                 expected: Memory) -> None:
+    assert reloaded(memory) == expected
+
+
 def test_a_serving_answer_names_what_runs() -> None:
-    decision = plan(READY, seen(container()))
+    decision = plan(READY, seen(container()), NOW)
     assert decision.answer.engine == ENGINE
-    assert plan(RUN, seen(container())).answer.engine is None
+    assert plan(RUN, seen(container()), NOW).answer.engine is None
 
 
 def test_notes_join_the_serving_message() -> None:
     observed = replace(seen(container()), notes="skipped bad.gguf")
-    assert plan(READY, observed).answer.message == f"serving at {URL}; skipped bad.gguf"
+    assert plan(READY, observed, NOW).answer.message == f"serving at {URL}; skipped bad.gguf"
 
 
 def desired(generation: int, want: str) -> DesiredFile:
@@ -210,7 +290,10 @@ ACCEPT = [
     ("the same request again", READY, desired(1, "running"), None),
     ("a new generation of what serves keeps the proof", READY, desired(2, "running"),
      Memory(2, "running", ready="c1")),
-    ("a new generation after a failure retries", Memory(1, "running", ready="c1", failure="x"),
+    ("a new generation after a failure retries, and what still serves keeps its proof",
+     Memory(1, "running", ready="c1", failure="x", retry_at=5.0, failures=2),
+     desired(2, "running"), Memory(2, "running", ready="c1")),
+    ("a new generation after a death starts afresh", Memory(1, "running", failure="exited"),
      desired(2, "running"), Memory(2, "running")),
     ("the other way", READY, desired(2, "stopped"), Memory(2, "stopped")),
     ("desired changed without a new generation", READY, desired(1, "stopped"),
@@ -368,16 +451,53 @@ def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: 
     assert decision.targets == () and decision.step is None and decision.answer.url is None
 
 
-@pytest.mark.parametrize(("step", "error", "expected"), [
-    (AwaitReady("c2"), None, Memory(1, "running", ready="c2")),
-    (Start(SPEC), None, RUN),
-    (Check(SPEC), None, Memory(1, "running", checked=SPEC.fingerprint())),
-    (Check(SPEC, "c1"), "port 8888 is taken", Memory(1, "running", failure="port 8888 is taken")),
-    (Prepare(Prepared()), "prepare failed", Memory(1, "running", failure="prepare failed")),
-    (AwaitReady("c2"), "not ready", Memory(1, "running", failure="not ready")),
+@pytest.mark.parametrize(("memory", "step", "error", "waitable", "expected"), [
+    (RUN, AwaitReady("c2"), None, False, Memory(1, "running", ready="c2")),
+    (RUN, Start(SPEC), None, False, RUN),
+    (RUN, Check(SPEC), None, False, Memory(1, "running", checked=SPEC.fingerprint())),
+    # a refusal that may pass by waiting is tried again after the back-off; one that cannot is not
+    (RUN, Check(SPEC, "c1"), TAKEN, True, failing(RUN, TAKEN, BACKOFF[0])),
+    (RUN, Check(SPEC, "c1"), "arguments refused", False,
+     failing(RUN, "arguments refused", None)),
+    (RUN, Prepare(Prepared()), "prepare failed", False, failing(RUN, "prepare failed", None)),
+    (RUN, AwaitReady("c2"), "not ready", False, failing(RUN, "not ready", None)),
+    # a failed Stop or Remove is always tried again: the operator may fix Docker meanwhile
+    (STOP, Stop("c1", "stop requested"), BOOM, False, failing(STOP, BOOM, BACKOFF[0])),
+    (STOP, Remove("c1"), BOOM, False, failing(STOP, BOOM, BACKOFF[0])),
+    (READY, Stop("c1", "replacing: its ports changed"), BOOM, False,
+     failing(READY, BOOM, BACKOFF[0])),
+    # the back-off grows with the failures in a row, and is bounded
+    (failing(RUN, TAKEN, -1, failures=2), Check(SPEC), TAKEN, True,
+     failing(RUN, TAKEN, BACKOFF[2], failures=3)),
+    (failing(RUN, TAKEN, -1, failures=40), Check(SPEC), TAKEN, True,
+     failing(RUN, TAKEN, BACKOFF[-1], failures=41)),
+    # a pass forgets the failure, but not how many came in a row (a Start may fail next)
+    (failing(RUN, TAKEN, -1, failures=2), Check(SPEC), None, False,
+     Memory(1, "running", checked=SPEC.fingerprint(), failures=2)),
+    (failing(STOP, BOOM, -1, failures=1), Stop("c1", "stop requested"), None, False,
+     replace(STOP, failures=1)),
 ])
-def test_conclude(step: Any, error: str | None, expected: Memory) -> None:
-    assert conclude(RUN, step, error) == expected
+def test_conclude(memory: Memory, step: Any, error: str | None, waitable: bool,
+                  expected: Memory) -> None:
+    assert conclude(memory, step, error, NOW, waitable) == expected
+
+
+def test_the_back_off_grows_to_a_bound() -> None:
+    memory, delays = STOP, []
+    for _ in range(8):
+        memory = conclude(memory, Stop("c1", "stop requested"), BOOM, NOW)
+        assert memory.retry_at is not None
+        assert not due(memory, memory.retry_at - 0.001) and due(memory, memory.retry_at)
+        delays.append(memory.retry_at - NOW)
+    assert delays == [1, 2, 5, 10, 30, 60, 60, 60]
+
+
+def test_a_failed_look_is_tried_again_but_a_failure_found_is_not() -> None:
+    looked = failed(RUN, "docker refused the listing", NOW)
+    assert looked.memory == failing(RUN, "docker refused the listing", BACKOFF[0])
+    found = failed(READY, "exited with code 3")
+    assert found.memory == failing(READY, "exited with code 3", None)
+    assert not due(found.memory, float("inf"))
 
 
 @pytest.mark.parametrize(("memory", "expected"), [
@@ -422,9 +542,9 @@ CHANGES: list[tuple[str, dict[str, Any], str]] = [
 def test_every_setting_is_in_the_fingerprint(change: dict[str, Any], setting: str) -> None:
     edited = replace(SPEC, **change)
     assert changed_settings(SPEC.fingerprint(), edited.fingerprint()) == (setting,)
-    assert plan(READY, seen(container(), spec=edited)).step == Check(edited, "c1")
+    assert plan(READY, seen(container(), spec=edited), NOW).step == Check(edited, "c1")
     checked = replace(READY, checked=edited.fingerprint())
-    step = plan(checked, seen(container(), spec=edited)).step
+    step = plan(checked, seen(container(), spec=edited), NOW).step
     if setting == "image":
         assert step == Stop("c1", "replacing: it runs on another image")
     else:

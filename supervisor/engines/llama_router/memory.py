@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.errors import Permanent
+from supervisor.errors import Blocked, Permanent
 from supervisor.library.cache import CachedModel
 from supervisor.library.ggufcheck import Unit
 from supervisor.memplan import router
@@ -60,7 +60,8 @@ def plan(
     for model in routed.unfit:
         if model.name in startup_names:  # refused before anything starts, with the numbers
             alone = EngineNeed(name, (model,), router.ADVICE)
-            raise Permanent(check(alone, now.budget).message)
+            verdict = check(alone, now.budget)
+            raise (Blocked if verdict.waitable else Permanent)(verdict.message)
     auto = opts.context == "auto"
     contexts = None
     if auto:

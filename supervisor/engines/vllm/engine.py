@@ -29,7 +29,7 @@ from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
-from supervisor.errors import Permanent
+from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
@@ -63,8 +63,9 @@ class TierDirectories:
 
 
 def refused(decision: pf.Launch | pf.Refusal) -> pf.Launch:
-    if isinstance(decision, pf.Refusal):
-        raise Permanent(str(decision))
+    if isinstance(decision, pf.Refusal):  # GPU memory another container holds may come free
+        busy = decision.code == pf.GPU_MEMORY_BUSY
+        raise (Blocked if busy else Permanent)(str(decision))
     return decision
 
 

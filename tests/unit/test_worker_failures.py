@@ -1,0 +1,242 @@
+"""The worker loop with remembered failures: shown, tried again after a growing back-off, and
+never claiming that a serving engine failed. Fakes at the runtime and engine boundary (fast);
+the real case against dockerd is in tests/conformance/test_worker_rules.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.docker import labels
+from supervisor.docker.spec import Container, RunSpec
+from supervisor.engines.base import StepContext
+from supervisor.errors import Blocked, Permanent
+from supervisor.protocol.documents import TargetGroup
+from supervisor.worker import loop
+from supervisor.worker.plan import Answer, Observed, Prerequisite
+
+BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
+TAKEN = "port 9001 on 172.30.0.1 is taken by another program"
+ARGS = "the engine's own check refused the recipe's arguments (exit 2): --kv-dtpye"
+SPEC = RunSpec(name="lucia-x", image="sha256:" + "a" * 64, network="lucia",
+               host_ip="172.30.0.1", host_port=9000, container_port=8888,
+               labels={labels.MANAGED: "true", labels.NAME: "x", labels.IMAGE_REF: "img"})
+MOVED = replace(SPEC, host_port=9001)
+
+
+def _container(cid: str, spec: RunSpec) -> Container:
+    return Container(id=cid, name="lucia-x", image_id=spec.image, status="running",
+                     exit_code=0, oom_killed=False, started_at="t",
+                     labels={**spec.labels, labels.FINGERPRINT: spec.fingerprint()},
+                     bindings=((spec.host_ip, spec.host_port),))
+
+
+@dataclass
+class FakeRuntime:
+    """Docker as the worker's steps see it: one container, and stops that fail on demand."""
+
+    container: Container | None = None
+    stop_failures: int = 0
+    stops: list[float] = field(default_factory=list)
+    made: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stop(self, container_id: str, grace: float) -> None:
+        self.stops.append(time.monotonic())
+        if len(self.stops) <= self.stop_failures:
+            raise Permanent(BOOM)
+
+    def remove(self, container_id: str) -> None:
+        with self.lock:
+            self.container = None
+
+    def run(self, spec: RunSpec) -> Container:
+        with self.lock:
+            self.made += 1
+            self.container = _container(f"c{self.made + 1}", spec)
+            return self.container
+
+    def wait(self, container_id: str) -> int | None:
+        threading.Event().wait()  # the exit monitor: these containers never exit by themselves
+        return None
+
+
+@dataclass
+class FakeEngine:
+    """An engine whose container is the fake runtime's, and whose Check fails on demand."""
+
+    runtime: FakeRuntime
+    spec: RunSpec = SPEC
+    refusals: list[Exception] = field(default_factory=list)  # raised by the next Checks
+    checks: list[float] = field(default_factory=list)
+    kind: str = "fake"
+    container_name: str = "lucia-x"
+    stop_grace: float = 1.0
+    ready_timeout: float = 10.0
+    poll_interval: float = 30.0
+
+    def observe(self) -> Observed:
+        container = self.runtime.container
+        port = container.bindings[0][1] if container else self.spec.host_port
+        url = f"http://172.30.0.1:{port}"
+        return Observed(container=container, spec=self.spec, url=url,
+                        targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),))
+
+    def make(self, what: Prerequisite, ctx: StepContext) -> None:
+        raise AssertionError("nothing is missing")
+
+    def preflight(self, spec: RunSpec, replacing: str | None, ctx: StepContext) -> None:
+        self.checks.append(time.monotonic())
+        if self.refusals:
+            raise self.refusals.pop(0)
+
+    def started(self, container_id: str | None) -> None: ...
+
+    def abandoned(self, running: str | None) -> None: ...
+
+    def planned_memory(self) -> tuple[int, int] | None:
+        return None
+
+    def ready(self) -> bool:
+        return True
+
+    def failed_models(self) -> tuple[str, ...]:
+        return ()
+
+    def private_files(self) -> tuple[Path, ...]:
+        return ()
+
+
+@dataclass(frozen=True)
+class Shown:
+    state: str
+    message: str
+    targets: tuple[TargetGroup, ...]
+    at: float
+
+
+def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+            ) -> tuple[loop.Worker, list[Shown]]:
+    monkeypatch.setattr(loop.registry, "create", lambda *args, **kwargs: engine)
+    settings = loop.Settings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
+    worker = loop.Worker(settings, object, engine.runtime)  # type: ignore[arg-type]
+    shown: list[Shown] = []
+    show = worker.heartbeat.show
+
+    def record(answer: Answer, refused: str | None, targets: Any = ()) -> None:
+        shown.append(Shown(answer.state, answer.message, tuple(targets), time.monotonic()))
+        show(answer, refused, targets)
+
+    monkeypatch.setattr(worker.heartbeat, "show", record)
+    return worker, shown
+
+
+def _request(worker: loop.Worker, generation: int, desired: str) -> None:
+    path = worker.directory / "desired.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"schemaVersion": 1, "generation": generation,
+                               "desired": desired}))
+    os.replace(tmp, path)
+
+
+def _drive(worker: loop.Worker, script: Callable[[], None], timeout: float = 60) -> None:
+    """Run the worker on this thread while script runs on another; stop it when script ends."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            script()
+        except BaseException as exc:  # handed back to the test
+            failure.append(exc)
+        finally:
+            worker._stop.set()
+            worker._wake.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        worker.run()
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+    if failure:
+        raise failure[0]
+
+
+def _until(what: str, condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_stop_that_fails_for_good_is_failed_and_tried_again_after_a_growing_delay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = FakeRuntime(container=_container("c1", SPEC), stop_failures=2)
+    worker, shown = _worker(tmp_path, FakeEngine(runtime), monkeypatch)
+
+    def script() -> None:
+        _request(worker, 1, "stopped")
+        _until("stopped", lambda: bool(shown) and shown[-1].state == "stopped")
+
+    _drive(worker, script)
+    assert len(runtime.stops) == 3, runtime.stops  # two failures, then Docker was fixed
+    first, second = (b - a for a, b in zip(runtime.stops, runtime.stops[1:], strict=False))
+    assert first >= 1.0 and second >= 2.0, (first, second)  # never planned again at once
+    failures = [s.message for s in shown if s.state == "failed"]
+    assert f"{BOOM}; trying again in 1 s" in failures
+    assert f"{BOOM}; trying again in 2 s" in failures
+    assert not any("stopping the engine" in s.message for s in shown if s.state == "failed")
+
+
+def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = FakeRuntime(container=_container("c1", SPEC))
+    engine = FakeEngine(runtime)
+    worker, shown = _worker(tmp_path, engine, monkeypatch)
+    marks: dict[str, int] = {}
+
+    def script() -> None:
+        _request(worker, 1, "running")
+        _until("serving", lambda: bool(shown) and shown[-1].message.startswith("serving at"))
+        # the recipe now asks for a port the engine's own check refuses: for good, then a
+        # reload, then twice held by another program, then free
+        engine.spec = MOVED
+        engine.refusals = [Permanent(ARGS), Blocked(TAKEN), Blocked(TAKEN)]
+        marks["moved"] = len(shown)
+        os.kill(os.getpid(), signal.SIGHUP)
+        _until("the refusal", lambda: ARGS in shown[-1].message)
+        time.sleep(2.5)  # longer than the first back-offs: a refusal for good is not retried
+        assert len(engine.checks) == 1, engine.checks
+        marks["reload"] = len(shown)
+        os.kill(os.getpid(), signal.SIGHUP)  # an operator's reload tries again at once
+        _until("the replacement", lambda: runtime.container is not None
+               and runtime.container.id == "c2" and shown[-1].state == "running")
+
+    _drive(worker, script)
+    assert runtime.container is not None and runtime.container.bindings == (("172.30.0.1", 9001),)
+    assert len(engine.checks) == 4
+    _, reload_check, second, passed = engine.checks
+    assert second - reload_check >= 1.0 and passed - second >= 2.0
+    before_stop = [s for s in shown[marks["moved"]:] if s.at < passed]  # until the Check passed
+    assert before_stop and all(s.state == "running" for s in before_stop), [
+        (s.state, s.message) for s in before_stop if s.state != "running"]
+    assert all(s.targets[0].targets == ["172.30.0.1:9000"] for s in before_stop)
+    messages = [s.message for s in before_stop]
+    assert ("serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
+            f"{ARGS}") in messages
+    assert ("serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
+            f"{TAKEN}; trying again in 1 s") in messages
+    assert shown[-1].targets[0].targets == ["172.30.0.1:9001"]
+    assert shown[-1].message == "serving at http://172.30.0.1:9001"
