@@ -1,5 +1,4 @@
-"""The build and pull child process, both sides: the parent starts it and relays its lines, the
-child streams docker's output to it as JSON lines.
+"""The build and pull child process, both sides: start, relay, kill; and stream docker's output.
 
 A plain child process (not multiprocessing, whose resource tracker would outlive the build by
 the worker's whole life, 13 MB of it): the job in on stdin, JSON lines out. Killing the child
