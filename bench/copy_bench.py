@@ -1,7 +1,7 @@
 """GGUF cache benchmarks: `.venv/bin/python bench/copy_bench.py [--size-mib N] [--rounds N]`.
 
-1. Copy throughput of supervisor.gguf_cache.copy_file against `cp` on the same files in the same
-   run: three real GGUF files (random tensor data) in a temp directory, copied to a sibling
+1. Copy throughput of supervisor.library.fastcopy.copy_file against `cp` on the same files in
+   the same run: three real GGUF files (random tensor data) in a temp directory, copied to a sibling
    directory on the same disk. The page cache is not dropped: every variant reads warm sources.
    copy_file fsyncs each copy before renaming it, cp does not, so `cp + sync FILE...` (fsync of
    the copies) is measured too; that is the like-for-like baseline.
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from supervisor.library import cache as gguf_cache  # noqa: E402
-from supervisor.library import ggufcheck  # noqa: E402
+from supervisor.library import fastcopy, ggufcheck  # noqa: E402
 from supervisor.library.models import scan  # noqa: E402
 
 MIB = 1024 * 1024
@@ -82,7 +82,7 @@ def clear(directory: Path) -> None:
 
 
 def fn_is_ours(name: str) -> bool:
-    return name.startswith("gguf_cache")
+    return name.startswith("fastcopy")
 
 
 def copy_throughput(work: Path, size_mib: int, rounds: int) -> list[tuple[str, ...]]:
@@ -103,7 +103,7 @@ def copy_throughput(work: Path, size_mib: int, rounds: int) -> list[tuple[str, .
 
     def ours() -> None:
         for path in files:
-            methods.add(gguf_cache.copy_file(path, dest / path.name).method)
+            methods.add(fastcopy.copy_file(path, dest / path.name).method)
 
     def cp() -> None:
         subprocess.run(["cp", *map(str, files), str(dest)], check=True)
@@ -113,7 +113,7 @@ def copy_throughput(work: Path, size_mib: int, rounds: int) -> list[tuple[str, .
         subprocess.run(["sync", *(str(dest / p.name) for p in files)], check=True)
 
     variants: dict[str, Callable[[], None]] = {
-        "gguf_cache.copy_file (fsync each)": ours,
+        "fastcopy.copy_file (fsync each)": ours,
         "cp": cp,
         "cp + sync FILE... (fsync each)": cp_sync,
     }

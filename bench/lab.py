@@ -1,4 +1,6 @@
-"""The bench's world: a run id, a busybox base image, a git recipe repository, engines, workers.
+"""The bench's world: run id, base image, recipe repository, network, engines and their cleanup.
+
+The engines themselves are in engine.py.
 
 Everything made here carries the run id in its name and the label lucia.bench.run=<run id>: the
 base image has the label from its first instruction, so every image built FROM it (recipe image,
@@ -9,265 +11,27 @@ inherits it. Lab.cleanup() removes all of it and is safe after a failure half-wa
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import docker
 import docker.errors
 
-from supervisor.protocol import host
 from tests.standin import busybox_image, recipe_repository
+
+from .engine import ROOT, Engine, kill_group
+from .status import answers
 
 RUN_ID = uuid.uuid4().hex[:8]
 LABEL = "lucia.bench.run"
 ROLE = "lucia.bench.role"
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-WORKER = [PYTHON, "-m", "supervisor.cli", "worker"]
-
-Doc = dict[str, Any]
-
-
-class Timeout(RuntimeError):
-    pass
-
-
-def epoch(iso: str) -> float:
-    """An ISO-8601 time from status.json ('...Z') as Unix seconds."""
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
-
-
-def floor_ms(seconds: float) -> float:
-    """checkedAt is written truncated to the millisecond: compare against a truncated clock."""
-    return math.floor(seconds * 1000) / 1000
-
-
-def read_json(path: Path) -> Doc | None:
-    try:
-        value = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-class StatusWatch:
-    """Detects a new status.json by a tight poll: one stat() a millisecond, and on a new inode,
-    mtime or size the file is read and parsed, so each answer is verified by content.
-
-    The worker replaces the file atomically, so every write is a new inode. The detection time
-    is at most one poll interval (+ the sleep's overshoot, ~0.1 ms) after the rename.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.doc: Doc | None = None
-        self._sig: tuple[int, int, int] | None = None
-
-    def poll(self) -> bool:
-        """True when a new version of the file was read."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return False
-        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if sig == self._sig:
-            return False
-        doc = read_json(self.path)
-        if doc is None:  # vanished between stat and read: try again next poll
-            return False
-        self._sig, self.doc = sig, doc
-        return True
-
-    def wait(
-        self, check: Callable[[Doc], bool], timeout: float, interval: float = 0.001
-    ) -> tuple[Doc, float]:
-        """Poll until check(status) holds; the status and the perf_counter() when it was seen."""
-        deadline = time.perf_counter() + timeout
-        self.poll()
-        while True:
-            if self.doc is not None and check(self.doc):
-                return self.doc, time.perf_counter()
-            if time.perf_counter() > deadline:
-                raise Timeout(f"{self.path}: timed out after {timeout:g}s; last: {self.doc}")
-            time.sleep(interval)
-            self.poll()
-
-
-def answers(generation: int, *states: str) -> Callable[[Doc], bool]:
-    def check(doc: Doc) -> bool:
-        return doc.get("generation") == generation and (not states or doc.get("state") in states)
-
-    return check
-
-
-@dataclass
-class Engine:
-    """One engine: its recipe file, data and state directories, and its worker process."""
-
-    lab: Lab
-    name: str
-    root: Path
-    port: int
-    image_tag: str
-    settings: dict[str, str] = field(default_factory=dict)
-    build_args: dict[str, str] = field(default_factory=dict)
-    prepare: bool = True
-    heartbeat: float | None = None  # None: the worker's default (15 s)
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-
-    @property
-    def data_dir(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def dir(self) -> Path:
-        return self.data_dir / self.name
-
-    @property
-    def status_path(self) -> Path:
-        return self.dir / host.STATUS
-
-    @property
-    def container(self) -> str:
-        return f"lucia-{self.name}"
-
-    @property
-    def recipe_path(self) -> Path:
-        return self.root / f"{self.name}.toml"
-
-    @property
-    def environment(self) -> dict[str, str]:
-        return {
-            "PORT": str(self.port),
-            "MODEL_ID": "bench/tiny-model",
-            "SERVED_NAME": "tiny",
-            "PARALLEL": "4",
-            "CONTEXT": "200000",
-            "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
-            "HF_CACHE": str(self.root / "hf-cache"),
-            "READY_DELAY": "0",
-            "PREPARE_SECONDS": "0",
-            **self.settings,
-        }
-
-    def write_recipe(self) -> None:
-        repo, commit = self.lab.repo()
-        build_args = {"BASE": self.lab.base_image(), **self.build_args}
-        lines = [
-            f'name = "{self.name}"',
-            'engine = "tensorfold"',
-            'model = "bench/tiny-model"',
-            "[source]",
-            f'repository = "file://{repo}"',
-            f'commit = "{commit}"',
-            "[image]",
-            f'tag = "{self.image_tag}"',
-            "build_args = " + _inline(build_args),
-            "[prepare]",
-            'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
-            "[grammar]",
-            'requirement = "xgrammar>=0.2.8,<0.3"',
-            'modules = ["xgrammar", "tensorfold"]',
-            "[settings]",
-            *(f"{key} = {json.dumps(value)}" for key, value in self.environment.items()),
-            "[run]",
-            f'network = "{self.lab.network}"',
-            f"port = {self.port}",
-            'ready_path = "/v1/models"',
-            'metrics_path = "/metrics"',
-            "ready_timeout = 60",
-            "stop_grace = 60",
-        ]
-        self.recipe_path.write_text("\n".join(lines) + "\n")
-
-    def start_worker(self) -> subprocess.Popen[bytes]:
-        self.write_recipe()
-        self.starts += 1
-        log = self.root / f"worker-{self.starts}.log"
-        extra = ["--heartbeat", str(self.heartbeat)] if self.heartbeat else []
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    *WORKER,
-                    self.name,
-                    "--recipe",
-                    str(self.recipe_path),
-                    "--data-dir",
-                    str(self.data_dir),
-                    "--state-dir",
-                    str(self.state_dir),
-                    *extra,
-                ],
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a Ctrl-C reaches the bench, which then cleans up
-            )
-        return self.proc
-
-    def stop_worker(self, timeout: float = 30) -> float:
-        """SIGTERM the worker; the seconds until it exited."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return 0.0
-        started = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise
-        return time.perf_counter() - started
-
-    def request(self, desired: str) -> int:
-        return host.request(self.data_dir, self.name, desired)  # type: ignore[arg-type]
-
-    def status(self) -> Doc | None:
-        return read_json(self.status_path)
-
-    def watch(self) -> StatusWatch:
-        return StatusWatch(self.status_path)
-
-    def wait(self, check: Callable[[Doc], bool], timeout: float, what: str) -> Doc:
-        try:
-            return self.watch().wait(check, timeout, interval=0.01)[0]
-        except Timeout as exc:
-            raise Timeout(f"{self.name}: {what}: {exc}\nworker log:\n{self.log_tail()}") from None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        logs = sorted(self.root.glob("worker-*.log"), key=lambda p: p.stat().st_mtime)
-        return logs[-1].read_text(errors="replace")[-chars:] if logs else "(no log)"
-
-
-def _inline(table: dict[str, str]) -> str:
-    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
 
 
 def adopt_run(run_id: str) -> None:
@@ -411,7 +175,7 @@ class Lab:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
         for step in (self._remove_containers, self._remove_networks, self._remove_images):
             try:
                 step()

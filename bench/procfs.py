@@ -1,5 +1,7 @@
-"""Process figures from /proc (RSS, PSS, CPU ticks of a process and its children), the machine,
-and percentiles."""
+"""Process figures from /proc, the machine the bench ran on, and percentiles.
+
+The figures: RSS, PSS and CPU ticks of a process and its children.
+"""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from types import FrameType
 
 from . import lab as lab_module
 from .lab import Lab
-from .measurements import MEASUREMENTS, Plan, Shared
+from .measurements import MEASUREMENTS
+from .measurements.common import Plan, Shared
 from .procfs import code_version, dockerd, loadavg, machine, supervisor_digest
 from .report import Row, text_table, write_results
 

@@ -1,1 +1,1 @@
-"""The Docker boundary: the runtime (the only importer of docker), child processes, spec, labels."""
+"""The Docker boundary, the only package that imports docker: API, build child, spec, labels."""

@@ -1,41 +1,31 @@
-"""The Docker boundary: the only module that imports docker. Narrow, typed, and in our terms.
+"""The Docker API, narrow, typed and in our terms: containers, images and one network gateway.
 
-Docker's own errors never leave this module: an unreachable daemon becomes Transient, a refusal
-by the daemon Permanent, a failed build BuildFailed.
+With the build child (child.py) and the client (client.py), the docker/ package is the only
+one that imports the docker SDK. Docker's own errors never leave it: an unreachable daemon
+becomes Transient, a refusal by the daemon Permanent, a failed build BuildFailed.
 """
 
 from __future__ import annotations
 
-import io
-import json
-import os
-import select
-import subprocess
-import sys
-import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
-from typing import IO, Any, Final, cast
+from typing import Any, Final
 
 import docker
 import docker.errors
 import requests.exceptions
 from docker.types import DeviceRequest, Ulimit
-from docker.utils import parse_repository_tag
 
+from supervisor.docker import child
+from supervisor.docker.child import PullRequest
+from supervisor.docker.client import api_client
 from supervisor.docker.labels import MANAGED
 from supervisor.docker.spec import BuildRequest, Container, Gpus, Image, RunSpec
-from supervisor.errors import BuildFailed, Cancelled, Permanent, Transient
+from supervisor.errors import BuildFailed, Permanent, Transient
 
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
-
-
-@dataclass(frozen=True)
-class PullRequest:
-    ref: str
 
 
 @contextmanager
@@ -90,7 +80,7 @@ class Runtime:
         return self._api
 
     def _client(self, timeout: float | None) -> docker.APIClient:
-        return _api_client(self._base_url, timeout)
+        return api_client(self._base_url, timeout)
 
     def ping(self) -> None:
         with _translated("ping"):
@@ -305,26 +295,10 @@ class Runtime:
         progress: Progress,
         cancel: threading.Event,
     ) -> Image:
-        # A plain child process (not multiprocessing, whose resource tracker would outlive the
-        # build by the worker's whole life, 13 MB of it): the job in on stdin, JSON lines out.
-        child = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.docker.runtime"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        assert child.stdin is not None and child.stdout is not None
         lines: list[str] = []
-        try:
-            child.stdin.write(_encode_job(self._base_url, job))
-            child.stdin.close()
-            kind, text = _receive(
-                child.stdout, lines=lines, progress=progress, cancel=cancel, what=what
-            )
-        finally:
-            if child.poll() is None:
-                child.kill()
-            child.wait(5)
-            child.stdout.close()
+        kind, text = child.run(
+            self._base_url, job, lines=lines, progress=progress, cancel=cancel, what=what
+        )
         if kind == "unavailable":
             raise Transient(f"{what}: docker is unavailable ({text})")
         if kind == "error" and not self._stays_up(cancel):
@@ -337,125 +311,8 @@ class Runtime:
         return image
 
 
-def _receive(
-    stream: IO[bytes],
-    *,
-    lines: list[str],
-    progress: Progress,
-    cancel: threading.Event,
-    what: str,
-) -> tuple[str, str]:
-    """Relay the child's lines until it says how the build ended; cancel is checked 5x/s."""
-    fd, pending = stream.fileno(), b""
-    while not cancel.is_set():
-        if not select.select([fd], [], [], 0.2)[0]:
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return "unavailable", "the build ended without an answer from docker"
-        *complete, pending = (pending + chunk).split(b"\n")
-        for raw in complete:
-            kind, text = json.loads(raw)
-            if kind != "line":
-                return str(kind), str(text)
-            lines.append(text)
-            del lines[:-50]
-            progress(text)
-    raise Cancelled(f"{what} cancelled")
-
-
-def _api_client(base_url: str | None, timeout: float | None) -> docker.APIClient:
-    """None means no timeout (docker wait, builds); the stubs only admit an int."""
-    limit = cast(int, timeout)
-    if base_url:
-        return docker.APIClient(base_url=base_url, timeout=limit)
-    return docker.from_env(timeout=limit).api
-
-
 def _gpus(gpus: Gpus) -> list[DeviceRequest] | None:
     if gpus == "none":
         return None
     count = -1 if gpus == "all" else int(gpus)
     return [DeviceRequest(count=count, capabilities=[["gpu"]])]
-
-
-def _context_tar(dockerfile_text: str) -> io.BytesIO:
-    buffer = io.BytesIO()
-    data = dockerfile_text.encode()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        info = tarfile.TarInfo("Dockerfile")
-        info.size = len(data)
-        info.mode = 0o644
-        tar.addfile(info, io.BytesIO(data))
-    buffer.seek(0)
-    return buffer
-
-
-def _encode_job(base_url: str | None, job: BuildRequest | PullRequest) -> bytes:
-    kind = "pull" if isinstance(job, PullRequest) else "build"
-    return json.dumps({"base_url": base_url, "kind": kind, "job": asdict(job)}).encode()
-
-
-def _decode_job(data: bytes) -> tuple[str | None, BuildRequest | PullRequest]:
-    message = json.loads(data)
-    job_type = PullRequest if message["kind"] == "pull" else BuildRequest
-    return message["base_url"], job_type(**message["job"])
-
-
-def _send(kind: str, text: str) -> None:
-    sys.stdout.write(json.dumps([kind, text]) + "\n")
-    sys.stdout.flush()
-
-
-def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
-    """Runs in the child process: stream a build's or a pull's output lines to the parent."""
-    try:
-        api = _api_client(base_url, None)
-        for chunk in _stream(api, job):
-            if "error" in chunk:
-                _send("error", str(chunk.get("error", "")).strip())
-                return
-            text = chunk.get("stream") or _pull_line(chunk)
-            for line in str(text).splitlines():
-                if line.strip():
-                    _send("line", line.rstrip())
-        _send("done", "")
-    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        _send("unavailable", type(exc).__name__)
-    except docker.errors.APIError as exc:
-        _send("error", str(exc.explanation or exc))
-    except (docker.errors.DockerException, OSError, TypeError) as exc:
-        _send("error", f"{type(exc).__name__}: {exc}")
-
-
-def _stream(api: docker.APIClient, job: BuildRequest | PullRequest) -> Iterator[dict[str, Any]]:
-    if isinstance(job, PullRequest):
-        repository, tag = parse_repository_tag(job.ref)
-        return iter(api.pull(repository, tag=tag or "latest", stream=True, decode=True))
-    common: dict[str, Any] = {
-        "tag": job.tag,
-        "labels": dict(job.labels),
-        "buildargs": dict(job.build_args),
-        "rm": True,
-        "forcerm": True,
-        "decode": True,
-    }
-    if job.dockerfile_text is not None:
-        return iter(
-            api.build(fileobj=_context_tar(job.dockerfile_text), custom_context=True, **common)
-        )
-    return iter(api.build(path=job.context, dockerfile=job.dockerfile, **common))
-
-
-def _pull_line(chunk: dict[str, Any]) -> str:
-    """A pull's progress as one line: "<layer>: Downloading 12.3MB/40.1MB"."""
-    status = str(chunk.get("status") or "")
-    layer = str(chunk.get("id") or "")
-    detail = chunk.get("progressDetail") or {}
-    if detail.get("total"):
-        status += f" {detail.get('current', 0) / 1e6:.1f}MB/{detail['total'] / 1e6:.1f}MB"
-    return f"{layer}: {status}" if layer else status
-
-
-if __name__ == "__main__":  # the build and pull child: python -m supervisor.docker.runtime
-    _child(*_decode_job(sys.stdin.buffer.read()))

@@ -1,17 +1,13 @@
-"""The local GGUF cache: each Ready library model's files, copied into <cache>/<model name>/.
+"""The local GGUF cache's sync: each Ready library model's files, copied into <cache>/<model name>/.
 
 The library may be a slow network share; the cache is a local disk the router container mounts
 read-only. A sync copies what is new or changed, skips what is unchanged without reading it,
 removes the models it copied earlier that are no longer Ready, and names the files it refused.
 
-Only what the sync itself created is ever removed: a manifest (<cache>/.lucia-gguf-cache.json,
-written atomically) records each copied file's source path, size and mtime_ns and the copy's
-size. A file is unchanged when its source still has that size and mtime_ns and the copy still
-exists with its recorded size; then not even its 8-byte header is read again.
-
-Copies are atomic (a temp name in the destination directory, fsync, rename, fsync of the
-directory) and use the kernel's fast paths: copy_file_range, then sendfile, then pread/pwrite.
-They go in chunks so that progress is reported and cancellation is noticed between chunks.
+Only what the sync itself created is ever removed: the manifest (manifest.py) records each
+copied file. A file is unchanged when its source still has the recorded size and mtime_ns and
+the copy still exists with its recorded size; then not even its 8-byte header is read again.
+Each file is copied by fastcopy.copy_file (atomic, by the kernel's fast paths, in chunks).
 """
 
 from __future__ import annotations
@@ -19,234 +15,33 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import re
-import secrets
 import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Final
 
 from supervisor.errors import Cancelled
 from supervisor.library import ggufcheck
+from supervisor.library.fastcopy import CHUNK_SIZE, copy_file, remove_partials_in
 from supervisor.library.ggufcheck import Rejected, Unit
-from supervisor.library.models import Library
-from supervisor.protocol.files import FileRefused, ensure_dir, fsync_dir, read_text, write_atomic
-
-MANIFEST_NAME: Final = ".lucia-gguf-cache.json"
-CHUNK_SIZE: Final = 64 * 1024 * 1024
-BUFFER_SIZE: Final = 1024 * 1024  # the pread/pwrite fallback's buffer
-PROGRESS_INTERVAL: Final = 0.5  # seconds between progress messages, at most
-CACHE_FILE_MODE: Final = 0o644  # the container may read as any uid; models are not secrets
-CACHE_DIR_MODE: Final = 0o755
-MAX_MANIFEST: Final = 32 * 1024 * 1024
-SUMMARY_BAD: Final = 5  # bad files named in the one-line summary; the rest are counted
-_PARTIAL: Final = re.compile(r"\..+\.[0-9a-f]{8}\.partial")
-
-Method = Literal["copy_file_range", "sendfile", "pread"]
-_METHODS: Final[tuple[Method, ...]] = ("copy_file_range", "sendfile", "pread")
-# errnos that mean "this way of copying does not work for these files", not "the copy failed"
-_UNSUPPORTED: Final = frozenset(
-    {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
+from supervisor.library.manifest import (
+    BadFile,
+    ManifestFile,
+    ManifestModel,
+    load_manifest,
+    save_manifest,
 )
+from supervisor.library.models import Library
+from supervisor.protocol.files import ensure_dir
+
+PROGRESS_INTERVAL: Final = 0.5  # seconds between progress messages, at most
+CACHE_DIR_MODE: Final = 0o755
+SUMMARY_BAD: Final = 5  # bad files named in the one-line summary; the rest are counted
 
 Progress = Callable[[str], None]
-
-
-# --- the manifest ---------------------------------------------------------------------------
-
-
-class ManifestFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    source: str
-    size: int = Field(ge=0)
-    mtime_ns: int
-    dest_size: int = Field(ge=0)
-
-
-class ManifestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    guid: str
-    files: dict[str, ManifestFile]
-
-
-class BadFile(BaseModel):
-    """A source file whose header was read and found bad: not read again while unchanged."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    size: int = Field(ge=0)
-    mtime_ns: int
-    reason: str
-
-
-class Manifest(BaseModel):
-    """What the sync copied, by model name then file name; nothing else is ever removed.
-    Also the verdicts on bad source files, by source path, so that they are not re-read."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: Literal[1] = 1
-    models: dict[str, ManifestModel] = Field(default_factory=dict)
-    bad: dict[str, BadFile] = Field(default_factory=dict)
-
-
-def load_manifest(cache_dir: Path) -> tuple[Manifest, str | None]:
-    """The manifest, or an empty one and why when it is absent (None) or unreadable (a line)."""
-    path = cache_dir / MANIFEST_NAME
-    try:
-        manifest = Manifest.model_validate_json(read_text(path, limit=MAX_MANIFEST))
-    except FileNotFoundError:
-        return Manifest(), None
-    except (FileRefused, ValidationError, ValueError) as exc:
-        detail = str(exc).splitlines()[0]
-        return Manifest(), f"{MANIFEST_NAME} ignored ({detail}); cached files will be copied again"
-    # Names come back as paths: keep only entries that are plain names (defence in depth).
-    models = {
-        name: ManifestModel(
-            guid=entry.guid,
-            files={f: rec for f, rec in entry.files.items() if _plain(f)},
-        )
-        for name, entry in manifest.models.items()
-        if ggufcheck.name_problem(name) is None
-    }
-    return Manifest(models=models, bad=manifest.bad), None
-
-
-def _plain(name: str) -> bool:
-    return bool(name) and name not in {".", ".."} and "/" not in name and "\x00" not in name
-
-
-def _save(cache_dir: Path, models: dict[str, ManifestModel], bad: dict[str, BadFile]) -> None:
-    document = Manifest(models=dict(sorted(models.items())), bad=dict(sorted(bad.items())))
-    write_atomic(cache_dir / MANIFEST_NAME, (document.model_dump_json(indent=2) + "\n").encode())
-
-
-# --- copying one file -----------------------------------------------------------------------
-
-
-class SourceChanged(OSError):
-    """The source file changed (size or mtime) while it was being copied."""
-
-
-@dataclass(frozen=True)
-class CopyStats:
-    size: int
-    mtime_ns: int  # the source's, as it was copied
-    method: Method  # the method that copied the last byte
-
-
-class _Copier:
-    """Copies byte ranges between two fds by the fastest method that works for them."""
-
-    def __init__(self) -> None:
-        available = {
-            "copy_file_range": hasattr(os, "copy_file_range"),
-            "sendfile": hasattr(os, "sendfile"),
-            "pread": True,
-        }
-        self._methods = [m for m in _METHODS if available[m]]
-        self.method: Method = self._methods[0]
-
-    def _fall_back(self) -> bool:
-        index = self._methods.index(self.method)
-        if index + 1 == len(self._methods):
-            return False
-        self.method = self._methods[index + 1]
-        return True
-
-    def _once(self, src: int, dst: int, offset: int, count: int) -> int:
-        if self.method == "copy_file_range":
-            return os.copy_file_range(src, dst, count, offset, offset)
-        if self.method == "sendfile":
-            os.lseek(dst, offset, os.SEEK_SET)  # sendfile writes at dst's file position
-            return os.sendfile(dst, src, offset, count)
-        data = os.pread(src, min(count, BUFFER_SIZE), offset)
-        view = memoryview(data)
-        written = 0
-        while written < len(view):
-            written += os.pwrite(dst, view[written:], offset + written)
-        return len(data)
-
-    def copy(self, src: int, dst: int, offset: int, count: int) -> int:
-        """Copy up to count bytes at offset; fewer only at the source's end of file."""
-        done = 0
-        while done < count:
-            try:
-                n = self._once(src, dst, offset + done, count - done)
-            except OSError as exc:
-                if exc.errno in _UNSUPPORTED and self._fall_back():
-                    continue
-                raise
-            if n == 0:
-                # Some filesystems answer 0 from the fast paths instead of an error: make sure
-                # with the next method before believing the file ended.
-                if self._fall_back():
-                    continue
-                break
-            done += n
-        return done
-
-
-def copy_file(
-    src: Path,
-    dest: Path,
-    *,
-    cancel: threading.Event | None = None,
-    on_bytes: Callable[[int], None] | None = None,
-    chunk_size: int = CHUNK_SIZE,
-) -> CopyStats:
-    """Copy src to dest atomically: dest is absent or complete, never partial.
-
-    on_bytes(n) is called after each chunk with the bytes copied so far. cancel is checked
-    between chunks: a cancelled copy removes its temp file and raises Cancelled. A source that
-    changes while being copied raises SourceChanged. Symlinks are not followed.
-    """
-    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        before = os.fstat(sfd)
-        if not stat.S_ISREG(before.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(src))
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(sfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.partial")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        dfd = os.open(tmp, flags, CACHE_FILE_MODE)
-        try:
-            try:
-                os.fchmod(dfd, CACHE_FILE_MODE)
-                copier = _Copier()
-                size = before.st_size
-                offset = 0
-                while offset < size:
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled(f"cancelled while copying {src.name}")
-                    n = copier.copy(sfd, dfd, offset, min(chunk_size, size - offset))
-                    if n == 0:
-                        raise SourceChanged(errno.EIO, "source shrank while being copied", str(src))
-                    offset += n
-                    if on_bytes is not None:
-                        on_bytes(offset)
-                after = os.fstat(sfd)
-                if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-                    raise SourceChanged(errno.EIO, "source changed while being copied", str(src))
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    finally:
-        os.close(sfd)
-    fsync_dir(dest.parent)
-    return CopyStats(size, before.st_mtime_ns, copier.method)
 
 
 # --- progress -------------------------------------------------------------------------------
@@ -357,7 +152,7 @@ def sync(
 
     removed = _remove_stale(cache_dir, records, {p.unit.name: p for p in plans})
     if removed or records != manifest.models or verdicts.new != manifest.bad:
-        _save(cache_dir, records, verdicts.new)
+        save_manifest(cache_dir, records, verdicts.new)
 
     throttle = _Throttle(progress, clock, PROGRESS_INTERVAL)
     copied: list[str] = []
@@ -495,7 +290,7 @@ def _remove_stale(
         for file_name in sorted(stale):
             _unlink_file(cache_dir / name / file_name)
         if plan is None:
-            _remove_partials_in(cache_dir / name)
+            remove_partials_in(cache_dir / name)
             _rmdir_if_empty(cache_dir / name)
             del records[name]
             removed.append(name)
@@ -545,7 +340,7 @@ def _copy_unit(
             source=str(path), size=stats.size, mtime_ns=stats.mtime_ns, dest_size=stats.size
         )
         records[name] = ManifestModel(guid=plan.guid, files=dict(sorted(files.items())))
-        _save(cache_dir, records, bad_files)  # a crash now leaves a manifest that knows it
+        save_manifest(cache_dir, records, bad_files)  # a crash now leaves a manifest that knows it
         copied.append(f"{name}/{path.name}")
     return copied
 
@@ -562,17 +357,7 @@ def _remove_partials(cache_dir: Path) -> None:
         return
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            _remove_partials_in(Path(entry.path))
-
-
-def _remove_partials_in(directory: Path) -> None:
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return
-    for entry in entries:
-        if _PARTIAL.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            Path(entry.path).unlink(missing_ok=True)
+            remove_partials_in(Path(entry.path))
 
 
 def _unlink_file(path: Path) -> None:

@@ -20,14 +20,9 @@ import pytest
 from supervisor.engines.llama_router.preset import render
 from supervisor.errors import Cancelled
 from supervisor.library import cache as gguf_cache
-from supervisor.library.cache import (
-    MANIFEST_NAME,
-    SourceChanged,
-    SyncResult,
-    copy_file,
-    progress_message,
-    sync,
-)
+from supervisor.library.cache import SyncResult, progress_message, sync
+from supervisor.library.fastcopy import SourceChanged, copy_file
+from supervisor.library.manifest import MANIFEST_NAME
 from supervisor.library.models import MODEL_STATES, scan
 from tests.gguf_fixtures import (
     add_model,

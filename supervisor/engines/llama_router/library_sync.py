@@ -1,0 +1,197 @@
+"""The router's library sync: the GGUF cache and the preset made current with the library.
+
+A sync is due when the library as seen, the recipe's part of the preset or the machine settings
+the memory plan divides have changed since the last one, or when the preset on disk is not the
+one it wrote. What the last sync made is recorded in <state>/synced.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import logs
+from supervisor.engines.base import StepContext
+from supervisor.engines.llama_router import memory as router_memory
+from supervisor.engines.llama_router import preset
+from supervisor.engines.llama_router.startup import startup_models
+from supervisor.errors import Permanent, Transient
+from supervisor.library import cache as gguf_cache
+from supervisor.library import models as library
+from supervisor.memplan import settings
+from supervisor.memplan.guard import Guard
+from supervisor.memplan.need import ModelNeed
+from supervisor.protocol import files
+from supervisor.recipe.schema import LlamaRouterRecipe
+
+log = logs.get("llama-router")
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What the last sync made: the library it saw, the models it cached, the preset it wrote."""
+
+    library: str
+    models: tuple[tuple[str, str, str | None], ...]  # (name, model file, mmproj file)
+    preset: str
+    skipped: str = ""  # the files refused, named for the status message
+    startup: tuple[str, ...] | None = None  # the preset's load-on-startup models
+    startup_need: tuple[ModelNeed, ...] = ()  # the memory plan's start: what the Check claims
+    unfit: str = ""  # models not offered: they cannot fit even alone
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.models)
+
+
+@dataclass(frozen=True)
+class LibrarySync:
+    """The GGUF cache and the preset, current with the library and the recipe."""
+
+    @property
+    def description(self) -> str:
+        return "syncing the model library"
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    model_file: str
+    mmproj_file: str | None
+
+
+def library_fingerprint(found: library.Library) -> str:
+    """Changes when a model becomes Ready or stops being Ready, or one of its files changes."""
+    digest = hashlib.sha256()
+    for model in found.models:
+        digest.update(model.guid.encode())
+        for path in model.files:
+            with contextlib.suppress(OSError):
+                info = path.stat()
+                digest.update(f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+    return digest.hexdigest()
+
+
+class Syncer:
+    """One router's GGUF cache, preset and record of the last sync."""
+
+    def __init__(
+        self, name: str, recipe: LlamaRouterRecipe, memory: Guard | None, state_dir: Path
+    ) -> None:
+        self.name = name
+        self.recipe = recipe
+        self.memory = memory
+        self.cache_dir = recipe.library.cache_path
+        self.preset_path = self.cache_dir / preset.PRESET_NAME
+        self.stamp = state_dir / "synced.json"
+
+    def current(self, found: library.Library) -> bool:
+        """The last sync saw this library, recipe and machine, and its preset is on disk."""
+        synced = self.synced()
+        return (
+            synced is not None
+            and synced.library == self.key(found)
+            and self.preset_text() == synced.preset
+        )
+
+    def key(self, found: library.Library) -> str:
+        """The library as seen, the recipe's part of the preset and the machine settings the
+        memory plan divides: a change in any means a new sync (which copies only what changed)
+        and a new preset (its contexts and offered models planned again)."""
+        router, where = self.recipe.router, self.recipe.library
+        recipe_part = json.dumps(
+            [
+                router.load_on_startup,
+                router.defaults,
+                router.models_max,
+                where.container_dir,
+                str(where.cache_path),
+                self._machine_key(),
+            ],
+            sort_keys=True,
+            default=str,
+        )
+        return library_fingerprint(found) + ":" + hashlib.sha256(recipe_part.encode()).hexdigest()
+
+    def _machine_key(self) -> str:
+        """The machine settings as the memory plan reads them; empty with no plan."""
+        if self.memory is None:
+            return ""
+        try:
+            return repr(settings.load())
+        except settings.MachineError as exc:  # the sync reports it; a fix means a new sync
+            return f"unusable: {exc}"
+
+    def synced(self) -> Synced | None:
+        try:
+            data = json.loads(files.read_text(self.stamp, limit=8 * 1024 * 1024))
+            models = tuple((m[0], m[1], m[2]) for m in data["models"])
+            startup = data.get("startup")
+            return Synced(
+                data["library"],
+                models,
+                data["preset"],
+                data.get("skipped", ""),
+                tuple(startup) if isinstance(startup, list) else None,
+                router_memory.load(data.get("startupNeed")),
+                data.get("unfit", ""),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def preset_text(self) -> str | None:
+        try:
+            return files.read_text(self.preset_path, limit=preset.MAX_PRESET)
+        except (OSError, ValueError):
+            return None
+
+    def sync(self, ctx: StepContext) -> tuple[str, ...] | None:
+        """Sync the cache, plan the memory, write the preset and the record: the preset's
+        changed sections when it was rewritten, None when it was already so."""
+        router = self.recipe.router
+        found = library.scan(self.recipe.library.models_path)
+        fingerprint = self.key(found)
+        try:
+            result = gguf_cache.sync(found, self.cache_dir, ctx.progress, ctx.cancel)
+        except OSError as exc:
+            raise Transient(f"cannot write the GGUF cache {self.cache_dir}: {exc}") from None
+        planned = router_memory.plan(
+            self.name, self.recipe, result.models, self.cache_dir, self.memory
+        )
+        offered = [m for m in result.models if m.name in planned.offered]
+        names = tuple(model.name for model in offered)
+        try:
+            preset.check_startup(router.load_on_startup, names, router.models_max)
+            startup = startup_models(self.recipe, names)
+            text = preset.render(
+                [_Section(m.name, m.model_file, m.mmproj_file) for m in offered],
+                planned.defaults,
+                startup,
+                self.recipe.library.container_dir,
+                planned.contexts,
+            )
+        except preset.PresetError as exc:
+            raise Permanent(f"{exc}; {result.summary()}") from None
+        before = self.preset_text()
+        wrote = preset.write(self.preset_path, text)
+        skipped = "; ".join(str(b) for b in result.bad)
+        synced = {
+            "library": fingerprint,
+            "preset": text,
+            "skipped": skipped,
+            "startup": list(startup),
+            "models": [[m.name, m.model_file, m.mmproj_file] for m in offered],
+            "startupNeed": router_memory.dump(planned.startup),
+            "unfit": ", ".join(planned.unfit),
+        }
+        files.write_atomic(self.stamp, json.dumps(synced).encode(), 0o600)
+        ctx.progress(result.summary())
+        log.info("library synced", summary=result.summary(), preset_changed=wrote)
+        if skipped:
+            log.warning("library files skipped", bad=skipped)
+        if planned.unfit or planned.unplanned:
+            log.warning("memory plan", not_offered=planned.unfit, not_planned=planned.unplanned)
+        return preset.changed_sections(before, text) if wrote else None
