@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -31,6 +32,14 @@ from supervisor.errors import BuildFailed, Cancelled, Permanent, Transient
 
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
+# dockerd's words for a registry that did not answer (Go's net errors; a 5xx of the registry):
+# it may answer later, unlike a refusal such as "manifest unknown"
+_REGISTRY_DOWN: Final = re.compile(
+    r"connection refused|i/o timeout|no route to host|network is unreachable"
+    r"|connection reset|TLS handshake timeout|Client\.Timeout|unexpected EOF"
+    r"|HTTP status: 5\d\d|toomanyrequests",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -327,6 +336,8 @@ class Runtime:
             child.stdout.close()
         if kind == "unavailable":
             raise Transient(f"{what}: docker is unavailable ({text})")
+        if kind == "unreachable":
+            raise Transient(f"{what}: the registry did not answer ({text})")
         if kind == "error" and not self._stays_up(cancel):
             raise Transient(f"{what}: docker went away during it ({text})")
         if kind == "error":
@@ -407,13 +418,19 @@ def _send(kind: str, text: str) -> None:
     sys.stdout.flush()
 
 
+def _failed(job: BuildRequest | PullRequest, text: str) -> None:
+    """A pull from a registry that did not answer may work later; any other failure will not."""
+    unreachable = isinstance(job, PullRequest) and _REGISTRY_DOWN.search(text) is not None
+    _send("unreachable" if unreachable else "error", text)
+
+
 def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
     """Runs in the child process: stream a build's or a pull's output lines to the parent."""
     try:
         api = _api_client(base_url, None)
         for chunk in _stream(api, job):
             if "error" in chunk:
-                _send("error", str(chunk.get("error", "")).strip())
+                _failed(job, str(chunk.get("error", "")).strip())
                 return
             text = chunk.get("stream") or _pull_line(chunk)
             for line in str(text).splitlines():
@@ -423,7 +440,7 @@ def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
     except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
         _send("unavailable", type(exc).__name__)
     except docker.errors.APIError as exc:
-        _send("error", str(exc.explanation or exc))
+        _failed(job, str(exc.explanation or exc))
     except (docker.errors.DockerException, OSError, TypeError) as exc:
         _send("error", f"{type(exc).__name__}: {exc}")
 
