@@ -44,6 +44,7 @@ install_packages() {
     command -v git >/dev/null || missing+=(git)
     command -v prometheus >/dev/null || missing+=(prometheus)
     command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
+    command -v docker-registry >/dev/null || missing+=(docker-registry)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]} (log: $log_dir/apt.log)"

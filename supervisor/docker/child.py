@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import IO, Any, Final
 
 import docker
 import docker.errors
@@ -108,9 +109,25 @@ def _decode_job(data: bytes) -> tuple[str | None, BuildRequest | PullRequest]:
 # --- the child's side -----------------------------------------------------------------------
 
 
+# dockerd's words for a registry that did not answer (Go's net errors; a 5xx of the registry):
+# it may answer later, unlike a refusal such as "manifest unknown"
+_REGISTRY_DOWN: Final = re.compile(
+    r"connection refused|i/o timeout|no route to host|network is unreachable"
+    r"|connection reset|TLS handshake timeout|Client\.Timeout|unexpected EOF"
+    r"|HTTP status: 5\d\d|toomanyrequests",
+    re.IGNORECASE,
+)
+
+
 def _send(kind: str, text: str) -> None:
     sys.stdout.write(json.dumps([kind, text]) + "\n")
     sys.stdout.flush()
+
+
+def _failed(job: BuildRequest | PullRequest, text: str) -> None:
+    """A pull from a registry that did not answer may work later; any other failure will not."""
+    unreachable = isinstance(job, PullRequest) and _REGISTRY_DOWN.search(text) is not None
+    _send("unreachable" if unreachable else "error", text)
 
 
 def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
@@ -119,7 +136,7 @@ def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
         api = api_client(base_url, None)
         for chunk in _stream(api, job):
             if "error" in chunk:
-                _send("error", str(chunk.get("error", "")).strip())
+                _failed(job, str(chunk.get("error", "")).strip())
                 return
             text = chunk.get("stream") or _pull_line(chunk)
             for line in str(text).splitlines():
@@ -129,7 +146,7 @@ def _child(base_url: str | None, job: BuildRequest | PullRequest) -> None:
     except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
         _send("unavailable", type(exc).__name__)
     except docker.errors.APIError as exc:
-        _send("error", str(exc.explanation or exc))
+        _failed(job, str(exc.explanation or exc))
     except (docker.errors.DockerException, OSError, TypeError) as exc:
         _send("error", f"{type(exc).__name__}: {exc}")
 

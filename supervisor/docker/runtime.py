@@ -301,6 +301,8 @@ class Runtime:
         )
         if kind == "unavailable":
             raise Transient(f"{what}: docker is unavailable ({text})")
+        if kind == "unreachable":
+            raise Transient(f"{what}: the registry did not answer ({text})")
         if kind == "error" and not self._stays_up(cancel):
             raise Transient(f"{what}: docker went away during it ({text})")
         if kind == "error":

@@ -24,18 +24,12 @@ from pydantic import (
 from supervisor.engines.vllm.preflight import Choices
 from supervisor.engines.vllm.tiers import DiskTier, TierPlan
 from supervisor.protocol.files import FileRefused, read_text
+from supervisor.recipe import reference
 
 RECIPES_ENV: Final = "LUCIA_RECIPES_DIR"
 RUN_ARGUMENTS: Final = "$@"  # in run.check: the run command's arguments after its program
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-_IMAGE_TAG = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
-
-
-def _image_reference(value: str) -> str:
-    if not _IMAGE_TAG.fullmatch(value):
-        raise ValueError(f"{value!r} is not a valid image reference")
-    return value
 
 
 def _absolute(value: str) -> str:
@@ -44,7 +38,8 @@ def _absolute(value: str) -> str:
     return value
 
 
-ImageRef = Annotated[str, AfterValidator(_image_reference)]
+ImageRef = Annotated[str, AfterValidator(reference.image_reference)]  # an image to pull
+BuildTag = Annotated[str, AfterValidator(reference.image_tag)]  # an image to build
 AbsolutePath = Annotated[str, AfterValidator(_absolute)]
 Commit = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$", description="a full 40-hex commit id")]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -64,7 +59,7 @@ class Source(_Section):
 
 
 class ImageBuild(_Section):
-    tag: ImageRef = Field(description="the recipe image, built from the checkout")
+    tag: BuildTag = Field(description="the recipe image, built from the checkout")
     from_: Literal["dockerfile", "prepare"] = Field(
         default="dockerfile",
         alias="from",
@@ -386,9 +381,8 @@ class Vllm(_Section):
     pipeline_parallel: int = Field(default=1, ge=1)
     args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
     model: VllmModel
-    repository: Annotated[str, AfterValidator(_image_reference)] = Field(
+    repository: Annotated[str, AfterValidator(reference.repository)] = Field(
         default="vllm/vllm-openai",
-        pattern=r"^[^:@]+$",
         description="where the vLLM images come from: a mirror or an air-gapped registry holding "
         "the same tags (v0.32.0, v0.32.0-cu129, nightly-<commit>); the preflight picks the tag",
     )

@@ -221,7 +221,13 @@ def _event(name: str) -> None:
 
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-_TAG = re.compile(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+# Docker's reference grammar, written out here once more: [host[:port]/]path[:tag][@digest]
+_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"(?:(?:{_LABEL}\.)*{_LABEL}|\[[0-9A-Fa-f:]+\])(?::\d+)?"
+_TAG = re.compile(rf"(?:{_HOST}/)?{_PART}(?:/{_PART})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?")
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,}"
+_PULLED = re.compile(rf"{_TAG.pattern}(?:@{_DIGEST})?")
 
 
 def check_invariants(result: Any) -> None:
@@ -248,7 +254,7 @@ def check_invariants(result: Any) -> None:
         assert all(command for command in result.prepare.commands)
     else:
         assert result.engine == "llama-router"
-        assert _TAG.fullmatch(result.router.image)
+        assert _PULLED.fullmatch(result.router.image)
         assert len(result.router.load_on_startup) <= result.router.models_max
         assert result.library.container_dir.startswith("/")
 
