@@ -17,6 +17,7 @@ from typing import Final
 from supervisor import logs, redaction
 from supervisor.protocol import files
 from supervisor.protocol.documents import Status, TargetGroup, clean_message, dump, utc_now
+from supervisor.version import version
 from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
@@ -74,6 +75,7 @@ class Heartbeat:
             checked_at=now,
             refused=clean_message(redaction.redact(refused)) if refused else None,
             engine=answer.engine if running else None,
+            worker_version=version(),
         )
         self.status = status
         if previous is not None and _same_answer(previous, status):
