@@ -112,7 +112,7 @@ def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
     status = host.load_status(directory)
     reading = host.classify(status, requested if requested is not None else -1, now)
     if status is None:
-        state, shown = "unknown", reading.reason
+        state, shown = "unknown", f"{reading.reason} (systemctl --user start lucia-{name})"
     elif reading.answer == "unavailable":
         state, shown = "stale", f"{reading.reason}; last said: {status.state}: {status.message}"
     elif reading.answer == "pending":

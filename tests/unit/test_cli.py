@@ -133,6 +133,7 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "last said: running: was serving" in stale["message"]
 
     assert rows["unknown"]["state"] == "unknown"
+    assert rows["unknown"]["message"].endswith("(systemctl --user start lucia-unknown)")
     assert rows["unknown"]["applied"] is None
     assert rows["refused"]["message"].startswith("request refused: desired:")
 
