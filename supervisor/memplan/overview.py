@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor.library import ggufcheck
-from supervisor.library.models import scan
+from supervisor.library.models import LibraryUnavailable, scan
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, size
 from supervisor.memplan.ledger import Ledger
@@ -150,7 +150,7 @@ def build(
         budget = Budget(memory.limit, settings.reserves.total, others)
         try:
             plans.append(plan_engine(recipe, budget, settings.weight_multiplier, tensorfold))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, LibraryUnavailable) as exc:
             plans.append(EnginePlan(recipe.name, None, str(exc)))
     return Overview(memory, settings, tuple(held), tuple(plans))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -240,3 +241,14 @@ def test_plan_runs_on_a_host_without_docker(tmp_path: Path) -> None:
     done = _plan(env, "router")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "router: fits" in done.stdout
+
+
+def test_an_unreadable_model_library_is_said_not_a_traceback(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    shutil.rmtree(tmp_path / "models")
+    done = _plan(env, "router")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"router: cannot be planned: model library {tmp_path / 'models'} cannot be read" in (
+        done.stdout
+    )
