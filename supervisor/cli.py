@@ -6,86 +6,80 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Final
 
+from supervisor import paths, waiting
 from supervisor.protocol import host
-from supervisor.protocol.documents import STATES, State, json_schemas, utc_now
+from supervisor.protocol.documents import STATES, json_schemas, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.version import version
 
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
+EXIT_OK: Final = waiting.EXIT_OK
+EXIT_FAILED: Final = waiting.EXIT_FAILED
 EXIT_USAGE: Final = 2
-EXIT_UNANSWERED: Final = 3
+EXIT_UNANSWERED: Final = waiting.EXIT_UNANSWERED
 EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the recipe is fixed
 DEFAULT_DATA_DIR: Final = "~/.local/share/lucia/host/data"
+# A first download of a large checkpoint (125 GB) takes hours; a stale worker ends a wait anyway.
+DEFAULT_TIMEOUT: Final = 6 * 3600.0
 
 
 def data_dir_from(value: str | None) -> Path:
-    """The data directory: the argument, then LUCIA_DATA_DIR, then the default."""
-    raw = value or os.environ.get("LUCIA_DATA_DIR") or DEFAULT_DATA_DIR
-    return Path(raw).expanduser().absolute()
+    """The data directory (paths.data_dir: the argument, LUCIA_DATA_DIR, then install.sh's)."""
+    return paths.data_dir(value)
 
 
 def _print_err(message: str) -> None:
     print(f"lucia-supervisor: {message}", file=sys.stderr)
 
 
-def _changes(directory: Path, stop: threading.Event) -> Iterator[None]:
-    """Yield on every change in directory, and at least twice a second."""
-    from watchfiles import watch
-
-    yield None
-    for _ in watch(
-        directory, stop_event=stop, rust_timeout=500, yield_on_timeout=True, debounce=20, step=10
-    ):
-        yield None
+def _wait_command(name: str, state: str, data_dir: Path) -> str:
+    where = "" if data_dir == paths.data_dir(None) else f" --data-dir {data_dir}"
+    return f"lucia-supervisor wait {name} --state {state}{where}"
 
 
-def await_state(
-    data_dir: Path, name: str, generation: int, want: set[State], timeout: float
-) -> int:
-    """Wait until the status answers generation with a wanted state (0) or failed (1); else 3."""
-    directory = host.engine_dir(data_dir, name)
-    deadline = time.monotonic() + timeout
-    stop = threading.Event()
-    last = ""
-    try:
-        for _ in _changes(directory, stop):
-            reading = host.read_status(data_dir, name, generation)
-            status = reading.status
-            if reading.answer == "current" and status is not None:
-                if status.state in want:
-                    print(f"{name}: {status.state}" + (f" at {status.url}" if status.url else ""))
-                    return EXIT_OK
-                if status.state == "failed":
-                    _print_err(f"{name} failed: {status.message}")
-                    return EXIT_FAILED
-            if reading.answer == "unavailable" and status is not None:
-                _print_err(f"{name}: {reading.reason}")
-                return EXIT_UNANSWERED
-            if reading.reason != last and sys.stderr.isatty():
-                print(f"{name}: {reading.reason}", file=sys.stderr)
-            last = reading.reason
-            if time.monotonic() >= deadline:
-                _print_err(f"{name}: timed out after {timeout:g}s ({reading.reason})")
-                return EXIT_UNANSWERED
-    finally:
-        stop.set()
-    return EXIT_UNANSWERED
+def known_engines(data_dir: Path, recipes: Path) -> set[str]:
+    """Names with a recipe, a lucia-NAME unit (install.sh's) or a status.json."""
+    names = {path.stem for path in recipes.glob("*.toml")}
+    units = paths.units_dir()
+    names |= {path.name[len("lucia-") : -len(".service")] for path in units.glob("lucia-*.service")}
+    names |= {name for name in _engine_names(data_dir) if (data_dir / name / host.STATUS).is_file()}
+    return names
+
+
+def unknown_engine(name: str, data_dir: Path, recipes: Path) -> str | None:
+    """Why name is no engine of this machine, in one line; None when it is one."""
+    recipe, unit = recipes / f"{name}.toml", paths.unit_file(name)
+    status = host.engine_dir(data_dir, name) / host.STATUS
+    if recipe.is_file() or unit.is_file() or status.is_file():
+        return None
+    known = ", ".join(sorted(known_engines(data_dir, recipes))) or "none"
+    return (
+        f"no engine named {name}: no recipe {recipe}, no unit {unit} and no status {status} "
+        f"(engines here: {known}); if the name is right, install its recipe "
+        f"(install.sh --recipe FILE) and start its worker (systemctl --user start lucia-{name}), "
+        "or pass --create to request it anyway"
+    )
 
 
 def _cmd_request(args: argparse.Namespace) -> int:
     data_dir = data_dir_from(args.data_dir)
+    if not args.create:
+        problem = unknown_engine(args.name, data_dir, paths.recipes_dir(args.recipes_dir))
+        if problem is not None:
+            _print_err(problem)
+            return EXIT_USAGE
     generation = host.request(data_dir, args.name, args.desired)
     print(generation, flush=True)
     if not args.wait:
         return EXIT_OK
-    return await_state(data_dir, args.name, generation, {args.desired}, args.timeout)
+    return waiting.await_state(
+        data_dir, args.name, generation, args.desired, args.timeout,
+        keep_waiting=_wait_command(args.name, args.desired, data_dir),
+    )  # fmt: skip
 
 
 def _cmd_wait(args: argparse.Namespace) -> int:
@@ -95,7 +89,10 @@ def _cmd_wait(args: argparse.Namespace) -> int:
     if desired is None:
         _print_err(f"no valid request in {directory / host.DESIRED}; use 'request' first")
         return EXIT_UNANSWERED
-    return await_state(data_dir, args.name, desired.generation, {args.state}, args.timeout)
+    return waiting.await_state(
+        data_dir, args.name, desired.generation, args.state, args.timeout,
+        keep_waiting=_wait_command(args.name, args.state, data_dir),
+    )  # fmt: skip
 
 
 def _engine_names(data_dir: Path) -> list[str]:
@@ -115,7 +112,7 @@ def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
     status = host.load_status(directory)
     reading = host.classify(status, requested if requested is not None else -1, now)
     if status is None:
-        state, shown = "unknown", reading.reason
+        state, shown = "unknown", f"{reading.reason} (systemctl --user start lucia-{name})"
     elif reading.answer == "unavailable":
         state, shown = "stale", f"{reading.reason}; last said: {status.state}: {status.message}"
     elif reading.answer == "pending":
@@ -134,7 +131,23 @@ def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
         "heartbeatAge": round((now - status.checked_at).total_seconds(), 1) if status else None,
         "message": shown,
         "url": status.url if status and reading.answer == "current" else None,
+        "refused": status.refused if status else None,
+        "workerVersion": status.worker_version if status else None,
     }
+
+
+def row_code(row: dict[str, object]) -> int:
+    """0: the row answers its request and has not failed; 1: failed or its request refused;
+    3: stale, pending or never answered (the codes of request --wait)."""
+    if row["refused"] or (row["answer"] == "current" and row["state"] == "failed"):
+        return EXIT_FAILED
+    return EXIT_OK if row["answer"] == "current" else EXIT_UNANSWERED
+
+
+def status_code(rows: Sequence[dict[str, object]]) -> int:
+    """A failure outranks an unanswered engine; nothing wrong is 0."""
+    codes = {row_code(row) for row in rows}
+    return next((code for code in (EXIT_FAILED, EXIT_UNANSWERED) if code in codes), EXIT_OK)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -142,8 +155,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     names = args.names or _engine_names(data_dir)
     now = utc_now()
     rows = [status_row(data_dir, name, now) for name in names]
+    if not rows:
+        missing = "" if data_dir.is_dir() else " (it does not exist)"
+        print(f"no engines in {data_dir}{missing}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(rows, indent=2))
+        return status_code(rows)
+    if not rows:
         return EXIT_OK
     header = ("NAME", "STATE", "REQ", "APPLIED", "AGE", "URL", "MESSAGE")
     table = [header] + [
@@ -162,7 +180,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for line in table:
         cells = [cell.ljust(width) for cell, width in zip(line, widths, strict=False)]
         print("  ".join([*cells, line[-1]]))
-    return EXIT_OK
+    return status_code(rows)
 
 
 def _cmd_schemas(args: argparse.Namespace) -> int:
@@ -177,12 +195,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from supervisor import logs
     from supervisor.errors import Transient
     from supervisor.protocol.files import LeaseHeld
-    from supervisor.recipe.schema import RecipeError, load, locate
+    from supervisor.recipe.schema import RecipeError, load
     from supervisor.worker.loop import Settings, Worker
 
     logs.configure()
     log = logs.get("worker")
-    path = locate(args.name, args.recipe)
+    path = paths.recipe_file(args.name, args.recipe, args.recipes_dir)
     settings = Settings(
         name=args.name,
         data_dir=data_dir_from(args.data_dir),
@@ -208,18 +226,22 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
     from supervisor.memplan import overview, probe, settings
-    from supervisor.memplan.ledger import Ledger
-    from supervisor.recipe.schema import RecipeError, load, locate, recipes_dir
+    from supervisor.recipe.schema import RecipeError, load
 
     try:
         machine = settings.load(Path(args.machine).expanduser() if args.machine else None)
     except settings.MachineError as exc:
         _print_err(str(exc))
         return EXIT_CONFIG
-    names = args.names or sorted(path.stem for path in recipes_dir().glob("*.toml"))
+    recipes_dir = paths.recipes_dir(args.recipes_dir)
+    names = args.names or sorted(path.stem for path in recipes_dir.glob("*.toml"))
+    if not names:
+        _print_err(f"no recipes in {recipes_dir} (--recipes-dir, env {paths.RECIPES_ENV})")
+        return EXIT_CONFIG
     try:
-        recipes = [load(locate(name)) for name in names]
+        recipes = [load(paths.recipe_file(name, None, args.recipes_dir)) for name in names]
     except RecipeError as exc:
         _print_err(str(exc))
         return EXIT_CONFIG
@@ -228,16 +250,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except (probe.ProbeFailed, OSError) as exc:
         _print_err(f"cannot measure the memory limit: {exc}")
         return EXIT_FAILED
-    # What runs holds its claim; without Docker, only starts in progress show (ledger.py).
-    from supervisor.docker.runtime import Runtime
-    from supervisor.errors import Transient
-    from supervisor.memplan.guard import running_engines
-
-    try:
-        running = running_engines(Runtime())
-    except Transient:
-        running = set()
-    held = Ledger.for_data_dir(data_dir_from(args.data_dir)).held(running=running)
+    held = overview.held_from_files(data_dir_from(args.data_dir))
     plan = overview.build(recipes, machine, memory, held)
     if args.json:
         print(json.dumps(overview.as_json(plan), indent=2))
@@ -247,13 +260,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def state_dir_from(value: str | None, name: str) -> Path:
-    """The worker's private state: the argument, then LUCIA_STATE_DIR/NAME, then XDG's."""
-    if value:
-        return Path(value).expanduser().absolute()
-    base = os.environ.get("LUCIA_STATE_DIR") or os.environ.get("XDG_STATE_HOME")
-    root = Path(base).expanduser() if base else Path("~/.local/state").expanduser()
-    suffix = name if os.environ.get("LUCIA_STATE_DIR") else f"lucia/{name}"
-    return (root / suffix).absolute()
+    """The worker's private state (paths.state_dir)."""
+    return paths.state_dir(value, name)
 
 
 def _positive(value: str) -> float:
@@ -276,16 +284,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         help=f"engine data directory (env LUCIA_DATA_DIR, default {DEFAULT_DATA_DIR})",
     )
+    recipes = argparse.ArgumentParser(add_help=False)
+    recipes.add_argument(
+        "--recipes-dir",
+        metavar="DIR",
+        help=f"recipe files (env {paths.RECIPES_ENV}, default install.sh's "
+        "~/.local/share/lucia/recipes, else the source tree's recipes/)",
+    )
     parser = argparse.ArgumentParser(
         prog="lucia-supervisor", description="Run local LLM engines through a file protocol."
     )
+    parser.add_argument("--version", action="version", version=f"lucia-supervisor {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    req = sub.add_parser("request", parents=[common], help="ask for an engine to run or stop")
+    timeout = f"seconds (default {DEFAULT_TIMEOUT:g}: a first download takes hours)"
+    req = sub.add_parser(
+        "request", parents=[common, recipes], help="ask for an engine to run or stop"
+    )
     req.add_argument("name", type=_engine_name)
     req.add_argument("desired", choices=["running", "stopped"])
     req.add_argument("--wait", action="store_true", help="wait for the worker's answer")
-    req.add_argument("--timeout", type=_positive, default=900.0, help="seconds (default 900)")
+    req.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT, help=timeout)
+    req.add_argument(
+        "--create",
+        action="store_true",
+        help="request an engine that has no recipe, unit or status yet",
+    )
     req.set_defaults(func=_cmd_request)
 
     st = sub.add_parser("status", parents=[common], help="show engines and their heartbeat")
@@ -296,18 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
     wait = sub.add_parser("wait", parents=[common], help="wait for the current request's state")
     wait.add_argument("name", type=_engine_name)
     wait.add_argument("--state", required=True, choices=STATES)
-    wait.add_argument("--timeout", type=_positive, default=900.0, help="seconds (default 900)")
+    wait.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT, help=timeout)
     wait.set_defaults(func=_cmd_wait)
 
-    work = sub.add_parser("worker", parents=[common], help="supervise one engine (privileged)")
+    work = sub.add_parser(
+        "worker", parents=[common, recipes], help="supervise one engine (privileged)"
+    )
     work.add_argument("name", type=_engine_name)
-    work.add_argument("--recipe", help="recipe file (default NAME.toml in LUCIA_RECIPES_DIR)")
+    work.add_argument("--recipe", help="recipe file (default NAME.toml in --recipes-dir)")
     work.add_argument("--state-dir", help="private state: checkout, stamps (env LUCIA_STATE_DIR)")
     work.add_argument("--heartbeat", type=_positive, help="seconds between status writes (15)")
     work.add_argument("--metrics-port", type=int, help="serve worker metrics on 127.0.0.1:PORT")
     work.set_defaults(func=_cmd_worker)
 
-    pl = sub.add_parser("plan", parents=[common], help="print the memory plan; start nothing")
+    pl = sub.add_parser(
+        "plan", parents=[common, recipes], help="print the memory plan; start nothing"
+    )
     pl.add_argument("names", nargs="*", type=_engine_name, metavar="NAME")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--machine", help="machine settings file (env LUCIA_MACHINE_FILE)")

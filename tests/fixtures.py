@@ -342,7 +342,8 @@ class Engine:
         return proc.wait(30)
 
     def request(self, desired: str) -> int:
-        out = subprocess.run([*CLI, "request", self.name, desired, "--data-dir",
+        # as the host application, which knows its engines: no recipe or status may exist yet
+        out = subprocess.run([*CLI, "request", self.name, desired, "--create", "--data-dir",
                               str(self.data_dir)], cwd=ROOT, check=True, capture_output=True,
                              text=True)
         return int(out.stdout.strip())

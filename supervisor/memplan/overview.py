@@ -10,18 +10,41 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 from supervisor.library import ggufcheck
-from supervisor.library.models import scan
+from supervisor.library.models import LibraryUnavailable, scan
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, size
+from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed, figures
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings, gib
+from supervisor.protocol import host
 from supervisor.recipe.schema import LlamaRouterRecipe, TensorFoldRecipe, VllmRecipe
 
 AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe
+# A status in one of these may have a container behind it, even with a stale heartbeat (a
+# stopped worker's engine still runs); stopped and failed ones have none.
+HOLDING_STATES: Final = frozenset({"starting", "running", "stopping"})
+
+
+def held_from_files(data_dir: Path) -> tuple[Holding, ...]:
+    """What the ledger's claims hold, read from files only (the host has no Docker): a claim
+    holds while its engine's status.json says it may run, or while its start is in progress."""
+    ledger = Ledger.for_data_dir(data_dir)
+    if not ledger.path.is_file():
+        return ()
+    running = set()
+    for claim in ledger.claims():
+        try:
+            status = host.load_status(host.engine_dir(data_dir, claim.name))
+        except host.BadName:
+            continue
+        if status is not None and status.state in HOLDING_STATES:
+            running.add(claim.name)
+    return ledger.held(running=running)
 
 
 @dataclass(frozen=True)
@@ -127,7 +150,7 @@ def build(
         budget = Budget(memory.limit, settings.reserves.total, others)
         try:
             plans.append(plan_engine(recipe, budget, settings.weight_multiplier, tensorfold))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, LibraryUnavailable) as exc:
             plans.append(EnginePlan(recipe.name, None, str(exc)))
     return Overview(memory, settings, tuple(held), tuple(plans))
 

@@ -128,6 +128,12 @@ class Status(BaseModel):
     engine: RunningEngine | None = Field(
         default=None, description="What runs, while the state is running; null otherwise."
     )
+    worker_version: str | None = Field(
+        default=None,
+        max_length=100,
+        description="The lucia-supervisor version of the worker that wrote this file; "
+        "absent in files from older workers.",
+    )
 
     @model_validator(mode="after")
     def _url_only_when_running(self) -> Status:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -21,12 +20,13 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor import paths
 from supervisor.engines.vllm.preflight import Choices
 from supervisor.engines.vllm.tiers import DiskTier, TierPlan
 from supervisor.protocol.files import FileRefused, read_text
 from supervisor.recipe import reference
 
-RECIPES_ENV: Final = "LUCIA_RECIPES_DIR"
+RECIPES_ENV: Final = paths.RECIPES_ENV
 RUN_ARGUMENTS: Final = "$@"  # in run.check: the run command's arguments after its program
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -534,12 +534,9 @@ def load(path: Path) -> TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe:
 
 
 def recipes_dir(value: str | None = None) -> Path:
-    """Where recipes live: the argument, then LUCIA_RECIPES_DIR, then the ones shipped here."""
-    raw = value or os.environ.get(RECIPES_ENV)
-    if raw:
-        return Path(raw).expanduser()
-    return Path(__file__).resolve().parent.parent / "recipes"
+    """Where recipes live (paths.recipes_dir: the one place the default is resolved)."""
+    return paths.recipes_dir(value)
 
 
-def locate(name: str, recipe: str | None = None) -> Path:
-    return Path(recipe).expanduser() if recipe else recipes_dir() / f"{name}.toml"
+def locate(name: str, recipe: str | None = None, recipes: str | None = None) -> Path:
+    return paths.recipe_file(name, recipe, recipes)

@@ -25,6 +25,7 @@ from supervisor.protocol.documents import (
     parse_status,
     utc_now,
 )
+from supervisor.version import version
 from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
@@ -82,6 +83,7 @@ class Heartbeat:
             checked_at=now,
             refused=clean_message(redaction.redact(refused)) if refused else None,
             engine=answer.engine if running else None,
+            worker_version=version(),
         )
         self.status = status
         if previous is not None and _same_answer(previous, status):

@@ -374,8 +374,8 @@ def test_cli_status_reads_the_router(make_engine) -> None:
     write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
     engine.start_worker()
     out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
-                          "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=150, check=False)
+                          "--data-dir", str(engine.data_dir), "--recipes-dir", str(engine.root)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
     assert out.returncode == 0, out.stderr
 
 

@@ -265,8 +265,8 @@ def test_cli_request_wait_against_a_live_worker(make_engine) -> None:
     engine: Engine = make_engine()
     engine.start_worker()
     out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
-                          "--data-dir", str(engine.data_dir)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=150, check=False)
+                          "--data-dir", str(engine.data_dir), "--recipes-dir", str(engine.root)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
     assert out.returncode == 0, out.stderr
     status = subprocess.run([*CLI, "status", engine.name, "--json", "--data-dir",
                              str(engine.data_dir)], cwd=ROOT, capture_output=True, text=True,

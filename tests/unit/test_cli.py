@@ -8,15 +8,17 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor import cli
+from supervisor import cli, waiting
 from supervisor.protocol import host
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.version import version
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
 URL = "http://172.17.0.1:8888"
@@ -59,6 +61,25 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home of the test's own: no units, recipes or data of this machine's user count."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "share"))
+    monkeypatch.delenv("LUCIA_RECIPES_DIR", raising=False)
+    monkeypatch.delenv("LUCIA_DATA_DIR", raising=False)
+    return home
+
+
+def install_unit(home: Path, name: str) -> Path:
+    """What install.sh leaves for an engine: its unit file."""
+    unit = home / "config" / "systemd" / "user" / f"lucia-{name}.service"
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    unit.write_text("[Service]\nExecStart=/bin/true\n")
+    return unit
+
+
 # --- status -------------------------------------------------------------------------------------
 
 
@@ -84,7 +105,7 @@ def rows_by_name(output: str) -> dict[str, dict[str, Any]]:
 
 
 def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["status", "--json", "--data-dir", str(engines)]) == 0
+    assert cli.main(["status", "--json", "--data-dir", str(engines)]) == 1  # one was refused
     rows = rows_by_name(capsys.readouterr().out)
     assert sorted(rows) == ["current", "pending", "refused", "stale", "unknown"]
 
@@ -112,12 +133,13 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "last said: running: was serving" in stale["message"]
 
     assert rows["unknown"]["state"] == "unknown"
+    assert rows["unknown"]["message"].endswith("(systemctl --user start lucia-unknown)")
     assert rows["unknown"]["applied"] is None
     assert rows["refused"]["message"].startswith("request refused: desired:")
 
 
 def test_status_text(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["status", "--data-dir", str(engines)]) == 0
+    assert cli.main(["status", "--data-dir", str(engines)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "STATE", "REQ", "APPLIED", "AGE", "URL", "MESSAGE"]
     by_name = {line.split()[0]: line for line in lines[1:]}
@@ -137,15 +159,94 @@ def test_status_text(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_status_of_named_engines_only(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["status", "--json", "--data-dir", str(engines), "stale"]) == 0
+    assert cli.main(["status", "--json", "--data-dir", str(engines), "stale"]) == 3
     assert list(rows_by_name(capsys.readouterr().out)) == ["stale"]
 
 
 def test_status_of_an_empty_or_missing_data_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["status", "--json", "--data-dir", str(tmp_path / "absent")]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+    absent = tmp_path / "absent"
+    assert cli.main(["status", "--json", "--data-dir", str(absent)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == []  # stdout stays JSON; the note goes to stderr
+    assert captured.err == f"no engines in {absent} (it does not exist)\n"
+    empty = ensure_dir(tmp_path / "empty")
+    ensure_dir(empty / "telemetry")
+    assert cli.main(["status", "--data-dir", str(empty)]) == 0
+    assert capsys.readouterr().out == f"no engines in {empty}\n"
+
+
+STATUS_CODES = [
+    ({"a": "current"}, 0),
+    ({"a": "current", "b": "stopped"}, 0),
+    ({"a": "current", "b": "stale"}, 3),
+    ({"a": "current", "b": "pending"}, 3),
+    ({"a": "current", "b": "no status"}, 3),
+    ({"a": "current", "b": "failed"}, 1),
+    ({"a": "failed", "b": "stale"}, 1),  # a failure outranks an unanswered engine
+    ({"a": "current", "b": "refused"}, 1),
+    ({"a": "current", "b": "answered failed long ago"}, 3),
+]
+
+
+def _engine_as(data: Path, name: str, kind: str) -> None:
+    if kind == "current":
+        write_desired(data, name, 2)
+        write_status(data, name, 2, "running")
+    elif kind == "stopped":
+        write_desired(data, name, 2, "stopped")
+        write_status(data, name, 2, "stopped")
+    elif kind == "stale":
+        write_desired(data, name, 2)
+        write_status(data, name, 2, "running", age=timedelta(minutes=2))
+    elif kind == "pending":
+        write_desired(data, name, 3)
+        write_status(data, name, 2, "running")
+    elif kind == "no status":
+        write_desired(data, name, 1)
+    elif kind == "failed":
+        write_desired(data, name, 2)
+        write_status(data, name, 2, "failed", message="engine exited with code 137")
+    elif kind == "refused":
+        write_desired(data, name, 2)
+        write_status(data, name, 2, "stopped", refused="desired: input should be 'running'")
+    else:  # a failure that answered an older request is no answer to this one
+        write_desired(data, name, 3)
+        write_status(data, name, 2, "failed")
+
+
+@pytest.mark.parametrize(("kinds", "code"), STATUS_CODES, ids=[str(k) for k, _ in STATUS_CODES])
+def test_status_exit_code_is_a_health_check(
+    kinds: dict[str, str], code: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, kind in kinds.items():
+        _engine_as(tmp_path, name, kind)
+    assert cli.main(["status", "--data-dir", str(tmp_path)]) == code
+    assert cli.main(["status", "--json", "--data-dir", str(tmp_path)]) == code
+    assert cli.main(["status", "--json", "--data-dir", str(tmp_path), "a"]) == (
+        1 if kinds["a"] == "failed" else 0
+    )
+    capsys.readouterr()
+
+
+def test_status_of_a_named_engine_that_does_not_exist_is_unanswered(tmp_path: Path) -> None:
+    _engine_as(tmp_path, "a", "current")
+    run = run_cli("status", "--data-dir", str(tmp_path), "nam")
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert run.stdout.splitlines()[1].split()[:2] == ["nam", "unknown"]
+
+
+def test_status_json_says_which_worker_version_wrote_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_desired(tmp_path, "a", 1)
+    write_status(tmp_path, "a", 1, "running", worker_version="0.1.0")
+    write_desired(tmp_path, "old", 1)
+    write_status(tmp_path, "old", 1, "running")  # a worker from before the field
+    assert cli.main(["status", "--json", "--data-dir", str(tmp_path)]) == 0
+    rows = rows_by_name(capsys.readouterr().out)
+    assert (rows["a"]["workerVersion"], rows["old"]["workerVersion"]) == ("0.1.0", None)
 
 
 def test_status_through_the_console_script_and_env(engines: Path) -> None:
@@ -153,7 +254,7 @@ def test_status_through_the_console_script_and_env(engines: Path) -> None:
         [str(CLI), "status", "--json"], capture_output=True, text=True, timeout=60,
         check=False, env={**os.environ, "LUCIA_DATA_DIR": str(engines)},
     )
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 1, run.stderr  # "refused" failed
     rows = rows_by_name(run.stdout)
     assert [rows[n]["answer"] for n in ("current", "pending", "stale")] == [
         "current", "pending", "unavailable"
@@ -206,7 +307,8 @@ def test_request_wait_exits_0_when_the_answer_arrives(tmp_path: Path) -> None:
     assert out.strip() == f"tf: running at {URL}"
 
 
-def test_request_wait_exits_1_when_failed(tmp_path: Path) -> None:
+def test_request_wait_exits_1_when_failed(tmp_path: Path, home: Path) -> None:
+    install_unit(home, "tf")
     proc, generation = start_request(tmp_path, "--timeout", "60")
     assert generation == 1
     assert still_waiting(proc)
@@ -218,13 +320,17 @@ def test_request_wait_exits_1_when_failed(tmp_path: Path) -> None:
 
 def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
-    run = run_cli("request", "tf", "running", "--wait", "--timeout", "1",
+    run = run_cli("request", "tf", "running", "--wait", "--timeout", "1", "--create",
                   "--data-dir", str(tmp_path))
     elapsed = time.monotonic() - started
     assert run.returncode == 3, run.stderr
     assert run.stdout.strip() == "1"
     assert "timed out after 1s" in run.stderr
     assert 1 <= elapsed < 15
+    # the request is not withdrawn; the operator is told how to keep waiting
+    assert "the request goes on: keep waiting with: " in run.stderr
+    assert f"lucia-supervisor wait tf --state running --data-dir {tmp_path}\n" in run.stderr
+    assert host.read_desired(tmp_path / "tf") is not None
 
 
 def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -> None:
@@ -239,8 +345,100 @@ def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -
 
 
 def test_request_without_wait_returns_at_once(tmp_path: Path) -> None:
-    run = run_cli("request", "tf", "stopped", "--data-dir", str(tmp_path))
+    recipes = ensure_dir(tmp_path / "recipes")
+    (recipes / "tf.toml").write_text("# only its name counts here\n")
+    run = run_cli("request", "tf", "stopped", "--data-dir", str(tmp_path / "data"),
+                  "--recipes-dir", str(recipes))
     assert (run.returncode, run.stdout) == (0, "1\n")
+
+
+def test_the_default_timeout_outlasts_a_first_download() -> None:
+    """125 GB at 100 Mbit/s takes 10 000 s; a stale worker still ends the wait in 60 s."""
+    for argv in (["request", "tf", "running"], ["wait", "tf", "--state", "running"]):
+        assert cli.build_parser().parse_args(argv).timeout >= 3 * 3600
+
+
+# --- a misspelt or unknown engine ---------------------------------------------------------------
+
+
+def test_a_name_with_no_recipe_unit_or_status_is_refused(tmp_path: Path, home: Path) -> None:
+    data, recipes = tmp_path / "data", ensure_dir(tmp_path / "recipes")
+    (recipes / "spark.toml").write_text("# a recipe\n")
+    install_unit(home, "router")
+    write_status(data, "old", 1, "stopped")
+    for desired in ("running", "stopped"):
+        run = run_cli("request", "sprak", desired, "--wait", "--data-dir", str(data),
+                      "--recipes-dir", str(recipes))
+        assert run.returncode == 2, run.stderr
+        assert run.stdout == ""
+        [line] = run.stderr.splitlines()  # one line, with what to do
+        assert line.startswith("lucia-supervisor: no engine named sprak: no recipe ")
+        assert str(recipes / "sprak.toml") in line
+        assert str(home / "config/systemd/user/lucia-sprak.service") in line
+        assert "(engines here: old, router, spark)" in line
+        assert "systemctl --user start lucia-sprak" in line and "--create" in line
+    assert sorted(p.name for p in data.iterdir()) == ["old"]  # no stray directory
+    shown = run_cli("status", "--data-dir", str(data))
+    assert "sprak" not in shown.stdout
+
+
+@pytest.mark.parametrize("known_by", ["recipe", "unit", "status", "--create"])
+def test_a_known_name_or_create_is_requested(known_by: str, tmp_path: Path, home: Path) -> None:
+    data, recipes = tmp_path / "data", ensure_dir(tmp_path / "recipes")
+    extra = []
+    if known_by == "recipe":
+        (recipes / "tf.toml").write_text("# a recipe\n")
+    elif known_by == "unit":
+        install_unit(home, "tf")
+    elif known_by == "status":
+        write_status(data, "tf", 1, "stopped")
+    else:
+        extra = ["--create"]
+    run = run_cli("request", "tf", "running", "--data-dir", str(data),
+                  "--recipes-dir", str(recipes), *extra)
+    assert run.returncode == 0, run.stderr
+    assert host.read_desired(data / "tf") is not None
+
+
+def test_installed_recipes_make_a_name_known_without_any_option(
+    tmp_path: Path, home: Path
+) -> None:
+    installed = ensure_dir(home / "share" / "lucia" / "recipes")
+    (installed / "mine.toml").write_text("# installed by install.sh\n")
+    run = run_cli("request", "mine", "running", "--data-dir", str(tmp_path / "data"))
+    assert run.returncode == 0, run.stderr
+
+
+def test_waiting_for_a_worker_that_never_writes_fails_with_the_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker acknowledges at once; no status at all means no worker (60 s by default)."""
+    generation = host.request(tmp_path, "tf", "running")
+    code = waiting.await_state(tmp_path, "tf", generation, "running", 3600.0,
+                               keep_waiting="lucia-supervisor wait tf --state running",
+                               no_status_after=0.0)  # fmt: skip
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "tf: no worker has written a status in 0s; start it with: " in err
+    assert "systemctl --user start lucia-tf" in err
+    assert "then: lucia-supervisor wait tf --state running" in err
+
+
+def test_a_stale_worker_is_named_with_the_hint(tmp_path: Path) -> None:
+    write_status(tmp_path, "tf", 1, "running", age=timedelta(seconds=90))
+    run = run_cli("request", "tf", "running", "--wait", "--data-dir", str(tmp_path))
+    assert run.returncode == 3
+    assert "systemctl --user start lucia-tf" in run.stderr
+
+
+# --- --version ----------------------------------------------------------------------------------
+
+
+def test_version_is_the_package_metadata() -> None:
+    run = run_cli("--version")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"lucia-supervisor {metadata.version('lucia-supervisor')}\n"
+    assert version() == metadata.version("lucia-supervisor") != "unknown"
 
 
 def test_wait_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

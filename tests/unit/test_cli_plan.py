@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed, figures
 from tests.gguf_fixtures import add_model, write_model
+from tests.unit.test_cli import write_status
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024**2
@@ -155,3 +158,97 @@ def test_bad_machine_file_is_a_config_error(tmp_path: Path) -> None:
     done = _plan(env, "router")
     assert done.returncode == 78
     assert "reserves.voice: 2 GiB is below the voice floor" in done.stderr
+
+
+# --- on an installed host: install.sh's recipes, and files only --------------------------------
+
+
+def test_the_recipes_install_sh_installed_are_found(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    share = tmp_path / "share"
+    installed = share / "lucia" / "recipes"  # where install.sh puts them
+    installed.parent.mkdir(parents=True)
+    Path(env.pop("LUCIA_RECIPES_DIR")).rename(installed)
+    env["XDG_DATA_HOME"] = str(share)
+    done = _plan(env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "router: fits" in done.stdout
+
+
+def test_recipes_dir_option_wins_over_the_env(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    recipes = env["LUCIA_RECIPES_DIR"]
+    env["LUCIA_RECIPES_DIR"] = str(tmp_path / "elsewhere")
+    done = _plan(env, "--recipes-dir", recipes)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "router: fits" in done.stdout
+
+
+def test_no_recipes_is_a_config_error_not_an_empty_plan(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = _plan(env, "--recipes-dir", str(empty))
+    assert done.returncode == 78
+    assert done.stdout == ""
+    assert f"no recipes in {empty} (--recipes-dir, env LUCIA_RECIPES_DIR)" in done.stderr
+
+
+def _claims_with_containers(data: Path, needs: dict[str, int]) -> None:
+    """Claims whose starts created their containers: each holds only while its engine runs."""
+    ledger = Ledger.for_data_dir(data)
+    for name, need in needs.items():  # in progress first (this live process holds them) ...
+        engine = EngineNeed(name, (figures(name, need, 0, 0, multiplier=1.0),))
+        assert ledger.claim(name, running=(),
+                            decide=lambda held, e=engine: check(e, Budget(64 * MIB, 0, held))).fits
+    for name in needs:  # ... then attached: the pid alone no longer keeps them
+        assert ledger.attach(name, f"container-of-{name}")
+    assert len(ledger.claims()) == len(needs)
+
+
+def test_what_running_engines_hold_is_read_from_their_status_files(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    data = tmp_path / "data"
+    # orphan has no status at all: its engine never ran
+    _claims_with_containers(data, {"other": 40 * MIB, "gone": 10 * MIB, "orphan": 5 * MIB})
+    # other's worker stopped two minutes ago; its engine still runs, so it still holds
+    write_status(data, "other", 3, "running", age=timedelta(minutes=2))
+    write_status(data, "gone", 2, "stopped")
+    done = _plan(env, "router", "--json")
+    plan = json.loads(done.stdout)
+    assert plan["held"] == [{"name": "other", "bytes": 40 * MIB}]
+    assert plan["engines"][0]["left"] == 24 * MIB
+
+
+def test_plan_runs_on_a_host_without_docker(tmp_path: Path) -> None:
+    """The host has no Docker: plan never imports the Docker SDK or the project's Docker side."""
+    env = _setup(tmp_path, limit_mib=64)
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoDocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'docker' or name.startswith('supervisor.docker'):\n"
+        "            raise ImportError(f'{name}: no Docker on this host')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, NoDocker())\n"
+    )
+    env["PYTHONPATH"] = f"{blocker}:{env['PYTHONPATH']}"
+    blocked = subprocess.run([sys.executable, "-c", "import docker"], env=env,
+                             capture_output=True, text=True, check=False)
+    assert "no Docker on this host" in blocked.stderr  # the blocker works
+    done = _plan(env, "router")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "router: fits" in done.stdout
+
+
+def test_an_unreadable_model_library_is_said_not_a_traceback(tmp_path: Path) -> None:
+    env = _setup(tmp_path, limit_mib=64)
+    shutil.rmtree(tmp_path / "models")
+    done = _plan(env, "router")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"router: cannot be planned: model library {tmp_path / 'models'} cannot be read" in (
+        done.stdout
+    )

@@ -4,13 +4,15 @@ write is tried again a second later, never in a busy loop."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from supervisor.protocol.documents import TargetGroup
+from supervisor.protocol.documents import TargetGroup, json_schemas, parse_status
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
@@ -51,3 +53,24 @@ def test_a_failed_file_sd_write_is_retried_a_second_later(tmp_path: Path) -> Non
         assert 0.9 <= beat.due_in() <= 1.0  # the targets wait, but not in a busy loop
         time.sleep(beat.due_in() + 0.05)
         beat.tick()
+
+
+def test_status_json_names_the_worker_version_that_wrote_it(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    beat = _heartbeat(path, tmp_path / "data")
+    beat.show(Answer(1, "starting", "acknowledged: running requested"), None)
+    written = json.loads(path.read_text())
+    assert written["workerVersion"] == metadata.version("lucia-supervisor")
+    beat.progress("downloading 10%")  # every later write says it too
+    time.sleep(beat.due_in() + 0.05)
+    beat.tick()
+    written = json.loads(path.read_text())
+    assert (written["message"], written["workerVersion"]) == (
+        "downloading 10%", metadata.version("lucia-supervisor")
+    )
+    # readers keep it optional: a file from an older worker still reads, and the schema agrees
+    del written["workerVersion"]
+    assert parse_status(json.dumps(written)).worker_version is None
+    schema = json_schemas()["status.schema.json"]
+    assert "workerVersion" in schema["properties"]
+    assert "workerVersion" not in schema.get("required", [])

@@ -196,7 +196,7 @@ def test_twenty_concurrent_requesters_get_distinct_generations(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if k != "LUCIA_DATA_DIR"}
     procs = [
         subprocess.Popen(
-            [str(CLI), "request", "tf", "running", "--data-dir", str(tmp_path)],
+            [str(CLI), "request", "tf", "running", "--create", "--data-dir", str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for _ in range(20)

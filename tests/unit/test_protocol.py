@@ -176,7 +176,7 @@ def test_status_times_are_iso_utc_with_z() -> None:
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine"}
+                         "engine", "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
