@@ -43,8 +43,8 @@ trap 'die "line $LINENO: \"$BASH_COMMAND\" failed (exit $?)"' ERR
 for tool in mmdebstrap docker tar "$python"; do
     command -v "$tool" >/dev/null || die "$tool is missing (scripts/machine.sh installs it)"
 done
-"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
-    || die "$python is $("$python" --version 2>&1), not Python 3.11 like $suite's (set LUCIA_VLLM_PYTHON)"
+"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1 \
+    || die "$python is $("$python" --version 2>&1 | awk 'NR == 1' || true), not the Python 3.11 of $suite (set LUCIA_VLLM_PYTHON)"
 mkdir -p "$logs"
 log=$logs/${image//[:\/]/_}
 
