@@ -127,9 +127,10 @@ id=$(tar --format=posix --numeric-owner -C "$rootfs" -cf - . | docker import \
     - 2>"$log.import.log") \
     || { tail -30 "$log.import.log" >&2; die "docker import failed"; }
 
-say "checking that vllm, torch and transformers import in the image"
+say "checking that vLLM's server, torch and transformers' Llama import in the image"
+# A stray torchvision shows only when transformers imports a model, not on `import transformers`.
 versions=$(docker run --rm --network none --entrypoint /usr/bin/python3 "$id" -c \
-    'import torch, transformers, vllm; print(vllm.__version__, torch.__version__)' \
+    'import torch, vllm; from transformers import LlamaForCausalLM; import vllm.entrypoints.openai.api_server; print(vllm.__version__, torch.__version__)' \
     2>"$log.check.log") \
     || { docker rmi "$id" >/dev/null; tail -30 "$log.check.log" >&2; die "vLLM does not import in the image"; }
 [ "$versions" = "$vllm_version $torch_built" ] \

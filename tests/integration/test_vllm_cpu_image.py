@@ -154,6 +154,24 @@ def test_the_script_refuses_a_python_that_is_not_3_11(
     assert not client.images.list(name=f"{repository}:refused")
 
 
+def test_a_failure_outside_the_named_steps_is_one_line_with_its_place(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = run_image_script(
+        {
+            "LUCIA_VLLM_LOGS": str(blocker / "logs"),  # mkdir under a regular file fails
+            "LUCIA_VLLM_REPOSITORY": f"lucia-test-{RUN_ID}-vllm-cpu",
+            "LUCIA_VLLM_TAG": "unbuilt",
+        },
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    pattern = r'vllm-cpu-image\.sh: line \d+: "mkdir -p \S+" failed \(exit 1\)'
+    assert re.fullmatch(pattern, last), last
+
+
 @pytest.mark.vllm_cold_build
 def test_a_cold_build_under_a_private_tag_then_a_cached_run(
     client: docker.DockerClient, tmp_path: Path
