@@ -177,7 +177,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from supervisor import logs
     from supervisor.errors import Transient
     from supervisor.protocol.files import LeaseHeld
-    from supervisor.recipe.schema import RecipeError, load, locate
+    from supervisor.recipe.loader import load, locate
+    from supervisor.recipe.schema import RecipeError
     from supervisor.worker.loop import Settings, Worker
 
     logs.configure()
@@ -210,7 +211,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from supervisor.memplan import overview, probe, settings
     from supervisor.memplan.ledger import Ledger
-    from supervisor.recipe.schema import RecipeError, load, locate, recipes_dir
+    from supervisor.recipe.loader import load, locate, recipes_dir
+    from supervisor.recipe.schema import RecipeError
 
     try:
         machine = settings.load(Path(args.machine).expanduser() if args.machine else None)

@@ -23,7 +23,7 @@ from watchfiles import watch
 from supervisor import logs
 from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
-from supervisor.engines.base import Engine, StepContext
+from supervisor.engines.base import Engine, Observed, StepContext
 from supervisor.errors import Cancelled, Permanent, Transient
 from supervisor.protocol import files
 from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
@@ -32,7 +32,7 @@ from supervisor.recipe.schema import Recipe
 from supervisor.worker import actions, plan
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Check, Decision, Memory, Observed, Step
+from supervisor.worker.plan import Check, Decision, Memory, Step
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 from supervisor.worker.wakeup import Wakeup
 

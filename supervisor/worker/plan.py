@@ -8,10 +8,11 @@ decides nothing itself. No I/O here, and no Docker: the container is the project
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Final, Protocol
+from typing import Final
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
+from supervisor.engines.base import Observed, Prerequisite
 from supervisor.protocol.documents import (
     DesiredFile,
     DesiredState,
@@ -24,14 +25,6 @@ UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it
 REFUSED: Final = "request refused: "
 
 
-class Prerequisite(Protocol):
-    """Something the engine needs before its container can run; made by a Prepare step.
-    Engines define them as frozen dataclasses."""
-
-    @property
-    def description(self) -> str: ...
-
-
 @dataclass(frozen=True)
 class Memory:
     """What the worker knows about the generation it is applying. Forgotten on restart."""
@@ -41,19 +34,6 @@ class Memory:
     ready: str | None = None  # id of the container seen answering its ready path
     failure: str | None = None  # why this generation failed; it stays failed until a new one
     checked: str | None = None  # the fingerprint of the run spec whose preflight passed
-
-
-@dataclass(frozen=True)
-class Observed:
-    """One look at the engine: its container, what it still needs, what it would run."""
-
-    container: Container | None
-    missing: tuple[Prerequisite, ...] = ()  # still to be made, in order
-    spec: RunSpec | None = None  # what a container would be created with now, once it can be
-    url: str | None = None  # where the engine answers, once its network exists
-    targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
-    notes: str = ""  # what the operator should know while it serves (files skipped...)
-    tail: str = ""  # the last log lines of a container that has exited
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from supervisor.engines.tensorfold.engine import (
     missing,
 )
 from supervisor.protocol.documents import DesiredFile, RunningEngine, TargetGroup
-from supervisor.recipe.schema import parse
+from supervisor.recipe.loader import parse
 from supervisor.worker.plan import (
     UNREQUESTED,
     Answer,

@@ -15,11 +15,12 @@ from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Mount
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.llama_router import api as router_api
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import preset
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Cancelled, Permanent, Transient
 from supervisor.library import cache as gguf_cache
 from supervisor.library import models as library
@@ -27,8 +28,6 @@ from supervisor.memplan import settings
 from supervisor.memplan.need import EngineNeed, ModelNeed
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
-from supervisor.recipe.schema import LlamaRouterRecipe
-from supervisor.worker.plan import Observed, Prerequisite
 
 _LOAD_POLL: Final = 0.25
 log = logs.get("llama-router")

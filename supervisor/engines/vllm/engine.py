@@ -25,16 +25,15 @@ from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image, Mount, RunSpec
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
+from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.errors import Permanent
 from supervisor.hw import gpu
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
-from supervisor.recipe.schema import VllmRecipe
-from supervisor.worker.plan import Prerequisite
 
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
 NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
