@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Final
 
 from supervisor.protocol import host
-from supervisor.protocol.documents import STATES, State, json_schemas, utc_now
+from supervisor.protocol.documents import STATES, State, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.schemas import checked_in
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -167,7 +168,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_schemas(args: argparse.Namespace) -> int:
     out = ensure_dir(Path(args.out), mode=0o755)
-    for name, schema in json_schemas().items():
+    for name, schema in checked_in().items():
         write_atomic(out / name, (json.dumps(schema, indent=2) + "\n").encode(), mode=0o644)
         print(out / name)
     return EXIT_OK

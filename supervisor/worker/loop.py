@@ -27,7 +27,7 @@ from supervisor.engines.base import Engine, Observed, StepContext
 from supervisor.errors import Cancelled, Permanent, Transient
 from supervisor.protocol import files
 from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
-from supervisor.protocol.host import DESIRED, STATUS, engine_dir
+from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
 from supervisor.worker import actions, plan
 from supervisor.worker.heartbeat import Heartbeat
