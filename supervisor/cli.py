@@ -13,8 +13,9 @@ from typing import Final
 
 from supervisor import paths, waiting
 from supervisor.protocol import host
-from supervisor.protocol.documents import STATES, json_schemas, utc_now
+from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.schemas import checked_in
 from supervisor.version import version
 
 EXIT_OK: Final = waiting.EXIT_OK
@@ -185,7 +186,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_schemas(args: argparse.Namespace) -> int:
     out = ensure_dir(Path(args.out), mode=0o755)
-    for name, schema in json_schemas().items():
+    for name, schema in checked_in().items():
         write_atomic(out / name, (json.dumps(schema, indent=2) + "\n").encode(), mode=0o644)
         print(out / name)
     return EXIT_OK
@@ -195,7 +196,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from supervisor import logs
     from supervisor.errors import Transient
     from supervisor.protocol.files import LeaseHeld
-    from supervisor.recipe.schema import RecipeError, load
+    from supervisor.recipe.loader import load
+    from supervisor.recipe.schema import RecipeError
     from supervisor.worker.loop import Settings, Worker
 
     logs.configure()
@@ -228,7 +230,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
     from supervisor.memplan import overview, probe, settings
-    from supervisor.recipe.schema import RecipeError, load
+    from supervisor.recipe.loader import load
+    from supervisor.recipe.schema import RecipeError
 
     try:
         machine = settings.load(Path(args.machine).expanduser() if args.machine else None)

@@ -171,6 +171,8 @@ class Engine:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     memory: dict[str, float] = field(default_factory=dict)  # the tensorfold [memory] section
     data_root: Path | None = None  # a data directory shared with other engines (the ledger)
+    image: str = ""  # the image of a kind defined under tests/engines (its driver sets it)
+    writer: Callable[[Engine], str] | None = None  # that kind's recipe text from these fields
 
     @property
     def data_dir(self) -> Path:
@@ -216,6 +218,9 @@ class Engine:
     def write_recipe(self) -> Path:
         if self.recipe_text:
             self.recipe_path.write_text(self.recipe_text)
+            return self.recipe_path
+        if self.writer is not None:
+            self.recipe_path.write_text(self.writer(self))
             return self.recipe_path
         if self.kind == "llama-router":
             return self._write_router_recipe()

@@ -8,8 +8,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from supervisor.docker.spec import RunSpec
-from supervisor.worker.plan import Observed, Prerequisite
+from supervisor.docker.spec import Container, RunSpec
+from supervisor.protocol.documents import TargetGroup
+
+
+class Prerequisite(Protocol):
+    """Something the engine needs before its container can run; made by a Prepare step.
+    Engines define them as frozen dataclasses."""
+
+    @property
+    def description(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One look at the engine: its container, what it still needs, what it would run."""
+
+    container: Container | None
+    missing: tuple[Prerequisite, ...] = ()  # still to be made, in order
+    spec: RunSpec | None = None  # what a container would be created with now, once it can be
+    url: str | None = None  # where the engine answers, once its network exists
+    targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
+    notes: str = ""  # what the operator should know while it serves (files skipped...)
+    tail: str = ""  # the last log lines of a container that has exited
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,12 @@ from supervisor import logs, redaction
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
 from supervisor.errors import Blocked, Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeBase, RecipeError
-from supervisor.worker.plan import Observed, Prerequisite
 
 _LOG_TAIL: Final = 5
 _TAIL_CHARS: Final = 400  # of a message of at most 500, after "exited with code N: "

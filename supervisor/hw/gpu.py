@@ -24,6 +24,12 @@ from typing import Final, Literal
 QUERY_FIELDS: Final = ("name", "compute_cap", "memory.total", "memory.free", "driver_version")
 QUERY: Final = ("nvidia-smi", f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,nounits")
 BANNER: Final = ("nvidia-smi",)
+MEMORY: Final = (
+    "nvidia-smi",
+    "--query-gpu=memory.total,memory.free",
+    "--format=csv,noheader,nounits",
+)
+MIB: Final = 1024 * 1024
 TIMEOUT: Final = 10.0
 
 # nvidia-smi prints these for a value the device cannot report (GB10's unified memory: "[N/A]";
@@ -182,9 +188,57 @@ def run_command(command: Sequence[str], timeout: float) -> Completed:
     return Completed(done.returncode, done.stdout, done.stderr)
 
 
+def with_program(nvidia_smi: str, run: Runner = run_command) -> Runner:
+    """A runner that runs nvidia_smi (a path where it is not on PATH) for "nvidia-smi"."""
+
+    def program(command: Sequence[str], timeout: float) -> Completed:
+        return run((nvidia_smi, *command[1:]), timeout)
+
+    return program
+
+
+def parse_memory(text: str) -> tuple[int, int]:
+    """(total, free) bytes summed over the lines `total, free` (MiB) of MEMORY's output."""
+    total = free = 0
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise GpuParseError("nvidia-smi listed no GPU")
+    for line in lines:
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != 2 or not all(cell.isdigit() for cell in cells):
+            raise GpuParseError(f"nvidia-smi: cannot read memory from {line.strip()!r}")
+        total += int(cells[0]) * MIB
+        free += int(cells[1]) * MIB
+    return total, free
+
+
+def memory(run: Runner = run_command, timeout: float = TIMEOUT) -> tuple[int, int] | GpuUnavailable:
+    """The GPUs' memory, (total, free) bytes, for the memory plan; GpuUnavailable says why not."""
+    outputs = _outputs((MEMORY,), run, timeout)
+    if isinstance(outputs, GpuUnavailable):
+        return outputs
+    try:
+        return parse_memory(outputs[0])
+    except GpuParseError as exc:
+        return GpuUnavailable("unparseable", str(exc))
+
+
 def probe(run: Runner = run_command, timeout: float = TIMEOUT) -> GpuFacts | GpuUnavailable:
+    outputs = _outputs((QUERY, BANNER), run, timeout)
+    if isinstance(outputs, GpuUnavailable):
+        return outputs
+    try:
+        return parse(outputs[0], outputs[1])
+    except GpuParseError as exc:
+        return GpuUnavailable("unparseable", f"nvidia-smi output not understood: {exc}")
+
+
+def _outputs(
+    commands: Sequence[Sequence[str]], run: Runner, timeout: float
+) -> list[str] | GpuUnavailable:
+    """Each command's output, or why nvidia-smi could not tell (never raises)."""
     outputs = []
-    for command in (QUERY, BANNER):
+    for command in commands:
         try:
             done = run(command, timeout)
         except FileNotFoundError:
@@ -202,7 +256,4 @@ def probe(run: Runner = run_command, timeout: float = TIMEOUT) -> GpuFacts | Gpu
                 f"no NVIDIA GPU/driver: nvidia-smi exited with {done.returncode}: {_clip(said)}",
             )
         outputs.append(done.stdout)
-    try:
-        return parse(outputs[0], outputs[1])
-    except GpuParseError as exc:
-        return GpuUnavailable("unparseable", f"nvidia-smi output not understood: {exc}")
+    return outputs

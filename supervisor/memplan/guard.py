@@ -9,12 +9,13 @@ to the check against the memory free now. The settings file is read at each chec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from supervisor.docker import labels
-from supervisor.docker.runtime import Runtime
+from supervisor.docker.spec import Container
 from supervisor.errors import Blocked, Permanent
 from supervisor.memplan import probe, settings
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, check_now
@@ -22,6 +23,12 @@ from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
+
+
+class Containers(Protocol):
+    """What the plan asks of the Docker side: the containers carrying a label (the runtime)."""
+
+    def containers(self, label: str) -> Sequence[Container]: ...
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,9 @@ def load_settings() -> MachineSettings:
         raise Permanent(f"the machine memory settings cannot be used: {exc}") from None
 
 
-def measure(machine: MachineSettings) -> Memory:
+def measure(machine: MachineSettings, gpu: probe.GpuQuery = probe.nvidia_smi_query) -> Memory:
     try:
-        return probe.measure(machine)
+        return probe.measure(machine, gpu=gpu)
     except (probe.ProbeFailed, OSError) as exc:
         raise Permanent(f"cannot measure the memory limit: {exc}") from None
 
@@ -60,7 +67,7 @@ def room(guard: Guard | None) -> Room:
     return Room(machine, guard.measure(machine), held)
 
 
-def running_engines(runtime: Runtime) -> set[str]:
+def running_engines(runtime: Containers) -> set[str]:
     """The names of the running lucia engines, from their containers' labels."""
     found = runtime.containers(f"{labels.MANAGED}=true")
     return {c.labels[labels.NAME] for c in found if c.running and labels.NAME in c.labels}
@@ -70,14 +77,14 @@ def running_engines(runtime: Runtime) -> set[str]:
 class Guard:
     name: str
     ledger: Ledger
-    runtime: Runtime
+    runtime: Containers
     measure: Callable[[MachineSettings], Memory] = measure
     last: Verdict | None = field(default=None, init=False)  # for the worker's gauges
     limit: int | None = field(default=None, init=False)
     pending: bool = field(default=False, init=False)  # a claim made whose start has not run
 
     @classmethod
-    def for_data_dir(cls, name: str, data_dir: Path, runtime: Runtime) -> Guard:
+    def for_data_dir(cls, name: str, data_dir: Path, runtime: Containers) -> Guard:
         return cls(name, Ledger.for_data_dir(data_dir), runtime)
 
     def claim(self, need: EngineNeed, replacing: str | None) -> Verdict:

@@ -1,30 +1,28 @@
 """The plan of named engines without starting anything: what `lucia-supervisor plan` prints.
 
 Each engine is planned against the limit less the reserves and what the other engines' claims
-hold (the engine's own claim is not counted against itself). A tensorfold engine's figures
-come from its recipe's [memory] section (recipe_figures); a llama-router's from
+hold (the engine's own claim is not counted against itself), by its kind's memory planner (the
+engine registry's): a tensorfold engine from its recipe's [memory] section, a llama-router from
 the GGUF headers of its library's Ready models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.library import ggufcheck
-from supervisor.library.models import LibraryUnavailable, scan
+from supervisor.engines import registry
+from supervisor.library.models import LibraryUnavailable
 from supervisor.memplan import router
-from supervisor.memplan.fit import Budget, Holding, Verdict, check, size
+from supervisor.memplan.fit import Budget, Holding, Verdict, size
 from supervisor.memplan.ledger import Ledger
-from supervisor.memplan.need import EngineNeed, figures
 from supervisor.memplan.probe import Memory
-from supervisor.memplan.settings import MachineSettings, gib
+from supervisor.memplan.settings import MachineSettings
 from supervisor.protocol import host
-from supervisor.recipe.schema import LlamaRouterRecipe, TensorFoldRecipe, VllmRecipe
+from supervisor.recipe.schema import Recipe
 
-AnyRecipe = TensorFoldRecipe | LlamaRouterRecipe | VllmRecipe
 # A status in one of these may have a container behind it, even with a stale heartbeat (a
 # stopped worker's engine still runs); stopped and failed ones have none.
 HOLDING_STATES: Final = frozenset({"starting", "running", "stopping"})
@@ -45,15 +43,6 @@ def held_from_files(data_dir: Path) -> tuple[Holding, ...]:
         if status is not None and status.state in HOLDING_STATES:
             running.add(claim.name)
     return ledger.held(running=running)
-
-
-@dataclass(frozen=True)
-class TensorfoldFigures:
-    """A tensorfold start's figures, from the recipe's own measurements (bytes)."""
-
-    weights: int
-    kv_per_token: int
-    kv: int | None = None  # the whole KV cache, when the recipe gives it instead
 
 
 @dataclass(frozen=True)
@@ -84,72 +73,22 @@ class Overview:
         return all(engine.fits for engine in self.engines)
 
 
-def recipe_figures(recipe: TensorFoldRecipe) -> TensorfoldFigures | None:
-    """The figures of the recipe's [memory] section; None when it has none. A per-token KV
-    figure counts for CONTEXT x PARALLEL tokens."""
-    found = recipe.memory
-    if found is None:
-        return None
-    if found.kv_gib is not None:
-        return TensorfoldFigures(gib(found.weights_gib), 0, gib(found.kv_gib))
-    per_token = found.kv_bytes_per_token or 0
-    settings = recipe.settings
-    tokens = int(settings.get("CONTEXT", 0)) * int(settings.get("PARALLEL", 1))
-    return TensorfoldFigures(gib(found.weights_gib), per_token, per_token * tokens)
-
-
-def tensorfold_need(
-    recipe: TensorFoldRecipe, found: TensorfoldFigures, multiplier: float = 1.0
-) -> EngineNeed:
-    """The weights figure is the engine's measured startup estimate: counted once (the
-    multiplier calibrates GGUF file sizes, not measurements)."""
-    settings = recipe.settings
-    context = int(settings.get("CONTEXT", 0))
-    parallel = int(settings.get("PARALLEL", 1))
-    model = figures(
-        recipe.model, found.weights, found.kv_per_token, context,
-        parallel=parallel, multiplier=multiplier, kv=found.kv,
-    )  # fmt: skip
-    return EngineNeed(recipe.name, (model,), "Lower CONTEXT")
-
-
-def plan_engine(
-    recipe: AnyRecipe,
-    budget: Budget,
-    multiplier: float,
-    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None],
-) -> EnginePlan:
-    if isinstance(recipe, TensorFoldRecipe):
-        found = tensorfold(recipe)
-        if found is None:
-            return EnginePlan(recipe.name, None, "the recipe gives no memory figures")
-        return EnginePlan(recipe.name, check(tensorfold_need(recipe, found), budget))
-    if isinstance(recipe, VllmRecipe):
-        return EnginePlan(recipe.name, None, "the vllm engine is not planned yet")
-    opts = router.options(recipe.router.defaults)
-    library = scan(recipe.library.models_path)
-    units = [unit for model in library.models for unit in ggufcheck.group(model.files).units]
-    models, bad = router.read_models(units)
-    routed = router.plan(
-        recipe.name, models, budget.left, recipe.router.load_on_startup, opts,
-        multiplier=multiplier, unplannable=bad,
-    )  # fmt: skip
-    return EnginePlan(recipe.name, check(routed.startup, budget), router=routed)
+def plan_engine(recipe: Recipe, budget: Budget, multiplier: float) -> EnginePlan:
+    return registry.get(recipe.engine).memory(recipe, budget, multiplier)
 
 
 def build(
-    recipes: Sequence[AnyRecipe],
+    recipes: Sequence[Recipe],
     settings: MachineSettings,
     memory: Memory,
     held: Sequence[Holding],
-    tensorfold: Callable[[TensorFoldRecipe], TensorfoldFigures | None] = recipe_figures,
 ) -> Overview:
     plans = []
     for recipe in recipes:
         others = tuple(h for h in held if h.name != recipe.name)
         budget = Budget(memory.limit, settings.reserves.total, others)
         try:
-            plans.append(plan_engine(recipe, budget, settings.weight_multiplier, tensorfold))
+            plans.append(plan_engine(recipe, budget, settings.weight_multiplier))
         except (OSError, ValueError, LibraryUnavailable) as exc:
             plans.append(EnginePlan(recipe.name, None, str(exc)))
     return Overview(memory, settings, tuple(held), tuple(plans))

@@ -2,27 +2,21 @@
 
 The host's figures come from /proc/meminfo (MemTotal, MemAvailable; kB there, bytes here). The
 GPU's come from a GpuQuery: any function returning (total, free) bytes summed over the GPUs the
-engines use; nvidia_smi_query() is one, and a GPU boundary module may hand in its own.
+engines use; nvidia_smi_query() asks the GPU boundary (hw.gpu), which runs nvidia-smi.
 """
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from supervisor.hw import gpu
 from supervisor.memplan.settings import MachineSettings
 from supervisor.protocol.files import read_text
 
 MEMINFO: Final = Path("/proc/meminfo")
-MIB: Final = 1024 * 1024
-NVIDIA_SMI: Final = (
-    "nvidia-smi",
-    "--query-gpu=memory.total,memory.free",
-    "--format=csv,noheader,nounits",
-)
 
 GpuQuery = Callable[[], tuple[int, int]]
 
@@ -61,29 +55,18 @@ def host_memory(path: Path = MEMINFO) -> tuple[int, int]:
 
 def parse_nvidia_smi(text: str) -> tuple[int, int]:
     """(total, free) bytes summed over the lines `total, free` (MiB) nvidia-smi prints."""
-    total = free = 0
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise ProbeFailed("nvidia-smi listed no GPU")
-    for line in lines:
-        cells = [cell.strip() for cell in line.split(",")]
-        if len(cells) != 2 or not all(cell.isdigit() for cell in cells):
-            raise ProbeFailed(f"nvidia-smi: cannot read memory from {line.strip()!r}")
-        total += int(cells[0]) * MIB
-        free += int(cells[1]) * MIB
-    return total, free
-
-
-def nvidia_smi_query(timeout: float = 10.0) -> tuple[int, int]:
     try:
-        done = subprocess.run(
-            NVIDIA_SMI, check=False, capture_output=True, text=True, timeout=timeout
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ProbeFailed(f"nvidia-smi could not run: {exc}") from None
-    if done.returncode != 0:
-        raise ProbeFailed(f"nvidia-smi failed ({done.returncode}): {done.stderr.strip()[:200]}")
-    return parse_nvidia_smi(done.stdout)
+        return gpu.parse_memory(text)
+    except gpu.GpuParseError as exc:
+        raise ProbeFailed(str(exc)) from None
+
+
+def nvidia_smi_query(timeout: float = 10.0, nvidia_smi: str = "nvidia-smi") -> tuple[int, int]:
+    """The GPUs' (total, free) from the GPU boundary (hw.gpu); nvidia_smi: the program to run."""
+    found = gpu.memory(gpu.with_program(nvidia_smi), timeout)
+    if isinstance(found, gpu.GpuUnavailable):
+        raise ProbeFailed(found.reason)
+    return found
 
 
 def measure(

@@ -27,8 +27,6 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from supervisor.library.models import LibraryModel
-
 SCHEMA_VERSION: Final = 1
 MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly
 MAX_MESSAGE: Final = 500
@@ -267,13 +265,11 @@ def dump(model: BaseModel) -> bytes:
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """The checked-in schemas, by file name."""
+    """The protocol's checked-in schemas, by file name (supervisor.schemas adds the library's)."""
     schemas = {
         "desired.schema.json": DesiredFile.model_json_schema(by_alias=True),
         "status.schema.json": Status.model_json_schema(by_alias=True),
         "file_sd.schema.json": FileSd.model_json_schema(by_alias=True),
-        # the part of the host's model library (<models>/<guid>/model.json) the router relies on
-        "library-model.schema.json": LibraryModel.model_json_schema(),
     }
     for name, schema in schemas.items():
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

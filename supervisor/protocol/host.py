@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -21,36 +20,19 @@ from supervisor.protocol.documents import (
 )
 from supervisor.protocol.files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
 
+# the layout's names, re-exported: the host side has always offered them
+from supervisor.protocol.layout import DESIRED as DESIRED  # noqa: PLC0414
+from supervisor.protocol.layout import SHARED_DIRS as SHARED_DIRS  # noqa: PLC0414
+from supervisor.protocol.layout import STATUS as STATUS  # noqa: PLC0414
+from supervisor.protocol.layout import BadName as BadName  # noqa: PLC0414
+from supervisor.protocol.layout import check_name as check_name  # noqa: PLC0414
+from supervisor.protocol.layout import engine_dir as engine_dir  # noqa: PLC0414
+
 STALE_AFTER: Final = timedelta(seconds=60)
-DESIRED: Final = "desired.json"
-STATUS: Final = "status.json"
 _REQUEST_LOCK: Final = ".request.lock"
 _ISSUED: Final = ".generation"  # the last generation the host issued, never reused
-_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
-# directories of the data directory that every worker shares: never an engine's name
-SHARED_DIRS: Final = frozenset({"telemetry", "memory"})
 
 Answer = Literal["current", "pending", "unavailable"]
-
-
-class BadName(ValueError):
-    pass
-
-
-def check_name(name: str) -> str:
-    """Engine names become directory, unit and container names: keep them boring."""
-    if not _NAME.fullmatch(name) or ".." in name:
-        raise BadName(
-            f"invalid engine name {name!r}: use lowercase letters, digits, '-', '_' and '.', "
-            "starting with a letter or digit, at most 63 characters"
-        )
-    if name in SHARED_DIRS:
-        raise BadName(f"invalid engine name {name!r}: the data directory's {name}/ is shared")
-    return name
-
-
-def engine_dir(data_dir: Path, name: str) -> Path:
-    return data_dir / check_name(name)
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,16 @@ from watchfiles import watch
 from supervisor import logs
 from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
-from supervisor.engines.base import Engine, StepContext
+from supervisor.engines.base import Engine, Observed, StepContext
 from supervisor.errors import Blocked, Cancelled, Permanent, Transient
 from supervisor.protocol import files
-from supervisor.protocol.host import DESIRED, STATUS, engine_dir
+from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
 from supervisor.worker import actions, plan
 from supervisor.worker.heartbeat import Heartbeat, last_written
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Check, Decision, Memory, Observed, Reported, Step
+from supervisor.worker.plan import Check, Decision, Memory, Reported, Step
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 from supervisor.worker.wakeup import Wakeup
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Final, Protocol
+from typing import Final
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
+from supervisor.engines.base import Observed, Prerequisite
 from supervisor.protocol.documents import (
     DesiredFile,
     DesiredState,
@@ -27,14 +28,6 @@ UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it
 REFUSED: Final = "request refused: "
 # seconds before a failed step that may pass by waiting is tried again, growing to the last
 BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
-
-class Prerequisite(Protocol):
-    """Something the engine needs before its container can run; made by a Prepare step.
-    Engines define them as frozen dataclasses."""
-
-    @property
-    def description(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -60,19 +53,6 @@ class Reported:
 
     generation: int
     container_id: str
-
-
-@dataclass(frozen=True)
-class Observed:
-    """One look at the engine: its container, what it still needs, what it would run."""
-
-    container: Container | None
-    missing: tuple[Prerequisite, ...] = ()  # still to be made, in order
-    spec: RunSpec | None = None  # what a container would be created with now, once it can be
-    url: str | None = None  # where the engine answers, once its network exists
-    targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
-    notes: str = ""  # what the operator should know while it serves (files skipped...)
-    tail: str = ""  # the last log lines of a container that has exited
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ death with exit code, adoption, replacement, lease, gateway-only port, file_sd, 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -15,125 +16,35 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import docker
 import pytest
 
+from supervisor.engines import registry
+from tests.conformance.driver import Kind
 from tests.corpus import INVALID, materialise
-from tests.fixtures import Engine, free_port
-from tests.gguf_fixtures import add_model, write_llama
+from tests.fixtures import ROOT, Engine, free_port
 
 pytestmark = pytest.mark.docker
 
 
-@dataclass(frozen=True)
-class Kind:
-    """How to drive one engine kind through the common cases."""
-
-    name: str
-    make: Callable[..., Engine]
-    slow_step: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a long step, and its text
-    slow_ready: Callable[[int], tuple[dict[str, Any], str]]  # knobs for a slow load, and its text
-    change_image: Callable[[Engine], None]  # make the engine's image another one
-    die: Callable[[Any], tuple[str, str]]  # end the container: its exit text, a logged text
-    image: Callable[[Engine], str]  # the one image name status.json gives for what runs
+TEST_ENGINES = tuple(f"tests.engines.{path.parent.name}.kind"
+                     for path in sorted((ROOT / "tests" / "engines").glob("*/kind.py")))
+KINDS = registry.kinds(registry.configured() + TEST_ENGINES)  # the shipped, then tests/engines/*
 
 
-def _dies_with_3_saying(logged: str) -> Callable[[Any], tuple[str, str]]:
-    """The stand-in's /tmp/die: it exits with 3, logging a line with `logged` in it."""
-
-    def die(container: Any) -> tuple[str, str]:
-        container.exec_run(["sh", "-c", "echo 3 > /tmp/die"])
-        return "exited with code 3", logged
-
-    return die
-
-
-def _killed(container: Any) -> tuple[str, str]:
-    container.kill()  # SIGKILL, as the OOM killer or an operator would
-    return "exited with code 137", " srv "
-
-
-def _tensorfold(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
-    """The shipped recipe on the real layout (tests/tensorfold-recipe), driven by its knobs."""
-
-    def make(**knobs: Any) -> Engine:
-        return make_engine(layout="real", **knobs)
-
-    def change(engine: Engine) -> None:
-        engine.requirement = "xgrammar>=0.2.9,<0.3"  # a new pin: a new grammar image
-
-    return Kind(
-        "tensorfold",
-        make=make,
-        slow_step=lambda s: ({"settings": {"TEST_DOWNLOAD_SECONDS": str(s)}},
-                             "model.safetensors"),
-        slow_ready=lambda s: ({"settings": {"TENSORFOLD_TEST_READY_DELAY": str(s)}},
-                              "loading weights"),
-        change_image=change,
-        die=_dies_with_3_saying("exiting with 3"),
-        image=lambda engine: engine.image_tag + "-grammar",
-    )
-
-
-def _llama_router(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
-    """The real llama-server with a tiny llama model. A slow load is the stand-in's
-    (LOAD_DELAY): the real router loads a tiny model in well under a second, and nothing makes
-    it take 12 or 300 seconds on demand (the heartbeat, cancel and readiness-message cases)."""
-    images = request.getfixturevalue("router_images")
-
-    def make(**knobs: Any) -> Engine:
-        settings = knobs.pop("settings", {})
-        engine = make_engine(kind="llama-router", load_on_startup=("tiny",),
-                             settings=settings, **knobs)
-        files = add_model(engine.models_dir, "Ready")
-        write_llama(files / "tiny.gguf")
-        return engine
-
-    def change(engine: Engine) -> None:
-        engine.router_image = images[1]  # an upgraded llama-server image
-
-    def slow(seconds: int) -> tuple[dict[str, Any], str]:
-        standin = request.getfixturevalue("router_standin")
-        return {"settings": {"LOAD_DELAY": str(seconds)}, "router_image": standin}, (
-            "router listening")
-
-    return Kind(
-        "llama-router",
-        make=make,
-        slow_step=slow,
-        slow_ready=slow,
-        change_image=change,
-        die=_killed,
-        image=lambda engine: engine.router_image,
-    )
-
-
-def _vllm(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
-    images = request.getfixturevalue("vllm_images")
-
-    def change(engine: Engine) -> None:
-        engine.vllm_repository = images[1]  # another vLLM image (a mirror's newer build)
-
-    return Kind(
-        "vllm",
-        make=lambda **knobs: make_engine(kind="vllm", **knobs),
-        slow_step=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
-        slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
-        change_image=change,
-        die=_dies_with_3_saying("fatal error"),
-        image=lambda engine: engine.vllm_repository + ":v0.32.0-cu129",  # the CUDA 12 host's
-    )
-
-
-@pytest.fixture(params=["tensorfold", "llama-router", "vllm"])
-def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine]) -> Kind:
-    factory = {"tensorfold": _tensorfold, "llama-router": _llama_router,
-               "vllm": _vllm}[request.param]
-    return factory(make_engine, request)
+@pytest.fixture(params=list(KINDS))
+def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine],
+         monkeypatch: pytest.MonkeyPatch) -> Kind:
+    """Each registered kind, driven by the conformance driver its EngineKind names; the workers
+    find the kinds defined under tests/engines through LUCIA_ENGINE_MODULES."""
+    extra = [m for m in os.environ.get(registry.MODULES_ENV, "").split(",") if m]
+    monkeypatch.setenv(registry.MODULES_ENV, ",".join([*extra, *TEST_ENGINES]))
+    driver = importlib.import_module(KINDS[request.param].conformance)
+    made: Kind = driver.kind(make_engine, request)
+    return made
 
 
 def _age(status: dict[str, Any]) -> float:

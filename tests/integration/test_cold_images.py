@@ -31,7 +31,7 @@ import docker
 import pytest
 
 from supervisor.engines.tensorfold import grammar
-from supervisor.recipe.schema import Grammar
+from supervisor.engines.tensorfold.recipe import Grammar
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
 from tests.gguf_fixtures import write_llama
 from tests.standin import busybox_context, free_port

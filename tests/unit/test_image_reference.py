@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
+from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.recipe import reference
-from supervisor.recipe.schema import LlamaRouterRecipe, RecipeError, VllmRecipe, parse
+from supervisor.recipe.loader import parse
+from supervisor.recipe.schema import RecipeError
 from tests.support import MINIMAL_RECIPE
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 # Still to be split (issue 20); each must still be too long, so that a split removes it here.
 OVERSIZED = frozenset(
-    {"supervisor/recipe/schema.py", "supervisor/worker/loop.py", "supervisor/worker/plan.py"}
+    {"supervisor/worker/loop.py", "supervisor/worker/plan.py"}
 )
 # Whose opening sentence runs over more than one line; each must still do so.
 LONG_OPENING = frozenset(

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from supervisor import paths
-from supervisor.recipe import schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +23,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_recipes_without_an_installation_are_the_source_trees() -> None:
     assert paths.recipes_dir() == ROOT / "recipes"
-    assert schema.recipes_dir() == ROOT / "recipes"  # the worker's and plan's lookups agree
     assert (ROOT / "recipes" / "llama-router.toml").is_file()
 
 
@@ -32,7 +30,7 @@ def test_recipes_install_sh_installed_win_over_the_source_tree(home: Path) -> No
     installed = home / "share" / "lucia" / "recipes"
     installed.mkdir(parents=True)
     assert paths.recipes_dir() == installed
-    assert schema.locate("x") == installed / "x.toml"
+    assert paths.recipe_file("x") == installed / "x.toml"
 
 
 def test_recipes_env_then_argument_win(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from supervisor.engines.tensorfold.engine import (
     missing,
 )
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
-from supervisor.recipe.schema import parse
+from supervisor.recipe.loader import parse
 from supervisor.worker.plan import (
     BACKOFF,
     UNREQUESTED,

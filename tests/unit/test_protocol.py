@@ -27,11 +27,11 @@ from supervisor.protocol.documents import (
     TargetGroup,
     clean_message,
     dump,
-    json_schemas,
     parse_desired,
     parse_status,
 )
 from supervisor.protocol.files import FileRefused, read_text
+from supervisor.schemas import checked_in
 from tests.corpus import INVALID, VALID, Case, materialise
 from tests.support import within
 
@@ -295,7 +295,7 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def test_checked_in_schemas_match_the_models() -> None:
-    generated = json_schemas()
+    generated = checked_in()
     assert sorted(p.name for p in SCHEMAS.iterdir()) == sorted(generated)
     for name, schema in generated.items():
         text = (SCHEMAS / name).read_text()

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.engines.tensorfold import grammar
-from supervisor.recipe.schema import Grammar, RecipeError, load, parse
+from supervisor.engines.tensorfold.recipe import Grammar
+from supervisor.recipe.loader import load, parse
+from supervisor.recipe.schema import RecipeError
 from tests.support import MINIMAL_RECIPE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +174,7 @@ port = 8000
 
 
 def test_the_shipped_vllm_recipe() -> None:
-    from supervisor.recipe.schema import VllmRecipe
+    from supervisor.engines.vllm.recipe import VllmRecipe
 
     recipe = load(VLLM)
     assert isinstance(recipe, VllmRecipe)

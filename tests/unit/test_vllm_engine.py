@@ -10,8 +10,9 @@ import pytest
 from supervisor.docker.runtime import Runtime
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm.engine import Vllm, reclaimable_mib
+from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.hw import gpu
-from supervisor.recipe.schema import VllmRecipe, parse
+from supervisor.recipe.loader import parse
 from tests.gpu_recordings import fake_nvidia_smi
 
 

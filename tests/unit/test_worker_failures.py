@@ -18,11 +18,11 @@ import pytest
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec
-from supervisor.engines.base import StepContext
+from supervisor.engines.base import Observed, Prerequisite, StepContext
 from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
 from supervisor.worker import loop
-from supervisor.worker.plan import Answer, Observed, Prerequisite
+from supervisor.worker.plan import Answer
 
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
 TAKEN = "port 9001 on 172.30.0.1 is taken by another program"

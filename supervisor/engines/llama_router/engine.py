@@ -15,19 +15,18 @@ from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Mount
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.llama_router import api as router_api
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import preset, startup
 from supervisor.engines.llama_router.library_sync import LibrarySync, Syncer
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import StartupModels
 from supervisor.errors import Permanent, Transient
 from supervisor.library import models as library
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
-from supervisor.recipe.schema import LlamaRouterRecipe
-from supervisor.worker.plan import Observed, Prerequisite
 
 log = logs.get("llama-router")
 

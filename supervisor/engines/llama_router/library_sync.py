@@ -17,6 +17,7 @@ from supervisor import logs
 from supervisor.engines.base import StepContext
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import preset
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import startup_models
 from supervisor.errors import Permanent, Transient
 from supervisor.library import cache as gguf_cache
@@ -25,7 +26,6 @@ from supervisor.memplan import settings
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import ModelNeed
 from supervisor.protocol import files
-from supervisor.recipe.schema import LlamaRouterRecipe
 
 log = logs.get("llama-router")
 

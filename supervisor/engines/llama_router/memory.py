@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Blocked, Permanent
 from supervisor.library.cache import CachedModel
 from supervisor.library.ggufcheck import Unit
@@ -17,7 +18,6 @@ from supervisor.memplan import router
 from supervisor.memplan.fit import check
 from supervisor.memplan.guard import Guard, room
 from supervisor.memplan.need import EngineNeed, ModelNeed
-from supervisor.recipe.schema import LlamaRouterRecipe
 
 AUTO_KEYS = ("ctx-size", "c")
 

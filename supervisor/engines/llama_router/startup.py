@@ -16,9 +16,9 @@ from typing import Final
 from supervisor import logs
 from supervisor.engines.base import StepContext
 from supervisor.engines.llama_router import api as router_api
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Cancelled, Transient
 from supervisor.protocol import files
-from supervisor.recipe.schema import LlamaRouterRecipe
 
 _LOAD_POLL: Final = 0.25
 log = logs.get("llama-router")

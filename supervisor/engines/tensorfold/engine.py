@@ -15,17 +15,16 @@ from supervisor.docker import labels
 from supervisor.docker.process import run
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import BuildRequest, RunSpec
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites
 from supervisor.engines.tensorfold import grammar
+from supervisor.engines.tensorfold import memory as tensorfold_memory
+from supervisor.engines.tensorfold.recipe import TensorFoldRecipe
 from supervisor.engines.tensorfold.source import Checkout as GitCheckout
 from supervisor.errors import BuildFailed, Permanent
-from supervisor.memplan import overview
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
-from supervisor.recipe.schema import TensorFoldRecipe
-from supervisor.worker.plan import Prerequisite
 
 _PROBE_TIMEOUT: Final = 2.0
 _CACHE_SETTINGS: Final = ("HF_CACHE", "KERNEL_CACHE")  # directories prepare and run both use
@@ -297,8 +296,8 @@ class TensorFold(ContainerEngine):
         return (self._stamp,)
 
     def memory_need(self) -> EngineNeed | None:
-        found = overview.recipe_figures(self.recipe)
-        return overview.tensorfold_need(self.recipe, found) if found is not None else None
+        found = tensorfold_memory.recipe_figures(self.recipe)
+        return tensorfold_memory.tensorfold_need(self.recipe, found) if found is not None else None
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from supervisor.docker.labels import GRAMMAR_BASE, GRAMMAR_MODULES, GRAMMAR_REQUIREMENT
-from supervisor.recipe.schema import Grammar
+from supervisor.engines.tensorfold.recipe import Grammar
 
 MESSAGE: Final = "Adding structured output support to the TensorFold image"
 

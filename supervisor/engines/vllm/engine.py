@@ -19,22 +19,22 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image, Mount, RunSpec
-from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
+from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
+from supervisor.memplan import guard, probe
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
-from supervisor.recipe.schema import VllmRecipe
-from supervisor.worker.plan import Prerequisite
 
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
 NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
@@ -94,16 +94,16 @@ class Vllm(ContainerEngine):
         self.choices = recipe.preflight_choices()
         self._stamp = state_dir / "preflight.json"
         self._namespace: str | None = None  # of the spec last observed
+        if self.memory is not None:  # a GPU limit is read with the recipe's nvidia-smi too
+            smi = recipe.vllm.nvidia_smi
+            self.memory.measure = lambda machine: guard.measure(
+                machine, gpu=lambda: probe.nvidia_smi_query(nvidia_smi=smi)
+            )
 
     # -- the GPU -------------------------------------------------------------------------------
 
     def probe(self) -> gpu.GpuFacts | gpu.GpuUnavailable:
-        smi = self.recipe.vllm.nvidia_smi
-
-        def run(command: Any, timeout: float) -> gpu.Completed:
-            return gpu.run_command((smi, *command[1:]), timeout)
-
-        return gpu.probe(run)
+        return gpu.probe(gpu.with_program(self.recipe.vllm.nvidia_smi))
 
     def _choices_key(self) -> str:
         blob = json.dumps([repr(self.choices), self.recipe.vllm.nvidia_smi], sort_keys=True)

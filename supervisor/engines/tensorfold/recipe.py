@@ -1,0 +1,108 @@
+"""The tensorfold recipe: its git source, the image build, prepare, the grammar layer, memory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+
+from supervisor.recipe.schema import BuildTag, Commit, RecipeBase, Section
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class Source(Section):
+    repository: str = Field(min_length=1, description="git URL of the recipe repository")
+    commit: Commit
+
+
+class ImageBuild(Section):
+    tag: BuildTag = Field(description="the recipe image, built from the checkout")
+    from_: Literal["dockerfile", "prepare"] = Field(
+        default="dockerfile",
+        alias="from",
+        description="dockerfile: built from the checkout; prepare: the prepare commands make it",
+    )
+    context: str = Field(default=".", description="build context, relative to the checkout")
+    dockerfile: str = Field(default="Dockerfile", description="relative to the context")
+    build_args: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("context", "dockerfile")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError(f"{value!r} must be a path inside the checkout")
+        return value
+
+
+class Prepare(Section):
+    commands: list[list[str]] = Field(
+        default_factory=list, description="run in the checkout with the settings as environment"
+    )
+
+    @field_validator("commands")
+    @classmethod
+    def _nonempty(cls, value: list[list[str]]) -> list[list[str]]:
+        if any(not command for command in value):
+            raise ValueError("a prepare command must not be empty")
+        return value
+
+
+class Grammar(Section):
+    requirement: str = Field(min_length=1, description="pip requirement, e.g. xgrammar>=0.2.8,<0.3")
+    modules: list[str] = Field(min_length=1, description="modules that must import afterwards")
+    python: str = Field(default="python", description="the image's python executable")
+
+    @field_validator("modules")
+    @classmethod
+    def _modules(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not _MODULE.fullmatch(name)]
+        if bad:
+            raise ValueError(f"not module names: {bad}")
+        return value
+
+
+class MemoryFigures(Section):
+    """What a start needs, from the recipe's own measurements (GiB): the engine's startup
+    estimate (weights and buffers, counted as measured) and its KV cache, either whole for the
+    recipe's CONTEXT x PARALLEL or per token of CONTEXT x PARALLEL."""
+
+    weights_gib: float = Field(ge=0, le=1_048_576, allow_inf_nan=False)
+    kv_gib: float | None = Field(default=None, ge=0, le=1_048_576, allow_inf_nan=False)
+    kv_bytes_per_token: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_kv(self) -> Self:
+        if (self.kv_gib is None) == (self.kv_bytes_per_token is None):
+            raise ValueError("give exactly one of kv_gib and kv_bytes_per_token")
+        return self
+
+
+class TensorFoldRecipe(RecipeBase):
+    engine: Literal["tensorfold"]
+    model: str = Field(min_length=1, description="the model it serves, for labels and messages")
+    source: Source
+    image: ImageBuild
+    prepare: Prepare = Field(default_factory=Prepare)
+    grammar: Grammar
+    memory: MemoryFigures | None = Field(
+        default=None, description="what a start needs; without it the start is not planned"
+    )
+
+    @property
+    def grammar_tag(self) -> str:
+        return f"{self.image.tag}-grammar"
+
+    @property
+    def image_from_prepare(self) -> bool:
+        return self.image.from_ == "prepare"
+
+    @model_validator(mode="after")
+    def _prepare_makes_image(self) -> Self:
+        if self.image_from_prepare and not self.prepare.commands:
+            raise ValueError('image.from = "prepare" needs prepare.commands that make the image')
+        return self
+
+

@@ -1,0 +1,161 @@
+"""The vllm recipe: the channel, model and limits of `vllm serve`, and the KV cache tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Final, Literal, Self
+
+from pydantic import AfterValidator, Field, model_validator
+
+from supervisor.engines.vllm.preflight import Choices
+from supervisor.engines.vllm.tiers import DiskTier, TierPlan
+from supervisor.recipe import reference
+from supervisor.recipe.schema import (
+    AbsolutePath,
+    ByteSize,
+    Commit,
+    RecipeBase,
+    Section,
+    parse_bytes,
+)
+
+LIBRARY_MOUNT: Final = "/models"
+
+
+class HfModel(Section):
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the Hugging Face repository, owner/name",
+    )
+    revision: Commit = Field(description="the pinned commit (a tag or branch can move)")
+
+
+class LibraryRef(Section):
+    models_dir: str = Field(description="the host's model library: <guid>/model.json + files/")
+    guid: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="a Ready model")
+
+
+class VllmModel(Section):
+    hf: HfModel | None = None
+    library: LibraryRef | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if (self.hf is None) == (self.library is None):
+            raise ValueError("give exactly one of model.hf (id + revision) or model.library")
+        return self
+
+
+class DiskTierSpec(Section):
+    path: AbsolutePath = Field(description="tier root on the host; namespaces are created in it")
+    max_bytes: ByteSize
+
+
+class Tiers(Section):
+    shm_bytes: ByteSize | None = Field(default=None, description="offload cap in /dev/shm")
+    nvme: DiskTierSpec | None = None
+    hdd: DiskTierSpec | None = None
+    key_secret: str = Field(default="LUCIA_KV_KEY", description="the [secrets] entry of the key")
+    plugin_version: str = Field(default="", description="the tier plugin's version (namespace)")
+    kv_dtype: str = "auto"
+    block_size: int = Field(default=16, ge=1)
+
+    @property
+    def any(self) -> bool:
+        return self.shm_bytes is not None or self.nvme is not None or self.hdd is not None
+
+
+class Vllm(Section):
+    channel: Literal["stable", "nightly"] = "stable"
+    quantization: Literal["none", "fp8"] = "none"
+    memory: int = Field(default=90, ge=10, le=95, description="percent of each GPU")
+    nightly_commit: Commit | None = Field(default=None, description="the full pinned main commit")
+    served_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    max_model_len: int = Field(ge=256)
+    prefix_caching: bool = True
+    tensor_parallel: int = Field(default=1, ge=1)
+    pipeline_parallel: int = Field(default=1, ge=1)
+    args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
+    model: VllmModel
+    repository: Annotated[str, AfterValidator(reference.repository)] = Field(
+        default="vllm/vllm-openai",
+        description="where the vLLM images come from: a mirror or an air-gapped registry holding "
+        "the same tags (v0.32.0, v0.32.0-cu129, nightly-<commit>); the preflight picks the tag",
+    )
+    nvidia_smi: str = Field(
+        default="nvidia-smi",
+        min_length=1,
+        description="the nvidia-smi the GPU preflight runs: a path where it is not on PATH; "
+        "tests point it at a script printing a recorded card's outputs",
+    )
+
+    @model_validator(mode="after")
+    def _nightly_pinned(self) -> Self:
+        if self.channel == "nightly" and self.nightly_commit is None:
+            raise ValueError("channel nightly needs nightly_commit (the full 40-hex commit)")
+        return self
+
+
+class VllmRecipe(RecipeBase):
+    engine: Literal["vllm"]
+    vllm: Vllm
+    tiers: Tiers = Field(default_factory=Tiers)
+
+    @model_validator(mode="after")
+    def _tiers_fit(self) -> Self:
+        tiers = self.tiers
+        if (tiers.nvme or tiers.hdd) and tiers.key_secret not in self.secrets:
+            raise ValueError(
+                f'disk tiers need the cache key: add [secrets] {tiers.key_secret} = "<file>"'
+            )
+        if tiers.shm_bytes is not None:
+            shm = parse_bytes(self.run.shm_size) if self.run.shm_size else None
+            memory = parse_bytes(self.run.memory) if self.run.memory else None
+            if not isinstance(shm, int) or shm <= tiers.shm_bytes:
+                raise ValueError("tiers.shm_bytes needs run.shm_size larger than the offload")
+            if not isinstance(memory, int) or memory <= shm:
+                raise ValueError(
+                    "tiers.shm_bytes needs run.memory larger than run.shm_size "
+                    "(shared memory counts against the container's limit)"
+                )
+        return self
+
+    @property
+    def model_argument(self) -> str:
+        """What `vllm serve` loads: the HF id, or the library model mounted at /models/<guid>."""
+        model = self.vllm.model
+        return model.hf.id if model.hf else f"{LIBRARY_MOUNT}/{model.library.guid}"  # type: ignore[union-attr]
+
+    @property
+    def model_revision(self) -> str | None:
+        return self.vllm.model.hf.revision if self.vllm.model.hf else None
+
+    def preflight_choices(self) -> Choices:
+        v = self.vllm
+        return Choices(
+            channel=v.channel,
+            quantization=v.quantization,
+            memory_share=v.memory,
+            model=self.model_argument,
+            revision=self.model_revision,
+            served_name=v.served_name,
+            max_model_len=v.max_model_len,
+            nightly_commit=v.nightly_commit,
+            prefix_caching=v.prefix_caching,
+            port=self.run.inner_port,
+            extra_args=tuple(v.args),
+            repository=v.repository,
+        )
+
+    def tier_plan(self) -> TierPlan:
+        t = self.tiers
+        disks = tuple(
+            DiskTier(name, Path(spec.path), spec.max_bytes)
+            for name, spec in (("nvme", t.nvme), ("hdd", t.hdd))
+            if spec is not None
+        )
+        shm = parse_bytes(self.run.shm_size) if self.run.shm_size else 0
+        memory = parse_bytes(self.run.memory) if self.run.memory else 0
+        return TierPlan(t.shm_bytes or 0, int(shm), int(memory), disks)  # type: ignore[call-overload]
+
+
