@@ -71,8 +71,8 @@ def write(
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         fd, used_direct = _open(temp, flags, direct, dir_fd)
         try:
-            view = memoryview(buffer)
             step("write")
+            view = memoryview(buffer)
             half = (size // 2) // ALIGN * ALIGN
             try:
                 _write_all(fd, view[:half])
