@@ -11,6 +11,7 @@ the faster ones. Lookups consult the in-memory index only, never the disk.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -267,3 +268,15 @@ class Store:
             self.metrics.write(path)
         except OSError as exc:
             log.warning("the KV-cache metrics file %s: %s", path, exc.strerror)
+
+
+def probe(config: StoreConfig, keys: Sequence[bytes]) -> int:
+    """How many leading keys have a block file in some tier: a stat each, no index and no
+    reads, for the scheduler's process, which reads the tiers but owns none of them."""
+    count = 0
+    for key in keys:
+        name = block_name(key)
+        if not any(os.path.exists(tier.directory / name) for tier in config.tiers):
+            break
+        count += 1
+    return count

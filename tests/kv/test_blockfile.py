@@ -52,7 +52,7 @@ def test_falls_back_where_o_direct_is_refused(tmp_path: Path, monkeypatch) -> No
     fd = open_dir(tmp_path / "t")
     monkeypatch.setattr(os, "open", refusing)
     try:
-        written, direct = blockfile.write(fd, "b" * 64, b"hello", direct=True)
+        _written, direct = blockfile.write(fd, "b" * 64, b"hello", direct=True)
         assert not direct
         assert blockfile.read(fd, "b" * 64, direct=True) == b"hello"
     finally:

@@ -168,6 +168,5 @@ class StoreModel(RuleBasedStateMachine):
             assert metrics.get("stale_key", tier) == self.stale[tier]
 
 
-
 StoreModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_store_against_model = StoreModel.TestCase

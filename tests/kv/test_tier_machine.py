@@ -129,9 +129,7 @@ class TierModel(RuleBasedStateMachine):
                 assert self.tier.contains(name)
 
 
-TierModel.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None
-)
+TierModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_tier_against_model = TierModel.TestCase
 
 
