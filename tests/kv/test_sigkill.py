@@ -18,7 +18,7 @@ from tests.kv.support import KEY, block_key, config, payload
 from tests.kv.writer_child import CAPS, size_of
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 12
+ROUNDS = 8
 PER_ROUND = 100_000  # block numbers of round r start at r * PER_ROUND
 
 
