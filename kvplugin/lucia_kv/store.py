@@ -25,7 +25,7 @@ from .sealing import BlockSealer, Corrupt, Sealer, StaleKey
 from .tier import Tier, Written
 
 log = logging.getLogger("lucia_kv")
-METRICS_EVERY = 5.0  # seconds between metrics-file writes while writers work
+METRICS_EVERY = 5.0  # seconds between metrics-file writes while writers are busy
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,8 @@ class Store:
             return
         with self._metrics_lock:
             now = time.monotonic()
-            if not force and now - self._metrics_at < METRICS_EVERY:
+            idle = self._queue.unfinished_tasks <= 1  # this job is the last one
+            if not force and not idle and now - self._metrics_at < METRICS_EVERY:
                 return
             self._metrics_at = now
         try:
