@@ -2,7 +2,8 @@
 
 Select it with `--kv-transfer-config '{"kv_connector": "LuciaTierConnector",
 "kv_connector_module_path": "lucia_kv.connector", "kv_role": "kv_both",
-"kv_connector_extra_config": {...}}'`; the settings are lucia_kv.config's. The scheduler side
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'`; the settings
+are lucia_kv.config's. The scheduler side
 finds how many leading full blocks of a prompt the tiers hold (a stat per block, no reads) and
 plans loads and saves; the worker side loads blocks into vLLM's paged KV before the forward
 (a block that does not load is reported, so vLLM recomputes it) and queues the step's full
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import StoreConfig, resolve
+from .config import ConfigError, StoreConfig, resolve
 from .scheduling import Scheduling, StepPlan
 from .store import Store, probe
 
@@ -59,6 +60,12 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                'set "kv_load_failure_policy": "recompute" in --kv-transfer-config: with vLLM\'s '
+                "default (fail) a block that does not load fails its request instead of being "
+                "recomputed"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._config: StoreConfig = resolve(extra)
         self._block_size = vllm_config.cache_config.block_size

@@ -61,6 +61,7 @@ def start(
         "kv_connector": "LuciaTierConnector",
         "kv_connector_module_path": "lucia_kv.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {},
     }
     command = [
@@ -103,7 +104,14 @@ def wait_ready(port: int, server: subprocess.Popen[bytes], limit: float = 600.0)
 
 def complete(port: int, prompt: list[int]) -> dict[str, Any]:
     body = json.dumps(
-        {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 32,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        }
     ).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
@@ -133,6 +141,26 @@ def stop(server: subprocess.Popen[bytes]) -> int:
         return server.wait()
 
 
+def damage_every_block(environment: dict[str, str]) -> int:
+    """Flip one ciphertext byte in every block file of every tier."""
+    count = 0
+    for variable in ("LUCIA_KV_SHM_DIR", "LUCIA_KV_NVME_DIR", "LUCIA_KV_HDD_DIR"):
+        for path in Path(environment[variable]).iterdir():
+            data = bytearray(path.read_bytes())
+            data[100] ^= 0x01
+            path.write_bytes(bytes(data))
+            count += 1
+    return count
+
+
+def counters(path: Path) -> str:
+    if not path.exists():
+        return "(no metrics file)"
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    path.unlink()  # each run's store counts from zero
+    return ", ".join(line.removeprefix("lucia_kv_") for line in lines)
+
+
 def main() -> int:
     work = Path(sys.argv[1]).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -140,8 +168,11 @@ def main() -> int:
     environment = tier_environment(work)
     prompt = [random.Random(22).randrange(2, 512) for _ in range(2000)]
     answers = []
+    external = []
     try:
-        for run in (1, 2):
+        for run, what in ((1, "cold"), (2, "after a restart"), (3, "every block damaged")):
+            if run == 3:
+                print(f"damaged {damage_every_block(environment)} block files")
             port = free_port()
             server = start(model, port, environment, work / f"vllm-{run}.log")
             try:
@@ -155,18 +186,18 @@ def main() -> int:
             usage = answer["usage"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             answers.append(answer["choices"][0]["text"])
+            external.append(by_source.get("external_kv_transfer", 0.0))
             print(
-                f"run {run}: ready in {ready:.0f} s, answer in {took:.2f} s, prompt tokens "
-                f"{usage['prompt_tokens']}, cached_tokens {cached}, by source {by_source}, "
-                f"exit {code}"
+                f"run {run} ({what}): ready in {ready:.0f} s, answer in {took:.2f} s, prompt "
+                f"tokens {usage['prompt_tokens']}, cached_tokens {cached}, by source "
+                f"{by_source}, exit {code}"
             )
-        print(f"tier files: {sum(1 for _ in (work / 'hdd').rglob('*'))} under hdd")
-        print((work / "lucia-kv.prom").read_text() if (work / "lucia-kv.prom").exists() else "")
+            print(f"  lucia_kv: {counters(work / 'lucia-kv.prom')}")
     finally:
         shutil.rmtree(Path(environment["LUCIA_KV_SHM_DIR"]).parent, ignore_errors=True)
-    same = answers[0] == answers[1]
-    print(f"completions identical: {same}: {answers[0]!r}")
-    return 0 if same else 1
+    same = len(set(answers)) == 1 and bool(answers[0])
+    print(f"completions identical in all runs: {same}: {answers[0]!r}")
+    return 0 if same and external[1] > 0 else 1
 
 
 if __name__ == "__main__":
