@@ -42,7 +42,12 @@ class _Remove:
     names: tuple[str, ...]
 
 
-_Job = _Write | _Remove | None
+@dataclass(frozen=True)
+class _Count:
+    """Rewrite the metrics file (queued after reads, which write nothing else)."""
+
+
+_Job = _Write | _Remove | _Count | None
 
 
 def block_name(key: bytes) -> str:
@@ -69,6 +74,7 @@ class Store:
         self._metrics_at = 0.0
         self._metrics_lock = threading.Lock()
         self._closed = False
+        self._count_queued = threading.Event()
         leftovers = []
         for tier in self.tiers:
             rebuilt = tier.rebuild(config.rebuild_max_entries, config.rebuild_max_seconds)
@@ -150,8 +156,20 @@ class Store:
             faster = tuple(t for t in self.tiers[:position] if not t.contains(name))
             if faster:
                 self._enqueue(_Write(key, data, faster, promotion=True))
+            self._count_later()
             return data
+        self._count_later()
         return None
+
+    def _count_later(self) -> None:
+        """Have a writer rewrite the metrics file; never on the caller's thread."""
+        if self.config.metrics_file is None or self._closed or self._count_queued.is_set():
+            return
+        self._count_queued.set()
+        try:
+            self._queue.put_nowait(_Count())
+        except queue.Full:
+            self._count_queued.clear()  # the writers are busy and will write it anyway
 
     def _open(self, tier: Tier, key: bytes, name: str) -> bytes | None:
         try:
@@ -220,7 +238,9 @@ class Store:
             try:
                 if job is None:
                     return
-                if isinstance(job, _Remove):
+                if isinstance(job, _Count):
+                    self._count_queued.clear()
+                elif isinstance(job, _Remove):
                     for name in job.names:
                         job.tier.discard(name)
                 else:

@@ -82,6 +82,12 @@ def test_metrics_text_and_file(tmp_path: Path) -> None:
     # the writers went idle: the file is current without a shutdown (vLLM may never call it)
     assert 'lucia_kv_writes_total{tier="hdd"} 2' in (tmp_path / "kv.prom").read_text()
     assert store.load(block_key(3)) is None
+    assert store.load(block_key(1)) == payload(1, 100)
+    store.flush()
+    # reads alone bring the file up to date too, written by a writer thread
+    text = (tmp_path / "kv.prom").read_text()
+    assert 'lucia_kv_hits_total{tier="hdd"} 1' in text
+    assert 'lucia_kv_misses_total{tier="hdd"} 1' in text
     store.close()
     text = (tmp_path / "kv.prom").read_text()
     assert 'lucia_kv_writes_total{tier="hdd"} 2' in text
