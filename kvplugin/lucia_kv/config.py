@@ -6,7 +6,7 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -143,3 +143,14 @@ def resolve(
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
         metrics_file=Path(str(metrics)) if metrics else None,
     )
+
+
+def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
+    """The share of one parallel rank: its own subdirectory of each tier and an equal part of
+    each cap (each rank holds other KV heads or layers, and owns its index alone)."""
+    if ranks <= 1:
+        return config
+    tiers = tuple(
+        TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
+    )
+    return replace(config, tiers=tiers)

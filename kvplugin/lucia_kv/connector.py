@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import ConfigError, StoreConfig, resolve
+from .config import ConfigError, StoreConfig, for_rank, resolve
 from .scheduling import Scheduling, StepPlan
 from .store import Store, probe
 
@@ -46,9 +46,10 @@ class LuciaStepMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _seed(vllm_config: VllmConfig, rank: int) -> bytes:
+def _seed(vllm_config: VllmConfig) -> bytes:
+    """What shapes a block's bytes beyond its tokens and the namespace: the parallel layout."""
     parallel = vllm_config.parallel_config
-    return f"tp{parallel.tensor_parallel_size}/pp{parallel.pipeline_parallel_size}/r{rank}".encode()
+    return f"tp{parallel.tensor_parallel_size}/pp{parallel.pipeline_parallel_size}".encode()
 
 
 class LuciaTierConnector(KVConnectorBase_V1):
@@ -70,16 +71,24 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self._config: StoreConfig = resolve(extra)
         self._block_size = vllm_config.cache_config.block_size
         self._requests: dict[str, Request] = {}
-        self._scheduling = Scheduling(self._block_size, _seed(vllm_config, 0))
+        self._scheduling = Scheduling(self._block_size, _seed(vllm_config))
         self._store: Store | None = None
         self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
         self._pins: dict[str, list[bytes]] = {}
         self._load_errors: set[int] = set()
+        parallel = vllm_config.parallel_config
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # the scheduler probes rank 0's share: every rank saves the same blocks
+        self._config = for_rank(self._config, 0, ranks)
         if role == KVConnectorRole.WORKER:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
 
-            rank = get_tensor_model_parallel_rank()
-            self._scheduling = Scheduling(self._block_size, _seed(vllm_config, rank))
+            rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size
+            rank += get_tensor_model_parallel_rank()
+            self._config = for_rank(resolve(extra), rank, ranks)  # the plan's keys, its dirs
             self._store = Store(self._config)
         log.info(
             "lucia-kv %s: namespace %s, tiers %s",

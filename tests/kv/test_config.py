@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from lucia_kv import version
-from lucia_kv.config import ConfigError, resolve
+from lucia_kv.config import ConfigError, for_rank, resolve
 
 KEY = "k" * 32
 
@@ -84,3 +84,14 @@ def test_key_file_open_to_others_is_refused(tmp_path: Path) -> None:
 def test_missing_key_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="key file"):
         resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(tmp_path / "absent")))
+
+
+def test_each_parallel_rank_owns_a_share(tmp_path: Path) -> None:
+    whole = resolve({}, env(tmp_path))
+    assert for_rank(whole, 0, 1) == whole
+    share = for_rank(whole, 1, 2)
+    assert [t.directory for t in share.tiers] == [
+        tmp_path / "nvme" / "rank1",
+        tmp_path / "hdd" / "rank1",
+    ]
+    assert [t.max_bytes for t in share.tiers] == [524288, 2097152]

@@ -111,6 +111,7 @@ def complete(port: int, prompt: list[int]) -> dict[str, Any]:
             "temperature": 0,
             "ignore_eos": True,
             "skip_special_tokens": False,
+            "logprobs": 1,
         }
     ).encode()
     request = urllib.request.Request(
@@ -167,7 +168,8 @@ def main() -> int:
     model = write(work / "model")
     environment = tier_environment(work)
     prompt = [random.Random(22).randrange(2, 512) for _ in range(2000)]
-    answers = []
+    answers: list[tuple[str, tuple[str, ...]]] = []
+    logprobs: list[list[float]] = []
     external = []
     try:
         for run, what in ((1, "cold"), (2, "after a restart"), (3, "every block damaged")):
@@ -185,7 +187,9 @@ def main() -> int:
                 code = stop(server)
             usage = answer["usage"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            answers.append(answer["choices"][0]["text"])
+            choice = answer["choices"][0]
+            answers.append((choice["text"], tuple(choice["logprobs"]["tokens"])))
+            logprobs.append(choice["logprobs"]["token_logprobs"])
             external.append(by_source.get("external_kv_transfer", 0.0))
             print(
                 f"run {run} ({what}): ready in {ready:.0f} s, answer in {took:.2f} s, prompt "
@@ -195,8 +199,11 @@ def main() -> int:
             print(f"  lucia_kv: {counters(work / 'lucia-kv.prom')}")
     finally:
         shutil.rmtree(Path(environment["LUCIA_KV_SHM_DIR"]).parent, ignore_errors=True)
-    same = len(set(answers)) == 1 and bool(answers[0])
-    print(f"completions identical in all runs: {same}: {answers[0]!r}")
+    same = len(set(answers)) == 1 and len(answers[0][1]) == 32
+    print(f"completions identical in all runs: {same}: {answers[0][1][:12]!r}...")
+    for run in (2, 3):
+        drift = max(abs(a - b) for a, b in zip(logprobs[0], logprobs[run - 1], strict=True))
+        print(f"run {run}: largest logprob difference from run 1: {drift:.3g}")
     return 0 if same and external[1] > 0 else 1
 
 
