@@ -112,6 +112,7 @@ def complete(port: int, prompt: list[int]) -> dict[str, Any]:
             "ignore_eos": True,
             "skip_special_tokens": False,
             "logprobs": 1,
+            "return_token_ids": True,
         }
     ).encode()
     request = urllib.request.Request(
@@ -171,6 +172,7 @@ def main() -> int:
     answers: list[tuple[str, tuple[str, ...]]] = []
     logprobs: list[list[float]] = []
     external = []
+    other: dict[str, Any] = {}
     try:
         for run, what in ((1, "cold"), (2, "after a restart"), (3, "every block damaged")):
             if run == 3:
@@ -183,12 +185,14 @@ def main() -> int:
                 answer = complete(port, prompt)
                 took = time.monotonic() - began
                 by_source = sources(port)
+                if run == 3:  # the control: another first token, so other KV everywhere
+                    other = complete(port, [prompt[0] ^ 1, *prompt[1:]])["choices"][0]
             finally:
                 code = stop(server)
             usage = answer["usage"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             choice = answer["choices"][0]
-            answers.append((choice["text"], tuple(choice["logprobs"]["tokens"])))
+            answers.append((choice["text"], tuple(choice["token_ids"])))
             logprobs.append(choice["logprobs"]["token_logprobs"])
             external.append(by_source.get("external_kv_transfer", 0.0))
             print(
@@ -200,7 +204,13 @@ def main() -> int:
     finally:
         shutil.rmtree(Path(environment["LUCIA_KV_SHM_DIR"]).parent, ignore_errors=True)
     same = len(set(answers)) == 1 and len(answers[0][1]) == 32
-    print(f"completions identical in all runs: {same}: {answers[0][1][:12]!r}...")
+    tokens = answers[0][1]
+    print(f"completions identical in all runs: {same}: token ids {tokens[:12]}...")
+    print(f"  {len(set(tokens))} distinct generated token ids; text {answers[0][0][:40]!r}")
+    control = max(
+        abs(a - b) for a, b in zip(logprobs[0], other["logprobs"]["token_logprobs"], strict=True)
+    )
+    print(f"control (first prompt token changed): largest logprob difference {control:.3g}")
     for run in (2, 3):
         drift = max(abs(a - b) for a, b in zip(logprobs[0], logprobs[run - 1], strict=True))
         print(f"run {run}: largest logprob difference from run 1: {drift:.3g}")
