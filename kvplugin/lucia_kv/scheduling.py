@@ -109,6 +109,8 @@ class Scheduling:
                 first, end = known.load
                 plan.loads.append(self._transfer(request_id, known, first, end))
                 known.load = None
+            # vLLM computes what was thought stored (a failed load, a preemption): save it again
+            known.saved = min(known.saved, computed // self.block_size)
             tokens = tokens_of.get(request_id, ())
             done = min(computed + scheduled_tokens, len(tokens)) // self.block_size
             done = min(done, len(known.block_ids))

@@ -67,3 +67,15 @@ def test_finished_requests_reach_the_next_plan_once() -> None:
     plan.finished("r")
     assert plan.step([], {}).finished == ["r"]
     assert plan.step([], {}).finished == []
+
+
+def test_blocks_recomputed_after_a_failed_load_are_saved_again() -> None:
+    plan = Scheduling(BS, b"s")
+    prompt = list(range(9))
+    keys = plan.prompt_keys(prompt)
+    plan.matched("r", 0, keys, hits=2)
+    plan.allocated("r", [4, 5, 6], external_tokens=8)
+    assert plan.step([("r", [4, 5, 6], True, 8, 1)], {"r": prompt}).saves == []
+    # the load failed: vLLM computes the request again from its first token
+    step = plan.step([("r", None, False, 0, 9)], {"r": prompt})
+    assert [t.blocks for t in step.saves] == [((4, keys[0]), (5, keys[1]))]
