@@ -177,11 +177,15 @@ class LuciaTierConnector(KVConnectorBase_V1):
             keys = [key for _, key in load.blocks]
             self._store.pin(keys)
             self._pins.setdefault(load.request_id, []).extend(keys)
+            failed: int | None = None
             for position, (block_id, key) in enumerate(load.blocks):
+                # after a failure the rest is still read: a damaged copy is found and removed
+                # now, so the recomputed block is saved in its place
                 data = self._store.load(key)
-                if data is None or not self._inject(block_id, data):
-                    self._load_errors.update(b for b, _ in load.blocks[position:])
-                    break
+                if failed is None and (data is None or not self._inject(block_id, data)):
+                    failed = position
+            if failed is not None:
+                self._load_errors.update(b for b, _ in load.blocks[failed:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
