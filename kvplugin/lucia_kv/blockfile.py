@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from typing import Final
 
@@ -24,6 +25,18 @@ FILE_MODE: Final = 0o600
 Fault = Callable[[str], None]  # called before each step of a write, for fault injection
 STEPS: Final = ("open", "write", "half-written", "fsync", "rename", "dirsync")
 _DIRECT: Final = getattr(os, "O_DIRECT", 0)
+_LOCAL = threading.local()  # one aligned buffer per thread, reused: fresh pages cost faults
+
+
+def _buffer(size: int) -> mmap.mmap:
+    """This thread's page-aligned buffer, at least `size` bytes."""
+    buffer: mmap.mmap | None = getattr(_LOCAL, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        if buffer is not None:
+            buffer.close()
+        buffer = mmap.mmap(-1, size)
+        _LOCAL.buffer = buffer
+    return buffer
 
 
 class Missing(Exception):
@@ -62,51 +75,50 @@ def write(
     used). Raises OSError (the temp file is removed) when the disk refuses."""
     step = fault if fault is not None else (lambda _step: None)
     size = disk_size(len(payload))
-    buffer = mmap.mmap(-1, size)  # page-aligned, zero-filled
+    buffer = _buffer(size)
+    end = LENGTH_BYTES + len(payload)
+    buffer[:LENGTH_BYTES] = len(payload).to_bytes(LENGTH_BYTES, "little")
+    buffer[LENGTH_BYTES:end] = payload
+    buffer[end:size] = bytes(size - end)  # zero padding, not an earlier block's bytes
+    temp = f"{TEMP_PREFIX}{name}-{secrets.token_hex(6)}"
+    step("open")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd, used_direct = _open(temp, flags, direct, dir_fd)
     try:
-        buffer[:LENGTH_BYTES] = len(payload).to_bytes(LENGTH_BYTES, "little")
-        buffer[LENGTH_BYTES : LENGTH_BYTES + len(payload)] = payload
-        temp = f"{TEMP_PREFIX}{name}-{secrets.token_hex(6)}"
-        step("open")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd, used_direct = _open(temp, flags, direct, dir_fd)
+        step("write")
+        view = memoryview(buffer)[:size]
+        half = (size // 2) // ALIGN * ALIGN
         try:
-            step("write")
-            view = memoryview(buffer)
-            half = (size // 2) // ALIGN * ALIGN
-            try:
-                _write_all(fd, view[:half])
-                step("half-written")
-                _write_all(fd, view[half:])
-            except OSError as exc:
-                if not used_direct or exc.errno != errno.EINVAL:
-                    raise
-                os.close(fd)  # the file system took the open but not the write
-                fd = -1
-                fd = os.open(temp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, dir_fd=dir_fd)
-                used_direct = False
-                _write_all(fd, view)
-            finally:
-                view.release()
-            step("fsync")
-            os.fsync(fd)
-        except Exception:
-            if fd >= 0:
-                os.close(fd)
-            os.unlink(temp, dir_fd=dir_fd)
-            raise
-        os.close(fd)
-        try:
-            step("rename")
-            os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except Exception:
-            os.unlink(temp, dir_fd=dir_fd)
-            raise
-        step("dirsync")
-        os.fsync(dir_fd)
-        return size, used_direct
-    finally:
-        buffer.close()
+            _write_all(fd, view[:half])
+            step("half-written")
+            _write_all(fd, view[half:])
+        except OSError as exc:
+            if not used_direct or exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)  # the file system took the open but not the write
+            fd = -1
+            fd = os.open(temp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, dir_fd=dir_fd)
+            used_direct = False
+            _write_all(fd, view)
+        finally:
+            view.release()
+        step("fsync")
+        os.fsync(fd)
+    except Exception:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(temp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    try:
+        step("rename")
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except Exception:
+        os.unlink(temp, dir_fd=dir_fd)
+        raise
+    step("dirsync")
+    os.fsync(dir_fd)
+    return size, used_direct
 
 
 def read(dir_fd: int, name: str, direct: bool) -> bytes:
@@ -119,21 +131,21 @@ def read(dir_fd: int, name: str, direct: bool) -> bytes:
         size = os.fstat(fd).st_size
         if size < LENGTH_BYTES:
             raise Short(f"{name}: {size} bytes")
-        buffer = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
-        try:
-            got = _read_into(fd, buffer, used_direct, name, dir_fd)
-            length = int.from_bytes(buffer[:LENGTH_BYTES], "little")
-            if LENGTH_BYTES + length > got:
-                raise Short(f"{name}: {got} bytes, its length says {LENGTH_BYTES + length}")
-            return buffer[LENGTH_BYTES : LENGTH_BYTES + length]
-        finally:
-            buffer.close()
+        rounded = -(-size // ALIGN) * ALIGN
+        buffer = _buffer(rounded)
+        got = _read_into(fd, buffer, rounded, direct=used_direct, name=name, dir_fd=dir_fd)
+        length = int.from_bytes(buffer[:LENGTH_BYTES], "little")
+        if LENGTH_BYTES + length > got:
+            raise Short(f"{name}: {got} bytes, its length says {LENGTH_BYTES + length}")
+        return buffer[LENGTH_BYTES : LENGTH_BYTES + length]  # a copy: the buffer is reused
     finally:
         os.close(fd)
 
 
-def _read_into(fd: int, buffer: mmap.mmap, direct: bool, name: str, dir_fd: int) -> int:
-    view = memoryview(buffer)
+def _read_into(
+    fd: int, buffer: mmap.mmap, size: int, *, direct: bool, name: str, dir_fd: int
+) -> int:
+    view = memoryview(buffer)[:size]
     try:
         got = 0
         while got < len(view):

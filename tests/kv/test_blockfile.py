@@ -129,3 +129,16 @@ def test_tier_directories_are_owner_only_and_checked(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "a" / "b")
     with pytest.raises(TierError, match="real directory"):
         Tier(TierSpec("hdd", tmp_path / "link", 4096))
+
+
+def test_padding_is_zeros_even_after_a_larger_block(tmp_path: Path) -> None:
+    fd = open_dir(tmp_path / "t")
+    try:
+        blockfile.write(fd, "d" * 64, b"\xff" * 20_000, direct=True)  # fills the reused buffer
+        blockfile.write(fd, "e" * 64, b"small", direct=True)
+        data = (tmp_path / "t" / ("e" * 64)).read_bytes()
+        assert len(data) == blockfile.ALIGN
+        assert data[blockfile.LENGTH_BYTES + 5 :] == bytes(blockfile.ALIGN - 13)
+        assert blockfile.read(fd, "d" * 64, direct=True) == b"\xff" * 20_000
+    finally:
+        os.close(fd)
