@@ -1,0 +1,156 @@
+"""The store's configuration: one typed value, resolved in one place (arguments, then env)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Final
+
+from . import version
+
+TIER_NAMES: Final = ("shm", "nvme", "hdd")  # fastest first
+ENV_PREFIX: Final = "LUCIA_KV_"
+KEY_BYTES_MIN: Final = 16
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_DEFAULTS: Final[Mapping[str, int | float]] = {
+    "writers": 2,
+    "queue_blocks": 1024,
+    "rebuild_max_entries": 1_000_000,
+    "rebuild_max_seconds": 30.0,
+}
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; str() says which setting and why (never the key)."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    name: str  # "shm", "nvme" or "hdd"
+    directory: Path
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    namespace: str
+    plugin_version: str
+    tiers: tuple[TierSpec, ...]  # fastest first
+    key: bytes = field(repr=False)
+    writers: int = 2
+    queue_blocks: int = 1024
+    rebuild_max_entries: int = 1_000_000
+    rebuild_max_seconds: float = 30.0
+    metrics_file: Path | None = None
+
+
+def _setting(name: str, extra: Mapping[str, object], environ: Mapping[str, str]) -> object:
+    if name in extra and extra[name] is not None:
+        return extra[name]
+    return environ.get(ENV_PREFIX + name.upper())
+
+
+def _number(name: str, value: object, kind: type[int] | type[float]) -> int | float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, not {value!r}")
+    try:
+        number = kind(str(value))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, not {value!r}") from None
+    if number < 0:
+        raise ConfigError(f"{name} must not be negative, got {number}")
+    return number
+
+
+def _read_key(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes:
+    if "key" in extra:
+        raise ConfigError(
+            "the cache key must not be in kv_connector_extra_config (it would reach argv); "
+            "give key_file or LUCIA_KV_KEY_FILE"
+        )
+    key_file = _setting("key_file", extra, environ)
+    if key_file:
+        path = Path(str(key_file))
+        try:
+            with path.open("rb") as handle:
+                info = os.fstat(handle.fileno())
+                if info.st_mode & 0o077:
+                    raise ConfigError(
+                        f"key file {path} has mode {stat.S_IMODE(info.st_mode):04o}; "
+                        f"chmod 600 {path}"
+                    )
+                key = handle.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"key file {path}: {exc.strerror}") from None
+    else:
+        key = environ.get(ENV_PREFIX + "KEY", "").encode()
+    if len(key) < KEY_BYTES_MIN:
+        raise ConfigError(
+            f"the cache key is missing or shorter than {KEY_BYTES_MIN} bytes "
+            "(LUCIA_KV_KEY_FILE or LUCIA_KV_KEY)"
+        )
+    return key
+
+
+def resolve(
+    extra: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> StoreConfig:
+    """The configuration from kv_connector_extra_config (wins) and the environment.
+
+    Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
+    shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
+    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file."""
+    extra = {} if extra is None else extra
+    environ = os.environ if environ is None else environ
+    space = str(_setting("namespace", extra, environ) or "")
+    if not _NAMESPACE.fullmatch(space):
+        raise ConfigError(
+            f"namespace {space!r} is missing or not 1-128 of [A-Za-z0-9._-] (LUCIA_KV_NAMESPACE)"
+        )
+    tiers = []
+    for name in TIER_NAMES:
+        directory = _setting(f"{name}_dir", extra, environ)
+        cap = _setting(f"{name}_bytes", extra, environ)
+        if not directory:
+            continue
+        path = Path(str(directory))
+        if not path.is_absolute():
+            raise ConfigError(f"{name}_dir must be an absolute path, got {path}")
+        size = int(_number(f"{name}_bytes", cap if cap is not None else 0, int))
+        if size > 0:
+            tiers.append(TierSpec(name, path, size))
+    if not tiers:
+        raise ConfigError("no tier has both a directory and a byte cap above 0")
+    numbers: dict[str, int | float] = {}
+    for name, default in _DEFAULTS.items():
+        value = _setting(name, extra, environ)
+        numbers[name] = default if value is None else _number(name, value, type(default))
+    if numbers["writers"] < 1:
+        raise ConfigError("writers must be at least 1")
+    metrics = _setting("metrics_file", extra, environ)
+    return StoreConfig(
+        namespace=space,
+        plugin_version=version(),
+        tiers=tuple(tiers),
+        key=_read_key(extra, environ),
+        writers=int(numbers["writers"]),
+        queue_blocks=int(numbers["queue_blocks"]),
+        rebuild_max_entries=int(numbers["rebuild_max_entries"]),
+        rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
+        metrics_file=Path(str(metrics)) if metrics else None,
+    )
+
+
+def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
+    """The share of one parallel rank: its own subdirectory of each tier and an equal part of
+    each cap (each rank holds other KV heads or layers, and owns its index alone)."""
+    if ranks <= 1:
+        return config
+    tiers = tuple(
+        TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
+    )
+    return replace(config, tiers=tiers)

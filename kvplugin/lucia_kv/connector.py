@@ -1,0 +1,260 @@
+"""The vLLM KV connector over the block store (the only module that imports vllm or torch).
+
+Select it with `--kv-transfer-config '{"kv_connector": "LuciaTierConnector",
+"kv_connector_module_path": "lucia_kv.connector", "kv_role": "kv_both",
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'`; the settings
+are lucia_kv.config's. The scheduler side
+finds how many leading full blocks of a prompt the tiers hold (a stat per block, no reads) and
+plans loads and saves; the worker side loads blocks into vLLM's paged KV before the forward
+(a block that does not load is reported, so vLLM recomputes it) and queues the step's full
+blocks for the store's background writers after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .config import ConfigError, StoreConfig, for_rank, resolve
+from .scheduling import Scheduling, StepPlan
+from .store import Store, probe
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("lucia_kv")
+
+
+class LuciaStepMetadata(KVConnectorMetadata):
+    """The step's plan, sent from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _seed(vllm_config: VllmConfig) -> bytes:
+    """What shapes a block's bytes beyond its tokens and the namespace: the parallel layout."""
+    parallel = vllm_config.parallel_config
+    return f"tp{parallel.tensor_parallel_size}/pp{parallel.pipeline_parallel_size}".encode()
+
+
+class LuciaTierConnector(KVConnectorBase_V1):
+    """KV blocks to and from lucia_kv's encrypted shm/NVMe/HDD tiers."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                'set "kv_load_failure_policy": "recompute" in --kv-transfer-config: with vLLM\'s '
+                "default (fail) a block that does not load fails its request instead of being "
+                "recomputed"
+            )
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._config: StoreConfig = resolve(extra)
+        self._block_size = vllm_config.cache_config.block_size
+        self._requests: dict[str, Request] = {}
+        self._scheduling = Scheduling(self._block_size, _seed(vllm_config))
+        self._store: Store | None = None
+        self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
+        self._pins: dict[str, list[bytes]] = {}
+        self._load_errors: set[int] = set()
+        parallel = vllm_config.parallel_config
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # the scheduler probes rank 0's share: every rank saves the same blocks
+        self._config = for_rank(self._config, 0, ranks)
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+
+            rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size
+            rank += get_tensor_model_parallel_rank()
+            self._config = for_rank(resolve(extra), rank, ranks)  # the plan's keys, its dirs
+            self._store = Store(self._config)
+        log.info(
+            "lucia-kv %s: namespace %s, tiers %s",
+            self._config.plugin_version,
+            self._config.namespace,
+            ", ".join(f"{t.name}={t.max_bytes}" for t in self._config.tiers),
+        )
+
+    # --- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        keys = self._scheduling.prompt_keys(list(request.prompt_token_ids or []))
+        hits = probe(self._config, keys)
+        found = self._scheduling.matched(request.request_id, num_computed_tokens, keys, hits)
+        return found, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._requests[request.request_id] = request
+        self._scheduling.allocated(
+            request.request_id, blocks.get_block_ids()[0], num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled: list[tuple[str, list[int] | None, bool, int, int]] = []
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled.append(
+                (
+                    new.req_id,
+                    list(new.block_ids[0]),
+                    True,
+                    new.num_computed_tokens,
+                    counts[new.req_id],
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[index]
+            scheduled.append(
+                (
+                    req_id,
+                    None if blocks is None else list(blocks[0]),
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[index],
+                    counts[req_id],
+                )
+            )
+        tokens = {
+            req_id: list(self._requests[req_id].all_token_ids)
+            for req_id, *_ in scheduled
+            if req_id in self._requests
+        }
+        return LuciaStepMetadata(self._scheduling.step(scheduled, tokens))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._scheduling.finished(request.request_id)
+        return False, None  # saves copy the blocks out before the step ends
+
+    # --- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        blocks = self._kv_cache_config.num_blocks
+        self._layers = []
+        for name in sorted(kv_caches):
+            cache = kv_caches[name]
+            dims = [d for d in range(min(2, cache.dim())) if cache.shape[d] == blocks]
+            if not dims:
+                raise ValueError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dim")
+            self._layers.append((name, cache, dims[0]))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is None or self._store is None:
+            return
+        for finished in plan.finished:
+            self._unpin(finished)
+        for load in plan.loads:
+            keys = [key for _, key in load.blocks]
+            self._store.pin(keys)
+            self._pins.setdefault(load.request_id, []).extend(keys)
+            failed: int | None = None
+            for position, (block_id, key) in enumerate(load.blocks):
+                # after a failure the rest is still read: a damaged copy is found and removed
+                # now, so the recomputed block is saved in its place
+                data = self._store.load(key)
+                if failed is None and (data is None or not self._inject(block_id, data)):
+                    failed = position
+            if failed is not None:
+                self._load_errors.update(b for b, _ in load.blocks[failed:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # saved whole in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or self._store is None:
+            return
+        for save in plan.saves:
+            keys = [key for _, key in save.blocks]
+            self._store.pin(keys)
+            self._pins.setdefault(save.request_id, []).extend(keys)
+            for block_id, key in save.blocks:
+                self._store.save(key, self._extract(block_id))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for request_id in finished_req_ids:
+            self._unpin(request_id)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, LuciaStepMetadata) else None
+
+    def _unpin(self, request_id: str) -> None:
+        keys = self._pins.pop(request_id, None)
+        if keys and self._store is not None:
+            self._store.unpin(keys)
+
+    def _extract(self, block_id: int) -> bytes:
+        parts = []
+        for _, cache, dim in self._layers:
+            block = cache.select(dim, block_id).contiguous()
+            parts.append(block.view(torch.uint8).reshape(-1).numpy().tobytes())
+        return b"".join(parts)
+
+    def _inject(self, block_id: int, data: bytes) -> bool:
+        expected = sum(c.select(d, 0).numel() * c.element_size() for _, c, d in self._layers)
+        if len(data) != expected:
+            log.warning("a KV block of %d bytes, expected %d: not loaded", len(data), expected)
+            return False
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for _, cache, dim in self._layers:
+            target = cache.select(dim, block_id)
+            size = target.numel() * target.element_size()
+            part = source[offset : offset + size].view(cache.dtype).reshape(target.shape)
+            target.copy_(part)
+            offset += size
+        return True

@@ -1,0 +1,42 @@
+"""Helpers for the KV block store's tests: configurations over temp dirs, keys and payloads."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from lucia_kv import version
+from lucia_kv.config import StoreConfig, TierSpec
+
+KEY = b"the first cache key, 32 bytes ok"
+OTHER_KEY = b"a rotated cache key, also 32 b.."
+
+
+def config(
+    root: Path,
+    caps: dict[str, int],
+    key: bytes = KEY,
+    namespace: str = "ns-a",
+    writers: int = 1,
+    queue_blocks: int = 1024,
+) -> StoreConfig:
+    """A store over one directory per tier under root/<tier>/<namespace>."""
+    tiers = tuple(TierSpec(name, root / name / namespace, cap) for name, cap in caps.items())
+    return StoreConfig(
+        namespace=namespace,
+        plugin_version=version(),
+        tiers=tiers,
+        key=key,
+        writers=writers,
+        queue_blocks=queue_blocks,
+    )
+
+
+def block_key(n: int) -> bytes:
+    return hashlib.sha256(f"block {n}".encode()).digest()
+
+
+def payload(n: int, size: int) -> bytes:
+    """Bytes that differ per block, so a block served for another is caught."""
+    seed = hashlib.sha256(f"payload {n}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]

@@ -1,0 +1,97 @@
+"""The plugin's configuration: extra config wins over the environment; bad input is refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from lucia_kv import version
+from lucia_kv.config import ConfigError, for_rank, resolve
+
+KEY = "k" * 32
+
+
+def env(tmp_path: Path, **more: str) -> dict[str, str]:
+    base = {
+        "LUCIA_KV_NAMESPACE": "0123abcd",
+        "LUCIA_KV_NVME_DIR": str(tmp_path / "nvme"),
+        "LUCIA_KV_NVME_BYTES": "1048576",
+        "LUCIA_KV_HDD_DIR": str(tmp_path / "hdd"),
+        "LUCIA_KV_HDD_BYTES": "4194304",
+        "LUCIA_KV_KEY": KEY,
+    }
+    base.update(more)
+    return base
+
+
+def test_environment_gives_tiers_fastest_first(tmp_path: Path) -> None:
+    found = resolve({}, env(tmp_path, LUCIA_KV_SHM_DIR="/dev/shm/x", LUCIA_KV_SHM_BYTES="4096"))
+    assert [t.name for t in found.tiers] == ["shm", "nvme", "hdd"]
+    assert found.tiers[2].max_bytes == 4194304
+    assert found.key == KEY.encode()
+    assert found.plugin_version == version() == "0.1.0"
+
+
+def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
+    found = resolve({"hdd_bytes": 8192, "namespace": "other", "writers": 3}, env(tmp_path))
+    assert found.namespace == "other"
+    assert found.tiers[-1].max_bytes == 8192
+    assert found.writers == 3
+
+
+def test_key_file_is_preferred_to_the_key_variable(tmp_path: Path) -> None:
+    secret = tmp_path / "key"
+    secret.write_bytes(b"a key from its own file, long enough\n")
+    os.chmod(secret, 0o600)
+    found = resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(secret)))
+    assert found.key == b"a key from its own file, long enough"
+
+
+def test_key_never_shows_in_repr(tmp_path: Path) -> None:
+    assert KEY not in repr(resolve({}, env(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("extra", "more", "message"),
+    [
+        ({"key": KEY}, {}, "must not be in kv_connector_extra_config"),
+        ({}, {"LUCIA_KV_KEY": "short"}, "shorter than 16 bytes"),
+        ({}, {"LUCIA_KV_NAMESPACE": "../escape"}, "namespace"),
+        ({}, {"LUCIA_KV_HDD_BYTES": "lots"}, "hdd_bytes must be a number"),
+        ({}, {"LUCIA_KV_HDD_BYTES": "-1"}, "must not be negative"),
+        ({}, {"LUCIA_KV_NVME_DIR": "relative/dir"}, "absolute path"),
+        ({"nvme_bytes": 0, "hdd_bytes": 0}, {}, "no tier"),
+        ({"writers": 0}, {}, "writers must be at least 1"),
+    ],
+)
+def test_bad_settings_are_refused_clearly(
+    tmp_path: Path, extra: dict[str, object], more: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        resolve(extra, env(tmp_path, **more))
+    assert KEY not in str(caught.value)
+
+
+def test_key_file_open_to_others_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "key"
+    secret.write_bytes(b"x" * 32)
+    os.chmod(secret, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(secret)))
+
+
+def test_missing_key_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="key file"):
+        resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(tmp_path / "absent")))
+
+
+def test_each_parallel_rank_owns_a_share(tmp_path: Path) -> None:
+    whole = resolve({}, env(tmp_path))
+    assert for_rank(whole, 0, 1) == whole
+    share = for_rank(whole, 1, 2)
+    assert [t.directory for t in share.tiers] == [
+        tmp_path / "nvme" / "rank1",
+        tmp_path / "hdd" / "rank1",
+    ]
+    assert [t.max_bytes for t in share.tiers] == [524288, 2097152]

@@ -1,0 +1,97 @@
+"""The store's write-through, promotion, pins, counters and their exposition."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+from lucia_kv import blockfile
+from lucia_kv.store import Store, block_name, probe
+
+from tests.kv.support import block_key, config, payload
+
+PAGE = blockfile.ALIGN
+
+
+def test_write_through_to_every_tier_and_probe(tmp_path: Path) -> None:
+    store = Store(config(tmp_path, {"shm": 8 * PAGE, "nvme": 8 * PAGE, "hdd": 16 * PAGE}))
+    try:
+        keys = [block_key(n) for n in range(3)]
+        for n, key in enumerate(keys):
+            store.save(key, payload(n, 100))
+        store.flush()
+        for tier in store.tiers:
+            assert sorted(name for name, _ in tier.index()) == sorted(map(block_name, keys))
+            for name in os.listdir(tier.directory):
+                assert stat.S_IMODE(os.stat(tier.directory / name).st_mode) == 0o600
+        assert store.lookup([*keys, block_key(9)]) == 3
+        assert probe(store.config, [keys[0], block_key(9), keys[1]]) == 1
+        assert store.metrics.get("writes") == 9
+    finally:
+        store.close()
+
+
+def test_a_read_from_the_pool_warms_the_faster_tiers(tmp_path: Path) -> None:
+    caps = {"nvme": 2 * PAGE, "hdd": 16 * PAGE}
+    store = Store(config(tmp_path, caps))
+    try:
+        for n in range(4):  # nvme keeps the last two only
+            store.save(block_key(n), payload(n, 100))
+        store.flush()
+        nvme = store.tiers[0]
+        assert not nvme.contains(block_name(block_key(0)))
+        assert store.load(block_key(0)) == payload(0, 100)
+        store.flush()
+        assert nvme.contains(block_name(block_key(0)))
+        assert store.metrics.get("hits", "hdd") == 1
+        assert store.metrics.get("misses", "nvme") == 1
+        assert store.metrics.get("promotions", "nvme") == 1
+        assert store.metrics.get("evictions", "nvme") == 3
+        assert store.load(block_key(0)) == payload(0, 100)
+        assert store.metrics.get("hits", "nvme") == 1
+    finally:
+        store.close()
+
+
+def test_a_tier_full_of_pinned_blocks_skips_writes(tmp_path: Path) -> None:
+    store = Store(config(tmp_path, {"nvme": 2 * PAGE, "hdd": 16 * PAGE}))
+    try:
+        pinned = [block_key(0), block_key(1)]
+        store.pin(pinned)
+        for n in range(3):
+            store.save(block_key(n), payload(n, 100))
+        store.flush()
+        assert store.metrics.get("skipped_writes", "nvme", "pinned") == 1
+        assert store.tiers[0].contains(block_name(block_key(0)))
+        store.unpin(pinned)
+        store.save(block_key(5), payload(5, 100))
+        store.flush()
+        assert not store.tiers[0].contains(block_name(block_key(0)))  # unpinned: evictable
+    finally:
+        store.close()
+
+
+def test_metrics_text_and_file(tmp_path: Path) -> None:
+    settings = replace(config(tmp_path, {"hdd": 16 * PAGE}), metrics_file=tmp_path / "kv.prom")
+    store = Store(settings)
+    for n in (1, 2):
+        store.save(block_key(n), payload(n, 100))
+        store.flush()
+    # the writers went idle: the file is current without a shutdown (vLLM may never call it)
+    assert 'lucia_kv_writes_total{tier="hdd"} 2' in (tmp_path / "kv.prom").read_text()
+    assert store.load(block_key(3)) is None
+    assert store.load(block_key(1)) == payload(1, 100)
+    store.flush()
+    # reads alone bring the file up to date too, written by a writer thread
+    text = (tmp_path / "kv.prom").read_text()
+    assert 'lucia_kv_hits_total{tier="hdd"} 1' in text
+    assert 'lucia_kv_misses_total{tier="hdd"} 1' in text
+    store.close()
+    text = (tmp_path / "kv.prom").read_text()
+    assert 'lucia_kv_writes_total{tier="hdd"} 2' in text
+    assert 'lucia_kv_misses_total{tier="hdd"} 1' in text
+    assert "# TYPE lucia_kv_corrupt_total counter" in text
+    assert stat.S_IMODE(os.stat(tmp_path / "kv.prom").st_mode) == 0o600
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
