@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,29 @@ SHIPPED_RECIPE = ROOT / "recipes" / "spark-model.toml"
 RUN_ID = uuid.uuid4().hex[:8]
 TEST_LABEL = "lucia.test.run"
 CLI = [sys.executable, "-m", "supervisor.cli"]
+
+
+def age(status: dict[str, Any]) -> float:
+    """Seconds since the status was last written (its checkedAt)."""
+    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
+    return (datetime.now(checked.tzinfo) - checked).total_seconds()
+
+
+def state_since(status: dict[str, Any]) -> float:
+    """When the status's state began, as a timestamp."""
+    return datetime.fromisoformat(status["since"].replace("Z", "+00:00")).timestamp()
+
+
+def http_status(url: str) -> int:
+    """The HTTP status of a GET (an error status raises)."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return int(response.status)
+
+
+def http_text(url: str) -> str:
+    """The body of a GET, as text."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
 
 
 @pytest.fixture(scope="session")
@@ -345,6 +370,28 @@ class Engine:
         if proc.poll() is None:
             proc.send_signal(sig)
         return proc.wait(30)
+
+    def up(
+        self, *extra: str, timeout: float = 120
+    ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+        """A worker started and the engine requested running: the worker and the running
+        status."""
+        proc = self.start_worker(*extra)
+        return proc, self.wait_state(self.request("running"), "running", timeout=timeout)
+
+    def reload(self, **changes: Any) -> None:
+        """The recipe changed (these fields set, then written) and the last worker told so,
+        as `systemctl --user reload` does: SIGHUP."""
+        for name, value in changes.items():
+            assert hasattr(self, name), f"Engine has no field {name}"
+            setattr(self, name, value)
+        self.write_recipe()
+        self.procs[-1].send_signal(signal.SIGHUP)
+
+    def gateway(self) -> str:
+        """The gateway address of the engine's Docker network: the only address it listens on."""
+        with contextlib.closing(docker.from_env(timeout=30)) as cli:
+            return str(cli.networks.get(self.network).attrs["IPAM"]["Config"][0]["Gateway"])
 
     def request(self, desired: str) -> int:
         # as the host application, which knows its engines: no recipe or status may exist yet

@@ -27,20 +27,20 @@ from .common import MS, Plan, Shared
 
 
 def worker_watch_settings() -> dict[str, int]:
-    """The keyword arguments supervisor/worker.py passes to watchfiles.watch, so that the
-    baseline always listens exactly as the worker does."""
-    from supervisor.worker import loop as worker
+    """The keyword arguments supervisor/worker/wakeup.py passes to watchfiles.watch, so that
+    the baseline always listens exactly as the worker does."""
+    from supervisor.worker import wakeup
 
     return {
-        "debounce": worker.WATCH_DEBOUNCE_MS,
-        "step": worker.WATCH_STEP_MS,
-        "rust_timeout": worker.WATCH_RUST_TIMEOUT_MS,
+        "debounce": wakeup.WATCH_DEBOUNCE_MS,
+        "step": wakeup.WATCH_STEP_MS,
+        "rust_timeout": wakeup.WATCH_RUST_TIMEOUT_MS,
     }
 
 
 class Listener:
     """The baseline: a bare watchfiles listener, in a thread, with the worker's own settings
-    (supervisor/worker.py's WATCH_* settings; desired.json only)."""
+    (supervisor/worker/wakeup.py's WATCH_* settings; desired.json only)."""
 
     def __init__(self, lab: Lab) -> None:
         self.data = lab.tmp / "listener"

@@ -13,7 +13,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import Engine, StepContext
 from supervisor.errors import Cancelled, Permanent
-from supervisor.worker.plan import (
+from supervisor.worker.steps import (
     AwaitReady,
     Check,
     Prepare,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Final
 
@@ -182,3 +182,9 @@ def last_written(path: Path) -> Status | None:
         return parse_status(files.read_text(path))
     except (OSError, files.FileRefused, InvalidDocument):
         return None
+
+
+def booted_at() -> datetime:
+    """When this machine booted (a status.json from before was written by another boot)."""
+    uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return datetime.now(UTC) - timedelta(seconds=uptime)

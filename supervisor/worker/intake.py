@@ -11,8 +11,8 @@ from pathlib import Path
 
 from supervisor.protocol import files
 from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
-from supervisor.worker import plan
-from supervisor.worker.plan import Decision, Memory, Reported
+from supervisor.worker.memory import Memory, Reported, accept
+from supervisor.worker.plan import Decision, acknowledge
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def intake(
     desired, refused = read
     if desired is None:
         return Intake(memory, refused)
-    accepted = plan.accept(memory, desired, before)
+    accepted = accept(memory, desired, before)
     if accepted is None:
         return Intake(memory, refused)
-    return Intake(accepted, refused, plan.acknowledge(accepted, previous))
+    return Intake(accepted, refused, acknowledge(accepted, previous))

@@ -2,55 +2,45 @@
 
 One loop thread only waits, records and writes: it reads desired.json, writes status.json and
 the file_sd file, and pings the watchdog. Everything that may block (an observation of Docker,
-git and the model library; a step) runs as a job in a thread of its own, one at a time, with a
-deadline or a cancel. plan() decides; the loop applies its decisions and decides nothing itself.
-Signal handlers only record, and wake the loop through the self-pipe.
+git and the model library; a step) runs as a job (jobs.py) in a thread of its own, one at a
+time, with a deadline or a cancel. plan() decides; the loop applies its decisions and decides
+nothing itself. Signal handlers only record, and wake the loop through the self-pipe.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final
-
-from watchfiles import watch
+from typing import Final
 
 from supervisor import logs
 from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
-from supervisor.engines.base import Engine, Observed, StepContext
+from supervisor.engines.base import Engine
 from supervisor.errors import Blocked, Cancelled, Permanent, Transient
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
-from supervisor.worker import actions, plan
-from supervisor.worker.heartbeat import Heartbeat, last_written
+from supervisor.worker import jobs, plan
+from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
+from supervisor.worker.jobs import ExitMonitor, Job
+from supervisor.worker.memory import Memory, Reported, conclude, means_to_start, reloaded, reported
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Check, Decision, Memory, Reported, Step
+from supervisor.worker.plan import Decision
+from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, Metrics
-from supervisor.worker.wakeup import Wakeup
+from supervisor.worker.wakeup import Wakeup, watch_desired
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
 OBSERVE_DEADLINE: Final = 10.0  # an observation that takes longer is reported, and waited for
 _BACKOFF: Final = (1.0, 2.0, 5.0, 10.0)
 _JOB_POLL: Final = 0.25
-# watchfiles polls its event queue every `step` ms: 5 ms cost 1.2 % of a core while idle, 15 ms
-# about 0.2 %, with the wake-up after a write at p50 24 ms, max 30 ms
-WATCH_DEBOUNCE_MS: Final = 30
-WATCH_STEP_MS: Final = 15
-WATCH_RUST_TIMEOUT_MS: Final = 1000
-# jobs (observations, steps and what they spawn) yield the CPU to every worker's loop: under a
-# burst of requests on a small machine, answers come before the work they start
-JOB_NICE: Final = 10
 log = logs.get("worker")
 
 
@@ -61,33 +51,6 @@ class Settings:
     state_dir: Path
     heartbeat: float = 15.0
     metrics_port: int | None = None
-
-
-@dataclass
-class Job:
-    """Work off the loop: an observation (step is None) or a step, in a thread of its own."""
-
-    engine: Engine
-    step: Step | None = None
-    generation: int = 0
-    cancel: threading.Event = field(default_factory=threading.Event)
-    progress: str = ""
-    result: Observed | None = None
-    error: BaseException | None = None
-    started: float = field(default_factory=time.monotonic)
-    stalled: bool = False  # reported as overdue
-    finished: bool = False  # set by the job's thread as its last act, before it wakes the loop
-    thread: threading.Thread | None = None
-    answering: bool | None = None  # after an observation docker did not answer: the ready path
-
-    def done(self) -> bool:
-        # not thread.is_alive(): a thread that has woken the loop may still be alive for a
-        # moment, and the loop would then sleep a whole poll before it noticed
-        return self.finished
-
-    @property
-    def name(self) -> str:
-        return "Observe" if self.step is None else type(self.step).__name__
 
 
 class Worker:
@@ -124,7 +87,7 @@ class Worker:
         self._failures = 0
         self._observed_at = float("-inf")
         self._pending = True  # something happened that needs an observation now
-        self._monitored: str | None = None
+        self.exit_monitor = ExitMonitor(self.runtime, self._exited)
         self._reported: Reported | None = None  # what the last status.json said served
 
     def _engine(self, recipe: Recipe) -> Engine:
@@ -140,7 +103,7 @@ class Worker:
             log.info("worker started", name=self.settings.name, directory=str(self.directory))
             # read before this worker's first write replaces it: an engine that died while no
             # worker looked is still a death of the generation the last status said served
-            self._reported = plan.reported(last_written(self.heartbeat.path), booted_at())
+            self._reported = reported(last_written(self.heartbeat.path), booted_at())
             for path in (
                 self.heartbeat.path,
                 self.heartbeat.file_sd.path,
@@ -151,7 +114,10 @@ class Worker:
             self._install_signals()
             if self.settings.metrics_port:
                 self.metrics.serve(self.settings.metrics_port)
-            watcher = threading.Thread(target=self._watch, name="watch", daemon=True)
+            watcher = threading.Thread(
+                target=watch_desired, args=(self.directory, self._stop, self._wake), name="watch",
+                daemon=True,
+            )  # fmt: skip
             watcher.start()
             try:
                 self._loop()
@@ -172,17 +138,6 @@ class Worker:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, record)
 
-    def _watch(self) -> None:
-        for _ in watch(
-            self.directory,
-            stop_event=self._stop,
-            watch_filter=lambda _c, path: path.endswith(DESIRED),
-            debounce=WATCH_DEBOUNCE_MS,
-            step=WATCH_STEP_MS,
-            rust_timeout=WATCH_RUST_TIMEOUT_MS,
-        ):
-            self._wake.set()
-
     def _handle_signals(self) -> None:
         while self._signals:
             signum = self._signals.pop(0)
@@ -199,7 +154,7 @@ class Worker:
         if job is None or job.thread is None:
             return
         job.cancel.set()
-        long = job.step is not None and not plan.cancellable(job.step)
+        long = job.step is not None and not cancellable(job.step)
         limit = time.monotonic() + (self.engine.stop_grace + 10 if long else 5)
         terms = self._terms
         while not job.finished and time.monotonic() < limit:
@@ -225,7 +180,7 @@ class Worker:
             elif job is not None:
                 self._watch_job(job)
             if self.job is None and self._observe_due():
-                self._begin(Job(self.engine), self._observe_body)
+                self._begin(Job(self.engine))
             self.heartbeat.tick()
             if not ready_sent and self.heartbeat.status is not None:
                 self.notifier.ready()
@@ -275,7 +230,7 @@ class Worker:
             self.job.cancel.set()
         self.engine = self._engine(recipe)
         if self.memory is not None:  # re-apply the current request to the new recipe
-            self.memory = plan.reloaded(self.memory)
+            self.memory = reloaded(self.memory)
         self._retry_at = 0.0
         self._pending = True
         log.info("recipe reloaded", name=self.settings.name)
@@ -306,44 +261,17 @@ class Worker:
         self._retry_at = 0.0
         self._failures = 0
         self._pending = True
-        if self.job is not None and self.job.step is not None and plan.cancellable(self.job.step):
+        if self.job is not None and self.job.step is not None and cancellable(self.job.step):
             self.job.cancel.set()
         self._apply(decision)
 
     # -- jobs: observe, then plan, then a step -------------------------------------------------
 
-    def _begin(self, job: Job, body: Callable[[Job], Any]) -> None:
-        def run() -> None:
-            try:
-                _yield_cpu()
-                body(job)
-            except BaseException as exc:  # handed to the loop, which decides
-                job.error = exc
-            finally:
-                job.finished = True
-                self._wake.set()
-
+    def _begin(self, job: Job) -> None:
         if job.step is None:
             self._pending = False
-        job.thread = threading.Thread(target=run, name=f"job-{job.name}", daemon=True)
         self.job = job
-        job.thread.start()
-
-    def _observe_body(self, job: Job) -> None:
-        try:
-            job.result = job.engine.observe()
-        except Transient:
-            job.answering = _answers(job.engine)  # its ready path needs no docker
-            raise
-
-    def _step_body(self, job: Job) -> None:
-        assert job.step is not None
-        ctx = StepContext(job.cancel, lambda line: self._progress(job, line))
-        actions.execute(job.step, job.engine, self.runtime, job.generation, ctx)
-
-    def _progress(self, job: Job, line: str) -> None:
-        job.progress = line
-        self._wake.set()
+        jobs.start(job, self.runtime, self._wake)
 
     def _watch_job(self, job: Job) -> None:
         """While a job runs: relay a step's progress; say when an observation is overdue."""
@@ -382,7 +310,7 @@ class Worker:
             self._failures = 0
             self.metrics.set_load_failed(job.engine.failed_models())
             decision = plan.plan(self.memory, job.result, time.monotonic())
-            if not plan.means_to_start(decision.memory):  # before a step that may claim anew
+            if not means_to_start(decision.memory):  # before a step that may claim anew
                 container = job.result.container
                 self.engine.abandoned(container.id if container and container.running else None)
             self._apply(decision)
@@ -401,7 +329,7 @@ class Worker:
         elif error is not None:
             log.error("step crashed", step=job.name, error=repr(error), exc_info=error)
             reason = f"internal error: {error!r}"
-        self.memory = plan.conclude(
+        self.memory = conclude(
             memory, step, reason, time.monotonic(), waitable=isinstance(error, Blocked)
         )
         if reason is not None:
@@ -451,12 +379,12 @@ class Worker:
             self.metrics.failures.labels(reason="engine").inc()
         self._show(decision)
         if decision.answer.state == "running" and memory is not None and memory.ready:
-            self._monitor(memory.ready)
+            self.exit_monitor.watch(memory.ready)
         step = decision.step
         if step is not None and memory is not None:
             if not quiet:
-                log.info("step", step=plan.describe(step), generation=memory.generation)
-            self._begin(Job(self.engine, step, memory.generation), self._step_body)
+                log.info("step", step=describe(step), generation=memory.generation)
+            self._begin(Job(self.engine, step, memory.generation))
 
     def _show(self, decision: Decision) -> None:
         answer = decision.answer
@@ -465,40 +393,7 @@ class Worker:
             answer = replace(answer, message=job.progress)
         self.heartbeat.show(plan.shown(answer, self.refused), self.refused, decision.targets)
 
-    def _monitor(self, container_id: str) -> None:
-        """Wake the loop the moment the engine's container exits (docker wait, no polling)."""
-        if self._monitored == container_id:
-            return
-        self._monitored = container_id
-
-        def wait() -> None:
-            self.runtime.wait(container_id)
-            if self._monitored == container_id:
-                self._monitored = None
-            self._pending = True
-            self._wake.set()
-
-        threading.Thread(target=wait, name="exit-monitor", daemon=True).start()
-
-
-def _yield_cpu() -> None:
-    """Lower the calling thread's CPU priority by JOB_NICE (Linux: a thread id is a process id
-    here); never raise it."""
-    with contextlib.suppress(OSError, AttributeError):
-        thread = threading.get_native_id()
-        current = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(current + JOB_NICE, 19))
-
-
-def _answers(engine: Engine) -> bool:
-    """One readiness probe, for an observation docker did not answer; a failure is a no."""
-    try:
-        return engine.ready()
-    except Exception:  # a probe that cannot say yes says no
-        return False
-
-
-def booted_at() -> datetime:
-    """When this machine booted (a status.json from before was written by another boot)."""
-    uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
-    return datetime.now(UTC) - timedelta(seconds=uptime)
+    def _exited(self) -> None:
+        """The engine's container exited: observe at once."""
+        self._pending = True
+        self._wake.set()

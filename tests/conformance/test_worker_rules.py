@@ -1,4 +1,4 @@
-"""The worker rules of DESIGN.md, one suite run once per engine against the real dockerd.
+"""The worker rules (README: The protocol), one suite run once per engine against the real dockerd.
 
 An engine is done when it passes this suite: acknowledgement, heartbeat, cancel, readiness,
 death with exit code, adoption, replacement, lease, gateway-only port, file_sd, refused input.
@@ -10,13 +10,11 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import socket
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import docker
@@ -25,7 +23,7 @@ import pytest
 from supervisor.engines import registry
 from tests.conformance.driver import Kind
 from tests.corpus import INVALID, materialise
-from tests.fixtures import ROOT, Engine, free_port
+from tests.fixtures import ROOT, Engine, age, free_port, http_status, state_since
 
 pytestmark = pytest.mark.docker
 
@@ -47,24 +45,8 @@ def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine],
     return made
 
 
-def _age(status: dict[str, Any]) -> float:
-    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
-    return (datetime.now(checked.tzinfo) - checked).total_seconds()
 
 
-def _since(status: dict[str, Any]) -> float:
-    return datetime.fromisoformat(status["since"].replace("Z", "+00:00")).timestamp()
-
-
-def _get(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return int(response.status)
-
-
-def _up(engine: Engine, *extra: str) -> dict[str, Any]:
-    engine.start_worker(*extra)
-    generation = engine.request("running")
-    return engine.wait_state(generation, "running", timeout=120)
 
 
 def _scrape_url(group: dict[str, Any]) -> str:
@@ -76,9 +58,6 @@ def _scrape_url(group: dict[str, Any]) -> str:
     return f"http://{group['targets'][0]}{labels['__metrics_path__']}{query}"
 
 
-def _gateway(client: docker.DockerClient, engine: Engine) -> str:
-    return str(client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"])
-
 
 def test_acknowledgement_then_running_then_stopped(kind: Kind, client) -> None:
     knobs, _ = kind.slow_step(3)
@@ -88,7 +67,7 @@ def test_acknowledgement_then_running_then_stopped(kind: Kind, client) -> None:
     first = engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
     assert first["state"] == "starting" and first["url"] is None
     status = engine.wait_state(generation, "running", timeout=120)
-    assert status["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
+    assert status["url"] == f"http://{engine.gateway()}:{engine.port}"
     labels = client.containers.get(engine.container).labels
     assert labels["lucia.managed"] == "true" and labels["lucia.name"] == engine.name
     assert labels["lucia.generation"] == str(generation)
@@ -111,7 +90,7 @@ def test_heartbeat_during_a_long_step(kind: Kind) -> None:
     while time.monotonic() < deadline:
         status = engine.status()
         if status:
-            ages.append(_age(status))
+            ages.append(age(status))
             assert status["generation"] == generation and status["state"] == "starting"
         time.sleep(0.1)
     assert max(ages) < 2.0 + 1.5, f"heartbeat gap {max(ages):.1f}s"
@@ -146,7 +125,7 @@ def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
 
 def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    engine.up()
     died = time.monotonic()
     exit_text, logged = kind.die(client.containers.get(engine.container))
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
@@ -158,14 +137,14 @@ def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, clien
 
 def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    _, status = engine.up()
     before = client.containers.get(engine.container).attrs
     engine.stop_worker(engine.procs[-1])
     assert client.containers.get(engine.container).status == "running"
     restarted = time.time()
     engine.start_worker()
     engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and _since(s) > restarted, timeout=30)
+                       and s["state"] == "running" and state_since(s) > restarted, timeout=30)
     after = client.containers.get(engine.container).attrs
     assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
                                                           before["State"]["StartedAt"])
@@ -174,14 +153,14 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
 
 def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
     engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
-    status = _up(engine)
+    _, status = engine.up()
     old = client.containers.get(engine.container)
     engine.stop_worker(engine.procs[-1])
     kind.change_image(engine)
     since = time.time()
     engine.start_worker()
     engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and _since(s) > since, timeout=120)
+                       and s["state"] == "running" and state_since(s) > since, timeout=120)
     new = client.containers.get(engine.container)
     assert new.id != old.id and new.image.id != old.image.id
     events = client.events(since=since, until=time.time(), decode=True,
@@ -206,9 +185,9 @@ def test_one_worker_per_directory(kind: Kind) -> None:
 
 def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    engine.up()
     attrs = client.containers.get(engine.container).attrs
-    gateway = _gateway(client, engine)
+    gateway = engine.gateway()
     bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
                 for b in published]
     live = [b for published in attrs["NetworkSettings"]["Ports"].values()
@@ -222,11 +201,11 @@ def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
 
 def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    engine.up()
     (group,) = engine.file_sd()
-    assert group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
+    assert group["targets"] == [f"{engine.gateway()}:{engine.port}"]
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
-    assert _get(_scrape_url(group)) == 200
+    assert http_status(_scrape_url(group)) == 200
     assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
     # a request for what already runs is re-acknowledged; the target stays while it serves
     again = engine.request("running")
@@ -244,7 +223,7 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
 
 def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    _, status = engine.up()
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
     valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
@@ -310,29 +289,28 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     with, picked up by SIGHUP, replaces it, and status says running only once it does."""
     change, applied = EDITS[edit]
     engine = kind.make()
-    status = _up(engine)
+    _, status = engine.up()
     before = client.containers.get(engine.container)
     change(engine)
     assert not applied(before, engine)
-    engine.write_recipe()
-    engine.procs[-1].send_signal(signal.SIGHUP)
+    engine.reload()
     after_status = engine.wait_status(
         lambda s: s["state"] == "running"
-        and s["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
+        and s["url"] == f"http://{engine.gateway()}:{engine.port}"
         and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
     after = client.containers.get(engine.container)
     assert after.id != before.id and after.status == "running"
     assert applied(after, engine), f"{edit} did not reach the new container"
     assert after_status["engine"]["containerId"] == after.id
     assert after_status["generation"] == status["generation"]
-    assert all(_get(_scrape_url(group)) == 200 for group in engine.file_sd())
+    assert all(http_status(_scrape_url(group)) == 200 for group in engine.file_sd())
     with pytest.raises(docker.errors.NotFound):
         client.containers.get(before.id)
 
 
 def test_status_names_what_runs(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    _, status = engine.up()
     container = client.containers.get(engine.container)
     running = status["engine"]
     assert running["containerId"] == container.id
@@ -353,15 +331,13 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     stopped, the status stays running and says why, the file_sd target stays, and the Check is
     tried again after a back-off: once the port is free, the replacement goes ahead."""
     engine = kind.make()
-    status = _up(engine)
+    _, status = engine.up()
     before = client.containers.get(engine.container)
     (target,) = {tuple(group["targets"]) for group in engine.file_sd()}
     with socket.socket() as squatter:
-        squatter.bind((_gateway(client, engine), 0))
+        squatter.bind((engine.gateway(), 0))
         squatter.listen()
-        engine.port = squatter.getsockname()[1]
-        engine.write_recipe()
-        engine.procs[-1].send_signal(signal.SIGHUP)
+        engine.reload(port=squatter.getsockname()[1])
         refused = engine.wait_status(lambda s: "taken" in s["message"], timeout=60)
         assert refused["state"] == "running", refused
         assert refused["url"] == status["url"]  # where the old engine answers, not the new port
@@ -379,13 +355,13 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
         after = client.containers.get(engine.container)
         assert after.id == before.id and after.status == "running"
         assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
-        assert _get(f"{status['url']}/v1/models" if kind.name == "tensorfold"
+        assert http_status(f"{status['url']}/v1/models" if kind.name == "tensorfold"
                     else f"{status['url']}/health") == 200
     # the port is free now: the next try passes and the engine is replaced, with no new request
     replaced = engine.wait_status(
         lambda s: s["state"] == "running"
         and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
     assert replaced["generation"] == status["generation"]
-    assert replaced["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
-    assert all(group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
+    assert replaced["url"] == f"http://{engine.gateway()}:{engine.port}"
+    assert all(group["targets"] == [f"{engine.gateway()}:{engine.port}"]
                for group in engine.file_sd())

@@ -16,7 +16,7 @@ import docker
 import pytest
 
 from tests import dockerd
-from tests.fixtures import Engine, free_port
+from tests.fixtures import Engine, age, free_port
 from tests.gguf_fixtures import add_model, write_llama
 
 pytestmark = pytest.mark.docker
@@ -26,15 +26,10 @@ def _ours(client: docker.DockerClient, engine: Engine) -> list:
     return client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"})
 
 
-def _up(engine: Engine) -> tuple[subprocess.Popen[bytes], dict]:
-    proc = engine.start_worker()
-    generation = engine.request("running")
-    return proc, engine.wait_state(generation, "running", timeout=120)
-
 
 def test_engine_killed_with_sigkill_is_failed_137(make_engine, client) -> None:
     engine: Engine = make_engine()
-    _up(engine)
+    engine.up()
     client.containers.get(engine.container).kill(signal="SIGKILL")
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
     assert "exited with code 137" in status["message"]
@@ -45,7 +40,7 @@ def test_engine_killed_with_sigkill_is_failed_137(make_engine, client) -> None:
 
 def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
     engine: Engine = make_engine(run_extra={"memory": "48m"})
-    _up(engine)
+    engine.up()
     client.containers.get(engine.container).exec_run(["sh", "-c", "echo 200 > /tmp/hog"])
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=30)
     assert "exited with code 137" in status["message"]
@@ -54,7 +49,7 @@ def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
 
 def test_dockerd_restart_while_running_and_while_building(make_engine, client) -> None:
     engine: Engine = make_engine()
-    proc, status = _up(engine)
+    proc, status = engine.up()
     assert not client.info().get("LiveRestoreEnabled"), "these tests need live-restore off"
     dockerd.restart()
     # without live-restore, dockerd stops its containers: the truth is that the engine died
@@ -82,24 +77,21 @@ def test_failed_build_then_fixed_recipe_and_new_generation_succeeds(make_engine,
     broken = (recipe_repo.path / "Dockerfile").read_text() + "RUN exit 9\n"
     bad = recipe_repo.commit("broken", {"Dockerfile": broken})
     engine: Engine = make_engine(commit=bad)
-    proc = engine.start_worker()
+    engine.start_worker()
     generation = engine.request("running")
     engine.wait_state(generation, "failed", timeout=60)
-    engine.commit = good
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload(commit=good)
     again = engine.request("running")
     engine.wait_state(again, "running", timeout=120)
 
 
 def test_failed_prepare_then_succeeds(make_engine) -> None:
     engine: Engine = make_engine(settings={"PREPARE_FAILS": "1"})
-    proc = engine.start_worker()
+    engine.start_worker()
     generation = engine.request("running")
     engine.wait_state(generation, "failed", timeout=60)
     del engine.settings["PREPARE_FAILS"]
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload()
     again = engine.request("running")
     engine.wait_state(again, "running", timeout=120)
 
@@ -108,15 +100,14 @@ def test_failed_prepare_then_succeeds(make_engine) -> None:
 def test_git_faults_fail_and_leave_the_running_engine_alone(make_engine, client, recipe_repo,
                                                            fault) -> None:
     engine: Engine = make_engine()
-    proc, _ = _up(engine)
+    engine.up()
     before = client.containers.get(engine.container)
     if fault == "unreachable remote":
         engine.commit = recipe_repo.commit("0.7.1", {"NOTES": "new\n"})
         shutil.move(recipe_repo.path, recipe_repo.path.with_name("moved-away"))
     else:
         engine.commit = "f" * 40
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload()
     generation = engine.request("running")
     named = recipe_repo.url if fault == "unreachable remote" else "f" * 40
     # the old engine serves on: running, with the refused change's reason in the message
@@ -187,7 +178,7 @@ def test_worker_killed_mid_step_converges_after_restart(make_engine, client, mom
         engine.wait_status(lambda s: "loading weights" in s["message"], timeout=60)
     else:
         engine = make_engine(settings={"STOP_DELAY": "5"})
-        proc, _ = _up(engine)
+        proc, _ = engine.up()
         generation = engine.request("stopped")
         engine.wait_status(lambda s: s["generation"] == generation
                            and s["state"] == "stopping", timeout=10)
@@ -207,7 +198,7 @@ def test_worker_killed_mid_step_converges_after_restart(make_engine, client, mom
 @pytest.mark.parametrize("damage", ["deleted", "directory", "fifo", "symlink", "slow write"])
 def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, damage) -> None:
     engine: Engine = make_engine()
-    proc, status = _up(engine)
+    proc, status = engine.up()
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
     valid = desired.read_text()
@@ -262,18 +253,13 @@ def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, da
     os.replace(tmp, desired)
 
 
-def _age(status: dict) -> float:
-    from datetime import datetime
-    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
-    return (datetime.now(checked.tzinfo) - checked).total_seconds()
-
 
 def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> None:
     """dockerd stopped with SIGSTOP for 25 s while a new request is observed: the loop stays
     alive, the heartbeat keeps its interval, the status says docker did not answer, and the
     request is answered once dockerd resumes. The engine, never touched, keeps serving."""
     engine: Engine = make_engine()
-    proc, status = _up(engine)
+    proc, status = engine.up()
     container = client.containers.get(engine.container).id
     pid = dockerd.pid()
     os.kill(pid, signal.SIGSTOP)
@@ -284,7 +270,7 @@ def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> No
         while time.monotonic() < deadline:
             current = engine.status()
             if current is not None:
-                ages.append(_age(current))
+                ages.append(age(current))
                 messages.add(current["message"])
             assert proc.poll() is None, "the worker died while dockerd was stalled"
             time.sleep(0.2)
@@ -302,7 +288,7 @@ def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> No
 def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_engine) -> None:
     """The first SIGTERM waits for a stop in progress (its grace); a second one does not."""
     engine: Engine = make_engine(settings={"STOP_DELAY": "30"}, stop_grace=40)
-    proc, _ = _up(engine)
+    proc, _ = engine.up()
     generation = engine.request("stopped")
     engine.wait_status(lambda s: s["generation"] == generation
                        and "stopping the engine container" in s["message"], timeout=10)
@@ -398,7 +384,7 @@ def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(make_eng
     new worker removed the container and started another, and never said it had died. A new
     request then starts the engine as usual."""
     engine: Engine = make_engine()
-    proc, status = _up(engine)
+    proc, status = engine.up()
     dead = client.containers.get(engine.container)
     engine.stop_worker(proc)
     dead.kill(signal="SIGKILL")

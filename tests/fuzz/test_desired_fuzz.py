@@ -49,8 +49,9 @@ from supervisor.protocol.files import FileRefused
 from supervisor.protocol.host import DESIRED, STATUS
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
+from supervisor.worker.memory import Memory
 from supervisor.worker.notify import Notifier
-from supervisor.worker.plan import Answer, Decision, Memory, shown
+from supervisor.worker.plan import Answer, Decision, shown
 from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
 from tests.corpus import INVALID, VALID, materialise
 

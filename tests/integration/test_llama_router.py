@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -116,18 +115,12 @@ def test_readiness_comes_from_models_not_health(make_engine, router_standin) -> 
     engine.start_worker()
     generation = engine.request("running")
     engine.wait_status(lambda s: "router listening" in s["message"], timeout=60)
-    with urllib.request.urlopen(f"http://{_gateway(engine)}:{engine.port}/health",
+    with urllib.request.urlopen(f"http://{engine.gateway()}:{engine.port}/health",
                                 timeout=5) as response:
         assert response.status == 200
     assert engine.status()["state"] == "starting", "/health alone must not mean running"
     engine.wait_state(generation, "running", timeout=30)
 
-
-def _gateway(engine: Engine) -> str:
-    out = subprocess.run(["docker", "network", "inspect", engine.network, "-f",
-                          "{{(index .IPAM.Config 0).Gateway}}"], capture_output=True, text=True,
-                         check=True)
-    return out.stdout.strip()
 
 
 def test_a_model_that_fails_to_load_fails_the_start_naming_it(make_engine) -> None:
@@ -207,7 +200,7 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
     /models/load, /models/unload), not a restart: the same container, alpha serving on."""
     engine = _router(make_engine, load_on_startup=("alpha",))
     _library(engine)
-    proc = engine.start_worker()
+    engine.start_worker()
     generation = engine.request("running")
     engine.wait_state(generation, "running", timeout=120)
     container = client.containers.get(engine.container)
@@ -216,9 +209,7 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
     chatting = threading.Thread(target=_chat_until, args=(engine, "alpha", stop, answers))
     chatting.start()
     try:
-        engine.load_on_startup = ("alpha", "zeta")
-        engine.write_recipe()
-        proc.send_signal(signal.SIGHUP)
+        engine.reload(load_on_startup=("alpha", "zeta"))
         engine.wait_status(lambda s: s["state"] == "running"
                            and "loaded: alpha, zeta;" in s["message"], timeout=60,
                            what="zeta loaded beside alpha")
@@ -226,9 +217,7 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
         stop.set()
         chatting.join(60)
     assert len(answers) >= 2 and set(answers) == {200}, "alpha answered while zeta loaded"
-    engine.load_on_startup = ("zeta",)
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload(load_on_startup=("zeta",))
     engine.wait_status(lambda s: s["state"] == "running"
                        and "loaded: zeta;" in s["message"], timeout=60, what="alpha unloaded")
     assert _models(engine) == {"alpha": "unloaded", "beta": "unloaded", "zeta": "loaded"}
@@ -250,13 +239,11 @@ def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_aga
     worker loads the load-on-startup set again, in the same container."""
     engine = _router(make_engine, load_on_startup=("alpha",))
     _library(engine)
-    proc = engine.start_worker()
+    engine.start_worker()
     generation = engine.request("running")
     engine.wait_state(generation, "running", timeout=120)
     container = client.containers.get(engine.container)
-    engine.defaults = {"ctx-size": 2048}
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload(defaults={"ctx-size": 2048})
     engine.wait_status(lambda s: "[*]\nctx-size = 2048" in (
         engine.cache_dir / "llama-models.ini").read_text(), timeout=30, what="the new preset")
     engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],

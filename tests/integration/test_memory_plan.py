@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -40,10 +39,6 @@ def shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return data
 
 
-def _up(engine: Engine, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    proc = engine.start_worker(*extra)
-    return proc, engine.wait_state(engine.request("running"), "running", timeout=120)
-
 
 def _settled(engine: Engine, generation: int) -> dict[str, Any]:
     return engine.wait_status(
@@ -66,7 +61,7 @@ def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client
     a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     port = free_port()
-    _up(a, "--metrics-port", str(port))
+    a.up("--metrics-port", str(port))
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         metrics = response.read().decode()
     assert _gauge(metrics, "lucia_worker_memory_need_bytes") == gib(0.5) + gib(0.1)
@@ -82,8 +77,7 @@ def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client
     # a replacement of a that needs more than there is: refused before a is stopped
     a.memory = {"weights_gib": 0.9, "kv_gib": 0.2}
     a.settings["READY_DELAY"] = "2"  # a new run spec: a replacement
-    a.write_recipe()
-    a.procs[-1].send_signal(signal.SIGHUP)
+    a.reload()
     refused = a.wait_status(lambda s: "needs 1.1 GiB" in s["message"], timeout=120)
     assert refused["state"] == "running", refused  # the old engine serves on, saying why
     assert refused["message"].endswith(  # nothing held: waiting cannot make it fit
@@ -116,7 +110,7 @@ def test_a_stopped_workers_engine_still_counts_until_it_stops(make_engine, clien
     # a generous readiness timeout: both workers build their images at once on a busy machine
     a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
-    proc, _ = _up(a)
+    proc, _ = a.up()
     assert a.stop_worker(proc, signal.SIGTERM) == 0
     assert client.containers.get(a.container).status == "running"  # left running
     b.start_worker()
@@ -137,10 +131,9 @@ def test_a_replacement_stopped_before_it_started_frees_its_claim(
     a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180,
                             settings={"STOP_DELAY": "5"})
     b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
-    _up(a)
+    a.up()
     a.settings["READY_DELAY"] = "2"  # a new run spec: a replacement
-    a.write_recipe()
-    a.procs[-1].send_signal(signal.SIGHUP)
+    a.reload()
     a.wait_status(lambda s: s["message"].startswith("stopping the engine container (replacing"),
                   timeout=60, what="the replacement's stop under way")
     a.wait_state(a.request("stopped"), "stopped", timeout=60)

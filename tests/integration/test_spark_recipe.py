@@ -8,8 +8,6 @@ import contextlib
 import hashlib
 import json
 import re
-import signal
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import docker
 import pytest
 
 from supervisor.docker import labels
-from tests.fixtures import Engine, RecipeRepo, shipped_recipe
+from tests.fixtures import Engine, RecipeRepo, http_text, shipped_recipe
 
 pytestmark = pytest.mark.docker
 
@@ -38,10 +36,6 @@ TENSORFOLD_ENV = {
 BAR = re.compile(r"model\.safetensors:\s+\d+%\|[# ]{10}\| [\d.]+G/106G")
 TOKEN = "hf_GatedM0delT0kenThatStaysSecret7"
 
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return str(response.read().decode())
 
 
 def _patches_hash(repo: RecipeRepo) -> str:
@@ -90,7 +84,7 @@ def test_the_shipped_recipe_serves_as_start_sh_does(make_engine, client, shipped
     assert all(m.count("model.safetensors") <= 1 for m in seen)  # ...one bar, never a screenful
 
     # started with the recipe's serve arguments, start.sh's variables and the four settings
-    launch = json.loads(_get(f"{status['url']}/tensorfold/launch.json"))
+    launch = json.loads(http_text(f"{status['url']}/tensorfold/launch.json"))
     assert launch["argv"] == SERVE_ARGS
     assert {k: v for k, v in launch["env"].items() if k.startswith("TENSORFOLD_")} == \
         TENSORFOLD_ENV
@@ -101,7 +95,8 @@ def test_the_shipped_recipe_serves_as_start_sh_does(make_engine, client, shipped
     host = container.attrs["HostConfig"]
     assert host["IpcMode"] == "host"
     assert {u["Name"]: u["Hard"] for u in host["Ulimits"]} == {"stack": 67108864}
-    assert json.loads(_get(f"{status['url']}/v1/models"))["data"][0]["id"] == "Qwen3.8-Flash-Next"
+    models = json.loads(http_text(f"{status['url']}/v1/models"))
+    assert models["data"][0]["id"] == "Qwen3.8-Flash-Next"
 
     # the same cache directories on both sides: prepare.sh filled what the container mounts
     mounts = {m["Destination"]: m["Source"] for m in container.attrs["Mounts"]}
@@ -123,7 +118,7 @@ def test_the_shipped_recipe_serves_as_start_sh_does(make_engine, client, shipped
 
 def test_a_typo_fails_the_check_and_the_engine_keeps_serving(make_engine, client) -> None:
     engine: Engine = make_engine(layout="real")
-    proc = engine.start_worker()
+    engine.start_worker()
     seen: list[str] = []
     status = _running(engine, seen)
     assert status["state"] == "running", status
@@ -131,9 +126,7 @@ def test_a_typo_fails_the_check_and_the_engine_keeps_serving(make_engine, client
     command = engine.recipe_path.read_text()
     typo = command.replace('"--kv-dtype"', '"--kv-dtpye"')
     assert typo != command
-    engine.recipe_text = typo
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload(recipe_text=typo)
     refused = engine.wait_status(lambda s: "--kv-dtpye" in s["message"], timeout=60)
     assert refused["state"] == "running" and refused["url"] == status["url"], refused
     assert "check refused" in refused["message"]
@@ -143,7 +136,7 @@ def test_a_typo_fails_the_check_and_the_engine_keeps_serving(make_engine, client
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         before.id, before.attrs["State"]["StartedAt"])
     assert after.status == "running"
-    assert json.loads(_get(f"{status['url']}/v1/models"))["data"]
+    assert json.loads(http_text(f"{status['url']}/v1/models"))["data"]
     leftovers = client.containers.list(all=True, filters={
         "label": [f"{labels.MANAGED}=check", f"{labels.NAME}={engine.name}"]})
     assert leftovers == []  # the throwaway check container is gone

@@ -5,39 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
 import urllib.request
-from datetime import datetime
 
 import docker
 import pytest
 
-from tests.fixtures import CLI, ROOT, Engine
+from tests.fixtures import CLI, ROOT, Engine, http_status, state_since
 
 pytestmark = pytest.mark.docker
 
 
-def _age(status: dict) -> float:
-    checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00"))
-    return (datetime.now(checked.tzinfo) - checked).total_seconds()
 
 
-def _since(status: dict) -> float:
-    return datetime.fromisoformat(status["since"].replace("Z", "+00:00")).timestamp()
-
-
-def _get(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return int(response.status)
-
-
-def _up(engine: Engine, *extra: str) -> tuple[subprocess.Popen[bytes], dict]:
-    proc = engine.start_worker(*extra)
-    generation = engine.request("running")
-    return proc, engine.wait_state(generation, "running", timeout=120)
 
 
 def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
@@ -49,7 +31,7 @@ def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
     assert first["url"] is None
     status = engine.wait_state(generation, "running", timeout=120)
     assert status["url"].startswith("http://")
-    assert _get(status["url"] + "/v1/models") == 200
+    assert http_status(status["url"] + "/v1/models") == 200
     assert status["message"]
     container = client.containers.get(engine.container)
     labels = container.labels
@@ -120,7 +102,7 @@ def _prepare_running(engine: Engine) -> bool:
 def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_engine,
                                                                       client) -> None:
     engine: Engine = make_engine(settings={"STOP_DELAY": "3"})
-    proc, _ = _up(engine)
+    proc, _ = engine.up()
     old = client.containers.get(engine.container)
     old_grammar = client.images.get(engine.image_tag + "-grammar").id
     engine.stop_worker(proc)
@@ -130,7 +112,7 @@ def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_eng
     engine.start_worker()
     generation = json.loads((engine.dir / "desired.json").read_text())["generation"]
     engine.wait_status(lambda s: s["generation"] == generation and s["state"] == "running"
-                       and _since(s) > since, timeout=120)
+                       and state_since(s) > since, timeout=120)
     new = client.containers.get(engine.container)
     assert new.id != old.id
     new_grammar = client.images.get(engine.image_tag + "-grammar")
@@ -150,7 +132,7 @@ def test_grammar_image_is_rebuilt_when_the_base_changes_and_not_otherwise(
     make_engine, client, recipe_repo
 ) -> None:
     engine: Engine = make_engine()
-    proc, _ = _up(engine)
+    proc, _ = engine.up()
     grammar = client.images.get(engine.image_tag + "-grammar")
     engine.stop_worker(proc)
     proc = engine.start_worker()
@@ -209,7 +191,7 @@ def test_failed_grammar_build_and_prepare_are_failed(make_engine, recipe_repo) -
 
 def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:
     engine: Engine = make_engine()
-    _up(engine)
+    engine.up()
     gateway = client.networks.get(engine.network).attrs["IPAM"]["Config"][0]["Gateway"]
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{gateway}:{engine.port}"]
@@ -217,18 +199,17 @@ def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:
         "__metrics_path__": "/metrics", "engine": "tensorfold", "model": "test/tiny-model",
         "recipe_commit": engine.commit, "name": engine.name,
     }
-    assert _get(f"http://{group['targets'][0]}/metrics") == 200
+    assert http_status(f"http://{group['targets'][0]}/metrics") == 200
     mode = os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777
     assert mode == 0o644
 
 
 def test_sighup_rereads_the_recipe(make_engine, client) -> None:
     engine: Engine = make_engine()
-    proc, _ = _up(engine)
+    engine.up()
     first = client.containers.get(engine.container).id
     engine.settings["CONTEXT"] = "100000"
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload()
     # a lower CONTEXT is a new run spec: the engine is replaced and runs with it
     second = engine.wait_status(
         lambda s: s["state"] == "running"
@@ -237,9 +218,7 @@ def test_sighup_rereads_the_recipe(make_engine, client) -> None:
     assert container.id == second["engine"]["containerId"]
     assert "CONTEXT=100000" in container.attrs["Config"]["Env"]
     first = container.id
-    engine.requirement = "xgrammar>=0.2.10,<0.3"
-    engine.write_recipe()
-    proc.send_signal(signal.SIGHUP)
+    engine.reload(requirement="xgrammar>=0.2.10,<0.3")
     engine.wait_status(
         lambda s: s["state"] == "running"
         and client.containers.get(engine.container).id != first, timeout=120)

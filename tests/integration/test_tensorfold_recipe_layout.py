@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from tests.fixtures import ROOT, RUN_ID, TEST_LABEL, free_port, git
+from tests.fixtures import ROOT, RUN_ID, TEST_LABEL, free_port, git, http_text
 
 pytestmark = pytest.mark.docker
 
@@ -318,10 +317,6 @@ def test_new_patches_rebuild_the_image_with_their_label(
             client.images.remove(recipe.image, force=True)
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return str(response.read().decode())
-
 
 def _serve(
     client: docker.DockerClient, prepared: Prepared, args: list[str], env: dict[str, str]
@@ -349,7 +344,7 @@ def _wait_ready(container: docker.models.containers.Container, port: int, timeou
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return _get(f"http://127.0.0.1:{port}/v1/models")
+            return http_text(f"http://127.0.0.1:{port}/v1/models")
         except OSError:
             container.reload()
             assert container.status in ("created", "running"), container.logs().decode()
@@ -374,8 +369,8 @@ def test_the_image_serves_as_start_sh_starts_it(
     try:
         models = json.loads(_wait_ready(container, port, 30))
         assert [m["id"] for m in models["data"]] == ["Qwen3.8-Flash-Next"]
-        assert "vllm:num_requests_running" in _get(f"http://127.0.0.1:{port}/metrics")
-        launch = json.loads(_get(f"http://127.0.0.1:{port}/tensorfold/launch.json"))
+        assert "vllm:num_requests_running" in http_text(f"http://127.0.0.1:{port}/metrics")
+        launch = json.loads(http_text(f"http://127.0.0.1:{port}/tensorfold/launch.json"))
         assert launch["argv"] == [
             "serve",
             MODEL_ID,

@@ -5,19 +5,19 @@ from __future__ import annotations
 import os
 import threading
 
-from supervisor.worker import loop
+from supervisor.worker import jobs
 
 
 def test_a_job_thread_runs_below_the_loop() -> None:
     seen: list[int] = []
 
     def job() -> None:
-        loop._yield_cpu()
+        jobs._yield_cpu()
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     thread = threading.Thread(target=job)
     thread.start()
     thread.join()
-    assert seen == [min(before + loop.JOB_NICE, 19)]
+    assert seen == [min(before + jobs.JOB_NICE, 19)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -12,6 +12,7 @@ import pytest
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, Mount, RunSpec, changed_settings
+from supervisor.engines.base import Observed
 from supervisor.engines.container import Network
 from supervisor.engines.tensorfold.engine import (
     Checkout,
@@ -22,33 +23,29 @@ from supervisor.engines.tensorfold.engine import (
 )
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
 from supervisor.recipe.loader import parse
-from supervisor.worker.plan import (
+from supervisor.worker.memory import (
     BACKOFF,
-    UNREQUESTED,
-    Answer,
-    AwaitReady,
-    Check,
-    Decision,
     Memory,
-    Observed,
-    Prepare,
-    Remove,
     Reported,
-    Start,
-    Stop,
     accept,
-    acknowledge,
     conclude,
     due,
-    failed,
     means_to_start,
-    plan,
     reloaded,
     reported,
+)
+from supervisor.worker.plan import (
+    UNREQUESTED,
+    Answer,
+    Decision,
+    acknowledge,
+    failed,
+    plan,
     shown,
     stalled,
     unobserved,
 )
+from supervisor.worker.steps import AwaitReady, Check, Prepare, Remove, Start, Stop
 from tests.support import MINIMAL_RECIPE
 
 IMAGE = "sha256:" + "a" * 64
@@ -612,7 +609,8 @@ def test_missing_when_the_prepare_makes_the_image(
 
 
 def test_importing_the_planner_imports_no_docker() -> None:
-    code = "import sys, supervisor.worker.plan; print('docker' in sys.modules)"
+    code = ("import sys, supervisor.worker.plan, supervisor.worker.memory, supervisor.worker.steps;"
+            " print('docker' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
