@@ -24,17 +24,11 @@ label=${LUCIA_LLAMA_LABEL:-org.lucia.llama-server.version}
 cache=${LUCIA_LLAMA_CACHE:-/var/cache/lucia/llama-server-apt}
 
 say() { printf '==> %s\n' "$*" >&2; }
-die() { printf 'llama-server-image.sh: %s\n' "$*" >&2; exit 1; }
 
-# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
-# A command substitution's failure is reported once, by the line that used it.
-on_error() {
-    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
-    local how="exit $1"
-    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
-    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
-    printf 'llama-server-image.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
-}
+# die, and on_error: what the ERR trap below prints
+source "$(dirname "${BASH_SOURCE[0]}")/lib/errors.sh"
+# debian_mirror
+source "$(dirname "${BASH_SOURCE[0]}")/lib/images.sh"
 set -E
 trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
 
@@ -67,23 +61,6 @@ for tool in mmdebstrap docker apt-get apt-cache; do
     command -v "$tool" >/dev/null || die "$tool is missing (scripts/machine.sh installs it)"
 done
 
-mirror() {
-    local uri
-    if [ -n "${LUCIA_LLAMA_MIRROR:-}" ]; then
-        echo "$LUCIA_LLAMA_MIRROR"
-        return
-    fi
-    if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-        uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
-    fi
-    if [ -z "${uri:-}" ] && [ -f /etc/apt/sources.list ]; then
-        uri=$(awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' \
-            /etc/apt/sources.list)
-    fi
-    [ -n "${uri:-}" ] || die "no Debian mirror found in /etc/apt (set LUCIA_LLAMA_MIRROR)"
-    echo "$uri"
-}
-
 # apt on a private sources list, lists and cache: only sid's index, nothing of the machine's.
 private_apt() {
     local tool=$1
@@ -112,7 +89,7 @@ sid_version() {
     awk '/^Version:/ && !found {print $2; found = 1}' "$cache/show.txt"
 }
 
-mirror=$(mirror)
+mirror=$(debian_mirror LUCIA_LLAMA_MIRROR)
 mkdir -p "$cache/lists/partial" "$cache/cache/archives/partial"
 if ! version=$(sid_version "$mirror"); then
     tail -20 "$cache/update.log" >&2

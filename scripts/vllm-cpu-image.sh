@@ -38,6 +38,8 @@ site=/opt/vllm/site-packages
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'vllm-cpu-image.sh: %s\n' "$*" >&2; exit 1; }
 trap 'die "line $LINENO: \"$BASH_COMMAND\" failed (exit $?)"' ERR
+# debian_mirror
+source "$(dirname "${BASH_SOURCE[0]}")/lib/images.sh"
 
 [ "$(id -u)" -eq 0 ] || die "run as root (mmdebstrap and docker import need it)"
 for tool in mmdebstrap docker tar "$python"; do
@@ -48,23 +50,6 @@ done
 mkdir -p "$logs"
 log=$logs/${image//[:\/]/_}
 
-mirror() {
-    local uri
-    if [ -n "${LUCIA_VLLM_MIRROR:-}" ]; then
-        echo "$LUCIA_VLLM_MIRROR"
-        return
-    fi
-    if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-        uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
-    fi
-    if [ -z "${uri:-}" ] && [ -f /etc/apt/sources.list ]; then
-        uri=$(awk '$1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' \
-            /etc/apt/sources.list)
-    fi
-    [ -n "${uri:-}" ] || die "no Debian mirror found in /etc/apt (set LUCIA_VLLM_MIRROR)"
-    echo "$uri"
-}
-
 existing=$(docker image inspect --format "{{index .Config.Labels \"$build_label\"}}" "$image" \
     2>/dev/null || true)
 if [ "$existing" = "$build" ]; then
@@ -74,7 +59,7 @@ if [ "$existing" = "$build" ]; then
 fi
 [ -z "$existing" ] || say "$image holds another build ($existing); building it again"
 
-mirror=$(mirror)
+mirror=$(debian_mirror LUCIA_VLLM_MIRROR)
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/lucia-vllm-cpu.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 rootfs=$work/rootfs

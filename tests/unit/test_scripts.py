@@ -23,6 +23,10 @@ OPERATOR_SCRIPTS = [
     ".ci/run",
 ]
 
+# sourced by the scripts above, never run on their own
+SHARED = ["scripts/lib/errors.sh", "scripts/lib/images.sh"]
+TRAP = """trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR"""
+
 # readers that can stop before their writer is done: head, grep -q / -m, sed ...q, awk ... exit
 EARLY_EXIT = re.compile(
     r"\|\s*(head\b|grep\s+(-\w*[qm]|--quiet|--max-count)|sed\b[^|]*[\d;{/'\s]q\b|awk\b[^|]*\bexit\b)"
@@ -71,7 +75,7 @@ def test_the_scripts_are_found() -> None:
     scripts = shell_scripts()
     for name in [*OPERATOR_SCRIPTS, "scripts/as-lucia", "tests/tensorfold-recipe/start.sh",
                  "tests/tensorfold-recipe/stand-in/bin/tensorfold",
-                 "demo/llama-router/llama-server"]:
+                 "demo/llama-router/llama-server", *SHARED]:
         assert name in scripts
 
 
@@ -97,8 +101,37 @@ def test_a_set_e_exit_names_what_failed(name: str) -> None:
     text = (ROOT / name).read_text()
     assert "set -euo pipefail" in text
     assert "\nset -E\n" in text
-    trap = """trap 'on_error "$?" "${PIPESTATUS[*]}" "$LINENO" "$BASH_COMMAND"' ERR"""
-    assert f"\n{trap}\n" in text
+    assert f"\n{TRAP}\n" in text
+
+
+def _script(path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """Run `body` as the script `path`, under the operator scripts' set -e and ERR trap."""
+    lib = ROOT / "scripts" / "lib"
+    path.write_text(
+        f"#!/usr/bin/env bash\nset -euo pipefail\nsource {lib}/errors.sh\n"
+        f"source {lib}/images.sh\nset -E\n{TRAP}\n{body}\n"
+    )
+    return subprocess.run(["bash", str(path)], capture_output=True, text=True, check=False,
+                          timeout=60)
+
+
+def test_the_shared_error_report_is_under_the_name_of_the_script(tmp_path: Path) -> None:
+    done = _script(tmp_path / "some-step.sh", "true\ntrue | sh -c 'exit 3'\necho not reached")
+    assert (done.returncode, done.stdout) == (3, "")
+    assert done.stderr == (
+        "some-step.sh: line 8: `sh -c 'exit 3'` failed (exit 3; pipeline exits 0 3)\n"
+    )
+
+
+def test_the_shared_die_is_under_the_name_of_the_script(tmp_path: Path) -> None:
+    done = _script(tmp_path / "other.sh", 'die "no such thing"\necho not reached')
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", "other.sh: no such thing\n")
+
+
+def test_the_mirror_variable_named_wins_over_the_machine_s_apt(tmp_path: Path) -> None:
+    done = _script(tmp_path / "image.sh",
+                   "MY_MIRROR=http://mirror.invalid/debian debian_mirror MY_MIRROR")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "http://mirror.invalid/debian\n", "")
 
 
 @pytest.mark.parametrize(
