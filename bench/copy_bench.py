@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.standalone import filesystem, machine, table, timed  # noqa: E402
 from supervisor.library import cache as gguf_cache  # noqa: E402
 from supervisor.library import fastcopy, ggufcheck  # noqa: E402
 from supervisor.library.models import scan  # noqa: E402
@@ -65,12 +64,6 @@ def write_tiny_gguf(path: Path, elements: int = 256) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def clear(directory: Path) -> None:
@@ -233,13 +226,6 @@ def recheck(work: Path, rounds: int) -> list[tuple[str, ...]]:
     ]
 
 
-def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    print()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--size-mib", type=int, default=512, help="size of each of 3 files")
@@ -247,15 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recheck-rounds", type=int, default=20)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: TMPDIR)")
     args = parser.parse_args(argv)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
-        f"Python {platform.python_version()}"
-    )
+    print(machine())
     with tempfile.TemporaryDirectory(prefix="lucia-copy-bench-", dir=args.dir) as tmp:
         work = Path(tmp)
-        fs = subprocess.run(
-            ["stat", "-f", "-c", "%T", str(work)], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        fs = filesystem(work)
         print(f"work directory: {work} ({fs}); page cache not dropped (warm sources)")
         print()
         (work / "copy").mkdir()

@@ -17,24 +17,24 @@ import argparse
 import hashlib
 import mmap
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "kvplugin"))
 
 from lucia_kv import blockfile, version  # noqa: E402
 from lucia_kv.config import StoreConfig, TierSpec  # noqa: E402
 from lucia_kv.store import Store  # noqa: E402
+
+from bench.standalone import filesystem, machine, table, timed  # noqa: E402
 
 MIB = 1024 * 1024
 KEY = b"benchmark cache key, 32 bytes ok"
@@ -118,12 +118,6 @@ def store_config(directory: Path, total: int, writers: int) -> StoreConfig:
     )
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run(work: Path, blocks: int, size: int, rounds: int, writers: int) -> list[tuple[str, ...]]:
     keys, data = keys_and_data(blocks, size)
     total = blocks * size
@@ -178,13 +172,6 @@ def run(work: Path, blocks: int, size: int, rounds: int, writers: int) -> list[t
     return rows
 
 
-def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    print()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--block-mib", type=float, default=2.0, help="bytes per block, MiB")
@@ -194,15 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: TMPDIR)")
     args = parser.parse_args(argv)
     size = int(args.block_mib * MIB)
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
-        f"Python {platform.python_version()}, load {os.getloadavg()[0]:.2f}"
-    )
+    print(f"{machine()}, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="lucia-kv-bench-", dir=args.dir) as tmp:
         work = Path(tmp)
-        fs = subprocess.run(
-            ["stat", "-f", "-c", "%T", str(work)], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        fs = filesystem(work)
         print(
             f"{args.blocks} blocks of {size / MIB:.2f} MiB ({args.blocks * size / MIB:.0f} MiB), "
             f"{args.rounds} rounds, median, {args.writers} writers, on {fs} ({work})"
