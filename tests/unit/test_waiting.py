@@ -101,15 +101,34 @@ def _start(data: Path, stderr: int) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def test_a_terminal_sees_one_updating_line_with_the_elapsed_time(tmp_path: Path) -> None:
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
-    proc = _start(tmp_path, slave)
-    os.close(slave)
-    screen = Collector(master)
+def _request(data: Path, side: int, reader: int, show: Callable[[Collector, int], None]) -> str:
+    """`request --wait` with its progress on `side` (closed here), read back through `reader`:
+    `show` writes the statuses while it waits, then the engine runs. What was read."""
+    proc = _start(data, side)
+    os.close(side)
+    seen = Collector(reader)
     try:
         assert proc.stdout is not None
         generation = int(proc.stdout.readline())
+        show(seen, generation)
+        write_status(data, "tf", generation, "running", message="serving")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = seen.close()
+    os.close(reader)
+    assert proc.returncode == 0
+    assert out == f"tf: running at {URL}\n"
+    return text
+
+
+def test_a_terminal_sees_one_updating_line_with_the_elapsed_time(tmp_path: Path) -> None:
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
+
+    def show(screen: Collector, generation: int) -> None:
         write_status(tmp_path, "tf", generation, "starting", message="downloading 10%")
         screen.wait_for(lambda t: "downloading 10%" in t, "the first progress")
         long = "downloading 20% " + "=" * 200
@@ -119,16 +138,8 @@ def test_a_terminal_sees_one_updating_line_with_the_elapsed_time(tmp_path: Path)
             lambda t: len(set(re.findall(r"tf: \[(\d+s)\] downloading 20%", t))) >= 2,
             "a redraw of the same message with a later elapsed time",
         )
-        write_status(tmp_path, "tf", generation, "running", message="serving")
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    text = screen.close()
-    os.close(master)
-    assert proc.returncode == 0
-    assert out == f"tf: running at {URL}\n"
+
+    text = _request(tmp_path, slave, master, show)
     assert "\n" not in text  # every redraw replaced the line; none became a new one
     assert text.startswith(CLEAR) and text.endswith(CLEAR)  # erased at the end for the outcome
     drawn = [line for line in text.split(CLEAR) if line]
@@ -139,26 +150,14 @@ def test_a_terminal_sees_one_updating_line_with_the_elapsed_time(tmp_path: Path)
 
 def test_a_pipe_sees_a_line_when_the_message_changes(tmp_path: Path) -> None:
     read, write = os.pipe()
-    proc = _start(tmp_path, write)
-    os.close(write)
-    log = Collector(read)
-    try:
-        assert proc.stdout is not None
-        generation = int(proc.stdout.readline())
+
+    def show(log: Collector, generation: int) -> None:
         write_status(tmp_path, "tf", generation, "starting", message="downloading 10%")
         log.wait_for(lambda t: "downloading 10%\n" in t, "a line for the first message")
         write_status(tmp_path, "tf", generation, "starting", message="downloading 20%")
         log.wait_for(lambda t: "downloading 20%\n" in t, "a line for the changed message")
-        write_status(tmp_path, "tf", generation, "running", message="serving")
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    text = log.close()
-    os.close(read)
-    assert proc.returncode == 0
-    assert out == f"tf: running at {URL}\n"
+
+    text = _request(tmp_path, write, read, show)
     assert "\r" not in text and "\x1b" not in text
     lines = text.splitlines()
     assert [line.split("] ", 1)[1] for line in lines if "downloading" in line] == [
