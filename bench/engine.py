@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor.protocol import host
+from tests.engine_dirs import EngineDirs
 
 from .status import Doc, StatusWatch, Timeout, read_json
 
@@ -27,7 +28,7 @@ WORKER = [PYTHON, "-m", "supervisor.cli", "worker"]
 
 
 @dataclass
-class Engine:
+class Engine(EngineDirs):
     """One engine: its recipe file, data and state directories, and its worker process."""
 
     lab: Lab
@@ -41,30 +42,6 @@ class Engine:
     heartbeat: float | None = None  # None: the worker's default (15 s)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
-
-    @property
-    def data_dir(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def dir(self) -> Path:
-        return self.data_dir / self.name
-
-    @property
-    def status_path(self) -> Path:
-        return self.dir / host.STATUS
-
-    @property
-    def container(self) -> str:
-        return f"lucia-{self.name}"
-
-    @property
-    def recipe_path(self) -> Path:
-        return self.root / f"{self.name}.toml"
 
     @property
     def environment(self) -> dict[str, str]:

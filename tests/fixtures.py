@@ -27,6 +27,7 @@ from typing import Any
 import docker
 import pytest
 
+from tests.engine_dirs import EngineDirs
 from tests.gpu_recordings import fake_nvidia_smi
 from tests.standin import (
     DEMO_REPO,
@@ -161,7 +162,7 @@ def shipped_recipe(repository: str, commit: str, network: str, port: int) -> str
 
 
 @dataclass
-class Engine:
+class Engine(EngineDirs):
     """One engine under test: its recipe, directories, and its worker processes."""
 
     name: str
@@ -202,22 +203,6 @@ class Engine:
     @property
     def data_dir(self) -> Path:
         return self.data_root or self.root / "data"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def dir(self) -> Path:
-        return self.data_dir / self.name
-
-    @property
-    def recipe_path(self) -> Path:
-        return self.root / f"{self.name}.toml"
-
-    @property
-    def container(self) -> str:
-        return f"lucia-{self.name}"
 
     @property
     def image_tag(self) -> str:
