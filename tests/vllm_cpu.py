@@ -148,7 +148,9 @@ def _wait_healthy(container: Any, url: str, timeout: float) -> float:
 def start_vllm_cpu(
     client: docker.DockerClient, vllm_cpu_image: str, tiny_llama_dir: Path
 ) -> Iterator[Callable[..., VllmServer]]:
-    """start(args=(), kv_cache_gib=1, timeout=600) -> a server whose /health answered."""
+    """start(args=(), kv_cache_gib=1, timeout=600, image=None, volumes=None, environment=None)
+    -> a server whose /health answered; image defaults to vllm_cpu_image, volumes and
+    environment are added to the model's mount and the KV cache size."""
     name = f"lucia-test-{RUN_ID}-vllm-cpu-{free_port()}"
     network = client.networks.create(name, driver="bridge", labels={TEST_LABEL: RUN_ID})
     network.reload()
@@ -156,11 +158,16 @@ def start_vllm_cpu(
     started: list[Any] = []
 
     def start(
-        args: Sequence[str] = (), kv_cache_gib: int = 1, timeout: float = 600
+        args: Sequence[str] = (),
+        kv_cache_gib: int = 1,
+        timeout: float = 600,
+        image: str | None = None,
+        volumes: dict[str, dict[str, str]] | None = None,
+        environment: dict[str, str] | None = None,
     ) -> VllmServer:
         port = free_port()
         container = client.containers.run(
-            vllm_cpu_image,
+            image or vllm_cpu_image,
             [
                 "--model", MODEL_DIR,
                 "--served-model-name", SERVED_NAME,
@@ -175,9 +182,13 @@ def start_vllm_cpu(
             labels={TEST_LABEL: RUN_ID},
             network=name,
             ports={f"{CONTAINER_PORT}/tcp": (gateway, port)},
-            volumes={str(tiny_llama_dir): {"bind": MODEL_DIR, "mode": "ro"}},
+            volumes={str(tiny_llama_dir): {"bind": MODEL_DIR, "mode": "ro"}, **(volumes or {})},
             shm_size=SHM_SIZE,
-            environment={"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"},
+            environment={
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                "HF_HUB_OFFLINE": "1",
+                **(environment or {}),
+            },
         )
         started.append(container)
         url = f"http://{gateway}:{port}"

@@ -159,6 +159,7 @@ def _stream(api: docker.APIClient, job: BuildRequest | PullRequest) -> Iterator[
         "tag": job.tag,
         "labels": dict(job.labels),
         "buildargs": dict(job.build_args),
+        "nocache": job.nocache,
         "rm": True,
         "forcerm": True,
         "decode": True,

@@ -19,6 +19,8 @@ RECIPE_REPOSITORY: Final = "lucia.recipe.repository"  # on recipe images
 GRAMMAR_BASE: Final = "lucia.grammar.base"  # on grammar images: the base image id
 GRAMMAR_REQUIREMENT: Final = "lucia.grammar.requirement"  # on grammar images: the pip pin
 GRAMMAR_MODULES: Final = "lucia.grammar.modules"  # on grammar images: the modules checked
+TIERS_BASE: Final = "lucia.tiers.base"  # on KV tier images: the base image id
+TIERS_VERSION: Final = "lucia.tiers.version"  # on KV tier images: the plugin's version
 
 # Bookkeeping that changes without changing what runs: never part of the fingerprint.
 BOOKKEEPING: Final = frozenset({GENERATION, FINGERPRINT})

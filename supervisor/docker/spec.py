@@ -121,3 +121,4 @@ class BuildRequest:
     dockerfile: str = "Dockerfile"
     dockerfile_text: str | None = None
     build_args: Mapping[str, str] = field(default_factory=dict)
+    nocache: bool = False  # every step run again, none taken from the build cache

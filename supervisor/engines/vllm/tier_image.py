@@ -1,0 +1,203 @@
+"""The KV tier image: the vLLM image plus the tier plugin, proven to import beside vLLM.
+
+`<vllm image>-tiers` is built FROM the engine image. The plugin (`kvplugin/`, distribution
+`lucia-kv-tiers`) goes in as an installed distribution made here with the standard library (its
+package files and a dist-info: METADATA, top_level.txt, RECORD), copied onto the image's Python
+path, since the engine image has no pip. A build step imports `lucia_kv.connector`, `vllm` and
+`cryptography` and checks the installed version. The image is labelled with the base image id
+and the plugin's version, and is rebuilt when either changes. The version is read from the
+plugin's pyproject.toml, never by importing the plugin.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
+from supervisor.docker.spec import BuildRequest
+
+MESSAGE: Final = "Adding the KV cache tiers to the vLLM image"
+DISTRIBUTION: Final = "lucia-kv-tiers"
+PACKAGE: Final = "lucia_kv"
+CONNECTOR: Final = "LuciaTierConnector"
+CONNECTOR_MODULE: Final = "lucia_kv.connector"
+CHECKED_MODULES: Final = (CONNECTOR_MODULE, "vllm", "cryptography")
+SOURCE: Final = Path(__file__).resolve().parents[3] / "kvplugin"
+SITE_PACKAGES: Final = "/opt/vllm/site-packages"  # the CPU image's PYTHONPATH
+PYTHON: Final = "/usr/bin/python3"
+SUFFIX: Final = "-tiers"
+CONTEXT_SITE: Final = "site-packages"  # the build context's folder copied onto the Python path
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")
+_PATH = re.compile(r"/[A-Za-z0-9._/-]+")
+# settings that are argv once in --kv-transfer-config; the key never is
+_SETTINGS: Final = frozenset(
+    {"namespace", "key_file", "metrics_file", "writers", "queue_blocks", "rebuild_max_entries",
+     "rebuild_max_seconds"}
+    | {f"{tier}_{what}" for tier in ("shm", "nvme", "hdd") for what in ("dir", "bytes")}
+)  # fmt: skip
+
+
+class PluginUnreadable(Exception):
+    """The plugin's source cannot be made into an image layer; str() says what and where."""
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """The plugin as it is installed: its version, requirements and package files."""
+
+    version: str
+    requires: tuple[str, ...]
+    requires_python: str
+    files: tuple[tuple[str, bytes], ...]  # (path under site-packages, content), sorted
+
+    @property
+    def dist_info(self) -> str:
+        return f"{DISTRIBUTION.replace('-', '_')}-{self.version}.dist-info"
+
+
+def read_plugin(source: Path = SOURCE) -> Plugin:
+    """The plugin from its source tree: pyproject.toml's [project] and the package's files."""
+    pyproject = source / "pyproject.toml"
+    try:
+        with pyproject.open("rb") as handle:
+            project = tomllib.load(handle)["project"]
+        name, version = project["name"], project["version"]
+        requires = tuple(str(item) for item in project.get("dependencies", ()))
+        requires_python = str(project.get("requires-python", ""))
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise PluginUnreadable(f"{pyproject}: no [project] name and version ({exc})") from None
+    if name != DISTRIBUTION:
+        raise PluginUnreadable(f"{pyproject} names {name!r}, not {DISTRIBUTION!r}")
+    if not isinstance(version, str) or not _VERSION.fullmatch(version):
+        raise PluginUnreadable(f"{pyproject}: version {version!r} is not a version")
+    package = source / PACKAGE
+    paths = sorted(
+        path for pattern in ("*.py", "py.typed") for path in package.rglob(pattern)
+    )  # fmt: skip
+    if not any(path.name == "connector.py" for path in paths):
+        raise PluginUnreadable(f"{package} holds no connector.py")
+    try:
+        files = tuple((str(path.relative_to(source)), path.read_bytes()) for path in paths)
+    except OSError as exc:
+        raise PluginUnreadable(f"{exc.filename}: {exc.strerror}") from None
+    return Plugin(version, requires, requires_python, files)
+
+
+def _record_line(path: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{path},sha256={digest},{len(data)}"
+
+
+def installed_files(plugin: Plugin) -> dict[str, bytes]:
+    """Pure: what an installer would put in site-packages for this plugin (a pure wheel's files
+    and its dist-info), by path under site-packages."""
+    metadata = [
+        "Metadata-Version: 2.1",
+        f"Name: {DISTRIBUTION}",
+        f"Version: {plugin.version}",
+        *([f"Requires-Python: {plugin.requires_python}"] if plugin.requires_python else []),
+        *(f"Requires-Dist: {requirement}" for requirement in plugin.requires),
+    ]
+    info = plugin.dist_info
+    files = dict(plugin.files)
+    files[f"{info}/METADATA"] = ("\n".join(metadata) + "\n").encode()
+    files[f"{info}/top_level.txt"] = f"{PACKAGE}\n".encode()
+    files[f"{info}/INSTALLER"] = b"lucia-supervisor\n"
+    record = [_record_line(path, data) for path, data in sorted(files.items())]
+    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
+    return files
+
+
+def tag(base_ref: str) -> str:
+    """`<vllm image>-tiers`: the base's tag with a suffix (a digest reference gets a tag made of
+    the digest's first 12 hex digits)."""
+    name, at, digest = base_ref.partition("@")
+    if at:
+        return f"{name}:{digest.partition(':')[2][:12]}{SUFFIX}"
+    slash = name.rfind("/")
+    if ":" in name[slash + 1 :]:
+        return name + SUFFIX
+    return f"{name}:latest{SUFFIX}"
+
+
+def labels(plugin: Plugin, base_id: str) -> dict[str, str]:
+    return {TIERS_BASE: base_id, TIERS_VERSION: plugin.version}
+
+
+def current(plugin: Plugin, base_id: str, image_labels: Mapping[str, str]) -> bool:
+    """Pure: is an image with these labels the tier image of this base and plugin version?"""
+    want = labels(plugin, base_id)
+    return all(image_labels.get(key) == value for key, value in want.items())
+
+
+def check_script(plugin: Plugin) -> str:
+    """The Python the build runs in the image: the modules import, the version is the plugin's."""
+    return (
+        f"import importlib.metadata, {', '.join(CHECKED_MODULES)}\n"
+        f"found = importlib.metadata.version({DISTRIBUTION!r})\n"
+        f"if found != {plugin.version!r}:\n"
+        f"    raise SystemExit(f'{DISTRIBUTION} is {{found}} in the image, not {plugin.version}')\n"
+        f"print({DISTRIBUTION!r}, found, 'imports beside vllm', vllm.__version__)\n"
+    )
+
+
+def dockerfile(plugin: Plugin, base: str, site: str = SITE_PACKAGES) -> str:
+    """FROM base (the base image's id); exec-form steps (JSON arrays): nothing is
+    shell-interpreted."""
+    if not _PATH.fullmatch(site):
+        raise ValueError(f"site-packages path {site!r} is not a plain absolute path")
+    copy = [f"{CONTEXT_SITE}/", site.rstrip("/") + "/"]
+    check = [PYTHON, "-c", check_script(plugin)]
+    return f"FROM {base}\nCOPY {json.dumps(copy)}\nRUN {json.dumps(check)}\n"
+
+
+def write_context(plugin: Plugin, base_id: str, directory: Path, site: str = SITE_PACKAGES) -> Path:
+    """Write the build context (Dockerfile FROM base_id, the installed files) into an empty
+    directory."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if any(directory.iterdir()):
+        raise ValueError(f"build context {directory} is not empty")
+    for relative, data in installed_files(plugin).items():
+        path = directory / CONTEXT_SITE / relative
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path.write_bytes(data)
+        path.chmod(0o644)
+    (directory / "Dockerfile").write_text(dockerfile(plugin, base_id, site))
+    return directory
+
+
+def build_request(
+    plugin: Plugin, base_ref: str, base_id: str, context: Path, *, nocache: bool = False
+) -> BuildRequest:
+    """The build of `tag(base_ref)` from a context write_context made for base_id."""
+    return BuildRequest(
+        tag=tag(base_ref),
+        labels=labels(plugin, base_id),
+        context=str(context),
+        nocache=nocache,
+    )
+
+
+def transfer_config(settings: Mapping[str, str | int] | None = None) -> str:
+    """The `--kv-transfer-config` JSON that selects the connector, with settings (tier dirs and
+    caps, namespace, metrics_file) in its extra config; the cache key is refused (argv)."""
+    extra = dict(settings or {})
+    unknown = sorted(set(extra) - _SETTINGS)
+    if unknown:
+        raise ValueError(f"not a tier setting for --kv-transfer-config: {', '.join(unknown)}")
+    config = {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    return json.dumps(config, sort_keys=True)

@@ -1,0 +1,342 @@
+"""The KV tier plugin as an image layer, in the real vLLM 0.32.0 CPU server.
+
+`<cpu image>-tiers` is built cold (no build cache) under a private tag through the project's own
+`Runtime.build`, from supervisor.engines.vllm.tier_image's context. Four servers run from it, in
+order, on the tiny model, with the NVMe and HDD tiers bind-mounted from a tmp dir: cold, after a
+restart, after one byte of every block file was flipped, and once with vLLM's own
+ExampleConnector (which writes the plaintext KV of the same prompt) for the encryption check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import re
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
+from supervisor.docker.runtime import Runtime
+from supervisor.engines.vllm import tier_image
+from tests.fixtures import RUN_ID
+from tests.vllm_cpu import SERVED_NAME, VllmServer
+
+pytestmark = pytest.mark.docker
+
+BLOCK_TOKENS = 128  # the CPU backend's KV block
+PROMPT = [random.Random(22).randrange(3, 512) for _ in range(2000)]  # token ids, no specials
+FULL_BLOCKS = len(PROMPT) // BLOCK_TOKENS  # 15 blocks, 1920 tokens
+MAX_TOKENS = 32
+NAMESPACE = "tiers-test"
+SOURCE = re.compile(
+    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
+)
+CORRUPT = re.compile(r"^lucia_kv_corrupt_total\{[^}]*\} (\S+)$", re.M)
+WAIT = 300.0  # the longest wait for the background writers; a limit, never an assertion
+
+
+@dataclass(frozen=True)
+class TierImage:
+    ref: str
+    id: str
+    base_id: str
+    seconds: float
+    lines: tuple[str, ...]
+
+
+@dataclass
+class Run:
+    """One server's answer to the prompt, where its prompt tokens came from, its start time."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    by_source: dict[str, float]
+    seconds_to_health: float
+    healthy_after: bool = True
+    corrupt: float = 0.0
+
+
+@dataclass
+class Runs:
+    work: Path
+    key: bytes
+    cold: Run
+    restarted: Run
+    damaged: Run
+    example: Run
+    flipped: int
+    block_files: list[Path] = field(default_factory=list)
+
+
+def _build(runtime: Runtime, request: Any) -> tuple[Any, list[str], float]:
+    lines: list[str] = []
+    started = time.monotonic()
+    image = runtime.build(request, lines.append, threading.Event())
+    return image, lines, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def tier_image_built(
+    client: docker.DockerClient, vllm_cpu_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TierImage]:
+    base = client.images.get(vllm_cpu_image)
+    repository = f"lucia-test-{RUN_ID}-vllm-cpu"
+    base.tag(repository, "base")
+    base_ref, base_id = f"{repository}:base", str(base.id)
+    plugin = tier_image.read_plugin()
+    context = tier_image.write_context(plugin, base_id, tmp_path_factory.mktemp("tier-context"))
+    request = tier_image.build_request(plugin, base_ref, base_id, context, nocache=True)
+    assert request.tag == f"{repository}:base-tiers"
+    runtime = Runtime()
+    built: list[str] = []  # removed by id too: a rebuild under the tag leaves it untagged
+    try:
+        image, lines, seconds = _build(runtime, request)
+        built.append(image.id)
+        print(f"\ntier image: cold build of {request.tag} in {seconds:.1f} s")
+        yield TierImage(request.tag, image.id, base_id, seconds, tuple(lines))
+    finally:
+        for ref in (request.tag, *built, base_ref):
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                client.images.remove(ref)
+
+
+def test_the_cold_build_ran_every_step_and_checked_the_plugin_beside_vllm(
+    tier_image_built: TierImage, client: docker.DockerClient
+) -> None:
+    assert not any("Using cache" in line for line in tier_image_built.lines)
+    assert any(
+        line.strip() == "lucia-kv-tiers 0.1.0 imports beside vllm 0.32.0"
+        for line in tier_image_built.lines
+    ), tier_image_built.lines[-20:]
+    labels = client.images.get(tier_image_built.ref).labels
+    plugin = tier_image.read_plugin()
+    assert labels[TIERS_BASE] == tier_image_built.base_id
+    assert labels[TIERS_VERSION] == plugin.version == "0.1.0"
+    assert tier_image.current(plugin, tier_image_built.base_id, labels)
+    assert not tier_image.current(plugin, "sha256:" + "0" * 64, labels), "another base: rebuild"
+
+
+def test_nocache_runs_again_the_steps_a_build_would_take_from_the_cache(
+    tier_image_built: TierImage, tmp_path: Path
+) -> None:
+    """The same build again takes its steps from the cache (`Using cache`, the same image);
+    with nocache, none: every step runs, a new image."""
+    plugin = tier_image.read_plugin()
+    context = tier_image.write_context(plugin, tier_image_built.base_id, tmp_path / "context")
+    base_ref = tier_image_built.ref.removesuffix(tier_image.SUFFIX)
+    request = tier_image.build_request(plugin, base_ref, tier_image_built.base_id, context)
+    runtime = Runtime()
+    cached, lines, _ = _build(runtime, request)
+    assert any("Using cache" in line for line in lines), lines
+    assert cached.labels[TIERS_VERSION] == plugin.version
+    cold, lines, _ = _build(runtime, dataclasses.replace(request, nocache=True))
+    assert not any("Using cache" in line for line in lines), lines
+    assert cold.id != cached.id
+
+
+def _metric(pattern: re.Pattern[str], text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for match in pattern.finditer(text):
+        key = match.group(1) if pattern.groups > 1 else ""
+        found[key] = found.get(key, 0.0) + float(match.groups()[-1])
+    return found
+
+
+def _block_files(work: Path) -> list[Path]:
+    return sorted(
+        path
+        for tier in ("nvme", "hdd")
+        for path in (work / tier).rglob("*")
+        if path.is_file() and not path.name.startswith(".tmp-")
+    )
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > WAIT:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.5)
+
+
+def _corrupt_count(work: Path) -> float:
+    path = work / "metrics" / "lucia-kv.prom"
+    return sum(_metric(CORRUPT, path.read_text()).values()) if path.exists() else 0.0
+
+
+def _serve(
+    start: Callable[..., VllmServer], image: str, work: Path, key: bytes, transfer: str
+) -> tuple[VllmServer, Run]:
+    volumes = {
+        str(work / name): {"bind": f"/kv/{name}", "mode": "rw"}
+        for name in ("nvme", "hdd", "metrics", "example")
+    }
+    server = start(
+        args=[
+            "--max-model-len", "2048",  # after the fixture's 1024: argparse keeps the last
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", transfer,
+        ],
+        image=image,
+        volumes=volumes,
+        environment={"LUCIA_KV_KEY": key.hex()},
+    )  # fmt: skip
+    answer = server.post(
+        "/v1/completions",
+        {
+            "model": SERVED_NAME,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=600,
+    )
+    assert answer.status == 200, answer.body[-2000:]
+    choice = answer.json()["choices"][0]
+    assert answer.json()["usage"]["prompt_tokens"] == len(PROMPT)
+    by_source = _metric(SOURCE, server.get("/metrics").body.decode())
+    run = Run(tuple(choice["token_ids"]), choice["text"], by_source, server.seconds_to_health)
+    print(f"\n/health in {run.seconds_to_health:.1f} s; prompt tokens by source {by_source}")
+    return server, run
+
+
+def _stop(server: VllmServer) -> None:
+    server.container.kill(signal="SIGTERM")
+    server.container.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tier_image_built: TierImage,
+    start_vllm_cpu: Callable[..., VllmServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Runs:
+    work = tmp_path_factory.mktemp("tiers")
+    for name in ("nvme", "hdd", "metrics", "example"):
+        (work / name).mkdir(mode=0o700)
+    key = os.urandom(32)
+    settings: dict[str, str | int] = {
+        "namespace": NAMESPACE,
+        "shm_dir": f"/dev/shm/lucia-kv/{NAMESPACE}",
+        "shm_bytes": 8 << 20,
+        "nvme_dir": f"/kv/nvme/{NAMESPACE}",
+        "nvme_bytes": 64 << 20,
+        "hdd_dir": f"/kv/hdd/{NAMESPACE}",
+        "hdd_bytes": 256 << 20,
+        "metrics_file": "/kv/metrics/lucia-kv.prom",
+    }
+    transfer = tier_image.transfer_config(settings)
+    image = tier_image_built.ref
+
+    def blocks_written() -> bool:
+        return len(_block_files(work)) >= 2 * FULL_BLOCKS
+
+    server, cold = _serve(start_vllm_cpu, image, work, key, transfer)
+    _wait_for(blocks_written, "every block on NVMe and HDD")  # vLLM's SIGTERM drops the queue
+    _stop(server)
+
+    server, restarted = _serve(start_vllm_cpu, image, work, key, transfer)
+    _stop(server)
+
+    flipped = 0
+    damaged_inodes = {path.stat().st_ino for path in _block_files(work)}
+    for path in _block_files(work):
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0x01
+        path.write_bytes(bytes(data))
+        flipped += 1
+    (work / "metrics" / "lucia-kv.prom").unlink(missing_ok=True)  # this store counts from 0
+    server, damaged = _serve(start_vllm_cpu, image, work, key, transfer)
+    _wait_for(lambda: _corrupt_count(work) > 0, "the corrupt counter in the metrics file")
+    damaged.corrupt = _corrupt_count(work)
+    damaged.healthy_after = server.get("/health").status == 200
+
+    def saved_again() -> bool:  # each block file replaced: a new file, renamed in
+        files = _block_files(work)
+        fresh = [path for path in files if path.stat().st_ino not in damaged_inodes]
+        return len(fresh) == len(files) >= 2 * FULL_BLOCKS
+
+    _wait_for(saved_again, "every damaged block saved again")
+    _stop(server)
+    block_files = _block_files(work)
+
+    example_config = (
+        '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"shared_storage_path": "/kv/example"}}'
+    )
+    server, example = _serve(start_vllm_cpu, image, work, key, example_config)
+    _wait_for(lambda: any((work / "example").rglob("*.safetensors")), "ExampleConnector's files")
+    _stop(server)
+    return Runs(work, key, cold, restarted, damaged, example, flipped, block_files)
+
+
+def test_after_a_restart_the_prompt_comes_from_the_tiers_with_the_same_answer(runs: Runs) -> None:
+    assert len(runs.cold.token_ids) == MAX_TOKENS
+    assert runs.cold.by_source.get("external_kv_transfer", 0.0) == 0.0
+    external = runs.restarted.by_source.get("external_kv_transfer", 0.0)
+    print(f"\nafter the restart: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers")
+    assert external >= 0.9 * len(PROMPT)
+    assert external == FULL_BLOCKS * BLOCK_TOKENS
+    assert runs.restarted.token_ids == runs.cold.token_ids
+    assert runs.restarted.text == runs.cold.text
+
+
+def test_block_files_are_0600_and_tier_directories_0700(runs: Runs) -> None:
+    assert len(runs.block_files) == 2 * FULL_BLOCKS
+    for path in runs.block_files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    directories = [
+        p for tier in ("nvme", "hdd") for p in (runs.work / tier).rglob("*") if p.is_dir()
+    ]
+    assert {p.name for p in directories} == {NAMESPACE}
+    for path in directories:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+
+
+def _plaintext_pieces(work: Path, count: int = 256) -> list[bytes]:
+    """Pieces of the KV ExampleConnector wrote (32 bytes at 64-byte steps of the tensor data:
+    half a head's row of bf16, contiguous in any layout), evenly spread, none of one byte only."""
+    data = b""
+    for path in sorted((work / "example").rglob("*.safetensors")):
+        raw = path.read_bytes()
+        header = int.from_bytes(raw[:8], "little")
+        data += raw[8 + header :]
+    pieces = [data[i : i + 32] for i in range(0, len(data) - 32, 64)]
+    varied = [piece for piece in pieces if len(set(piece)) > 4]
+    step = max(1, len(varied) // count)
+    return varied[::step][:count]
+
+
+def test_no_block_file_holds_the_plaintext_kv(runs: Runs) -> None:
+    assert runs.example.token_ids == runs.cold.token_ids, "the same prompt, the same KV"
+    pieces = _plaintext_pieces(runs.work)
+    assert len(pieces) >= 200
+    example_bytes = b"".join(p.read_bytes() for p in (runs.work / "example").rglob("*.safetensors"))
+    assert all(piece in example_bytes for piece in pieces), "the control: found where it is"
+    for path in runs.block_files:
+        data = path.read_bytes()
+        found = [piece for piece in pieces if piece in data]
+        assert not found, f"{path} holds plaintext KV"
+
+
+def test_a_byte_flipped_in_every_block_costs_a_recompute_and_changes_no_token(
+    runs: Runs,
+) -> None:
+    assert runs.flipped == 2 * FULL_BLOCKS
+    assert runs.damaged.token_ids == runs.cold.token_ids
+    assert runs.damaged.text == runs.cold.text
+    assert runs.damaged.corrupt > 0
+    assert runs.damaged.healthy_after
+    print(f"\ndamaged: {runs.flipped} files flipped, corrupt counter {runs.damaged.corrupt:.0f}")

@@ -1,0 +1,223 @@
+"""The KV tier image as a description: plugin, installed files, Dockerfile, labels, config."""
+
+from __future__ import annotations
+
+import base64
+import email.parser
+import hashlib
+import json
+import shutil
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
+from supervisor.engines.vllm import tier_image
+from supervisor.engines.vllm.tier_image import Plugin, PluginUnreadable
+
+BASE = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def plugin() -> Plugin:
+    return tier_image.read_plugin()
+
+
+def _copy(tmp_path: Path) -> Path:
+    source = tmp_path / "kvplugin"
+    shutil.copytree(tier_image.SOURCE, source, ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def test_the_version_is_the_plugins_own_metadata(plugin: Plugin) -> None:
+    assert plugin.version == "0.1.0"
+    assert plugin.requires == ("cryptography>=42",)
+    paths = [path for path, _ in plugin.files]
+    assert paths == sorted(paths)
+    assert {"lucia_kv/__init__.py", "lucia_kv/connector.py", "lucia_kv/py.typed"} <= set(paths)
+    assert not any("__pycache__" in path for path in paths)
+
+
+def test_a_version_bump_in_pyproject_is_seen_without_importing_the_plugin(tmp_path: Path) -> None:
+    source = _copy(tmp_path)
+    pyproject = source / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.2.0"'))
+    assert tier_image.read_plugin(source).version == "0.2.0"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (('name = "lucia-kv-tiers"', 'name = "other"'), "names 'other', not 'lucia-kv-tiers'"),
+        (('version = "0.1.0"', 'version = "0.1.0 ; rm"'), "is not a version"),
+        (('version = "0.1.0"', ""), "no \\[project\\] name and version"),
+        (("[project]", "[project"), "no \\[project\\] name and version"),
+    ],
+)
+def test_a_bad_pyproject_is_one_clear_error(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
+    source = _copy(tmp_path)
+    pyproject = source / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace(*change))
+    with pytest.raises(PluginUnreadable, match=message):
+        tier_image.read_plugin(source)
+
+
+def test_a_source_without_the_connector_is_refused(tmp_path: Path) -> None:
+    source = _copy(tmp_path)
+    (source / "lucia_kv" / "connector.py").unlink()
+    with pytest.raises(PluginUnreadable, match=r"holds no connector\.py"):
+        tier_image.read_plugin(source)
+    with pytest.raises(PluginUnreadable, match=r"pyproject\.toml"):
+        tier_image.read_plugin(tmp_path / "nowhere")
+
+
+def test_the_installed_files_are_a_distribution_importlib_reads(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    site = tmp_path / "site"
+    for relative, data in tier_image.installed_files(plugin).items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+    found = next(iter(metadata.distributions(path=[str(site)])))
+    assert found.metadata["Name"] == "lucia-kv-tiers"
+    assert found.version == plugin.version
+    assert found.requires == ["cryptography>=42"]
+    record = found.read_text("RECORD") or ""
+    rows = [line.split(",") for line in record.splitlines()]
+    assert [path for path, _, _ in rows][-1] == f"{plugin.dist_info}/RECORD"
+    for path, digest, size in rows[:-1]:
+        data = (site / path).read_bytes()
+        want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert (digest, int(size)) == (f"sha256={want}", len(data)), path
+
+
+def test_the_installed_files_are_what_pip_wheel_would_install(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """The same package files and metadata fields as the wheel setuptools builds."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "wheel"
+    source = _copy(tmp_path)  # pip builds in the tree: never in kvplugin/ itself
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
+        check=True,
+    )
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        built = {name: archive.read(name) for name in names if name.startswith("lucia_kv/")}
+        info = next(name for name in names if name.endswith(".dist-info/METADATA"))
+        fields = email.parser.BytesParser().parsebytes(archive.read(info))
+    ours = tier_image.installed_files(plugin)
+    assert {path: ours[path] for path in built} == built
+    assert set(path for path in ours if path.startswith("lucia_kv/")) == set(built)
+    assert info.split("/")[0] == plugin.dist_info
+    mine = email.parser.BytesParser().parsebytes(ours[f"{plugin.dist_info}/METADATA"])
+    for key in ("Name", "Version", "Requires-Python", "Requires-Dist"):
+        assert mine.get_all(key) == fields.get_all(key), key
+
+
+def test_labels_and_current(plugin: Plugin) -> None:
+    labels = tier_image.labels(plugin, BASE)
+    assert labels == {TIERS_BASE: BASE, TIERS_VERSION: "0.1.0"}
+    assert tier_image.current(plugin, BASE, {**labels, "other": "x"})
+    assert not tier_image.current(plugin, "sha256:" + "cd" * 32, labels), "a new base"
+    assert not tier_image.current(plugin, BASE, {**labels, TIERS_VERSION: "0.0.9"}), "a new plugin"
+    assert not tier_image.current(plugin, BASE, {})
+
+
+@pytest.mark.parametrize(
+    ("base", "tag"),
+    [
+        ("lucia-vllm-cpu:0.32.0-torch2.13.0", "lucia-vllm-cpu:0.32.0-torch2.13.0-tiers"),
+        ("vllm/vllm-openai:v0.32.0-cu129", "vllm/vllm-openai:v0.32.0-cu129-tiers"),
+        ("localhost:5000/vllm", "localhost:5000/vllm:latest-tiers"),
+        ("vllm@sha256:" + "0123456789ab" + "f" * 52, "vllm:0123456789ab-tiers"),
+    ],
+)
+def test_the_tag_is_the_base_with_tiers(base: str, tag: str) -> None:
+    assert tier_image.tag(base) == tag
+
+
+def test_the_dockerfile_copies_onto_the_python_path_and_checks_in_exec_form(
+    plugin: Plugin,
+) -> None:
+    lines = tier_image.dockerfile(plugin, BASE).splitlines()
+    assert lines[0] == f"FROM {BASE}"
+    assert json.loads(lines[1].removeprefix("COPY ")) == [
+        "site-packages/",
+        "/opt/vllm/site-packages/",
+    ]
+    check = json.loads(lines[2].removeprefix("RUN "))
+    assert check[:2] == ["/usr/bin/python3", "-c"]
+    assert check[2] == tier_image.check_script(plugin)
+    assert "import importlib.metadata, lucia_kv.connector, vllm, cryptography" in check[2]
+    with pytest.raises(ValueError, match="not a plain absolute path"):
+        tier_image.dockerfile(plugin, BASE, site="/opt/x; rm -rf /")
+
+
+def test_the_check_script_refuses_another_version(plugin: Plugin, tmp_path: Path) -> None:
+    """Run the check beside fake modules: the wrong installed version fails it."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    for relative, data in tier_image.installed_files(plugin).items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+    (site / "vllm.py").write_text("__version__ = 'fake'\n")
+    (site / "lucia_kv" / "connector.py").write_text("")
+    env = {"PYTHONPATH": str(site)}
+
+    def check(script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+        )
+
+    good = check(tier_image.check_script(plugin))
+    assert (good.returncode, good.stdout) == (0, "lucia-kv-tiers 0.1.0 imports beside vllm fake\n")
+    newer = Plugin("0.2.0", plugin.requires, plugin.requires_python, plugin.files)
+    bad = check(tier_image.check_script(newer))
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == "lucia-kv-tiers is 0.1.0 in the image, not 0.2.0"
+
+
+def test_the_context_holds_the_dockerfile_and_the_files(plugin: Plugin, tmp_path: Path) -> None:
+    context = tier_image.write_context(plugin, BASE, tmp_path / "context")
+    assert (context / "Dockerfile").read_text() == tier_image.dockerfile(plugin, BASE)
+    connector = context / "site-packages" / "lucia_kv" / "connector.py"
+    assert connector.read_bytes() == (tier_image.SOURCE / "lucia_kv" / "connector.py").read_bytes()
+    assert (connector.stat().st_mode & 0o777) == 0o644
+    with pytest.raises(ValueError, match="is not empty"):
+        tier_image.write_context(plugin, BASE, context)
+    request = tier_image.build_request(plugin, "lucia-vllm-cpu:1", BASE, context, nocache=True)
+    assert (request.tag, request.context, request.nocache) == (
+        "lucia-vllm-cpu:1-tiers",
+        str(context),
+        True,
+    )
+    assert request.labels == tier_image.labels(plugin, BASE)
+
+
+def test_the_transfer_config_selects_the_connector_with_recompute() -> None:
+    config = json.loads(tier_image.transfer_config({"nvme_dir": "/kv/nvme", "nvme_bytes": 5}))
+    assert config == {
+        "kv_connector": "LuciaTierConnector",
+        "kv_connector_module_path": "lucia_kv.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"nvme_dir": "/kv/nvme", "nvme_bytes": 5},
+    }
+    assert json.loads(tier_image.transfer_config())["kv_connector_extra_config"] == {}
+
+
+@pytest.mark.parametrize("name", ["key", "nvme_path", "LUCIA_KV_KEY"])
+def test_the_transfer_config_refuses_what_is_no_setting(name: str) -> None:
+    with pytest.raises(ValueError, match=f"not a tier setting for --kv-transfer-config: {name}"):
+        tier_image.transfer_config({name: "x"})
