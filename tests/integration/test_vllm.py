@@ -238,6 +238,8 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
     assert key not in (engine.dir / "status.json").read_text() and key not in engine.log_tail(500)
     seen = [space]
     for name, change in CHANGES.items():
+        # the plugin's blocks in the NVMe tier: once replaced, the cap needs their room
+        (engine.root / "kv-nvme" / space / "block").write_bytes(os.urandom(8192))
         change(engine, vllm_images)
         _reload(engine)
         old = container.id
@@ -248,9 +250,10 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
         container = client.containers.get(status["engine"]["containerId"])
         space, _ = _tiers(container, engine)
         assert space not in seen, f"a {name} change reused the namespace {space}"
+        assert not (engine.root / "kv-nvme" / seen[-1]).exists(), f"{name}: old blocks stayed"
         seen.append(space)
-    for tier in ("kv-nvme", "kv-hdd"):
-        assert sorted(os.listdir(engine.root / tier)) == sorted(seen)
+    assert os.listdir(engine.root / "kv-nvme") == [space]
+    assert sorted(os.listdir(engine.root / "kv-hdd")) == sorted(seen)  # empty ones: no room
 
 
 # -- the model download ------------------------------------------------------------------------
