@@ -280,3 +280,15 @@ def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_mess
     container = client.containers.get(engine.container)
     env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
     assert env["HF_HUB_OFFLINE"] == "1"  # vLLM loads what the step downloaded
+
+
+def test_a_failed_download_is_failed_with_its_last_lines_and_starts_nothing(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    engine = make_engine(kind="vllm", settings={"DOWNLOAD_FAIL": "1"})
+    engine.start_worker()
+    status = engine.wait_state(engine.request("running"), "failed", timeout=60)
+    assert status["message"].startswith("download of test/tiny-model (exit 1) failed: ")
+    assert "Revision Not Found" in status["message"]
+    assert client.containers.list(all=True, filters={"name": engine.container}) == []
+    assert client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"}) == []

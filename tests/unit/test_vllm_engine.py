@@ -18,6 +18,7 @@ from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm.engine import Vllm, reclaimable_mib
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.errors import Permanent
 from supervisor.hw import gpu
 from supervisor.protocol import files
 from supervisor.recipe.loader import parse
@@ -158,6 +159,9 @@ class _Images(Runtime):
     def container(self, name: str) -> None:
         return None
 
+    def run_streamed(self, *args: object, **kwargs: object) -> tuple[int, list[str]]:
+        raise AssertionError("no container may run for this case")
+
 
 def _hf_engine(tmp: Path, extra: str = "", secrets: str = "") -> Vllm:
     smi = fake_nvidia_smi(tmp / "gpu", "h100")
@@ -277,3 +281,15 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
         assert path.read_text().strip() == value
         assert stat.S_IMODE(path.stat().st_mode) == 0o400
         assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_path: Path) -> None:
+    found = _hf_engine(tmp_path)
+    found.recipe = found.recipe.model_copy(
+        update={"run": found.recipe.run.model_copy(update={"volumes": []})})
+    found.base_recipe = found.recipe
+    with pytest.raises(Permanent) as refused:  # _Images has no run_streamed: none was made
+        found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
+                   StepContext(threading.Event(), lambda _line: None))
+    assert "no writable [run] volume holds the Hugging Face cache" in str(refused.value)
+    assert 'target = "/root/.cache/huggingface"' in str(refused.value)
