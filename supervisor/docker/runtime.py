@@ -268,11 +268,19 @@ class Runtime:
         cid = created["Id"]
         tail: list[str] = []
         try:
-            with _translated(f"starting a step container on {image[:19]}"):
+            with _translated("connecting to docker"):  # no timeout: a download may be silent
+                follower = self._client(None)
+        except Transient:
+            self.remove(cid)
+            raise
+        try:
+            # attached before the start, so nothing is missed, and read as it is written: the
+            # log driver would hold a progress bar's \\r redraws back until a newline
+            with _translated(f"attaching to a step container on {image[:19]}"):
+                stream = follower.attach(cid, stdout=True, stderr=True, stream=True, logs=True)
                 api.start(cid)
-            reader = threading.Thread(
-                target=self._relay, args=(cid, progress, tail), daemon=True
-            )
+            reader = threading.Thread(target=self._relay, args=(stream, progress, tail),
+                                      daemon=True)
             reader.start()
             while reader.is_alive():
                 if cancel.wait(0.1):
@@ -281,18 +289,15 @@ class Runtime:
             code = self.wait(cid)
         finally:
             self.remove(cid)
+            follower.close()
         return (-1 if code is None else code), tail
 
-    def _relay(self, cid: str, progress: Progress, tail: list[str]) -> None:
-        """Follow a container's output to its end (its own connection: no timeout)."""
+    @staticmethod
+    def _relay(stream: Iterator[bytes], progress: Progress, tail: list[str]) -> None:
+        """Relay an attached container's output to its end."""
         try:
-            client = self._client(None)
-            try:
-                stream = client.logs(cid, stdout=True, stderr=True, stream=True, follow=True)
-                relay(stream, progress, tail)
-            finally:
-                client.close()
-        except (docker.errors.DockerException, requests.exceptions.RequestException):
+            relay(stream, progress, tail)
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError):
             return  # killed under us, or docker went away: the exit code says which
 
     def stop(self, container_id: str, grace: float) -> None:
