@@ -305,7 +305,11 @@ class Engine(EngineDirs):
             "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
             f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
             *(f"{k} = {toml_value(v)}" for k, v in
-              {"shm_size": "64m", "memory": "512m", **self.run_extra}.items()),
+              {"shm_size": "64m", "memory": "512m", **self.run_extra,
+               # the HF cache the model download fills; extra volumes come on top of it
+               "volumes": [{"source": str(self.root / "hf-cache"),
+                            "target": "/root/.cache/huggingface"},
+                           *self.run_extra.get("volumes", [])]}.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -70,11 +70,16 @@ def _read(stream: IO[bytes]) -> bytes:
 
 
 def _pump(stream: IO[bytes], progress: Callable[[str], None], tail: list[str]) -> None:
-    """Read output as bytes, split on newlines and carriage returns (progress bars redraw with
-    \\r): every line becomes progress, of a burst of redraws only the latest."""
+    relay(iter(lambda: _read(stream), b""), progress, tail)
+
+
+def relay(chunks: Iterable[bytes], progress: Callable[[str], None], tail: list[str]) -> None:
+    """Split output (bytes as they come) on newlines and carriage returns (progress bars redraw
+    with \\r): every line becomes progress, of a burst of redraws only the latest; tail holds
+    the last lines as they stand."""
     kept = Tail()
     pending = b""
-    for chunk in iter(lambda: _read(stream), b""):
+    for chunk in chunks:
         found, pending = segments(pending + chunk)
         for index, (text, line) in enumerate(found):
             kept.add(text, line)

@@ -21,8 +21,9 @@ from supervisor.docker import child
 from supervisor.docker.child import PullRequest
 from supervisor.docker.client import api_client
 from supervisor.docker.labels import MANAGED
-from supervisor.docker.spec import BuildRequest, Container, Gpus, Image, RunSpec
-from supervisor.errors import BuildFailed, Permanent, Transient
+from supervisor.docker.process import relay
+from supervisor.docker.spec import BuildRequest, Container, Gpus, Image, Mount, RunSpec
+from supervisor.errors import BuildFailed, Cancelled, Permanent, Transient
 
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
@@ -231,6 +232,73 @@ class Runtime:
             self.remove(cid)
         text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
         return code, [line for line in text.splitlines() if line.strip()]
+
+    def run_streamed(
+        self,
+        image: str,
+        command: list[str],
+        *,
+        entrypoint: str,
+        environment: dict[str, str],
+        mounts: tuple[Mount, ...],
+        network: str,
+        labels: dict[str, str],
+        progress: Progress,
+        cancel: threading.Event,
+    ) -> tuple[int, list[str]]:
+        """Run a short-lived container to its end, its output relayed as progress (a progress
+        bar redrawn with \\r as its latest redraw), and remove it: its exit code and the last
+        lines. A cancel kills and removes it at once (Cancelled). Containers carrying the same
+        labels that a killed worker left behind are removed first."""
+        api = self.api
+        marks = {**labels, MANAGED: "step"}
+        for left in self.containers([f"{k}={v}" for k, v in marks.items()], running=False):
+            self.remove(left.id)
+        host_config = api.create_host_config(
+            network_mode=network,
+            restart_policy={"Name": "no"},
+            binds={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
+                   for m in mounts} or None,
+        )
+        with _translated(f"creating a step container on {image[:19]}"):
+            created = api.create_container(
+                image, entrypoint=[entrypoint], command=command, environment=environment,
+                labels=marks, host_config=host_config,
+            )
+        cid = created["Id"]
+        tail: list[str] = []
+        try:
+            with _translated("connecting to docker"):  # no timeout: a download may be silent
+                follower = self._client(None)
+        except Transient:
+            self.remove(cid)
+            raise
+        try:
+            # attached before the start, so nothing is missed, and read as it is written: the
+            # log driver would hold a progress bar's \\r redraws back until a newline
+            with _translated(f"attaching to a step container on {image[:19]}"):
+                stream = follower.attach(cid, stdout=True, stderr=True, stream=True, logs=True)
+                api.start(cid)
+            reader = threading.Thread(target=self._relay, args=(stream, progress, tail),
+                                      daemon=True)
+            reader.start()
+            while reader.is_alive():
+                if cancel.wait(0.1):
+                    self.kill(cid)
+                    raise Cancelled("the step container was cancelled")
+            code = self.wait(cid)
+        finally:
+            self.remove(cid)
+            follower.close()
+        return (-1 if code is None else code), tail
+
+    @staticmethod
+    def _relay(stream: Iterator[bytes], progress: Progress, tail: list[str]) -> None:
+        """Relay an attached container's output to its end."""
+        try:
+            relay(stream, progress, tail)
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError):
+            return  # killed under us, or docker went away: the exit code says which
 
     def stop(self, container_id: str, grace: float) -> None:
         with _translated(f"stopping container {container_id[:12]}"):

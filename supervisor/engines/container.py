@@ -253,13 +253,15 @@ class ContainerEngine:
             memory=run.memory,
             ipc_mode=run.ipc,
             ulimits=run.ulimits,
-            mounts=(
-                *self.mounts(),
-                *(
-                    Mount(str(Path(recipe.expand(v.source)).expanduser()), v.target, v.read_only)
-                    for v in run.volumes
-                ),
-            ),
+            mounts=(*self.mounts(), *self.volumes()),
+        )
+
+    def volumes(self) -> tuple[Mount, ...]:
+        """The recipe's run volumes, `${SETTING}` and `~` expanded."""
+        recipe = self.base_recipe
+        return tuple(
+            Mount(str(Path(recipe.expand(v.source)).expanduser()), v.target, v.read_only)
+            for v in recipe.run.volumes
         )
 
     def target_group(self, endpoint: Endpoint, extra: Mapping[str, str]) -> TargetGroup:

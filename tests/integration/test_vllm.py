@@ -8,6 +8,7 @@ old blocks wrong gives a new directory, the old one never mounted again.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -167,7 +168,8 @@ def _tiers(container: Any, engine: Engine) -> tuple[str, dict[str, str]]:
     """The namespace the container mounts, after checking what it mounts and is told."""
     env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
     space = env["LUCIA_KV_NAMESPACE"]
-    mounts = {m["Destination"]: m["Source"] for m in container.attrs["Mounts"]}
+    mounts = {m["Destination"]: m["Source"] for m in container.attrs["Mounts"]
+              if m["Destination"].startswith("/kv/")}
     assert mounts == {"/kv/nvme": str(engine.root / "kv-nvme" / space),
                       "/kv/hdd": str(engine.root / "kv-hdd" / space)}
     assert env["LUCIA_KV_NVME_DIR"] == "/kv/nvme" and env["LUCIA_KV_HDD_DIR"] == "/kv/hdd"
@@ -184,6 +186,21 @@ def _tiers(container: Any, engine: Engine) -> tuple[str, dict[str, str]]:
     return space, env
 
 
+def _secrets_are_files(container: Any, files: dict[str, str]) -> None:
+    """Each secret is a read-only 0400 file named by its variable; docker inspect (its
+    environment, command, arguments, anything) never shows a value."""
+    inspected = json.dumps(container.attrs)
+    env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
+    assert "LUCIA_KV_KEY" not in env and "HF_TOKEN" not in env
+    mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
+    for variable, value in files.items():
+        assert value not in inspected, f"{variable}'s value is in docker inspect"
+        path = env[variable]
+        assert mounts[str(Path(path).parent)]["RW"] is False
+        code, shown = container.exec_run(["sh", "-c", f'stat -c %a "{path}"; cat "{path}"'])
+        assert code == 0 and shown.decode().split() == ["400", value]
+
+
 def _rotate_key(engine: Engine) -> None:
     (engine.root / "kv.key").write_text("a rotated cache key\n")
 
@@ -193,6 +210,8 @@ CHANGES: dict[str, Callable[[Engine, tuple[str, str]], None]] = {
     "image digest": lambda e, images: setattr(e, "vllm_repository", images[1]),
     "KV layout": lambda e, images: _set_tiers(e, block_size=32),
     "parallel configuration": lambda e, images: e.vllm.update({"tensor_parallel": 2}),
+    "quantization": lambda e, images: e.vllm.update({"quantization": "fp8"}),
+    "extra arguments": lambda e, images: e.vllm.update({"args": ["--block-size", "16"]}),
     "cache key": lambda e, images: _rotate_key(e),
 }
 
@@ -206,15 +225,21 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
     vllm_images: tuple[str, str],
 ) -> None:
     engine = make_engine(kind="vllm")
+    token = engine.root / "hf-token"
+    token.write_text("hf_token_value_" + RUN_ID + "\n")
+    token.chmod(0o600)
+    engine.secrets["HF_TOKEN"] = str(token)
     _up(engine)
     container = client.containers.get(engine.container)
-    space, env = _tiers(container, engine)
+    space, _ = _tiers(container, engine)
     key = (engine.root / "kv.key").read_text().strip()
-    assert env["LUCIA_KV_KEY"] == key  # the key: in the environment only
-    assert key not in " ".join(container.attrs["Args"])
+    _secrets_are_files(container, {"LUCIA_KV_KEY_FILE": key,
+                                   "HF_TOKEN_PATH": token.read_text().strip()})
     assert key not in (engine.dir / "status.json").read_text() and key not in engine.log_tail(500)
     seen = [space]
     for name, change in CHANGES.items():
+        # the plugin's blocks in the NVMe tier: once replaced, the cap needs their room
+        (engine.root / "kv-nvme" / space / "block").write_bytes(os.urandom(8192))
         change(engine, vllm_images)
         _reload(engine)
         old = container.id
@@ -225,6 +250,45 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
         container = client.containers.get(status["engine"]["containerId"])
         space, _ = _tiers(container, engine)
         assert space not in seen, f"a {name} change reused the namespace {space}"
+        assert not (engine.root / "kv-nvme" / seen[-1]).exists(), f"{name}: old blocks stayed"
         seen.append(space)
-    for tier in ("kv-nvme", "kv-hdd"):
-        assert sorted(os.listdir(engine.root / tier)) == sorted(seen)
+    assert os.listdir(engine.root / "kv-nvme") == [space]
+    assert sorted(os.listdir(engine.root / "kv-hdd")) == sorted(seen)  # empty ones: no room
+
+
+# -- the model download ------------------------------------------------------------------------
+
+
+def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_message(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    """The stand-in image's hf CLI (tests/vllm-standin/python3) draws a progress bar for 20 s;
+    the real CLI on the real image: tests/integration/test_vllm_model.py."""
+    engine = make_engine(kind="vllm",
+                         settings={"DOWNLOAD_STEPS": "40", "DOWNLOAD_STEP_SECONDS": "0.5"})
+    engine.start_worker()
+    generation = engine.request("running")
+    seen = engine.wait_status(lambda s: "model.safetensors:" in s["message"], timeout=60,
+                              what="the download's progress as the message")
+    assert seen["state"] == "starting" and seen["generation"] == generation
+    assert "\r" not in seen["message"] and seen["message"].count("model.safetensors") == 1
+    assert client.containers.list(filters={"name": engine.container}) == []  # not the readiness
+    engine.wait_state(generation, "running", timeout=120)
+    snapshot = (engine.root / "hf-cache" / "hub" / "models--test--tiny-model" / "snapshots"
+                / engine.revision)
+    assert (snapshot / "config.json").is_file()
+    container = client.containers.get(engine.container)
+    env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
+    assert env["HF_HUB_OFFLINE"] == "1"  # vLLM loads what the step downloaded
+
+
+def test_a_failed_download_is_failed_with_its_last_lines_and_starts_nothing(
+    make_engine: Callable[..., Engine], client: docker.DockerClient,
+) -> None:
+    engine = make_engine(kind="vllm", settings={"DOWNLOAD_FAIL": "1"})
+    engine.start_worker()
+    status = engine.wait_state(engine.request("running"), "failed", timeout=60)
+    assert status["message"].startswith("download of test/tiny-model (exit 1) failed: ")
+    assert "Revision Not Found" in status["message"]
+    assert client.containers.list(all=True, filters={"name": engine.container}) == []
+    assert client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"}) == []

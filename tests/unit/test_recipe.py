@@ -222,6 +222,9 @@ VLLM_BAD = [
     ("nightly with the short commit",
      VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "e68efc685ab1"\n'),
      "nightly_commit"),
+    ("nightly on another main commit",
+     VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "' + "a" * 40 + '"\n'),
+     "not the guide's pinned nightly: it must be the full 40-hex commit of vLLM main e68efc685ab1"),
     ("revision a branch", VM.replace("0123456789abcdef0123456789abcdef01234567", "main"),
      "revision"),
     ("revision a tag", VM.replace("0123456789abcdef0123456789abcdef01234567", "v1.0"),
@@ -245,6 +248,12 @@ VLLM_BAD = [
     ("unknown vllm key", VM.replace('[vllm]\n', '[vllm]\ngpu_memory_utilization = 0.9\n'),
      "unknown key"),
 ]
+
+
+def test_the_pinned_nightly_is_accepted() -> None:
+    text = VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "'
+                      + "e68efc685ab1" + "7" * 28 + '"\n')
+    assert parse(text, "nightly.toml").vllm.nightly_commit.startswith("e68efc685ab1")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("text", "needle"), [b[1:] for b in VLLM_BAD],

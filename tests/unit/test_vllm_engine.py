@@ -3,15 +3,24 @@ outputs), what a passing preflight decides, and what a replaced engine gives bac
 
 from __future__ import annotations
 
+import json
+import stat
+import threading
 from pathlib import Path
 
 import pytest
 
 from supervisor.docker.runtime import Runtime
+from supervisor.docker.spec import Image
+from supervisor.engines.base import Endpoint, StepContext
+from supervisor.engines.container import EngineImage
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm.engine import Vllm, reclaimable_mib
+from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.errors import Permanent
 from supervisor.hw import gpu
+from supervisor.protocol import files
 from supervisor.recipe.loader import parse
 from tests.gpu_recordings import fake_nvidia_smi
 
@@ -137,3 +146,150 @@ port = 8000
     (files / "model.safetensors").write_bytes(b"weights")
     assert found.model_manifest() != before
     assert found.extra_labels()["lucia.model.revision"] != revision
+
+
+# -- the model step, the namespace's parts and the secrets as files -----------------------------
+
+class _Images(Runtime):
+    """The runtime boundary, for what these cases ask: an image that is there, no container."""
+
+    def image(self, ref: str) -> Image | None:
+        return Image(id="sha256:" + "1" * 64, labels={})
+
+    def container(self, name: str) -> None:
+        return None
+
+    def run_streamed(self, *args: object, **kwargs: object) -> tuple[int, list[str]]:
+        raise AssertionError("no container may run for this case")
+
+
+def _hf_engine(tmp: Path, extra: str = "", secrets: str = "") -> Vllm:
+    smi = fake_nvidia_smi(tmp / "gpu", "h100")
+    parsed = parse(
+        f"""
+name = "v"
+engine = "vllm"
+[vllm]
+served_name = "m"
+max_model_len = 4096
+nvidia_smi = "{smi}"
+{extra}
+[vllm.model.hf]
+id = "org/model"
+revision = "0123456789abcdef0123456789abcdef01234567"
+[tiers]
+nvme = {{ path = "{tmp / 'nvme'}", max_bytes = "1g" }}
+[secrets]
+LUCIA_KV_KEY = "{tmp / 'kv.key'}"
+{secrets}
+[run]
+port = 8000
+volumes = [{{ source = "{tmp / 'hf'}", target = "/root/.cache/huggingface" }}]
+"""
+    )
+    assert isinstance(parsed, VllmRecipe)
+    (tmp / "kv.key").write_text("the cache key\n")
+    found = Vllm("v", parsed, _Images(), tmp / "state")
+    (tmp / "state").mkdir(exist_ok=True)
+    found._preflight(StepContext(threading.Event(), lambda _line: None))
+    return found
+
+
+def _downloaded(tmp: Path, config: dict[str, object]) -> Path:
+    """What the hf CLI leaves in the cache, in huggingface_hub's layout."""
+    snapshot = (tmp / "hf" / "hub" / "models--org--model" / "snapshots"
+                / "0123456789abcdef0123456789abcdef01234567")
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    return snapshot
+
+
+def test_a_hugging_face_model_is_a_download_step_after_the_pull(tmp_path: Path) -> None:
+    found = _hf_engine(tmp_path)
+    (step,) = found.prerequisites().missing
+    assert step == ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567")
+    assert "downloading org/model at 0123456789ab" in step.description
+
+
+def test_the_kv_layout_comes_from_the_models_config(tmp_path: Path) -> None:
+    found = _hf_engine(tmp_path)
+    _downloaded(tmp_path, {"num_hidden_layers": 2, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32})
+    layout = found.identity(_Images().image("x")).layout  # type: ignore[arg-type]
+    assert (layout.layers, layout.kv_heads, layout.head_dim) == (2, 2, 32)
+
+
+def test_the_library_models_config_gives_the_layout_with_the_defaults(tmp_path: Path) -> None:
+    files = tmp_path / "library" / "guid-1" / "files"
+    files.mkdir(parents=True)
+    (files / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 36, "num_attention_heads": 32, "hidden_size": 4096}))
+    parsed = parse(
+        f"""
+name = "v"
+engine = "vllm"
+[vllm]
+served_name = "m"
+max_model_len = 4096
+[vllm.model.library]
+models_dir = "{tmp_path / 'library'}"
+guid = "guid-1"
+[run]
+port = 8000
+"""
+    )
+    assert isinstance(parsed, VllmRecipe)
+    found = Vllm("v", parsed, _Images(), tmp_path / "state")
+    layout = found.identity(Image("sha256:" + "1" * 64, {})).layout
+    assert (layout.layers, layout.kv_heads, layout.head_dim) == (36, 32, 128)
+
+
+@pytest.mark.parametrize("change", ['quantization = "fp8"', 'args = ["--dtype", "float16"]'])
+def test_the_quantization_and_the_extra_arguments_change_the_namespace(
+    tmp_path: Path, change: str
+) -> None:
+    image = Image("sha256:" + "1" * 64, {})
+    plain = _hf_engine(tmp_path / "a")
+    changed = _hf_engine(tmp_path / "b", change)
+    # the same key and model (the key's file differs only by path)
+    assert plain.key_id() == changed.key_id()
+    assert plain.namespace(image) != changed.namespace(image)
+
+
+def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None:
+    token = tmp_path / "hf-token"
+    token.write_text("hf_secret_value\n")
+    found = _hf_engine(tmp_path, secrets=f'HF_TOKEN = "{token}"')
+    _downloaded(tmp_path, {})
+    files.write_atomic(found._model_stamp, json.dumps({"key": found._model_key()}).encode())
+    image = _Images().image("x")
+    assert image is not None
+    spec = found.run_spec(EngineImage("vllm/vllm-openai:v0.32.0-cu129", image),
+                          Endpoint("172.17.0.1", 8000))
+    assert "HF_TOKEN" not in spec.environment and "LUCIA_KV_KEY" not in spec.environment
+    assert spec.environment["HF_TOKEN_PATH"] == "/run/lucia-secrets/HF_TOKEN/value"
+    assert spec.environment["LUCIA_KV_KEY_FILE"] == "/run/lucia-secrets/LUCIA_KV_KEY/value"
+    assert spec.environment["HF_HUB_OFFLINE"] == "1"
+    shown = repr(spec)
+    assert "hf_secret_value" not in shown and "the cache key" not in shown
+    secret_mounts = {m.target: m for m in spec.mounts if m.target.startswith("/run/lucia-secrets")}
+    assert set(secret_mounts) == {"/run/lucia-secrets/HF_TOKEN", "/run/lucia-secrets/LUCIA_KV_KEY"}
+    assert all(m.read_only for m in secret_mounts.values())
+    found.check_more(spec, StepContext(threading.Event(), lambda _line: None))  # writes them
+    for name, value in (("HF_TOKEN", "hf_secret_value"), ("LUCIA_KV_KEY", "the cache key")):
+        path = Path(secret_mounts[f"/run/lucia-secrets/{name}"].source) / "value"
+        assert path.read_text().strip() == value
+        assert stat.S_IMODE(path.stat().st_mode) == 0o400
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_path: Path) -> None:
+    found = _hf_engine(tmp_path)
+    found.recipe = found.recipe.model_copy(
+        update={"run": found.recipe.run.model_copy(update={"volumes": []})})
+    found.base_recipe = found.recipe
+    with pytest.raises(Permanent) as refused:  # _Images has no run_streamed: none was made
+        found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
+                   StepContext(threading.Event(), lambda _line: None))
+    assert "no writable [run] volume holds the Hugging Face cache" in str(refused.value)
+    assert 'target = "/root/.cache/huggingface"' in str(refused.value)

@@ -1,5 +1,5 @@
 """vLLM on a GPU server: a GPU preflight before anything is pulled, the image it picks, the
-KV-cache tier directories, and one `vllm serve` container.
+model's download, the KV-cache tier directories, and one `vllm serve` container.
 
 The order of the prerequisites is the guarantee: `Preflight` (nvidia-smi read, the guide's
 refusals) comes before the image pull, so a refused recipe pulls and starts nothing. A pass is
@@ -27,8 +27,11 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
+from supervisor.engines.vllm import secretfiles
 from supervisor.engines.vllm import tiers as kv_tiers
+from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
@@ -93,6 +96,8 @@ class Vllm(ContainerEngine):
         self.recipe = recipe
         self.choices = recipe.preflight_choices()
         self._stamp = state_dir / "preflight.json"
+        self._model_stamp = state_dir / "model.json"
+        self._secrets_root = state_dir / "secrets"
         self._namespace: str | None = None  # of the spec last observed
         if self.memory is not None:  # a GPU limit is read with the recipe's nvidia-smi too
             smi = recipe.vllm.nvidia_smi
@@ -138,6 +143,9 @@ class Vllm(ContainerEngine):
         image = self.runtime.image(launch.image)
         if image is None:
             return Prerequisites((PulledImage(launch.image),))
+        hf = self.recipe.vllm.model.hf
+        if hf is not None and not self._downloaded():
+            return Prerequisites((ModelDownload(hf.id, hf.revision),))
         space = self.namespace(image)
         self._namespace = space
         if not all((tier.root / space).is_dir() for tier in self.recipe.tier_plan().disks):
@@ -145,19 +153,99 @@ class Vllm(ContainerEngine):
         return Prerequisites((), EngineImage(launch.image, image))
 
     def namespace(self, image: Image) -> str:
+        return kv_tiers.namespace(self.identity(image))
+
+    def identity(self, image: Image) -> kv_tiers.Identity:
+        """Everything that makes an old block wrong, for the namespace."""
         recipe, tiers = self.recipe, self.recipe.tiers
-        return kv_tiers.namespace(
-            kv_tiers.Identity(
-                model_manifest=self.model_manifest(),
-                image_digest=image.id,
-                plugin_version=tiers.plugin_version,
-                key_id=self.key_id(),
-                layout=kv_tiers.KvLayout(tiers.kv_dtype, tiers.block_size),
-                parallel=kv_tiers.Parallel(
-                    recipe.vllm.tensor_parallel, recipe.vllm.pipeline_parallel
-                ),
-            )
+        return kv_tiers.Identity(
+            model_manifest=self.model_manifest(),
+            image_digest=image.id,
+            plugin_version=tiers.plugin_version,
+            key_id=self.key_id(),
+            layout=kv_tiers.KvLayout(
+                tiers.kv_dtype, tiers.block_size, **hf_model.read_layout(self._model_dir())
+            ),
+            parallel=kv_tiers.Parallel(
+                recipe.vllm.tensor_parallel, recipe.vllm.pipeline_parallel
+            ),
+            engine_args=(f"quantization={recipe.vllm.quantization}", *recipe.vllm.args),
         )
+
+    # -- the model -----------------------------------------------------------------------------
+
+    def _model_dir(self) -> Path | None:
+        """Where the model's files are on the host: the HF snapshot, or the library's files."""
+        return self._snapshot() if self.recipe.vllm.model.hf else self._library_files()
+
+    def _snapshot(self) -> Path | None:
+        """The HF snapshot directory on the host, through the run volume holding the cache."""
+        hf = self.recipe.vllm.model.hf
+        assert hf is not None
+        inside = hf_model.snapshot(self.recipe.environment, hf.id, hf.revision)
+        return hf_model.on_host(inside, self.volumes())
+
+    def _model_key(self) -> str:
+        hf = self.recipe.vllm.model.hf
+        assert hf is not None
+        return hashlib.sha256(json.dumps([hf.id, hf.revision, str(self._snapshot())]).encode()
+                              ).hexdigest()
+
+    def _downloaded(self) -> bool:
+        """The download of this id and revision into this cache ended well, and is still there."""
+        try:
+            data = json.loads(files.read_text(self._model_stamp))
+        except (OSError, ValueError):
+            return False
+        snapshot = self._snapshot()
+        return (isinstance(data, dict) and data.get("key") == self._model_key()
+                and snapshot is not None and (snapshot / "config.json").is_file())
+
+    def _file_secrets(self) -> dict[str, str]:
+        """The recipe's secrets the engine reads from a file: name -> its path variable."""
+        names: dict[str, str] = {
+            n: secretfiles.TOKEN_PATH for n in hf_model.TOKEN_NAMES if n in self.recipe.secrets
+        }
+        if self.recipe.tiers.key_secret in self.recipe.secrets:
+            names[self.recipe.tiers.key_secret] = secretfiles.KEY_FILE
+        return names
+
+    def _download(self, what: ModelDownload, ctx: StepContext) -> None:
+        launch = self._passed()
+        image = self.runtime.image(launch.image) if launch else None
+        if image is None:
+            raise Blocked("the engine image is missing; it is pulled again")
+        snapshot = self._snapshot()
+        hf_model.download(
+            self.runtime,
+            what,
+            hf_model.Where(image.id, self.recipe.run.network, self.volumes(), snapshot),
+            settings=self.recipe.environment,
+            secrets=self.secrets(),
+            secrets_root=self._secrets_root,
+            labels={labels.NAME: self.name},
+            ctx=ctx,
+        )
+        files.write_atomic(self._model_stamp, json.dumps({"key": self._model_key()}).encode(),
+                           0o600)
+        log.info("model downloaded", model=what.repo_id, revision=what.revision)
+
+    # -- old namespaces ------------------------------------------------------------------------
+
+    def _prune(self, space: str, ctx: StepContext | None = None) -> None:
+        """Old namespaces go once the cap needs their room; never one our engine still mounts."""
+        keep = set()
+        with contextlib.suppress(Exception):
+            running = self.runtime.container(self.container_name)
+            if running is not None and running.running and NAMESPACE_LABEL in running.labels:
+                keep.add(running.labels[NAMESPACE_LABEL])
+        for tier in self.recipe.tier_plan().disks:
+            gone = kv_tiers.prune(tier.root, space, tier.max_bytes, tier.max_bytes,
+                                  frozenset(keep))
+            for path in gone:
+                log.info("old KV-cache namespace removed", tier=tier.name, namespace=path.name)
+                if ctx is not None:
+                    ctx.progress(f"KV-cache tier {tier.name}: removed old namespace {path.name}")
 
     def model_manifest(self) -> str:
         model = self.recipe.vllm.model
@@ -194,12 +282,19 @@ class Vllm(ContainerEngine):
                     except kv_tiers.TierRefused as exc:
                         raise Permanent(f"KV-cache tier {tier.name}: {exc}") from None
                     ctx.progress(f"KV-cache tier {tier.name}: {made}")
+                self._prune(space, ctx)
+            case ModelDownload():
+                self._download(what, ctx)
             case _:
                 super().make_own(what, ctx)
 
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
         """The GPU again, just before the start: the guide's refusals, and the memory share free
         on every GPU once the engine this start replaces is stopped."""
+        names = self._file_secrets()
+        if names:
+            secrets = self.secrets()
+            secretfiles.write(self._secrets_root, {n: secrets[n] for n in names})
         ctx.progress("checking the GPU again before the start")
         facts = self.probe()
         replaced = self.runtime.container(self.container_name)
@@ -242,14 +337,19 @@ class Vllm(ContainerEngine):
         space = self._namespace or self.namespace(found.image)
         plan = self.recipe.tier_plan()
         tiers = kv_tiers.container(plan, space, self.key_id())
-        environment = dict(base.environment)
+        names = self._file_secrets()
+        given = secretfiles.plan(self._secrets_root, names)
+        environment = {k: v for k, v in base.environment.items() if k not in names}
+        environment.update(given.environment)  # paths of read-only files, never the values
+        if self.recipe.vllm.model.hf is not None:  # downloaded by its own step: never at load
+            environment.setdefault("HF_HUB_OFFLINE", "1")
         if self.recipe.tiers.any:
-            environment.update(tiers.environment)  # the key itself came with the secrets
+            environment.update(tiers.environment)
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
             environment=environment,
-            mounts=mounts + base.mounts,
+            mounts=mounts + base.mounts + given.mounts,
             shm_size=f"{tiers.shm_size}b" if tiers.shm_size else base.shm_size,
             memory=f"{tiers.memory}b" if tiers.memory else base.memory,
             labels={**base.labels, NAMESPACE_LABEL: space},
@@ -291,5 +391,10 @@ class Vllm(ContainerEngine):
                  "served_name": self.recipe.vllm.served_name}
         return (self.target_group(endpoint, group),)
 
+    def started(self, container_id: str | None) -> None:
+        super().started(container_id)
+        if container_id is not None and self._namespace is not None:
+            self._prune(self._namespace)  # the replaced engine's namespace, once it has gone
+
     def private_files(self) -> tuple[Path, ...]:
-        return (self._stamp,)
+        return (self._stamp, self._model_stamp)

@@ -7,7 +7,7 @@ from typing import Annotated, Final, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
-from supervisor.engines.vllm.preflight import Choices
+from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, TierPlan
 from supervisor.recipe import reference
 from supervisor.recipe.schema import (
@@ -93,6 +93,13 @@ class Vllm(Section):
     def _nightly_pinned(self) -> Self:
         if self.channel == "nightly" and self.nightly_commit is None:
             raise ValueError("channel nightly needs nightly_commit (the full 40-hex commit)")
+        commit = self.nightly_commit
+        if commit is not None and not commit.startswith(NIGHTLY_COMMIT):
+            raise ValueError(
+                f"nightly_commit {commit[:12]} is not the guide's pinned nightly: it must be the "
+                f"full 40-hex commit of vLLM main {NIGHTLY_COMMIT} (the one nightly this "
+                "project is proven on)"
+            )
         return self
 
 

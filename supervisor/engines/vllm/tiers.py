@@ -9,13 +9,17 @@ environment, where each tier is, its cap, the namespace and the cache key:
     LUCIA_KV_SHM_DIR     /dev/shm/lucia-kv/<namespace>    LUCIA_KV_SHM_BYTES   its cap
     LUCIA_KV_NVME_DIR    /kv/nvme (the namespace's dir)   LUCIA_KV_NVME_BYTES  its cap
     LUCIA_KV_HDD_DIR     /kv/hdd                          LUCIA_KV_HDD_BYTES   its cap
-    LUCIA_KV_KEY         the cache key, read from its secret file; environment only, never argv
+    LUCIA_KV_KEY_FILE    a read-only 0400 file holding the cache key (secretfiles.py): the
+                         key is never in the environment, the arguments or a log
 
 A namespace is a digest of everything that makes an old block wrong: the model manifest (HF id
 and pinned revision, or the library model's file digests), the vLLM image digest, the plugin
 version, the key id (an HMAC of the key, so rotating the key changes the namespace without the
-key being written anywhere), the KV layout and the parallel configuration. Only the current
-namespace's directory is mounted, so the engine never sees blocks of another.
+key being written anywhere), the KV layout (from the model's config.json), the parallel
+configuration and the engine arguments that change what a block holds (the quantization, the
+extra `vllm serve` arguments). Only the current namespace's directory is mounted, so the engine
+never sees blocks of another; old namespaces are removed, oldest first, once the tier's cap
+needs their room (`prune`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hmac
 import json
 import os
 import re
+import shutil
 import stat
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -34,7 +39,6 @@ from typing import Final
 KEY_CONTEXT: Final = b"lucia-supervisor kv-cache key id v1"
 SHM_ROOT: Final = "/dev/shm/lucia-kv"
 CONTAINER_ROOT: Final = "/kv"
-KEY_ENV: Final = "LUCIA_KV_KEY"
 _NAMESPACE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -65,6 +69,7 @@ class Identity:
     key_id: str
     layout: KvLayout
     parallel: Parallel
+    engine_args: tuple[str, ...] = ()  # the quantization and the extra `vllm serve` arguments
 
 
 def hf_manifest(repo_id: str, revision: str) -> str:
@@ -107,7 +112,6 @@ class TierPlan:
 class ContainerTiers:
     volumes: tuple[tuple[str, str], ...]  # (host dir, container dir), read-write
     environment: dict[str, str]
-    secret_environment: tuple[str, ...]  # names whose values come from secret files
     shm_size: int
     memory: int
 
@@ -126,7 +130,7 @@ def container(plan: TierPlan, space: str, key_identity: str) -> ContainerTiers:
         volumes.append((str(tier.root / space), target))
         env[f"LUCIA_KV_{tier.name.upper()}_DIR"] = target
         env[f"LUCIA_KV_{tier.name.upper()}_BYTES"] = str(tier.max_bytes)
-    return ContainerTiers(tuple(volumes), env, (KEY_ENV,), plan.shm_size, plan.memory)
+    return ContainerTiers(tuple(volumes), env, plan.shm_size, plan.memory)
 
 
 def _check(fd: int, path: Path, uid: int) -> None:
@@ -208,3 +212,43 @@ def stale(root: Path, space: str) -> list[Path]:
     except FileNotFoundError:
         return []
     return [root / name for name in names if _NAMESPACE.fullmatch(name) and name != space]
+
+
+def _bytes(path: Path) -> int:
+    """What a namespace directory holds on disk (its files' allocated bytes, links not
+    followed)."""
+    total = 0
+    for top, dirs, names in os.walk(path, followlinks=False):
+        for name in (*names, *dirs):
+            try:
+                info = os.lstat(os.path.join(top, name))
+            except FileNotFoundError:
+                continue
+            total += info.st_blocks * 512 if not stat.S_ISDIR(info.st_mode) else 0
+    return total
+
+
+def prune(
+    root: Path, space: str, cap: int, reserve: int, keep: frozenset[str] = frozenset()
+) -> list[Path]:
+    """Remove other namespaces under a tier root, oldest (last changed) first, while the room
+    the current one is promised (reserve, its cap) and the others' bytes exceed the tier's cap.
+    Namespaces in keep (one a running engine still mounts) are never removed. Returns what was
+    removed."""
+    others = []
+    for path in stale(root, space):
+        if path.name in keep or path.is_symlink() or not path.is_dir():
+            continue
+        others.append((path.stat().st_mtime_ns, path, _bytes(path)))
+    others.sort(key=lambda found: (found[0], found[1].name))
+    held = sum(size for _, _, size in others) + sum(
+        _bytes(root / name) for name in keep if name != space and (root / name).is_dir()
+    )
+    removed = []
+    for _, path, size in others:
+        if reserve + held <= cap:
+            break
+        shutil.rmtree(path)
+        held -= size
+        removed.append(path)
+    return removed
