@@ -9,6 +9,8 @@ read-only, its port published on a labelled test network's gateway only; removed
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -187,3 +189,16 @@ def start_vllm_cpu(
     for container in started:
         container.remove(force=True)
     network.remove()
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_images(client: docker.DockerClient, vllm_cpu_image: str) -> Iterator[tuple[str, str]]:
+    """The CPU image, and a second image of the same server with another id (one label layer
+    on top, as a rebuild would give): a recipe that names the second replaces the engine."""
+    tag = f"lucia-test-vllm-cpu-{RUN_ID}:rebuilt"
+    dockerfile = f"FROM {vllm_cpu_image}\nLABEL {TEST_LABEL}={RUN_ID}\n"
+    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True,
+                        labels={TEST_LABEL: RUN_ID})
+    yield vllm_cpu_image, tag
+    with contextlib.suppress(docker.errors.APIError):
+        client.images.remove(tag, force=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -61,10 +62,10 @@ def _get(url: str) -> int:
         return int(response.status)
 
 
-def _up(engine: Engine, *extra: str) -> dict[str, Any]:
+def _up(engine: Engine, kind: Kind, *extra: str) -> dict[str, Any]:
     engine.start_worker(*extra)
     generation = engine.request("running")
-    return engine.wait_state(generation, "running", timeout=120)
+    return engine.wait_state(generation, "running", timeout=kind.start_timeout)
 
 
 def _scrape_url(group: dict[str, Any]) -> str:
@@ -146,7 +147,7 @@ def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
 
 def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    _up(engine, kind)
     died = time.monotonic()
     exit_text, logged = kind.die(client.containers.get(engine.container))
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
@@ -158,7 +159,7 @@ def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, clien
 
 def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    status = _up(engine, kind)
     before = client.containers.get(engine.container).attrs
     engine.stop_worker(engine.procs[-1])
     assert client.containers.get(engine.container).status == "running"
@@ -174,14 +175,15 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
 
 def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
     engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
-    status = _up(engine)
+    status = _up(engine, kind)
     old = client.containers.get(engine.container)
     engine.stop_worker(engine.procs[-1])
     kind.change_image(engine)
     since = time.time()
     engine.start_worker()
     engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and _since(s) > since, timeout=120)
+                       and s["state"] == "running" and _since(s) > since,
+                       timeout=kind.start_timeout)
     new = client.containers.get(engine.container)
     assert new.id != old.id and new.image.id != old.image.id
     events = client.events(since=since, until=time.time(), decode=True,
@@ -206,7 +208,7 @@ def test_one_worker_per_directory(kind: Kind) -> None:
 
 def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    _up(engine, kind)
     attrs = client.containers.get(engine.container).attrs
     gateway = _gateway(client, engine)
     bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
@@ -222,7 +224,7 @@ def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
 
 def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
     engine = kind.make()
-    _up(engine)
+    _up(engine, kind)
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
@@ -244,7 +246,7 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
 
 def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    status = _up(engine, kind)
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
     valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
@@ -282,24 +284,30 @@ def _edit_volume(engine: Engine) -> None:
     engine.run_extra["volumes"] = [{"source": str(extra), "target": "/extra", "read_only": True}]
 
 
-def _edit_memory_limit(engine: Engine) -> None:
-    engine.run_extra["memory"] = "256m"
+def _edit_memory_limit(engine: Engine, kind: Kind) -> None:
+    engine.run_extra["memory"] = kind.edited_memory
 
 
-def _edit_shm(engine: Engine) -> None:
-    engine.run_extra["shm_size"] = "32m"
+def _edit_shm(engine: Engine, kind: Kind) -> None:
+    engine.run_extra["shm_size"] = kind.edited_shm
 
 
-EDITS: dict[str, tuple[Callable[[Engine], None], Callable[[Any, Engine], bool]]] = {
-    "environment": (_edit_environment,
-                    lambda c, e: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
-    "port": (_edit_port, lambda c, e: str(e.port) in json.dumps(c.attrs["HostConfig"]
-                                                               ["PortBindings"])),
-    "volume": (_edit_volume, lambda c, e: any(m["Destination"] == "/extra"
-                                              for m in c.attrs["Mounts"])),
-    "memory limit": (_edit_memory_limit,
-                     lambda c, e: c.attrs["HostConfig"]["Memory"] == 256 * 1024 * 1024),
-    "shm": (_edit_shm, lambda c, e: c.attrs["HostConfig"]["ShmSize"] == 32 * 1024 * 1024),
+def _bytes(size: str) -> int:
+    return int(size[:-1]) * {"m": 1024**2, "g": 1024**3}[size[-1]]
+
+
+Edit = Callable[[Engine, Kind], None]
+EDITS: dict[str, tuple[Edit, Callable[[Any, Engine, Kind], bool]]] = {
+    "environment": (lambda e, k: _edit_environment(e),
+                    lambda c, e, k: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
+    "port": (lambda e, k: _edit_port(e),
+             lambda c, e, k: str(e.port) in json.dumps(c.attrs["HostConfig"]["PortBindings"])),
+    "volume": (lambda e, k: _edit_volume(e),
+               lambda c, e, k: any(m["Destination"] == "/extra" for m in c.attrs["Mounts"])),
+    "memory limit": (_edit_memory_limit, lambda c, e, k: c.attrs["HostConfig"]["Memory"]
+                     == _bytes(k.edited_memory)),
+    "shm": (_edit_shm,
+            lambda c, e, k: c.attrs["HostConfig"]["ShmSize"] == _bytes(k.edited_shm)),
 }
 
 
@@ -310,19 +318,20 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     with, picked up by SIGHUP, replaces it, and status says running only once it does."""
     change, applied = EDITS[edit]
     engine = kind.make()
-    status = _up(engine)
+    status = _up(engine, kind)
     before = client.containers.get(engine.container)
-    change(engine)
-    assert not applied(before, engine)
+    change(engine, kind)
+    assert not applied(before, engine, kind)
     engine.write_recipe()
     engine.procs[-1].send_signal(signal.SIGHUP)
     after_status = engine.wait_status(
         lambda s: s["state"] == "running"
         and s["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
+        timeout=kind.start_timeout)
     after = client.containers.get(engine.container)
     assert after.id != before.id and after.status == "running"
-    assert applied(after, engine), f"{edit} did not reach the new container"
+    assert applied(after, engine, kind), f"{edit} did not reach the new container"
     assert after_status["engine"]["containerId"] == after.id
     assert after_status["generation"] == status["generation"]
     assert all(_get(_scrape_url(group)) == 200 for group in engine.file_sd())
@@ -332,7 +341,7 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
 
 def test_status_names_what_runs(kind: Kind, client) -> None:
     engine = kind.make()
-    status = _up(engine)
+    status = _up(engine, kind)
     container = client.containers.get(engine.container)
     running = status["engine"]
     assert running["containerId"] == container.id
@@ -341,7 +350,10 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
     assert running["image"] in container.image.tags  # a name of the image it runs (by id)
     if kind.name == "tensorfold":
         assert running["recipeCommit"] == engine.commit
-    if kind.name == "vllm":
+    if kind.name == "vllm" and engine.vllm_device == "cpu":  # a library model's file digest
+        assert re.fullmatch(r"[0-9a-f]{16}", running["modelRevision"] or ""), running
+        assert running["model"] == "tiny-llama"
+    elif kind.name == "vllm":
         assert running["modelRevision"] == engine.revision
     engine.request("stopped")
     stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
@@ -353,7 +365,7 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     stopped, the status stays running and says why, the file_sd target stays, and the Check is
     tried again after a back-off: once the port is free, the replacement goes ahead."""
     engine = kind.make()
-    status = _up(engine)
+    status = _up(engine, kind)
     before = client.containers.get(engine.container)
     (target,) = {tuple(group["targets"]) for group in engine.file_sd()}
     with socket.socket() as squatter:
@@ -384,7 +396,8 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     # the port is free now: the next try passes and the engine is replaced, with no new request
     replaced = engine.wait_status(
         lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
+        timeout=kind.start_timeout)
     assert replaced["generation"] == status["generation"]
     assert replaced["url"] == f"http://{_gateway(client, engine)}:{engine.port}"
     assert all(group["targets"] == [f"{_gateway(client, engine)}:{engine.port}"]

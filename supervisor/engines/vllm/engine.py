@@ -1,5 +1,6 @@
 """vLLM on a GPU server: a GPU preflight before anything is pulled, the image it picks, the
-KV-cache tier directories, and one `vllm serve` container.
+KV-cache tier directories, and one `vllm serve` container; on a CPU server (`device = "cpu"`)
+the recipe's CPU image with no GPU read at all (engines/vllm/cpu.py).
 
 The order of the prerequisites is the guarantee: `Preflight` (nvidia-smi read, the guide's
 refusals) comes before the image pull, so a refused recipe pulls and starts nothing. A pass is
@@ -27,12 +28,15 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.vllm import cpu
+from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
 from supervisor.memplan import guard, probe
+from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
 
@@ -94,7 +98,8 @@ class Vllm(ContainerEngine):
         self.choices = recipe.preflight_choices()
         self._stamp = state_dir / "preflight.json"
         self._namespace: str | None = None  # of the spec last observed
-        if self.memory is not None:  # a GPU limit is read with the recipe's nvidia-smi too
+        self.cpu = recipe.vllm.device == "cpu"
+        if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
                 machine, gpu=lambda: probe.nvidia_smi_query(nvidia_smi=smi)
@@ -108,6 +113,12 @@ class Vllm(ContainerEngine):
     def _choices_key(self) -> str:
         blob = json.dumps([repr(self.choices), self.recipe.vllm.nvidia_smi], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _launch(self) -> pf.Launch | None:
+        """What runs: on a CPU the recipe's image; on a GPU the last preflight's pass."""
+        if self.cpu:
+            return cpu.launch(self.choices, self.recipe.vllm.image)
+        return self._passed()
 
     def _passed(self) -> pf.Launch | None:
         """The launch of the last preflight that passed for these choices, if any."""
@@ -132,7 +143,7 @@ class Vllm(ContainerEngine):
     # -- observe -------------------------------------------------------------------------------
 
     def prerequisites(self) -> Prerequisites:
-        launch = self._passed()
+        launch = self._launch()
         if launch is None:  # nothing is pulled before the GPU says which image, or refuses
             return Prerequisites((Preflight(),))
         image = self.runtime.image(launch.image)
@@ -199,7 +210,9 @@ class Vllm(ContainerEngine):
 
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
         """The GPU again, just before the start: the guide's refusals, and the memory share free
-        on every GPU once the engine this start replaces is stopped."""
+        on every GPU once the engine this start replaces is stopped. A CPU has none of this."""
+        if self.cpu:
+            return
         ctx.progress("checking the GPU again before the start")
         facts = self.probe()
         replaced = self.runtime.container(self.container_name)
@@ -220,8 +233,18 @@ class Vllm(ContainerEngine):
     # -- run -----------------------------------------------------------------------------------
 
     def command(self) -> tuple[str, ...]:
-        launch = self._passed()
+        launch = self._launch()
         return (*(launch.args if launch else ()), *self.parallel_args())
+
+    def memory_need(self) -> EngineNeed | None:
+        """The container's limit on a CPU; on a GPU the recipe's share of the memory limit."""
+        if self.cpu:
+            return vllm_memory.cpu_need(self.recipe)
+        if self.memory is None:
+            return None
+        # the share of the limit the plan measures: the GPUs' memory on a GPU server, the
+        # unified memory on a Spark (its GPU reports none)
+        return vllm_memory.gpu_need(self.recipe, self.memory.measure(guard.load_settings()).limit)
 
     def parallel_args(self) -> tuple[str, ...]:
         """The parallel configuration and KV layout the namespace names, as vLLM flags."""
@@ -245,6 +268,8 @@ class Vllm(ContainerEngine):
         environment = dict(base.environment)
         if self.recipe.tiers.any:
             environment.update(tiers.environment)  # the key itself came with the secrets
+        if self.cpu:
+            environment.update(cpu.environment(self.recipe.vllm.kv_cache_gib))
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
