@@ -12,7 +12,7 @@ from supervisor.docker.spec import Image
 from supervisor.engines.base import Endpoint
 from supervisor.engines.container import EngineImage
 from supervisor.engines.vllm import memory
-from supervisor.engines.vllm.engine import Preflight, Vllm
+from supervisor.engines.vllm.engine import MemoryFit, Preflight, Vllm
 from supervisor.engines.vllm.kind import KIND
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.memplan.fit import Budget
@@ -124,3 +124,21 @@ def test_engine_image_is_what_the_spec_runs(tmp_path: Path) -> None:
     found = EngineImage("lucia-vllm-cpu:0.32.0-torch2.13.0", Image(id="sha256:" + "b" * 64,
                                                                    labels={}))
     assert engine.run_spec(found, Endpoint("172.17.0.1", 8123)).image == "sha256:" + "b" * 64
+
+
+class NoImage(NoDocker):
+    """The image is not on this dockerd: a start would pull it."""
+
+    def image(self, ref: str) -> Image | None:
+        return None
+
+
+def test_a_missing_cpu_image_is_pulled_only_after_run_memory_fits(tmp_path: Path) -> None:
+    (tmp_path / "library" / "g1" / "files").mkdir(parents=True)
+    engine = Vllm("c", parsed(cpu_recipe(tmp_path)), NoImage(), tmp_path / "state",
+                  tmp_path / "data")
+    (first,) = engine.prerequisites().missing
+    assert first == MemoryFit(6 * GIB)  # before the pull: nothing is fetched for a refusal
+    assert memory.refused(memory.cpu_fit(engine.recipe, 24 * GIB, 18 * GIB)) is None
+    why = memory.refused(memory.cpu_fit(engine.recipe, 8 * GIB, 4 * GIB))
+    assert why is not None and "needs 6.0 GiB, 4.0 GiB left" in why and "Lower run.memory" in why

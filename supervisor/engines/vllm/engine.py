@@ -56,6 +56,17 @@ class Preflight:
 
 
 @dataclass(frozen=True)
+class MemoryFit:
+    """On a CPU, before the image is pulled: does run.memory fit this machine at all?"""
+
+    need: int  # bytes: a recipe with another run.memory is checked again
+
+    @property
+    def description(self) -> str:
+        return "checking that vLLM's run.memory fits this machine"
+
+
+@dataclass(frozen=True)
 class TierDirectories:
     """The namespace's directory under each disk tier, owner-only."""
 
@@ -99,6 +110,7 @@ class Vllm(ContainerEngine):
         self._stamp = state_dir / "preflight.json"
         self._namespace: str | None = None  # of the spec last observed
         self.cpu = recipe.vllm.device == "cpu"
+        self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
@@ -148,6 +160,9 @@ class Vllm(ContainerEngine):
             return Prerequisites((Preflight(),))
         image = self.runtime.image(launch.image)
         if image is None:
+            need = self.recipe.memory_limit if self.cpu and self.memory is not None else None
+            if need is not None and need != self._fitted:  # a pull only for a start that fits
+                return Prerequisites((MemoryFit(need),))
             return Prerequisites((PulledImage(launch.image),))
         space = self.namespace(image)
         self._namespace = space
@@ -198,6 +213,15 @@ class Vllm(ContainerEngine):
         match what:
             case Preflight():
                 self._preflight(ctx)
+            case MemoryFit(need):
+                room = guard.room(None)  # the machine alone: what others hold is the Check's
+                budget = room.budget
+                why = vllm_memory.refused(vllm_memory.cpu_fit(self.recipe, budget.limit,
+                                                              budget.reserves))
+                if why is not None:
+                    raise Permanent(why)
+                self._fitted = need
+                ctx.progress(f"run.memory fits this machine (limit {budget.limit} bytes)")
             case TierDirectories(space):
                 for tier in self.recipe.tier_plan().disks:
                     try:

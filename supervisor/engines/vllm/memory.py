@@ -9,7 +9,7 @@ counted once, as it is: the weights multiplier calibrates GGUF file sizes, not a
 from __future__ import annotations
 
 from supervisor.engines.vllm.recipe import VllmRecipe
-from supervisor.memplan.fit import Budget, check
+from supervisor.memplan.fit import Budget, Fits, Verdict, check
 from supervisor.memplan.need import EngineNeed, figures
 from supervisor.memplan.overview import EnginePlan
 
@@ -20,6 +20,20 @@ def cpu_need(recipe: VllmRecipe) -> EngineNeed | None:
     if limit is None:
         return None
     return _need(recipe, limit, "Lower run.memory")
+
+
+def cpu_fit(recipe: VllmRecipe, limit: int, reserves: int) -> Verdict | None:
+    """Whether run.memory fits the machine at all (its limit less the reserves, nothing held):
+    the check a CPU start passes before its image is pulled. None when nothing is planned."""
+    need = cpu_need(recipe)
+    if need is None:
+        return None
+    return check(need, Budget(limit, reserves))
+
+
+def refused(verdict: Verdict | None) -> str | None:
+    """The refusal's message, or None when it fits (or nothing was planned)."""
+    return None if verdict is None or isinstance(verdict, Fits) else verdict.message
 
 
 def gpu_need(recipe: VllmRecipe, gpu_total: int) -> EngineNeed:
