@@ -280,7 +280,9 @@ class Engine:
     def _write_vllm_cpu_recipe(self) -> Path:
         """The real CPU server (recipes/vllm-cpu.toml's shape) on a Ready library model."""
         vllm = {"device": "cpu", "image": self.vllm_image, "kv_cache_gib": 1,
-                "served_name": "tiny", "max_model_len": 1024, "args": ["--dtype", "bfloat16"],
+                "served_name": "tiny", "max_model_len": 1024,
+                # eager: no torch.compile at start, which halves the tiny model's load here
+                "args": ["--dtype", "bfloat16", "--enforce-eager"],
                 **self.vllm}
         lines = [
             f'name = "{self.name}"', 'engine = "vllm"', 'model = "tiny-llama"',
