@@ -3,12 +3,15 @@ memory plan counts the container's limit (a GPU recipe: its share of the limit).
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Image
+from supervisor.docker.spec import Container, Image
 from supervisor.engines.base import Endpoint
 from supervisor.engines.container import EngineImage
 from supervisor.engines.vllm import memory
@@ -18,6 +21,7 @@ from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.memplan.fit import Budget
 from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
+from supervisor.worker import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024**3
@@ -142,3 +146,60 @@ def test_a_missing_cpu_image_is_pulled_only_after_run_memory_fits(tmp_path: Path
     assert memory.refused(memory.cpu_fit(engine.recipe, 24 * GIB, 18 * GIB)) is None
     why = memory.refused(memory.cpu_fit(engine.recipe, 8 * GIB, 4 * GIB))
     assert why is not None and "needs 6.0 GiB, 4.0 GiB left" in why and "Lower run.memory" in why
+
+
+class VersionServer(http.server.BaseHTTPRequestHandler):
+    """vLLM's /version, answering whatever body the test gives it."""
+
+    body = b'{"version": "0.32.0"}'
+    asked = 0
+
+    def do_GET(self) -> None:
+        type(self).asked += 1
+        self.send_response(200 if self.path == "/version" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def running(container_id: str) -> Container:
+    return Container(container_id, "c", "sha256:" + "a" * 64, "running", 0, False, "", {}, ())
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    (b'{"version": "0.32.0"}', "0.32.0"),
+    (b'{"version": "0.32.0\\u001b[31m red"}', None),  # never an answer's other text
+    (b'{"version": 32}', None),
+    (b"not json", None),
+])
+def test_the_version_is_what_vllm_says_once_per_container(
+    tmp_path: Path, body: bytes, shown: str | None
+) -> None:
+    (tmp_path / "library" / "g1" / "files").mkdir(parents=True)
+    engine = Vllm("c", parsed(cpu_recipe(tmp_path)), NoDocker(), tmp_path / "state")
+    class Handler(VersionServer):
+        pass
+
+    handler = Handler
+    handler.body, handler.asked = body, 0
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine.endpoint = Endpoint("127.0.0.1", server.server_address[1])
+        assert engine.version(None) is None and handler.asked == 0
+        assert engine.version(running("one")) == shown
+        assert engine.version(running("one")) == shown
+        assert handler.asked == (1 if shown else 2)  # a version read is not asked again
+        if shown:
+            assert engine.version(running("two")) == shown and handler.asked == 2  # a new one
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_names_the_version_the_engine_reported() -> None:
+    engine = plan.running_engine(running("one"), "0.32.0")
+    assert json.loads(engine.model_dump_json(by_alias=True))["engineVersion"] == "0.32.0"
+    assert plan.running_engine(running("one")).engine_version is None

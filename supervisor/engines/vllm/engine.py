@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from typing import Final
 from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Image, Mount, RunSpec
+from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.vllm import cpu
@@ -43,6 +44,7 @@ from supervisor.protocol.documents import TargetGroup
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
 NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
 _PROBE_TIMEOUT: Final = 2.0
+_VERSION: Final = re.compile(r"[0-9A-Za-z.+_-]{1,64}")
 log = logs.get("vllm")
 
 
@@ -111,6 +113,7 @@ class Vllm(ContainerEngine):
         self._namespace: str | None = None  # of the spec last observed
         self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
+        self._version: tuple[str, str] | None = None  # (container id, its /version), once read
         if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
@@ -334,6 +337,22 @@ class Vllm(ContainerEngine):
         data = listing.get("data") if isinstance(listing, dict) else None
         served = self.recipe.vllm.served_name
         return any(isinstance(m, dict) and m.get("id") == served for m in data or [])
+
+    def version(self, container: Container | None) -> str | None:
+        """vLLM's `/version`, read once per container: until it answers (the server is up once
+        the model loaded), each look asks again, with the probe's short timeout."""
+        if container is None or not container.running:
+            return None
+        if self._version is not None and self._version[0] == container.id:
+            return self._version[1]
+        try:
+            found = json.loads(self._get("/version")[1].decode()).get("version")
+        except (OSError, ValueError, AttributeError, urllib.error.URLError):
+            return None
+        if not isinstance(found, str) or not _VERSION.fullmatch(found):
+            return None  # status.json carries a version, never what else an answer holds
+        self._version = (container.id, found)
+        return self._version[1]
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model or self.recipe.vllm.served_name,
