@@ -10,6 +10,7 @@ read-only, its port published on a labelled test network's gateway only; removed
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -25,6 +26,7 @@ from typing import Any
 import docker
 import pytest
 
+from supervisor.engines.vllm import tiers as kv_tiers
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
 from tests.standin import free_port
 from tests.vllm_model import write_tiny_llama
@@ -189,6 +191,15 @@ def start_vllm_cpu(
     for container in started:
         container.remove(force=True)
     network.remove()
+
+
+def library_revision(files: Path, guid: str) -> str:
+    """The file digest a library model is known by (its model revision): each file's size and
+    change time, so a re-copied file is another revision."""
+    found = {entry.name: f"{entry.stat().st_size}:{entry.stat().st_mtime_ns}"
+             for entry in os.scandir(files)}
+    manifest = kv_tiers.library_manifest(guid, found)
+    return hashlib.sha256(manifest.encode()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -27,6 +26,7 @@ from supervisor.engines import registry
 from tests.conformance.driver import Kind
 from tests.corpus import INVALID, materialise
 from tests.fixtures import ROOT, Engine, free_port
+from tests.vllm_cpu import library_revision
 
 pytestmark = pytest.mark.docker
 
@@ -351,8 +351,10 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
     if kind.name == "tensorfold":
         assert running["recipeCommit"] == engine.commit
     if kind.name == "vllm" and engine.vllm_device == "cpu":  # a library model's file digest
-        assert re.fullmatch(r"[0-9a-f]{16}", running["modelRevision"] or ""), running
+        files = engine.models_dir / engine.vllm_guid / "files"
+        assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
         assert running["model"] == "tiny-llama"
+        assert running["engineVersion"] == "0.32.0"  # the real server's /version
     elif kind.name == "vllm":
         assert running["modelRevision"] == engine.revision
     engine.request("stopped")

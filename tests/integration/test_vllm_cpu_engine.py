@@ -5,9 +5,7 @@ whose memory does not fit the machine is refused before anything is pulled or st
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +15,8 @@ import docker
 import pytest
 
 from supervisor.docker import labels
-from supervisor.engines.vllm import tiers as kv_tiers
 from tests.fixtures import RUN_ID, Engine
+from tests.vllm_cpu import library_revision
 
 pytestmark = pytest.mark.docker
 
@@ -34,14 +32,6 @@ def _complete(url: str, prompt: str) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=120) as answer:
         assert answer.status == 200
         return dict(json.loads(answer.read()))
-
-
-def _library_revision(files: Path, guid: str) -> str:
-    """The file digest a library model is known by: each file's size and change time."""
-    found = {entry.name: f"{entry.stat().st_size}:{entry.stat().st_mtime_ns}"
-             for entry in os.scandir(files)}
-    manifest = kv_tiers.library_manifest(guid, found)
-    return hashlib.sha256(manifest.encode()).hexdigest()[:16]
 
 
 def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
@@ -66,8 +56,9 @@ def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
     assert engine.vllm_image in client.images.get(running["imageId"]).tags
     assert running["containerId"] == container.id
     assert running["model"] == "tiny-llama"
+    assert running["engineVersion"] == "0.32.0"  # what the server's /version says
     files = engine.models_dir / engine.vllm_guid / "files"
-    assert running["modelRevision"] == _library_revision(files, engine.vllm_guid), running
+    assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
     assert container.labels[labels.MODEL_REVISION] == running["modelRevision"]
     # the model is the library copy, mounted read-only where --model points
     (mount,) = [m for m in container.attrs["Mounts"] if m["Source"] == str(files)]
