@@ -476,6 +476,11 @@ def make_engine(
         if cpu:
             overrides.setdefault("vllm_image", request.getfixturevalue("vllm_cpu_images")[0])
             overrides.setdefault("ready_timeout", 900)
+            # the machine's memory, with a small reserve: the default reserves (18 GiB) on this
+            # 24 GiB shared machine leave less than one 4 GiB engine whenever others run
+            machine = root / "machine.toml"
+            machine.write_text('limit = "unified"\nprofile = "gpu-server"\n')
+            overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
             if not overrides.get("vllm_guid"):
                 files = add_model(root / "library", "Ready")
                 shutil.copytree(request.getfixturevalue("tiny_llama_dir"), files,
