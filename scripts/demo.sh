@@ -138,6 +138,28 @@ sed -e "s|^name = .*|name = \"$cpu\"|" \
 diff "$root/recipes/vllm-cpu.toml" "$work/$cpu.toml" || true
 chown -R "$user:" "$work"
 
+# The machine's memory settings (every worker of the user reads them). The defaults (4/3/8/3 GiB
+# of reserves, a workstation's) leave a 24 GiB test machine about 6 GiB, less than the vLLM
+# CPU recipe's 4 GiB whenever other programs run; this machine runs no desktop or services, so
+# its reserves are smaller (voice keeps its 8 GiB). Written only when the user has none.
+machine_file=$home/.config/lucia/machine.toml
+if [ ! -e "$machine_file" ]; then
+    say "the machine's memory settings for $user: $machine_file"
+    install -d -o "$user" -g "$(id -gn "$user")" -m 700 "$home/.config" "$home/.config/lucia"
+    cat >"$machine_file" <<'TOML'
+# a CPU test machine: the host's memory, small reserves besides voice (GiB)
+limit = "unified"
+profile = "workstation"
+[reserves]
+os = 2
+services = 1
+voice = 8
+runtime = 1
+TOML
+    chown "$user:" "$machine_file"
+    chmod 600 "$machine_file"
+fi
+
 say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recipe $work/$router.toml --recipe $work/$cpu.toml"
 "$as_user" "$work/src/install.sh" --recipe "$work/$name.toml" --recipe "$work/$router.toml" \
     --recipe "$work/$cpu.toml"
