@@ -181,18 +181,29 @@ def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, clien
     kind.change_image(engine)
     since = time.time()
     engine.start_worker()
+    # dockerd keeps only its last 256 events: read the old container's as soon as it is gone,
+    # not after a slow engine's load, when a busy machine's other containers pushed them out
+    engine.wait_status(lambda s: _gone(client, old.id), timeout=120, what="the old one gone")
+    events = client.events(since=since, until=time.time(), decode=True,
+                           filters={"container": old.id})
+    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
     engine.wait_status(lambda s: s["generation"] == status["generation"]
                        and s["state"] == "running" and _since(s) > since,
                        timeout=kind.start_timeout)
     new = client.containers.get(engine.container)
     assert new.id != old.id and new.image.id != old.image.id
-    events = client.events(since=since, until=time.time(), decode=True,
-                           filters={"container": old.id})
-    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
     kills = [attrs for action, attrs in actions if action == "kill"]
     dies = [attrs for action, attrs in actions if action == "die"]
     assert kills and kills[0]["signal"] == "15", actions
     assert dies and dies[0]["exitCode"] == "0", f"killed, not stopped: {actions}"
+
+
+def _gone(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except docker.errors.NotFound:
+        return True
+    return False
 
 
 def test_one_worker_per_directory(kind: Kind) -> None:
