@@ -16,6 +16,8 @@ name=demo
 port=${LUCIA_DEMO_PORT:-18080}
 router=demo-router
 router_port=${LUCIA_DEMO_ROUTER_PORT:-18081}
+cpu=demo-vllm-cpu
+cpu_port=${LUCIA_DEMO_VLLM_CPU_PORT:-18082}
 as_user=$root/scripts/as-lucia
 
 say() { printf '\n==> %s\n' "$*"; }
@@ -99,10 +101,60 @@ sed -e "s|^name = .*|name = \"$router\"|" \
     -e "s|^gpus = .*|gpus = \"none\"|" \
     "$root/recipes/llama-router.toml" >"$work/$router.toml"
 diff "$root/recipes/llama-router.toml" "$work/$router.toml" || true
+
+say "a tiny random Llama (HF layout, bf16) in the model library, for the real vLLM CPU server"
+cpu_guid=000000000000000000000000000de001
+PYTHONPATH=$root "$root/.venv/bin/python" - "$work/models" "$cpu_guid" <<'PY'
+import sys
+from pathlib import Path
+
+from tests.gguf_fixtures import add_model
+from tests.vllm_model import write_tiny_llama
+
+library, guid = Path(sys.argv[1]), sys.argv[2]
+if not (library / guid / "files" / "config.json").is_file():
+    write_tiny_llama(add_model(library, "Ready", guid=guid), seed=21)
+PY
+cpu_image_log=$work/vllm-cpu-image.log
+cpu_image=$(bash "$root/scripts/vllm-cpu-image.sh" 2>"$cpu_image_log") \
+    || { tail -n 20 "$cpu_image_log" >&2; die "no vLLM CPU image: scripts/vllm-cpu-image.sh failed (log: $cpu_image_log)"; }
+cpu_image=${cpu_image##*$'\n'}
+say "the shipped recipes/vllm-cpu.toml, made for this machine: $work/$cpu.toml"
+sed -e "s|^name = .*|name = \"$cpu\"|" \
+    -e "s|^image = .*|image = \"$cpu_image\"|" \
+    -e "s|^models_dir = \"[^\"]*\"|models_dir = \"$work/models\"|" \
+    -e "s|^guid = .*|guid = \"$cpu_guid\"|" \
+    -e "s|^network = .*|network = \"lucia-demo\"|" \
+    -e "s|^port = .*|port = $cpu_port|" \
+    "$root/recipes/vllm-cpu.toml" >"$work/$cpu.toml"
+diff "$root/recipes/vllm-cpu.toml" "$work/$cpu.toml" || true
 chown -R "$user:" "$work"
 
-say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recipe $work/$router.toml"
-"$as_user" "$work/src/install.sh" --recipe "$work/$name.toml" --recipe "$work/$router.toml"
+# The machine's memory settings (every worker of the user reads them). The defaults (4/3/8/3 GiB
+# of reserves, a workstation's) leave a 24 GiB test machine about 6 GiB, less than the vLLM
+# CPU recipe's 4 GiB whenever other programs run; this machine runs no desktop or services, so
+# its reserves are smaller (voice keeps its 8 GiB). Written only when the user has none.
+machine_file=$home/.config/lucia/machine.toml
+if [ ! -e "$machine_file" ]; then
+    say "the machine's memory settings for $user: $machine_file"
+    install -d -o "$user" -g "$(id -gn "$user")" -m 700 "$home/.config" "$home/.config/lucia"
+    cat >"$machine_file" <<'TOML'
+# a CPU test machine: the host's memory, small reserves besides voice (GiB)
+limit = "unified"
+profile = "workstation"
+[reserves]
+os = 2
+services = 1
+voice = 8
+runtime = 1
+TOML
+    chown "$user:" "$machine_file"
+    chmod 600 "$machine_file"
+fi
+
+say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recipe $work/$router.toml --recipe $work/$cpu.toml"
+"$as_user" "$work/src/install.sh" --recipe "$work/$name.toml" --recipe "$work/$router.toml" \
+    --recipe "$work/$cpu.toml"
 
 say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
 "$as_user" systemctl --user start "lucia-$name"
@@ -153,4 +205,30 @@ PY
 say "its Prometheus file_sd: one target per loaded model, scraped with autoload=false"
 cat "$home/.local/share/lucia/host/data/telemetry/$router.json"
 
-say "done. The demo engines keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router)"
+say "vLLM on the CPU: systemctl --user start lucia-$cpu, then request $cpu running --wait"
+"$as_user" systemctl --user start "lucia-$cpu"
+cpu_asked=$(date +%s)
+"$as_user" "$cli" request "$cpu" running --wait --timeout 900
+"$as_user" "$cli" status "$cpu"
+cpu_url=$("$as_user" "$cli" status "$cpu" --json \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["url"])')
+
+say "a completion from the real vLLM 0.32.0 CPU server on the gateway address: $cpu_url"
+python3 - "$cpu_url" <<'PY'
+import json
+import sys
+import urllib.request
+
+body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8}
+request = urllib.request.Request(sys.argv[1] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=120) as response:
+    answer = json.load(response)
+print(json.dumps({key: answer[key] for key in ("model", "object", "usage")}))
+print("text:", repr(answer["choices"][0]["text"]), "(random weights)")
+with urllib.request.urlopen(sys.argv[1] + "/version", timeout=10) as response:
+    print("vLLM", json.load(response)["version"])
+PY
+echo "request to a completion: $(($(date +%s) - cpu_asked)) s"
+
+say "done. The demo engines keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router, $cpu)"

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import docker
 import pytest
 
 from tests.engine_dirs import EngineDirs
+from tests.gguf_fixtures import add_model
 from tests.gpu_recordings import fake_nvidia_smi
 from tests.standin import (
     DEMO_REPO,
@@ -189,6 +191,9 @@ class Engine(EngineDirs):
     nvidia_smi: str = ""  # a test nvidia-smi (tests/gpu_recordings.py)
     vllm: dict[str, Any] = field(default_factory=dict)  # [vllm] keys beyond the writer's
     vllm_model: str = "test/tiny-model"  # the Hugging Face id vLLM serves
+    vllm_device: str = "gpu"  # cpu: the real vLLM CPU image (vllm_image) on a library model
+    vllm_image: str = ""  # device cpu: the image
+    vllm_guid: str = ""  # device cpu: the library model (models_dir/<guid>)
     revision: str = "0123456789abcdef0123456789abcdef01234567"
     tiers_extra: dict[str, Any] = field(default_factory=dict)  # [tiers] keys beyond the writer's
     layout: str = "demo"  # tensorfold: "demo" (a Dockerfile) or "real" (prepare.sh builds)
@@ -282,7 +287,33 @@ class Engine(EngineDirs):
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
 
+    def _write_vllm_cpu_recipe(self) -> Path:
+        """The real CPU server (recipes/vllm-cpu.toml's shape) on a Ready library model."""
+        vllm = {"device": "cpu", "image": self.vllm_image, "kv_cache_gib": 1,
+                "served_name": "tiny", "max_model_len": 1024,
+                # eager: no torch.compile at start, which halves the tiny model's load here
+                "args": ["--dtype", "bfloat16", "--enforce-eager"],
+                **self.vllm}
+        lines = [
+            f'name = "{self.name}"', 'engine = "vllm"', 'model = "tiny-llama"',
+            "[vllm]", *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
+            "[vllm.model.library]", f'models_dir = "{self.models_dir}"',
+            f'guid = "{self.vllm_guid}"',
+            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in
+                            {"HF_HUB_OFFLINE": "1", **self.settings}.items()),
+            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
+            "[run]", f'network = "{self.network}"', f"port = {self.port}",
+            "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            *(f"{k} = {toml_value(v)}" for k, v in
+              {"shm_size": "512m", "memory": "4g", **self.run_extra}.items()),
+        ]
+        self.recipe_path.write_text("\n".join(lines) + "\n")
+        return self.recipe_path
+
     def _write_vllm_recipe(self) -> Path:
+        if self.vllm_device == "cpu":
+            return self._write_vllm_cpu_recipe()
         key = self.root / "kv.key"
         if not key.exists():
             key.write_text(uuid.uuid4().hex + "\n")
@@ -477,10 +508,28 @@ def make_engine(
             repo = request.getfixturevalue("real_recipe_repo")
             overrides["env"] = {"HOME": str(root / "home"), **overrides.get("env", {})}
             (root / "home").mkdir()
-        if overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
+        cpu = overrides.get("kind") == "vllm" and overrides.get("vllm_device") == "cpu"
+        if cpu:
+            overrides.setdefault("vllm_image", request.getfixturevalue("vllm_cpu_images")[0])
+            overrides.setdefault("ready_timeout", 900)
+            # the machine's memory, with a small reserve: the default reserves (18 GiB) on this
+            # 24 GiB shared machine leave less than one 4 GiB engine whenever others run
+            machine = root / "machine.toml"
+            machine.write_text('limit = "unified"\nprofile = "gpu-server"\n')
+            overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
+            if not overrides.get("vllm_guid"):
+                files = add_model(root / "library", "Ready")
+                shutil.copytree(request.getfixturevalue("tiny_llama_dir"), files,
+                                dirs_exist_ok=True)
+                overrides["vllm_guid"] = files.parent.name
+        elif overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
             overrides["vllm_repository"] = request.getfixturevalue("vllm_images")[0]
-        if overrides.get("kind") == "vllm" and "nvidia_smi" not in overrides:
+        if overrides.get("kind") == "vllm" and not cpu and "nvidia_smi" not in overrides:
             overrides["nvidia_smi"] = str(fake_nvidia_smi(root / "gpu", "h100"))
+            # a GPU server's plan: the limit is the (recorded) GPU's memory
+            machine = root / "machine.toml"
+            machine.write_text('limit = "gpu"\n')
+            overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
         engine = Engine(name=name, repo=repo, base=base_image, root=root, **overrides)
         engine.commit = engine.commit or git(engine.repo.path, "rev-parse", "HEAD")
         made.append(engine)

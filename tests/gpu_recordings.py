@@ -44,16 +44,27 @@ def query_csv(banner: str, capability: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+def memory_csv(query: str) -> str:
+    """`--query-gpu=memory.total,memory.free --format=csv,noheader,nounits` from query_csv's."""
+    rows = [line.split(", ") for line in query.splitlines()[1:]]
+    return "".join(f"{row[2]}, {row[3]}\n" for row in rows)
+
+
 def fake_nvidia_smi(directory: Path, card: str) -> Path:
     """An executable nvidia-smi printing `card`'s recorded outputs; returns its path."""
     recording, capability = CARDS[card]
     banner = RECORDINGS / recording
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{card}-query.csv").write_text(query_csv(banner.read_text(), capability))
+    query = query_csv(banner.read_text(), capability)
+    (directory / f"{card}-query.csv").write_text(query)
+    memory = directory / f"{card}-memory.csv"
+    memory.write_text(memory_csv(query))
     script = directory / f"nvidia-smi-{card}"
     script.write_text(
         "#!/bin/sh\n"
         'case "$1" in\n'
+        # the memory plan's query (hw.gpu.MEMORY): total and free, no header
+        f'    --query-gpu=memory.total,memory.free) exec cat "{memory}" ;;\n'
         f'    --query-gpu=*) exec cat "{directory / f"{card}-query.csv"}" ;;\n'
         f'    "") exec cat "{banner}" ;;\n'
         '    *) echo "unexpected arguments: $*" >&2; exit 9 ;;\n'

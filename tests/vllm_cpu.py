@@ -9,6 +9,9 @@ read-only, its port published on a labelled test network's gateway only; removed
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import os
 import subprocess
@@ -23,6 +26,7 @@ from typing import Any
 import docker
 import pytest
 
+from supervisor.engines.vllm import tiers as kv_tiers
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
 from tests.standin import free_port
 from tests.vllm_model import write_tiny_llama
@@ -198,3 +202,25 @@ def start_vllm_cpu(
     for container in started:
         container.remove(force=True)
     network.remove()
+
+
+def library_revision(files: Path, guid: str) -> str:
+    """The file digest a library model is known by (its model revision): each file's size and
+    change time, so a re-copied file is another revision."""
+    found = {entry.name: f"{entry.stat().st_size}:{entry.stat().st_mtime_ns}"
+             for entry in os.scandir(files)}
+    manifest = kv_tiers.library_manifest(guid, found)
+    return hashlib.sha256(manifest.encode()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_images(client: docker.DockerClient, vllm_cpu_image: str) -> Iterator[tuple[str, str]]:
+    """The CPU image, and a second image of the same server with another id (one label layer
+    on top, as a rebuild would give): a recipe that names the second replaces the engine."""
+    tag = f"lucia-test-vllm-cpu-{RUN_ID}:rebuilt"
+    dockerfile = f"FROM {vllm_cpu_image}\nLABEL {TEST_LABEL}={RUN_ID}\n"
+    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True,
+                        labels={TEST_LABEL: RUN_ID})
+    yield vllm_cpu_image, tag
+    with contextlib.suppress(docker.errors.APIError):
+        client.images.remove(tag, force=True)

@@ -31,6 +31,7 @@ class Observed:
     targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
     notes: str = ""  # what the operator should know while it serves (files skipped...)
     tail: str = ""  # the last log lines of a container that has exited
+    version: str | None = None  # the version the running engine reports (vLLM's /version)
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,12 @@ class ContainerEngine:
             targets=self.targets(self.endpoint) if self.endpoint else (),
             notes=self.notes(),
             tail=self._tail(container),
+            version=self.version(container),
         )
+
+    def version(self, container: Container | None) -> str | None:
+        """The version the running engine reports of itself, if it says one."""
+        return None
 
     def _tail(self, container: Container | None) -> str:
         if container is None or container.running or not container.managed:

@@ -103,6 +103,9 @@ class RunningEngine(BaseModel):
     model_revision: str | None = Field(
         default=None, description="the model's revision or file digest, when the engine has one"
     )
+    engine_version: str | None = Field(
+        default=None, description="the version the engine itself reports, once it answered"
+    )
 
 
 class Status(BaseModel):

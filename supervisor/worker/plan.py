@@ -51,8 +51,9 @@ class Decision:
     step: Step | None = None
 
 
-def running_engine(container: Container) -> RunningEngine:
-    """What runs, as the container's own labels recorded it when it was created."""
+def running_engine(container: Container, version: str | None = None) -> RunningEngine:
+    """What runs, as the container's own labels recorded it when it was created, and the
+    version the engine reported of itself."""
     found = container.labels
     return RunningEngine(
         image=found.get(labels.IMAGE_REF, ""),
@@ -61,6 +62,7 @@ def running_engine(container: Container) -> RunningEngine:
         recipe_commit=found.get(labels.RECIPE_COMMIT),
         model=found.get(labels.MODEL, ""),
         model_revision=found.get(labels.MODEL_REVISION),
+        engine_version=version,
     )
 
 
@@ -197,7 +199,8 @@ def _working(memory: Memory, step: Step) -> Decision:
 def _serving(
     memory: Memory, observed: Observed, container: Container, message: str, step: Step | None = None
 ) -> Decision:
-    answer = Answer(memory.generation, "running", message, observed.url, running_engine(container))
+    engine = running_engine(container, observed.version)
+    answer = Answer(memory.generation, "running", message, observed.url, engine)
     return Decision(memory, answer, observed.targets, step)
 
 

@@ -24,6 +24,9 @@ class Kind:
     change_image: Callable[[Engine], None]  # make the engine's image another one
     die: Callable[[Any], tuple[str, str]]  # end the container: its exit text, a logged text
     image: Callable[[Engine], str]  # the image status.json names while it runs
+    start_timeout: float = 120  # seconds to running (the real vLLM CPU server loads slowly)
+    edited_memory: str = "256m"  # a memory limit the engine starts with, other than its own
+    edited_shm: str = "32m"  # a /dev/shm size the engine starts with, other than its own
 
 
 def dies_with_3_saying(logged: str) -> Callable[[Any], tuple[str, str]]:
@@ -36,6 +39,14 @@ def dies_with_3_saying(logged: str) -> Callable[[Any], tuple[str, str]]:
     return die
 
 
-def killed(container: Any) -> tuple[str, str]:
-    container.kill()  # SIGKILL, as the OOM killer or an operator would
-    return "exited with code 137", " srv "
+def killed_saying(logged: str) -> Callable[[Any], tuple[str, str]]:
+    """SIGKILL, as the OOM killer or an operator would: it exits with 137."""
+
+    def die(container: Any) -> tuple[str, str]:
+        container.kill()
+        return "exited with code 137", logged
+
+    return die
+
+
+killed = killed_saying(" srv ")  # llama-server's last lines

@@ -24,6 +24,7 @@ from supervisor.engines import registry
 from tests.conformance.driver import Kind
 from tests.corpus import INVALID, materialise
 from tests.fixtures import ROOT, Engine, age, free_port, http_status, state_since
+from tests.vllm_cpu import library_revision
 
 pytestmark = pytest.mark.docker
 
@@ -125,7 +126,7 @@ def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
 
 def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
     engine = kind.make()
-    engine.up()
+    engine.up(timeout=kind.start_timeout)
     died = time.monotonic()
     exit_text, logged = kind.die(client.containers.get(engine.container))
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
@@ -137,7 +138,7 @@ def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, clien
 
 def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
     engine = kind.make()
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     before = client.containers.get(engine.container).attrs
     engine.stop_worker(engine.procs[-1])
     assert client.containers.get(engine.container).status == "running"
@@ -153,23 +154,35 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
 
 def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
     engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     old = client.containers.get(engine.container)
     engine.stop_worker(engine.procs[-1])
     kind.change_image(engine)
     since = time.time()
     engine.start_worker()
-    engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and state_since(s) > since, timeout=120)
-    new = client.containers.get(engine.container)
-    assert new.id != old.id and new.image.id != old.image.id
+    # dockerd keeps only its last 256 events: read the old container's as soon as it is gone,
+    # not after a slow engine's load, when a busy machine's other containers pushed them out
+    engine.wait_status(lambda s: _gone(client, old.id), timeout=120, what="the old one gone")
     events = client.events(since=since, until=time.time(), decode=True,
                            filters={"container": old.id})
     actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
+    engine.wait_status(lambda s: s["generation"] == status["generation"]
+                       and s["state"] == "running" and state_since(s) > since,
+                       timeout=kind.start_timeout)
+    new = client.containers.get(engine.container)
+    assert new.id != old.id and new.image.id != old.image.id
     kills = [attrs for action, attrs in actions if action == "kill"]
     dies = [attrs for action, attrs in actions if action == "die"]
     assert kills and kills[0]["signal"] == "15", actions
     assert dies and dies[0]["exitCode"] == "0", f"killed, not stopped: {actions}"
+
+
+def _gone(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except docker.errors.NotFound:
+        return True
+    return False
 
 
 def test_one_worker_per_directory(kind: Kind) -> None:
@@ -185,7 +198,7 @@ def test_one_worker_per_directory(kind: Kind) -> None:
 
 def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
     engine = kind.make()
-    engine.up()
+    engine.up(timeout=kind.start_timeout)
     attrs = client.containers.get(engine.container).attrs
     gateway = engine.gateway()
     bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
@@ -201,7 +214,7 @@ def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
 
 def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
     engine = kind.make()
-    engine.up()
+    engine.up(timeout=kind.start_timeout)
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{engine.gateway()}:{engine.port}"]
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
@@ -223,7 +236,7 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
 
 def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     engine = kind.make()
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
     valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
@@ -261,24 +274,30 @@ def _edit_volume(engine: Engine) -> None:
     engine.run_extra["volumes"] = [{"source": str(extra), "target": "/extra", "read_only": True}]
 
 
-def _edit_memory_limit(engine: Engine) -> None:
-    engine.run_extra["memory"] = "256m"
+def _edit_memory_limit(engine: Engine, kind: Kind) -> None:
+    engine.run_extra["memory"] = kind.edited_memory
 
 
-def _edit_shm(engine: Engine) -> None:
-    engine.run_extra["shm_size"] = "32m"
+def _edit_shm(engine: Engine, kind: Kind) -> None:
+    engine.run_extra["shm_size"] = kind.edited_shm
 
 
-EDITS: dict[str, tuple[Callable[[Engine], None], Callable[[Any, Engine], bool]]] = {
-    "environment": (_edit_environment,
-                    lambda c, e: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
-    "port": (_edit_port, lambda c, e: str(e.port) in json.dumps(c.attrs["HostConfig"]
-                                                               ["PortBindings"])),
-    "volume": (_edit_volume, lambda c, e: any(m["Destination"] == "/extra"
-                                              for m in c.attrs["Mounts"])),
-    "memory limit": (_edit_memory_limit,
-                     lambda c, e: c.attrs["HostConfig"]["Memory"] == 256 * 1024 * 1024),
-    "shm": (_edit_shm, lambda c, e: c.attrs["HostConfig"]["ShmSize"] == 32 * 1024 * 1024),
+def _bytes(size: str) -> int:
+    return int(size[:-1]) * {"m": 1024**2, "g": 1024**3}[size[-1]]
+
+
+Edit = Callable[[Engine, Kind], None]
+EDITS: dict[str, tuple[Edit, Callable[[Any, Engine, Kind], bool]]] = {
+    "environment": (lambda e, k: _edit_environment(e),
+                    lambda c, e, k: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
+    "port": (lambda e, k: _edit_port(e),
+             lambda c, e, k: str(e.port) in json.dumps(c.attrs["HostConfig"]["PortBindings"])),
+    "volume": (lambda e, k: _edit_volume(e),
+               lambda c, e, k: any(m["Destination"] == "/extra" for m in c.attrs["Mounts"])),
+    "memory limit": (_edit_memory_limit, lambda c, e, k: c.attrs["HostConfig"]["Memory"]
+                     == _bytes(k.edited_memory)),
+    "shm": (_edit_shm,
+            lambda c, e, k: c.attrs["HostConfig"]["ShmSize"] == _bytes(k.edited_shm)),
 }
 
 
@@ -289,18 +308,19 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     with, picked up by SIGHUP, replaces it, and status says running only once it does."""
     change, applied = EDITS[edit]
     engine = kind.make()
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     before = client.containers.get(engine.container)
-    change(engine)
-    assert not applied(before, engine)
+    change(engine, kind)
+    assert not applied(before, engine, kind)
     engine.reload()
     after_status = engine.wait_status(
         lambda s: s["state"] == "running"
         and s["url"] == f"http://{engine.gateway()}:{engine.port}"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
+        timeout=kind.start_timeout)
     after = client.containers.get(engine.container)
     assert after.id != before.id and after.status == "running"
-    assert applied(after, engine), f"{edit} did not reach the new container"
+    assert applied(after, engine, kind), f"{edit} did not reach the new container"
     assert after_status["engine"]["containerId"] == after.id
     assert after_status["generation"] == status["generation"]
     assert all(http_status(_scrape_url(group)) == 200 for group in engine.file_sd())
@@ -310,7 +330,7 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
 
 def test_status_names_what_runs(kind: Kind, client) -> None:
     engine = kind.make()
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     container = client.containers.get(engine.container)
     running = status["engine"]
     assert running["containerId"] == container.id
@@ -319,7 +339,12 @@ def test_status_names_what_runs(kind: Kind, client) -> None:
     assert running["image"] in container.image.tags  # a name of the image it runs (by id)
     if kind.name == "tensorfold":
         assert running["recipeCommit"] == engine.commit
-    if kind.name == "vllm":
+    if kind.name == "vllm" and engine.vllm_device == "cpu":  # a library model's file digest
+        files = engine.models_dir / engine.vllm_guid / "files"
+        assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
+        assert running["model"] == "tiny-llama"
+        assert running["engineVersion"] == "0.32.0"  # the real server's /version
+    elif kind.name == "vllm":
         assert running["modelRevision"] == engine.revision
     engine.request("stopped")
     stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
@@ -331,7 +356,7 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     stopped, the status stays running and says why, the file_sd target stays, and the Check is
     tried again after a back-off: once the port is free, the replacement goes ahead."""
     engine = kind.make()
-    _, status = engine.up()
+    _, status = engine.up(timeout=kind.start_timeout)
     before = client.containers.get(engine.container)
     (target,) = {tuple(group["targets"]) for group in engine.file_sd()}
     with socket.socket() as squatter:
@@ -360,7 +385,8 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     # the port is free now: the next try passes and the engine is replaced, with no new request
     replaced = engine.wait_status(
         lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id), timeout=120)
+        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
+        timeout=kind.start_timeout)
     assert replaced["generation"] == status["generation"]
     assert replaced["url"] == f"http://{engine.gateway()}:{engine.port}"
     assert all(group["targets"] == [f"{engine.gateway()}:{engine.port}"]

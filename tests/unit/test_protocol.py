@@ -368,7 +368,7 @@ def test_status_names_what_runs_only_while_running() -> None:
     wire = json.loads(dump(status(engine=engine)))
     assert wire["engine"] == {"image": "tf:1-grammar", "imageId": "sha256:" + "a" * 64,
                               "containerId": "c" * 64, "recipeCommit": "0" * 40,
-                              "model": "qwen", "modelRevision": None}
+                              "model": "qwen", "modelRevision": None, "engineVersion": None}
     assert parse_status(json.dumps(wire)).engine == engine
     with pytest.raises(ValueError, match="engine must be null"):
         status(state="stopped", url=None, engine=engine)

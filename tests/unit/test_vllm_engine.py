@@ -15,9 +15,10 @@ from supervisor.docker.spec import Image
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage
 from supervisor.engines.vllm import preflight as pf
-from supervisor.engines.vllm.engine import Vllm, reclaimable_mib
+from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.engines.vllm.steps import reclaimable_mib
 from supervisor.errors import Permanent
 from supervisor.hw import gpu
 from supervisor.protocol import files

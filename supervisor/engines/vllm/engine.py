@@ -1,5 +1,6 @@
 """vLLM on a GPU server: a GPU preflight before anything is pulled, the image it picks, the
-model's download, the KV-cache tier directories, and one `vllm serve` container.
+model's download, the KV-cache tier directories, and one `vllm serve` container; on a CPU
+server (`device = "cpu"`) the recipe's CPU image with no GPU read at all (engines/vllm/cpu.py).
 
 The order of the prerequisites is the guarantee: `Preflight` (nvidia-smi read, the guide's
 refusals) comes before the image pull, so a refused recipe pulls and starts nothing. A pass is
@@ -15,70 +16,40 @@ import contextlib
 import hashlib
 import json
 import os
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
 from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Image, Mount, RunSpec
+from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.vllm import cpu, probes, secretfiles
+from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
-from supervisor.engines.vllm import secretfiles
 from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.engines.vllm.steps import (
+    MemoryFit,
+    Preflight,
+    TierDirectories,
+    reclaimable_mib,
+    refused,
+)
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
 from supervisor.memplan import guard, probe
+from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
 
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
 NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
-_PROBE_TIMEOUT: Final = 2.0
 log = logs.get("vllm")
-
-
-@dataclass(frozen=True)
-class Preflight:
-    """Read the GPU and decide the image and arguments (or refuse) before any pull."""
-
-    @property
-    def description(self) -> str:
-        return "checking the GPU for vLLM (nvidia-smi)"
-
-
-@dataclass(frozen=True)
-class TierDirectories:
-    """The namespace's directory under each disk tier, owner-only."""
-
-    namespace: str
-
-    @property
-    def description(self) -> str:
-        return f"creating the KV-cache tier directories for namespace {self.namespace[:12]}"
-
-
-def refused(decision: pf.Launch | pf.Refusal) -> pf.Launch:
-    if isinstance(decision, pf.Refusal):  # GPU memory another container holds may come free
-        busy = decision.code == pf.GPU_MEMORY_BUSY
-        raise (Blocked if busy else Permanent)(str(decision))
-    return decision
-
-
-def reclaimable_mib(facts: gpu.GpuFacts | gpu.GpuUnavailable, share: int | None) -> int:
-    """What an engine started with `share` percent holds on the smallest GPU: free once it
-    is stopped. 0 when nothing is replaced."""
-    if share is None or isinstance(facts, gpu.GpuUnavailable):
-        return 0
-    totals = [g.memory_total_mib for g in facts.gpus if g.memory_total_mib is not None]
-    return min(totals) * share // 100 if totals else 0
 
 
 class Vllm(ContainerEngine):
@@ -99,7 +70,10 @@ class Vllm(ContainerEngine):
         self._model_stamp = state_dir / "model.json"
         self._secrets_root = state_dir / "secrets"
         self._namespace: str | None = None  # of the spec last observed
-        if self.memory is not None:  # a GPU limit is read with the recipe's nvidia-smi too
+        self.cpu = recipe.vllm.device == "cpu"
+        self._fitted: int | None = None  # the CPU need last found to fit, before a pull
+        self._version: tuple[str, str] | None = None  # (container id, its /version), once read
+        if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
                 machine, gpu=lambda: probe.nvidia_smi_query(nvidia_smi=smi)
@@ -113,6 +87,12 @@ class Vllm(ContainerEngine):
     def _choices_key(self) -> str:
         blob = json.dumps([repr(self.choices), self.recipe.vllm.nvidia_smi], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _launch(self) -> pf.Launch | None:
+        """What runs: on a CPU the recipe's image; on a GPU the last preflight's pass."""
+        if self.cpu:
+            return cpu.launch(self.choices, self.recipe.vllm.image)
+        return self._passed()
 
     def _passed(self) -> pf.Launch | None:
         """The launch of the last preflight that passed for these choices, if any."""
@@ -137,11 +117,14 @@ class Vllm(ContainerEngine):
     # -- observe -------------------------------------------------------------------------------
 
     def prerequisites(self) -> Prerequisites:
-        launch = self._passed()
+        launch = self._launch()
         if launch is None:  # nothing is pulled before the GPU says which image, or refuses
             return Prerequisites((Preflight(),))
         image = self.runtime.image(launch.image)
         if image is None:
+            need = self.recipe.memory_limit if self.cpu and self.memory is not None else None
+            if need is not None and need != self._fitted:  # a pull only for a start that fits
+                return Prerequisites((MemoryFit(need),))
             return Prerequisites((PulledImage(launch.image),))
         hf = self.recipe.vllm.model.hf
         if hf is not None and not self._downloaded():
@@ -202,13 +185,7 @@ class Vllm(ContainerEngine):
                 and snapshot is not None and (snapshot / "config.json").is_file())
 
     def _file_secrets(self) -> dict[str, str]:
-        """The recipe's secrets the engine reads from a file: name -> its path variable."""
-        names: dict[str, str] = {
-            n: secretfiles.TOKEN_PATH for n in hf_model.TOKEN_NAMES if n in self.recipe.secrets
-        }
-        if self.recipe.tiers.key_secret in self.recipe.secrets:
-            names[self.recipe.tiers.key_secret] = secretfiles.KEY_FILE
-        return names
+        return hf_model.file_secrets(self.recipe.secrets, self.recipe.tiers.key_secret)
 
     def _download(self, what: ModelDownload, ctx: StepContext) -> None:
         launch = self._passed()
@@ -275,6 +252,15 @@ class Vllm(ContainerEngine):
         match what:
             case Preflight():
                 self._preflight(ctx)
+            case MemoryFit(need):
+                room = guard.room(None)  # the machine alone: what others hold is the Check's
+                budget = room.budget
+                why = vllm_memory.refused(vllm_memory.cpu_fit(self.recipe, budget.limit,
+                                                              budget.reserves))
+                if why is not None:
+                    raise Permanent(why)
+                self._fitted = need
+                ctx.progress(f"run.memory fits this machine (limit {budget.limit} bytes)")
             case TierDirectories(space):
                 for tier in self.recipe.tier_plan().disks:
                     try:
@@ -290,11 +276,13 @@ class Vllm(ContainerEngine):
 
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
         """The GPU again, just before the start: the guide's refusals, and the memory share free
-        on every GPU once the engine this start replaces is stopped."""
+        on every GPU once the engine this start replaces is stopped. A CPU has no GPU to read."""
         names = self._file_secrets()
         if names:
             secrets = self.secrets()
             secretfiles.write(self._secrets_root, {n: secrets[n] for n in names})
+        if self.cpu:
+            return
         ctx.progress("checking the GPU again before the start")
         facts = self.probe()
         replaced = self.runtime.container(self.container_name)
@@ -315,8 +303,18 @@ class Vllm(ContainerEngine):
     # -- run -----------------------------------------------------------------------------------
 
     def command(self) -> tuple[str, ...]:
-        launch = self._passed()
+        launch = self._launch()
         return (*(launch.args if launch else ()), *self.parallel_args())
+
+    def memory_need(self) -> EngineNeed | None:
+        """The container's limit on a CPU; on a GPU the recipe's share of the memory limit."""
+        if self.cpu:
+            return vllm_memory.cpu_need(self.recipe)
+        if self.memory is None:
+            return None
+        # the share of the limit the plan measures: the GPUs' memory on a GPU server, the
+        # unified memory on a Spark (its GPU reports none)
+        return vllm_memory.gpu_need(self.recipe, self.memory.measure(guard.load_settings()).limit)
 
     def parallel_args(self) -> tuple[str, ...]:
         """The parallel configuration and KV layout the namespace names, as vLLM flags."""
@@ -344,7 +342,9 @@ class Vllm(ContainerEngine):
         if self.recipe.vllm.model.hf is not None:  # downloaded by its own step: never at load
             environment.setdefault("HF_HUB_OFFLINE", "1")
         if self.recipe.tiers.any:
-            environment.update(tiers.environment)
+            environment.update(tiers.environment)  # the key is a file among the secrets above
+        if self.cpu:
+            environment.update(cpu.environment(self.recipe.vllm.kv_cache_gib))
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
@@ -367,24 +367,24 @@ class Vllm(ContainerEngine):
         ).hexdigest()[:16]
         return {labels.MODEL_REVISION: revision, MEMORY_LABEL: str(self.recipe.vllm.memory)}
 
-    def _get(self, path: str) -> tuple[int, bytes]:
-        if self.endpoint is None:
-            raise OSError("the engine's network has not been seen yet")
-        url = self.endpoint.url + path
-        with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT) as response:  # noqa: S310
-            return int(response.status), response.read()
-
     def ready(self) -> bool:
         """`/health` answers 200 (the engine loaded), then `/v1/models` lists the served name."""
-        try:
-            if self._get(self.recipe.run.ready_path)[0] != 200:
-                return False
-            listing = json.loads(self._get("/v1/models")[1].decode())
-        except (OSError, ValueError, urllib.error.URLError):
+        if self.endpoint is None:
             return False
-        data = listing.get("data") if isinstance(listing, dict) else None
-        served = self.recipe.vllm.served_name
-        return any(isinstance(m, dict) and m.get("id") == served for m in data or [])
+        return probes.ready(self.endpoint.url, self.recipe.run.ready_path,
+                            self.recipe.vllm.served_name)
+
+    def version(self, container: Container | None) -> str | None:
+        """vLLM's `/version`, read once per container: until it answers (the server is up once
+        the model loaded), each look asks again, with the probe's short timeout."""
+        if container is None or not container.running or self.endpoint is None:
+            return None
+        if self._version is not None and self._version[0] == container.id:
+            return self._version[1]
+        found = probes.version(self.endpoint.url)
+        if found is not None:
+            self._version = (container.id, found)
+        return found
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model or self.recipe.vllm.served_name,

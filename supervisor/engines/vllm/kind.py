@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.engines.kind import EngineKind
+from supervisor.engines.vllm import memory
 from supervisor.engines.vllm.recipe import VllmRecipe
-from supervisor.memplan.fit import Budget
-from supervisor.memplan.overview import EnginePlan
 
 if TYPE_CHECKING:
     from supervisor.docker.runtime import Runtime
@@ -23,14 +22,10 @@ def _engine(
     return Vllm(name, recipe, runtime, state_dir, data_dir)
 
 
-def _memory(recipe: VllmRecipe, budget: Budget, multiplier: float) -> EnginePlan:
-    return EnginePlan(recipe.name, None, "the vllm engine is not planned yet")
-
-
 KIND = EngineKind(
     name="vllm",
     recipe=VllmRecipe,
     engine=_engine,
-    memory=_memory,
+    memory=memory.plan,
     conformance="tests.conformance.drivers.vllm",
 )

@@ -167,3 +167,11 @@ def download(
         raise BuildFailed(f"download of {what.repo_id} (exit {code})", tail)
     if not (where.snapshot / "config.json").is_file():
         raise Permanent(f"the download of {what.repo_id} left no config.json in {where.snapshot}")
+
+
+def file_secrets(secrets: Mapping[str, object], key_secret: str) -> dict[str, str]:
+    """The recipe's secrets the engine reads from a file: name -> its path variable."""
+    names = {n: secretfiles.TOKEN_PATH for n in TOKEN_NAMES if n in secrets}
+    if key_secret in secrets:
+        names[key_secret] = secretfiles.KEY_FILE
+    return names

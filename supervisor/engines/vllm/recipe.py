@@ -7,6 +7,7 @@ from typing import Annotated, Final, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
+from supervisor.engines.vllm import cpu
 from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, TierPlan
 from supervisor.recipe import reference
@@ -66,6 +67,20 @@ class Tiers(Section):
 
 
 class Vllm(Section):
+    device: Literal["gpu", "cpu"] = Field(
+        default="gpu",
+        description="gpu: the GPU preflight picks a vllm/vllm-openai image; cpu: `image` runs "
+        "on the CPU (no GPU is read), its KV cache sized by kv_cache_gib",
+    )
+    image: str = Field(
+        default=cpu.IMAGE,
+        min_length=1,
+        description="device cpu: the vLLM CPU image (scripts/vllm-cpu-image.sh builds the "
+        "default; a registry's copy is pulled when it is not on this host)",
+    )
+    kv_cache_gib: int = Field(
+        default=4, ge=1, description="device cpu: VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB"
+    )
     channel: Literal["stable", "nightly"] = "stable"
     quantization: Literal["none", "fp8"] = "none"
     memory: int = Field(default=90, ge=10, le=95, description="percent of each GPU")
@@ -91,6 +106,11 @@ class Vllm(Section):
 
     @model_validator(mode="after")
     def _nightly_pinned(self) -> Self:
+        if self.device == "cpu" and (self.channel, self.quantization) != ("stable", "none"):
+            raise ValueError(
+                "device cpu runs vllm.image: channel nightly and quantization fp8 choose GPU "
+                "images; leave them out"
+            )
         if self.channel == "nightly" and self.nightly_commit is None:
             raise ValueError("channel nightly needs nightly_commit (the full 40-hex commit)")
         commit = self.nightly_commit
@@ -107,6 +127,30 @@ class VllmRecipe(RecipeBase):
     engine: Literal["vllm"]
     vllm: Vllm
     tiers: Tiers = Field(default_factory=Tiers)
+
+    @model_validator(mode="after")
+    def _cpu_limits(self) -> Self:
+        """On a CPU the container's memory limit is the engine's need: it must be given, and
+        hold the KV cache and /dev/shm (which vLLM's CPU worker needs over 160 MiB of)."""
+        if self.vllm.device != "cpu":
+            return self
+        shm = parse_bytes(self.run.shm_size) if self.run.shm_size else None
+        memory = parse_bytes(self.run.memory) if self.run.memory else None
+        if not isinstance(shm, int) or shm <= cpu.MIN_SHM_BYTES:
+            raise ValueError('device cpu needs run.shm_size over 160 MiB (say "512m")')
+        kv = self.vllm.kv_cache_gib * 1024**3
+        if not isinstance(memory, int) or memory <= kv + shm:
+            raise ValueError(
+                "device cpu needs run.memory (the engine's memory need) larger than "
+                "vllm.kv_cache_gib plus run.shm_size"
+            )
+        return self
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The container's memory limit in bytes, when the recipe gives one."""
+        found = parse_bytes(self.run.memory) if self.run.memory else None
+        return found if isinstance(found, int) else None
 
     @model_validator(mode="after")
     def _tiers_fit(self) -> Self:
