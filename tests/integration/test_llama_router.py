@@ -232,6 +232,9 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
     assert "path='/models/load' model='zeta' answer=200" in log
 
 
+RELOAD_ASKED = "router asked to reload its preset"
+
+
 def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_again(
     make_engine, client
 ) -> None:
@@ -243,16 +246,23 @@ def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_aga
     generation = engine.request("running")
     engine.wait_state(generation, "running", timeout=120)
     container = client.containers.get(engine.container)
+    asked = engine.log_tail(10_000).count(RELOAD_ASKED)
     engine.reload(defaults={"ctx-size": 2048})
     engine.wait_status(lambda s: "[*]\nctx-size = 2048" in (
         engine.cache_dir / "llama-models.ini").read_text(), timeout=30, what="the new preset")
-    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
+    # a serving router stays running with its last message through the reload: wait for the
+    # reload itself, then for alpha loaded again after it
+    engine.wait_status(lambda s: engine.log_tail(10_000).count(RELOAD_ASKED) > asked,
+                       timeout=30, what="the preset reloaded")
+    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"]
+                       and _models(engine).get("alpha") == "loaded",
                        timeout=60, what="alpha loaded again")
-    assert _models(engine)["alpha"] == "loaded"
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
-    assert [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"]
+    # its target is written again at the look that sees alpha loaded
+    engine.wait_status(lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
+                       timeout=30, what="alpha's target")
 
 
 def _planned_context(engine: Engine, model: str) -> int:
