@@ -275,8 +275,8 @@ class Vllm(ContainerEngine):
                 super().make_own(what, ctx)
 
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
-        """The GPU again, just before the start: the guide's refusals, and the memory share free
-        on every GPU once the engine this start replaces is stopped. A CPU has no GPU to read."""
+        """Just before the start: the secret files it mounts, then, on a GPU, the guide's
+        refusals and the memory share free once the engine it replaces is stopped."""
         names = self._file_secrets()
         if names:
             secrets = self.secrets()
