@@ -263,7 +263,7 @@ def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_mess
     make_engine: Callable[..., Engine], client: docker.DockerClient,
 ) -> None:
     """The stand-in image's hf CLI (tests/vllm-standin/python3) draws a progress bar for 20 s;
-    the real CLI on the real image: tests/integration/test_vllm_model.py."""
+    the real CLI on the real image: tests/integration/test_vllm_model_download.py."""
     engine = make_engine(kind="vllm",
                          settings={"DOWNLOAD_STEPS": "40", "DOWNLOAD_STEP_SECONDS": "0.5"})
     engine.start_worker()
