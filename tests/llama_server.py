@@ -8,7 +8,6 @@ published on a labelled test network's gateway only, removed afterwards.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -23,7 +22,9 @@ from typing import Any
 import docker
 import pytest
 
+from tests import http_json
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL, free_port
+from tests.http_json import Response
 
 IMAGE_SCRIPT = ROOT / "scripts" / "llama-server-image.sh"
 VERSION_LABEL = "org.lucia.llama-server.version"
@@ -103,15 +104,6 @@ def render_preset(sections: Sequence[Section], defaults: dict[str, str | int] | 
 
 
 @dataclass
-class Response:
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@dataclass
 class LlamaRouter:
     """One real router container; `url` is the gateway address it is published on."""
 
@@ -121,23 +113,10 @@ class LlamaRouter:
 
     def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 10) -> Response:
         query = "?" + urllib.parse.urlencode(params) if params else ""
-        return self._send(urllib.request.Request(self.url + path + query), timeout)
+        return http_json.get(self.url + path + query, timeout)
 
     def post(self, path: str, document: dict[str, Any], timeout: float = 60) -> Response:
-        request = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(document).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        return self._send(request, timeout)
-
-    def _send(self, request: urllib.request.Request, timeout: float) -> Response:
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return Response(answer.status, answer.read())
-        except urllib.error.HTTPError as error:
-            return Response(error.code, error.read())
+        return http_json.post(self.url + path, document, timeout)
 
     def models(self, reload: bool = False) -> dict[str, dict[str, Any]]:
         """GET /models: each offered model's `status` object by name."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import subprocess
 import time
@@ -27,7 +26,9 @@ import docker
 import pytest
 
 from supervisor.engines.vllm import tiers as kv_tiers
+from tests import http_json
 from tests.fixtures import ROOT, RUN_ID, TEST_LABEL
+from tests.http_json import Response
 from tests.standin import free_port
 from tests.vllm_model import write_tiny_llama
 
@@ -91,15 +92,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @dataclass
-class Answer:
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@dataclass
 class VllmServer:
     """One real vLLM container; `url` is the gateway address it is published on."""
 
@@ -107,24 +99,11 @@ class VllmServer:
     url: str
     seconds_to_health: float
 
-    def get(self, path: str, timeout: float = 10) -> Answer:
-        return self._send(urllib.request.Request(self.url + path), timeout)
+    def get(self, path: str, timeout: float = 10) -> Response:
+        return http_json.get(self.url + path, timeout)
 
-    def post(self, path: str, document: dict[str, Any], timeout: float = 120) -> Answer:
-        request = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(document).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        return self._send(request, timeout)
-
-    def _send(self, request: urllib.request.Request, timeout: float) -> Answer:
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return Answer(answer.status, answer.read())
-        except urllib.error.HTTPError as error:
-            return Answer(error.code, error.read())
+    def post(self, path: str, document: dict[str, Any], timeout: float = 120) -> Response:
+        return http_json.post(self.url + path, document, timeout)
 
     def logs(self) -> str:
         return bytes(self.container.logs()).decode(errors="replace")
