@@ -161,12 +161,22 @@ def _block_files(work: Path) -> list[Path]:
     )
 
 
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
+def _wait_for(
+    condition: Callable[[], bool], what: str, seen: Callable[[], str] = lambda: ""
+) -> None:
     began = time.monotonic()
     while not condition():
         if time.monotonic() - began > WAIT:
-            raise AssertionError(f"gave up waiting for {what}")
+            raise AssertionError(f"gave up waiting for {what} {seen()}".rstrip())
         time.sleep(0.5)
+
+
+def _read(path: Path) -> bytes | None:
+    """A block file's bytes, or None when the store removed it after the listing."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _corrupt_count(work: Path) -> float:
@@ -250,25 +260,30 @@ def runs(
     server, restarted = _serve(start_vllm_cpu, image, work, key, transfer)
     _stop(server)
 
-    flipped = 0
-    damaged_inodes = {path.stat().st_ino for path in _block_files(work)}
+    damaged: dict[Path, bytes] = {}
     for path in _block_files(work):
         data = bytearray(path.read_bytes())
         data[100] ^= 0x01
         path.write_bytes(bytes(data))
-        flipped += 1
+        damaged[path] = bytes(data)
+    flipped = len(damaged)
     (work / "metrics" / "lucia-kv.prom").unlink(missing_ok=True)  # this store counts from 0
-    server, damaged = _serve(start_vllm_cpu, image, work, key, transfer)
+    server, after_damage = _serve(start_vllm_cpu, image, work, key, transfer)
     _wait_for(lambda: _corrupt_count(work) > 0, "the corrupt counter in the metrics file")
-    damaged.corrupt = _corrupt_count(work)
-    damaged.healthy_after = server.get("/health").status == 200
+    after_damage.corrupt = _corrupt_count(work)
+    after_damage.healthy_after = server.get("/health").status == 200
 
-    def saved_again() -> bool:  # each block file replaced: a new file, renamed in
-        files = _block_files(work)
-        fresh = [path for path in files if path.stat().st_ino not in damaged_inodes]
-        return len(fresh) == len(files) >= 2 * FULL_BLOCKS
+    def still_damaged() -> list[Path]:
+        return [path for path in _block_files(work) if _read(path) in (damaged.get(path), None)]
 
-    _wait_for(saved_again, "every damaged block saved again")
+    def saved_again() -> bool:  # each block sealed again (a fresh nonce), not the damaged bytes
+        return not still_damaged() and len(_block_files(work)) >= 2 * FULL_BLOCKS
+
+    def seen() -> str:
+        files, left = _block_files(work), still_damaged()
+        return f"({len(files)} block files, {len(left)} still damaged: {left[:4]})"
+
+    _wait_for(saved_again, "every damaged block saved again", seen)
     _stop(server)
     block_files = _block_files(work)
 
@@ -279,7 +294,7 @@ def runs(
     server, example = _serve(start_vllm_cpu, image, work, key, example_config)
     _wait_for(lambda: any((work / "example").rglob("*.safetensors")), "ExampleConnector's files")
     _stop(server)
-    return Runs(work, key, cold, restarted, damaged, example, flipped, block_files)
+    return Runs(work, key, cold, restarted, after_damage, example, flipped, block_files)
 
 
 def test_after_a_restart_the_prompt_comes_from_the_tiers_with_the_same_answer(runs: Runs) -> None:
