@@ -105,7 +105,7 @@ def decide(name: str, reading: host.Reading, want: State, hint: str) -> Outcome 
         return None
     if status.state == want:
         return Outcome(EXIT_OK, f"{name}: {want}" + (f" at {status.url}" if status.url else ""))
-    if status.state == "failed":
+    if status.state == "failed" and not status.retrying:  # a retried failure may yet pass
         return Outcome(EXIT_FAILED, err=f"{name} failed: {status.message}")
     return None
 
@@ -120,8 +120,9 @@ def await_state(
     keep_waiting: str,
     no_status_after: float = host.STALE_AFTER.total_seconds(),
 ) -> int:
-    """Wait until the status answers generation with want (0) or failed (1); else 3: the worker
-    is stale, none has written a status within no_status_after seconds, or the timeout passed.
+    """Wait until the status answers generation with want (0) or failed for good (1; a failure
+    the worker retries by itself is shown and waited through); else 3: the worker is stale,
+    none has written a status within no_status_after seconds, or the timeout passed.
     keep_waiting is the command that waits on (said on a timeout)."""
     directory = host.engine_dir(data_dir, name)
     started = time.monotonic()

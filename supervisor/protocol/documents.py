@@ -129,6 +129,12 @@ class Status(BaseModel):
     engine: RunningEngine | None = Field(
         default=None, description="What runs, while the state is running; null otherwise."
     )
+    retrying: bool = Field(
+        default=False,
+        description="While failed: the worker tries the failed step again by itself after a "
+        "back-off (a port, memory or an image held or missing for now); false: it waits for a "
+        "new request or a recipe reload.",
+    )
     worker_version: str | None = Field(
         default=None,
         max_length=100,
@@ -142,6 +148,8 @@ class Status(BaseModel):
             raise ValueError("url must be null unless state is running")
         if self.engine is not None and self.state != "running":
             raise ValueError("engine must be null unless state is running")
+        if self.retrying and self.state != "failed":
+            raise ValueError("retrying must be false unless state is failed")
         return self
 
 

@@ -83,6 +83,7 @@ class Heartbeat:
             checked_at=now,
             refused=clean_message(redaction.redact(refused)) if refused else None,
             engine=answer.engine if running else None,
+            retrying=answer.retrying and answer.state == "failed",
             worker_version=version(),
         )
         self.status = status
@@ -167,13 +168,8 @@ class Heartbeat:
 
 
 def _same_answer(a: Status, b: Status) -> bool:
-    return (a.generation, a.state, a.url, a.refused, a.engine) == (
-        b.generation,
-        b.state,
-        b.url,
-        b.refused,
-        b.engine,
-    )
+    fields = ("generation", "state", "url", "refused", "engine", "retrying")
+    return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 
 def last_written(path: Path) -> Status | None:

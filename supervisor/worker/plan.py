@@ -41,6 +41,7 @@ class Answer:
     message: str
     url: str | None = None
     engine: RunningEngine | None = None
+    retrying: bool = False  # failed, and its step is tried again after a back-off
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ def _still_failed(
         why = _replacing(container, step.spec) if isinstance(step, Check) else None
         what = f"the replacement ({why}) was refused" if why else f"{describe(step)} failed"
         return _serving(memory, observed, container, f"serving at {observed.url}; {what}: {reason}")
-    return Decision(memory, Answer(memory.generation, "failed", reason))
+    retrying = memory.retry_at is not None
+    return Decision(memory, Answer(memory.generation, "failed", reason, retrying=retrying))
 
 
 def _serving_or_working(
@@ -209,7 +211,8 @@ def failed(memory: Memory, reason: str, now: float | None = None) -> Decision:
     given now (a look that failed: looking again is harmless), until the back-off has passed."""
     retry_at = None if now is None else now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
     remembered = replace(memory, failure=reason, retry_at=retry_at, failures=memory.failures + 1)
-    return Decision(remembered, Answer(memory.generation, "failed", reason))
+    answer = Answer(memory.generation, "failed", reason, retrying=retry_at is not None)
+    return Decision(remembered, answer)
 
 
 def unobserved(

@@ -318,6 +318,23 @@ def test_request_wait_exits_1_when_failed(tmp_path: Path, home: Path) -> None:
     assert "tf failed: engine exited with code 137" in err
 
 
+def test_request_wait_waits_through_a_failure_the_worker_retries(
+    tmp_path: Path, home: Path
+) -> None:
+    """A port or memory held for now: failed, retrying; the wait shows it and goes on."""
+    install_unit(home, "tf")
+    proc, generation = start_request(tmp_path, "--timeout", "60")
+    held = "port 8000 is taken by another process; trying again in 5 s"
+    write_status(tmp_path, "tf", generation, "failed", message=held, retrying=True)
+    # off a terminal a progress line comes at most every LINE_EVERY seconds: wait for one
+    assert still_waiting(proc, waiting.LINE_EVERY + 1), "gave up on a retried failure"
+    write_status(tmp_path, "tf", generation, "running", message="serving")
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert out.strip() == f"tf: running at {URL}"
+    assert held in err  # shown while it waited
+
+
 def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
     run = run_cli("request", "tf", "running", "--wait", "--timeout", "1", "--create",

@@ -230,6 +230,24 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
 ]
 
 
+RETRYING = {  # a failed answer says whether the worker tries its step again by itself
+    "stopped, a failed stop is not planned again before its retry time": True,
+    "stopped, a failed remove waits too": True,
+    "running, a refused first start: failed, with when it is tried again": True,
+    "running, a first start refused for good stays failed": False,
+    "running, the serving engine died after a refused replacement: its exit is the failure":
+        False,
+    "running, image missing after build": False,
+}
+
+
+@pytest.mark.parametrize("row", [row for row in TABLE if row[0] in RETRYING], ids=lambda r: r[0])
+def test_a_failed_answer_says_whether_it_is_retried(row: tuple[Any, ...]) -> None:
+    decision = plan(row[1], row[2], NOW)
+    assert decision.answer.state == "failed"
+    assert decision.answer.retrying is RETRYING[row[0]]
+
+
 @pytest.mark.parametrize(("memory", "observed", "step", "state", "message", "targets",
                           "failure"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
 def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, message: str,

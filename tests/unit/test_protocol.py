@@ -176,10 +176,17 @@ def test_status_times_are_iso_utc_with_z() -> None:
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "workerVersion"}
+                         "engine", "retrying", "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
+
+
+@pytest.mark.parametrize("state", [s for s in STATES if s != "failed"])
+def test_status_retrying_only_while_failed(state: str) -> None:
+    with pytest.raises(ValidationError, match="retrying must be false"):
+        status(state=state, url=None, engine=None, retrying=True)
+    assert status(state="failed", url=None, engine=None, retrying=True).retrying
 
 
 @pytest.mark.parametrize("state", [s for s in STATES if s != "running"])
