@@ -299,6 +299,9 @@ class Engine(EngineDirs):
             "[vllm]", *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
             "[vllm.model.library]", f'models_dir = "{self.models_dir}"',
             f'guid = "{self.vllm_guid}"',
+            # the KV tiers only when a test gives them (the shipped CPU recipe has none)
+            *(["[tiers]", *(f"{k} = {toml_value(v)}" for k, v in self.tiers_extra.items())]
+              if self.tiers_extra else []),
             "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in
                             {"HF_HUB_OFFLINE": "1", **self.settings}.items()),
             "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),

@@ -21,6 +21,7 @@ from supervisor.engines.tensorfold.engine import (
     RecipeImage,
     missing,
 )
+from supervisor.engines.vllm.steps import TierImage
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
 from supervisor.recipe.loader import parse
 from supervisor.worker.memory import (
@@ -114,6 +115,10 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      seen(container(image=OTHER), (GrammarImage("tf-grammar"),), None),
      Prepare(GrammarImage("tf-grammar")), "running",
      "preparing: Adding structured output support to the TensorFold image", True, None),
+    ("running, the KV tier image builds while the old engine serves", READY,
+     seen(container(image=OTHER), (TierImage("v:1-tiers"),), None),
+     Prepare(TierImage("v:1-tiers")), "running",
+     "preparing: Adding the KV cache tiers to the vLLM image", True, None),
     ("running, build while an unproven engine runs", RUN,
      seen(container(image=OTHER), (RecipeImage("tf"),), None), Prepare(RecipeImage("tf")),
      "starting", "preparing: building tf", False, None),
@@ -210,6 +215,11 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      seen(container(image=OTHER), (GrammarImage("tf-grammar"),), None), None, "running",
      f"serving at {URL}; preparing: Adding structured output support to the TensorFold image "
      "failed: build failed", True, "build failed"),
+    ("running, a failed KV tier image build while the old engine serves",
+     failing(READY, "tiers build failed", None),
+     seen(container(image=OTHER), (TierImage("v:1-tiers"),), None), None, "running",
+     f"serving at {URL}; preparing: Adding the KV cache tiers to the vLLM image failed: "
+     "tiers build failed", True, "tiers build failed"),
     ("running, a refused first start: failed, with when it is tried again",
      failing(RUN, TAKEN, 30), seen(), None, "failed", f"{TAKEN}; trying again in 30 s", False,
      TAKEN),

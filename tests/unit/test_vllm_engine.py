@@ -15,6 +15,7 @@ from supervisor.docker.spec import Image
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage
 from supervisor.engines.vllm import preflight as pf
+from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
@@ -152,10 +153,15 @@ port = 8000
 # -- the model step, the namespace's parts and the secrets as files -----------------------------
 
 class _Images(Runtime):
-    """The runtime boundary, for what these cases ask: an image that is there, no container."""
+    """The runtime boundary, for what these cases ask: an image that is there (a tier image
+    built for it under the `-tiers` tag), no container."""
 
     def image(self, ref: str) -> Image | None:
-        return Image(id="sha256:" + "1" * 64, labels={})
+        base = "sha256:" + "1" * 64
+        if ref.endswith(tier_image.SUFFIX):
+            plugin = tier_image.read_plugin()
+            return Image(id="sha256:" + "2" * 64, labels=tier_image.labels(plugin, base))
+        return Image(id=base, labels={})
 
     def container(self, name: str) -> None:
         return None
@@ -265,7 +271,8 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
     files.write_atomic(found._model_stamp, json.dumps({"key": found._model_key()}).encode())
     image = _Images().image("x")
     assert image is not None
-    spec = found.run_spec(EngineImage("vllm/vllm-openai:v0.32.0-cu129", image),
+    # with tiers the engine runs the tier image the prerequisites name
+    spec = found.run_spec(EngineImage(tier_image.tag("vllm/vllm-openai:v0.32.0-cu129"), image),
                           Endpoint("172.17.0.1", 8000))
     assert "HF_TOKEN" not in spec.environment and "LUCIA_KV_KEY" not in spec.environment
     assert spec.environment["HF_TOKEN_PATH"] == "/run/lucia-secrets/HF_TOKEN/value"

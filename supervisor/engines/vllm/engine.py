@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Final
@@ -26,7 +25,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
-from supervisor.engines.vllm import cpu, probes, secretfiles
+from supervisor.engines.vllm import cpu, probes, secretfiles, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
@@ -37,6 +36,7 @@ from supervisor.engines.vllm.steps import (
     MemoryFit,
     Preflight,
     TierDirectories,
+    TierImage,
     reclaimable_mib,
     refused,
 )
@@ -72,7 +72,7 @@ class Vllm(ContainerEngine):
         self._namespace: str | None = None  # of the spec last observed
         self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
-        self._version: tuple[str, str] | None = None  # (container id, its /version), once read
+        self._versions = probes.Versions()
         if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
@@ -126,6 +126,14 @@ class Vllm(ContainerEngine):
             if need is not None and need != self._fitted:  # a pull only for a start that fits
                 return Prerequisites((MemoryFit(need),))
             return Prerequisites((PulledImage(launch.image),))
+        found = EngineImage(launch.image, image)
+        if self.recipe.tiers.any:  # the base plus the plugin, rebuilt for another base or version
+            ref = tier_image.tag(launch.image)
+            built, plugin = self.runtime.image(ref), tier_image.plugin()
+            if built is None or plugin is None or not tier_image.current(plugin, image.id,
+                                                                         built.labels):
+                return Prerequisites((TierImage(ref),))
+            found = EngineImage(ref, built)
         hf = self.recipe.vllm.model.hf
         if hf is not None and not self._downloaded():
             return Prerequisites((ModelDownload(hf.id, hf.revision),))
@@ -133,21 +141,23 @@ class Vllm(ContainerEngine):
         self._namespace = space
         if not all((tier.root / space).is_dir() for tier in self.recipe.tier_plan().disks):
             return Prerequisites((TierDirectories(space),))
-        return Prerequisites((), EngineImage(launch.image, image))
+        return Prerequisites((), found)
 
     def namespace(self, image: Image) -> str:
         return kv_tiers.namespace(self.identity(image))
 
     def identity(self, image: Image) -> kv_tiers.Identity:
-        """Everything that makes an old block wrong, for the namespace."""
+        """Everything that makes an old block wrong, for the namespace (a tier image counts as
+        its base; the plugin's version only when there are tiers)."""
         recipe, tiers = self.recipe, self.recipe.tiers
+        plugin = tier_image.plugin() if tiers.any else None
         return kv_tiers.Identity(
             model_manifest=self.model_manifest(),
-            image_digest=image.id,
-            plugin_version=tiers.plugin_version,
+            image_digest=image.labels.get(labels.TIERS_BASE, image.id),
+            plugin_version=plugin.version if plugin is not None else "",
             key_id=self.key_id(),
             layout=kv_tiers.KvLayout(
-                tiers.kv_dtype, tiers.block_size, **hf_model.read_layout(self._model_dir())
+                tiers.kv_dtype, recipe.block_size, **hf_model.read_layout(self._model_dir())
             ),
             parallel=kv_tiers.Parallel(
                 recipe.vllm.tensor_parallel, recipe.vllm.pipeline_parallel
@@ -229,13 +239,8 @@ class Vllm(ContainerEngine):
         if model.hf is not None:
             return kv_tiers.hf_manifest(model.hf.id, model.hf.revision)
         assert model.library is not None
-        # each file's size and change time: a re-downloaded file is another manifest
-        found = {}
-        with contextlib.suppress(OSError):
-            for entry in sorted(os.scandir(self._library_files()), key=lambda e: e.name):
-                info = entry.stat()
-                found[entry.name] = f"{info.st_size}:{info.st_mtime_ns}"
-        return kv_tiers.library_manifest(model.library.guid, found)
+        return kv_tiers.library_manifest(model.library.guid,
+                                         hf_model.file_stats(self._library_files()))
 
     def _library_files(self) -> Path:
         ref = self.recipe.vllm.model.library
@@ -269,6 +274,12 @@ class Vllm(ContainerEngine):
                         raise Permanent(f"KV-cache tier {tier.name}: {exc}") from None
                     ctx.progress(f"KV-cache tier {tier.name}: {made}")
                 self._prune(space, ctx)
+            case TierImage():
+                launch = self._launch()
+                assert launch is not None  # the step comes after the base image is there
+                site = tier_image.SITE_PACKAGES if self.cpu else tier_image.GPU_SITE_PACKAGES
+                tier_image.build(self.runtime, launch.image, self.state_dir / "tier-build", ctx,
+                                 site)
             case ModelDownload():
                 self._download(what, ctx)
             case _:
@@ -291,7 +302,8 @@ class Vllm(ContainerEngine):
             with contextlib.suppress(ValueError, KeyError):
                 share = int(replaced.labels[MEMORY_LABEL])
         launch = refused(pf.decide(self.choices, facts, reclaimable_mib(facts, share)))
-        wanted = (launch.image, (*launch.args, *self.parallel_args()))
+        ref = tier_image.tag(launch.image) if self.recipe.tiers.any else launch.image
+        wanted = (ref, (*launch.args, *self.engine_args()))
         if wanted != (spec.labels.get(labels.IMAGE_REF), spec.command):
             with contextlib.suppress(FileNotFoundError):
                 self._stamp.unlink()  # the next request runs the preflight afresh
@@ -304,7 +316,7 @@ class Vllm(ContainerEngine):
 
     def command(self) -> tuple[str, ...]:
         launch = self._launch()
-        return (*(launch.args if launch else ()), *self.parallel_args())
+        return (*(launch.args if launch else ()), *self.engine_args())
 
     def memory_need(self) -> EngineNeed | None:
         """The container's limit on a CPU; on a GPU the recipe's share of the memory limit."""
@@ -316,19 +328,12 @@ class Vllm(ContainerEngine):
         # unified memory on a Spark (its GPU reports none)
         return vllm_memory.gpu_need(self.recipe, self.memory.measure(guard.load_settings()).limit)
 
-    def parallel_args(self) -> tuple[str, ...]:
-        """The parallel configuration and KV layout the namespace names, as vLLM flags."""
-        args: list[str] = []
-        vllm, tiers = self.recipe.vllm, self.recipe.tiers
-        if vllm.tensor_parallel > 1:
-            args += ["--tensor-parallel-size", str(vllm.tensor_parallel)]
-        if vllm.pipeline_parallel > 1:
-            args += ["--pipeline-parallel-size", str(vllm.pipeline_parallel)]
-        if tiers.kv_dtype != "auto":
-            args += ["--kv-cache-dtype", tiers.kv_dtype]
-        if tiers.block_size != 16:  # vLLM's default on CUDA
-            args += ["--block-size", str(tiers.block_size)]
-        return tuple(args)
+    def engine_args(self) -> tuple[str, ...]:
+        """The layout's flags, then the connector when there are tiers: its settings are in the
+        environment (run_spec) and the key in its file, never in argv."""
+        tiers = ("--kv-transfer-config", tier_image.transfer_config()) if self.recipe.tiers.any \
+            else ()
+        return (*self.recipe.layout_args(), *tiers)
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         base = super().run_spec(found, endpoint)
@@ -375,16 +380,9 @@ class Vllm(ContainerEngine):
                             self.recipe.vllm.served_name)
 
     def version(self, container: Container | None) -> str | None:
-        """vLLM's `/version`, read once per container: until it answers (the server is up once
-        the model loaded), each look asks again, with the probe's short timeout."""
         if container is None or not container.running or self.endpoint is None:
             return None
-        if self._version is not None and self._version[0] == container.id:
-            return self._version[1]
-        found = probes.version(self.endpoint.url)
-        if found is not None:
-            self._version = (container.id, found)
-        return found
+        return self._versions.of(container.id, self.endpoint.url)
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model or self.recipe.vllm.served_name,

@@ -11,7 +11,9 @@ host: it is mounted read-only and needs no step.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -106,6 +108,16 @@ def layout_fields(config: Mapping[str, object]) -> dict[str, int | None]:
         "kv_heads": number("num_key_value_heads") or heads,
         "head_dim": head_dim,
     }
+
+
+def file_stats(directory: Path) -> dict[str, str]:
+    """Each file's size and change time, by name: a re-downloaded file is another manifest."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            info = entry.stat()
+            found[entry.name] = f"{info.st_size}:{info.st_mtime_ns}"
+    return found
 
 
 def read_layout(directory: Path | None) -> dict[str, int | None]:

@@ -37,3 +37,19 @@ def version(base: str) -> str | None:
     except (OSError, ValueError, AttributeError, urllib.error.URLError):
         return None
     return found if isinstance(found, str) and _VERSION.fullmatch(found) else None
+
+
+class Versions:
+    """vLLM's `/version`, read once per container: until it answers (the server is up once the
+    model loaded), each look asks again, with the probe's short timeout."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[str, str] | None = None  # (container id, its /version)
+
+    def of(self, container_id: str, base: str) -> str | None:
+        if self._seen is not None and self._seen[0] == container_id:
+            return self._seen[1]
+        found = version(base)
+        if found is not None:
+            self._seen = (container_id, found)
+        return found

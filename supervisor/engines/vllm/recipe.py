@@ -21,6 +21,8 @@ from supervisor.recipe.schema import (
 )
 
 LIBRARY_MOUNT: Final = "/models"
+BLOCK_SIZES: Final = {"cpu": 128, "gpu": 16}  # vLLM's default KV block (tokens) per device
+CPU_BLOCK_MULTIPLE: Final = 32  # vLLM 0.32.0's CPU attention: get_supported_kernel_block_sizes
 
 
 class HfModel(Section):
@@ -57,9 +59,12 @@ class Tiers(Section):
     nvme: DiskTierSpec | None = None
     hdd: DiskTierSpec | None = None
     key_secret: str = Field(default="LUCIA_KV_KEY", description="the [secrets] entry of the key")
-    plugin_version: str = Field(default="", description="the tier plugin's version (namespace)")
     kv_dtype: str = "auto"
-    block_size: int = Field(default=16, ge=1)
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV block size in tokens; none: the device's (128 on cpu, 16 on gpu)",
+    )
 
     @property
     def any(self) -> bool:
@@ -170,6 +175,37 @@ class VllmRecipe(RecipeBase):
                     "(shared memory counts against the container's limit)"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _cpu_block(self) -> Self:
+        size = self.tiers.block_size
+        if self.vllm.device == "cpu" and size is not None and size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"tiers.block_size {size}: vLLM's CPU attention takes multiples of "
+                f"{CPU_BLOCK_MULTIPLE} tokens only; leave it out for the CPU default "
+                f"({BLOCK_SIZES['cpu']})"
+            )
+        return self
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size the engine runs with: the recipe's, else the device's default."""
+        return self.tiers.block_size or BLOCK_SIZES[self.vllm.device]
+
+    def layout_args(self) -> tuple[str, ...]:
+        """The parallel configuration and KV layout the namespace names, as vLLM flags (each
+        only where it differs from vLLM's default on this device)."""
+        args: list[str] = []
+        vllm, tiers = self.vllm, self.tiers
+        if vllm.tensor_parallel > 1:
+            args += ["--tensor-parallel-size", str(vllm.tensor_parallel)]
+        if vllm.pipeline_parallel > 1:
+            args += ["--pipeline-parallel-size", str(vllm.pipeline_parallel)]
+        if tiers.kv_dtype != "auto":
+            args += ["--kv-cache-dtype", tiers.kv_dtype]
+        if self.block_size != BLOCK_SIZES[vllm.device]:
+            args += ["--block-size", str(self.block_size)]
+        return tuple(args)
 
     @property
     def model_argument(self) -> str:

@@ -40,6 +40,17 @@ class TierDirectories:
         return f"creating the KV-cache tier directories for namespace {self.namespace[:12]}"
 
 
+@dataclass(frozen=True)
+class TierImage:
+    """`<vllm image>-tiers`: the engine image with the KV tier plugin, built FROM the base."""
+
+    tag: str
+
+    @property
+    def description(self) -> str:
+        return "Adding the KV cache tiers to the vLLM image"
+
+
 def refused(decision: pf.Launch | pf.Refusal) -> pf.Launch:
     if isinstance(decision, pf.Refusal):  # GPU memory another container holds may come free
         busy = decision.code == pf.GPU_MEMORY_BUSY

@@ -6,15 +6,19 @@ package files and a dist-info: METADATA, top_level.txt, RECORD), copied onto the
 path, since the engine image has no pip. A build step imports `lucia_kv.connector`, `vllm` and
 `cryptography` and checks the installed version. The image is labelled with the base image id
 and the plugin's version, and is rebuilt when either changes. The version is read from the
-plugin's pyproject.toml, never by importing the plugin.
+plugin's pyproject.toml, never by importing the plugin. `build` writes a fresh context under
+the engine's state directory, builds through the runtime and removes the context.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import re
+import shutil
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +26,10 @@ from pathlib import Path
 from typing import Final
 
 from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
-from supervisor.docker.spec import BuildRequest
+from supervisor.docker.runtime import Runtime
+from supervisor.docker.spec import BuildRequest, Image
+from supervisor.engines.base import StepContext
+from supervisor.errors import Blocked, BuildFailed
 
 MESSAGE: Final = "Adding the KV cache tiers to the vLLM image"
 DISTRIBUTION: Final = "lucia-kv-tiers"
@@ -32,6 +39,12 @@ CONNECTOR_MODULE: Final = "lucia_kv.connector"
 CHECKED_MODULES: Final = (CONNECTOR_MODULE, "vllm", "cryptography")
 SOURCE: Final = Path(__file__).resolve().parents[3] / "kvplugin"
 SITE_PACKAGES: Final = "/opt/vllm/site-packages"  # the CPU image's PYTHONPATH
+# vllm/vllm-openai: Python 3.12 with vLLM installed system-wide (uv pip install --system)
+GPU_SITE_PACKAGES: Final = "/usr/local/lib/python3.12/dist-packages"
+NEXT_STEP: Final = (
+    "the running engine, if any, was left alone; fix the base image or the plugin "
+    "(kvplugin/) and request again, or remove [tiers] to run without the tiers"
+)
 PYTHON: Final = "/usr/bin/python3"
 SUFFIX: Final = "-tiers"
 CONTEXT_SITE: Final = "site-packages"  # the build context's folder copied onto the Python path
@@ -89,6 +102,20 @@ def read_plugin(source: Path = SOURCE) -> Plugin:
     except OSError as exc:
         raise PluginUnreadable(f"{exc.filename}: {exc.strerror}") from None
     return Plugin(version, requires, requires_python, files)
+
+
+@functools.cache
+def _installed_plugin() -> Plugin:
+    return read_plugin()
+
+
+def plugin() -> Plugin | None:
+    """The plugin beside this supervisor (read once, from its own metadata); None while it
+    cannot be read (the build then says why)."""
+    try:
+        return _installed_plugin()
+    except PluginUnreadable:
+        return None
 
 
 def _record_line(path: str, data: bytes) -> str:
@@ -201,3 +228,30 @@ def transfer_config(settings: Mapping[str, str | int] | None = None) -> str:
         "kv_connector_extra_config": extra,
     }
     return json.dumps(config, sort_keys=True)
+
+
+def build(runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
+          site: str = SITE_PACKAGES) -> Image:
+    """Build `tag(base_ref)` FROM base_ref's image from a context written fresh under work
+    (removed after), its output lines the heartbeat's message. A plugin that cannot be read or a
+    failed build is a BuildFailed that says what to do next."""
+    target = tag(base_ref)
+    what = f"adding the KV cache tiers to {base_ref} ({target})"
+    base = runtime.image(base_ref)
+    if base is None:
+        raise Blocked(f"the engine image {base_ref} is missing; it is pulled again")
+    try:
+        plugin = read_plugin()
+    except PluginUnreadable as exc:
+        raise BuildFailed(what, [str(exc), NEXT_STEP]) from None
+    ctx.progress(MESSAGE)
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    context = Path(tempfile.mkdtemp(prefix="tier-context-", dir=work))
+    try:
+        write_context(plugin, base.id, context, site)
+        return runtime.build(build_request(plugin, base_ref, base.id, context),
+                             lambda line: ctx.progress(f"{MESSAGE}: {line}"), ctx.cancel)
+    except BuildFailed as exc:
+        raise BuildFailed(what, [*exc.lines, NEXT_STEP]) from None
+    finally:
+        shutil.rmtree(context, ignore_errors=True)

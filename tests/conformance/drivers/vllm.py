@@ -8,6 +8,7 @@ from typing import Any, Final
 
 import pytest
 
+from supervisor.engines.vllm import tier_image
 from tests.conformance.driver import Kind, dies_with_3_saying, killed_saying
 from tests.fixtures import Engine
 
@@ -36,7 +37,8 @@ def _standin(make_engine: Callable[..., Engine], request: pytest.FixtureRequest)
         slow_ready=lambda s: ({"settings": {"LOAD_DELAY": str(s)}}, "non-default args"),
         change_image=change,
         die=dies_with_3_saying("fatal error"),
-        image=lambda engine: engine.vllm_repository + ":v0.32.0-cu129",
+        # the recipe has tiers: what runs is the tier image built FROM the preflight's pick
+        image=lambda engine: tier_image.tag(engine.vllm_repository + ":v0.32.0-cu129"),
     )
 
 
