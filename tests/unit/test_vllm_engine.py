@@ -301,3 +301,50 @@ def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_pat
                    StepContext(threading.Event(), lambda _line: None))
     assert "no writable [run] volume holds the Hugging Face cache" in str(refused.value)
     assert 'target = "/root/.cache/huggingface"' in str(refused.value)
+
+
+class _Recording(_Images):
+    """The engine image is there; the download's container is recorded, and ends well."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ran: list[str] = []
+        self.tmp = tmp
+
+    def run_streamed(self, image_id: str, *args: object, **kwargs: object) -> tuple[int, list[str]]:
+        self.ran.append(image_id)
+        _downloaded(self.tmp, {"num_hidden_layers": 2})
+        return 0, ["done"]
+
+
+def test_a_hugging_face_model_is_downloaded_on_a_cpu_server_with_its_image(
+    tmp_path: Path,
+) -> None:
+    """No preflight runs on a CPU: the download takes the recipe's CPU image all the same."""
+    parsed = parse(
+        f"""
+name = "v"
+engine = "vllm"
+[vllm]
+device = "cpu"
+image = "lucia-vllm-cpu:test"
+served_name = "m"
+max_model_len = 1024
+kv_cache_gib = 1
+[vllm.model.hf]
+id = "org/model"
+revision = "0123456789abcdef0123456789abcdef01234567"
+[run]
+port = 8000
+memory = "4g"
+shm_size = "512m"
+volumes = [{{ source = "{tmp_path / 'hf'}", target = "/root/.cache/huggingface" }}]
+"""
+    )
+    assert isinstance(parsed, VllmRecipe)
+    runtime = _Recording(tmp_path)
+    found = Vllm("v", parsed, runtime, tmp_path / "state")
+    (tmp_path / "state").mkdir()
+    (step,) = found.prerequisites().missing
+    assert isinstance(step, ModelDownload)
+    found.make(step, StepContext(threading.Event(), lambda _line: None))
+    assert runtime.ran == [runtime.image("lucia-vllm-cpu:test").id]

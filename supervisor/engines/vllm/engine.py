@@ -198,7 +198,7 @@ class Vllm(ContainerEngine):
         return hf_model.file_secrets(self.recipe.secrets, self.recipe.tiers.key_secret)
 
     def _download(self, what: ModelDownload, ctx: StepContext) -> None:
-        launch = self._passed()
+        launch = self._launch()  # on a CPU the recipe's image: no preflight has passed
         image = self.runtime.image(launch.image) if launch else None
         if image is None:
             raise Blocked("the engine image is missing; it is pulled again")
