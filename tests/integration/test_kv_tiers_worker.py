@@ -6,7 +6,12 @@ the tiers. The worker builds the tier image (`<base>-tiers`, from a private tag 
 and starts the engine on it. One engine run is shared by the module: `tiered` gives the running
 engine, its url, its tier directories and its metrics (proofs that need the engine for more come
 after `reuse`, which answers a 2000-token prompt cold, has the engine stopped and started again
-through the protocol, and answers the same prompt warm).
+through the protocol, and answers the same prompt warm). After the reuse, in this order, each
+leaving what the next needs: the NVMe copy deleted (the HDD serves, the copy comes back), every
+block of the prompt damaged (a miss, recomputed), 300 prompts against the small NVMe cap (the
+caps hold), and the NVMe cap shrunk in the recipe (the replacement's rebuild evicts). The store's
+counters come from the metrics file it writes (LUCIA_KV_METRICS_FILE, a directory of the
+recipe's run.volumes): they count from the start of the engine's process.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import random
 import re
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,7 @@ import pytest
 
 from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
 from supervisor.engines.vllm import tier_image
+from supervisor.recipe.schema import parse_bytes
 from tests import http_json
 from tests.fixtures import REPO_TEMPLATE, RUN_ID, Engine, _repo
 from tests.gguf_fixtures import add_model
@@ -42,6 +50,11 @@ SERVED = "tiny"
 SOURCE = re.compile(
     r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
 )
+COUNTER = re.compile(r"^lucia_kv_(\w+)_total\{([^}]*)\} (\d+)$", re.M)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+METRICS_TARGET = "/kv-metrics"  # the metrics directory's mount point in the container
+CAPS = {"nvme": "16m", "hdd": "256m"}  # the NVMe cap evicts under the load; the HDD's does not
+SHRUNK = "4m"  # the NVMe cap the recipe is edited to: below what the load leaves there
 START_LIMIT = 1800.0  # the tier image build, then the server's load (40-220 s here): a limit
 WAIT = 300.0  # the longest wait for the background writers; a limit, never an assertion
 
@@ -63,6 +76,7 @@ class TieredEngine:
     key_hex: str  # what the key's secret file holds
     tier_roots: dict[str, Path]  # "nvme", "hdd": the recipe's tier paths on the host
     image: str  # the tier image's tag
+    metrics_file: Path  # the store's counters, on the host
     messages: list[str] = field(default_factory=list)  # status messages seen while starting
     url: str = ""
 
@@ -88,6 +102,30 @@ class TieredEngine:
             if path.is_file() and not path.name.startswith(".tmp-")
         )
 
+    def caps(self) -> dict[str, int]:
+        """Each disk tier's byte cap, as the recipe now says."""
+        return {name: int(str(parse_bytes(self.engine.tiers_extra[name]["max_bytes"])))
+                for name in self.tier_roots}  # fmt: skip
+
+    def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
+        """The store's counters from its metrics file (empty before its first write)."""
+        try:
+            text = self.metrics_file.read_text()
+        except FileNotFoundError:
+            return {}
+        return {(m.group(1), tuple(sorted(LABEL.findall(m.group(2))))): int(m.group(3))
+                for m in COUNTER.finditer(text)}  # fmt: skip
+
+    def counter(self, name: str, tier: str | None = None, reason: str | None = None) -> int:
+        """A counter summed over the labels not given."""
+        total = 0
+        for (key, labels), value in self.counters().items():
+            found = dict(labels)
+            if key == name and tier in (None, found.get("tier")) \
+                    and reason in (None, found.get("reason")):
+                total += value
+        return total
+
     def metrics(self) -> str:
         answer = http_json.get(self.url + "/metrics", 30)
         assert answer.status == 200, answer.body[-500:]
@@ -99,10 +137,10 @@ class TieredEngine:
             found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
         return found
 
-    def complete(self, prompt: list[int]) -> Answer:
+    def complete(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Answer:
         answer = http_json.post(
             self.url + "/v1/completions",
-            {"model": SERVED, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
              "ignore_eos": True, "return_token_ids": True},
             timeout=600,
         )  # fmt: skip
@@ -138,6 +176,10 @@ class TieredEngine:
         return b"".join(path.read_bytes() for path in sorted(self.engine.root.glob("worker-*.log")))
 
 
+def names(paths: list[Path]) -> set[str]:
+    return {path.name for path in paths}
+
+
 def wait_for(
     condition: Callable[[], bool], what: str, seen: Callable[[], str] = lambda: ""
 ) -> None:
@@ -170,19 +212,24 @@ def tiered(
     files = add_model(root / name / "library", "Ready")  # Engine.models_dir
     shutil.copytree(tiny_llama_dir, files, dirs_exist_ok=True)
     tier_roots = {"nvme": root / name / "kv-nvme", "hdd": root / name / "kv-hdd"}
+    metrics_dir = root / name / "kv-metrics"  # outside the tiers: its bytes are not theirs
+    metrics_dir.mkdir(mode=0o700)
     engine = Engine(
         name=name, repo=_repo(REPO_TEMPLATE, root / "recipe-repo"), base="", root=root / name,
         kind="vllm", vllm_device="cpu", vllm_image=base_ref, vllm_guid=files.parent.name,
         ready_timeout=900, env={"LUCIA_MACHINE_FILE": str(machine)},
         secrets={"LUCIA_KV_KEY": str(key)},
+        settings={"LUCIA_KV_METRICS_FILE": f"{METRICS_TARGET}/lucia_kv.prom"},
+        run_extra={"volumes": [{"source": str(metrics_dir), "target": METRICS_TARGET}]},
         vllm={"max_model_len": 2048,  # the tiny model's max_position_embeddings
               "prefix_caching": False,
               "args": ["--dtype", "bfloat16", "--enforce-eager",
                        "--enable-prompt-tokens-details"]},
-        tiers_extra={"nvme": {"path": str(tier_roots["nvme"]), "max_bytes": "64m"},
-                     "hdd": {"path": str(tier_roots["hdd"]), "max_bytes": "256m"}},
+        tiers_extra={tier: {"path": str(path), "max_bytes": CAPS[tier]}
+                     for tier, path in tier_roots.items()},
     )  # fmt: skip
-    tiered = TieredEngine(engine, client, key.read_text().strip(), tier_roots, image)
+    tiered = TieredEngine(engine, client, key.read_text().strip(), tier_roots, image,
+                          metrics_dir / "lucia_kv.prom")
     built: list[str] = []
     try:
         engine.start_worker()
@@ -213,6 +260,7 @@ class Reuse:
     warm_sources: dict[str, float]
     first_container: str
     second_container: str
+    blocks: set[str]  # the names of the prompt's block files
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +275,12 @@ def reuse(tiered: TieredEngine) -> Reuse:
     wait_for(written, "every block on NVMe and HDD",
              lambda: f"({len(tiered.block_files('nvme'))} on NVMe, "
                      f"{len(tiered.block_files('hdd'))} on HDD)")
+    blocks = names(tiered.block_files("hdd"))
     tiered.stop()
     tiered.start()
     warm = tiered.complete(PROMPT)
-    return Reuse(cold, warm, cold_sources, tiered.by_source(), first, tiered.container().id)
+    return Reuse(cold, warm, cold_sources, tiered.by_source(), first, tiered.container().id,
+                 blocks)
 
 
 def test_the_worker_built_the_tier_image_and_runs_the_engine_on_it(tiered: TieredEngine) -> None:
@@ -301,3 +351,200 @@ def test_the_key_is_in_no_argument_environment_status_or_worker_output(
     for where, data in (("status.json", status), ("the worker's output", output)):
         assert key_hex.encode() not in data, where
         assert raw not in data, where
+
+
+def flip_one_byte(path: Path) -> None:
+    """Flip a byte inside the sealed payload (`length | payload | padding`: the padding is
+    outside what AES-GCM authenticates), in place."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    assert 0 < length <= len(data) - 8, (path, length, len(data))
+    data[8 + length // 2] ^= 0xFF
+    with path.open("r+b") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def test_with_the_nvme_copy_deleted_the_hdd_serves_and_the_copy_comes_back(
+    tiered: TieredEngine, reuse: Reuse
+) -> None:
+    space = tiered.tier_dirs()
+    on_nvme, on_hdd = names(tiered.block_files("nvme")), names(tiered.block_files("hdd"))
+    assert on_nvme == on_hdd == reuse.blocks and len(on_nvme) == FULL_BLOCKS, (on_nvme, on_hdd)
+    before = tiered.by_source().get("external_kv_transfer", 0.0)
+    hits = tiered.counter("hits", "hdd")
+    promoted = tiered.counter("promotions", "nvme")
+    for name in on_nvme:
+        (space["nvme"] / name).unlink()
+    assert not tiered.block_files("nvme")
+    answer = tiered.complete(PROMPT)
+    external = tiered.by_source().get("external_kv_transfer", 0.0) - before
+    print(f"\nNVMe copy deleted: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers")
+    assert external >= 0.9 * len(PROMPT)
+    assert answer.token_ids == reuse.cold.token_ids and answer.text == reuse.cold.text
+    # the index still named the NVMe copies: each read found no file (corrupt, "missing"),
+    # dropped it and went on to the HDD, which served it and queued it for promotion
+    wait_for(lambda: tiered.counter("hits", "hdd") - hits >= FULL_BLOCKS, "HDD hits",
+             lambda: str(tiered.counters()))
+    wait_for(lambda: names(tiered.block_files("nvme")) == on_nvme, "the NVMe copy back",
+             lambda: f"({len(tiered.block_files('nvme'))} of {FULL_BLOCKS})")
+    wait_for(lambda: tiered.counter("promotions", "nvme") - promoted >= FULL_BLOCKS,
+             "the promotions counted", lambda: str(tiered.counters()))
+    assert tiered.counter("corrupt", "nvme", "missing") >= FULL_BLOCKS
+
+
+def test_a_flipped_byte_in_every_block_is_a_miss_the_answer_is_the_cold_one_nothing_restarts(
+    tiered: TieredEngine, reuse: Reuse
+) -> None:
+    container = tiered.container()
+    started = container.attrs["State"]["StartedAt"]
+    damaged = tiered.block_files()
+    assert len(damaged) == 2 * FULL_BLOCKS, damaged  # both tiers, nothing else yet
+    corrupt = {tier: tiered.counter("corrupt", tier, "auth") for tier in ("nvme", "hdd")}
+    for path in damaged:
+        flip_one_byte(path)
+    answer = tiered.complete(PROMPT)
+    assert answer.token_ids == reuse.cold.token_ids and answer.text == reuse.cold.text
+    wait_for(lambda: all(tiered.counter("corrupt", tier, "auth") > corrupt[tier]
+                         for tier in corrupt), "the corrupt counter of each tier",
+             lambda: str(tiered.counters()))
+    print("\ncorrupt (auth) after flipping a byte of each block: "
+          + ", ".join(f"{t} {tiered.counter('corrupt', t, 'auth') - n}"
+                      for t, n in corrupt.items()))
+    assert http_json.get(tiered.url + "/health", 30).status == 200
+    status = tiered.engine.status()
+    assert status is not None and status["state"] == "running", status
+    container.reload()
+    assert container.id == tiered.container().id == reuse.second_container
+    assert container.status == "running"
+    assert container.attrs["RestartCount"] == 0
+    assert container.attrs["State"]["StartedAt"] == started
+    # the recomputed prompt was saved again: sealed afresh, under the same names
+    wait_for(lambda: all(len(tiered.block_files(t)) >= FULL_BLOCKS for t in ("nvme", "hdd")),
+             "the recomputed blocks written again")
+
+
+class TierSampler(threading.Thread):
+    """The bytes of each tier directory every ~50 ms, the largest seen.
+
+    The store counts a block by its file's size (blockfile.disk_size: length, payload and
+    padding to 4096 bytes, the file's apparent size, which is what O_DIRECT writes), reserving
+    it before the temp file is made: so this sums st_size over every file, temp files too.
+    Allocated bytes (st_blocks) are kept beside it, for the report only."""
+
+    def __init__(self, dirs: dict[str, Path]) -> None:
+        super().__init__(name="tier-sampler", daemon=True)
+        self.dirs = dirs
+        self.apparent = dict.fromkeys(dirs, 0)
+        self.allocated = dict.fromkeys(dirs, 0)
+        self.samples = 0
+        self.done = threading.Event()
+
+    @staticmethod
+    def measure(directory: Path) -> tuple[int, int]:
+        apparent = allocated = 0
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted or renamed between the listing and the stat
+                if stat.S_ISREG(info.st_mode):
+                    apparent += info.st_size
+                    allocated += info.st_blocks * 512
+        return apparent, allocated
+
+    def run(self) -> None:
+        while True:
+            for tier, directory in self.dirs.items():
+                apparent, allocated = self.measure(directory)
+                self.apparent[tier] = max(self.apparent[tier], apparent)
+                self.allocated[tier] = max(self.allocated[tier], allocated)
+            self.samples += 1
+            if self.done.wait(0.05):
+                return
+
+
+def test_300_prompts_keep_the_tiers_within_their_caps(
+    tiered: TieredEngine, reuse: Reuse
+) -> None:
+    rng = random.Random(3333)
+    # distinct from each other and from PROMPT in their first token: no shared blocks
+    prompts = [[3 + n % 2, n // 2 % 509 + 3, *(rng.randrange(3, 512) for _ in range(
+        rng.randrange(300, 601) - 2))] for n in range(300)]
+    assert len({tuple(p[:2]) for p in prompts}) == 300
+    # every tenth request repeats an earlier prompt: loads from the tiers while they evict
+    work = []
+    for n, prompt in enumerate(prompts):
+        work.append(prompt)
+        if n and n % 10 == 0:
+            work.append(prompts[n // 2])
+    missing = tiered.counter("corrupt", reason="missing")
+    evictions = tiered.counter("evictions", "nvme")
+    external = tiered.by_source().get("external_kv_transfer", 0.0)
+    caps = tiered.caps()
+    sampler = TierSampler(tiered.tier_dirs())
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: tiered.complete(p, max_tokens=4), work))
+        tiered_external = tiered.by_source().get("external_kv_transfer", 0.0) - external
+        wait_for(lambda: tiered.counter("evictions", "nvme") > evictions, "NVMe evictions",
+                 lambda: str(tiered.counters()))
+        time.sleep(1.0)  # a few more samples after the load (the writers' queue drains)
+    finally:
+        sampler.done.set()
+        sampler.join(30)
+    print(f"\n{len(work)} requests: most bytes seen {sampler.apparent} (apparent), "
+          f"{sampler.allocated} (allocated), caps {caps}, over {sampler.samples} samples; "
+          f"NVMe evictions {tiered.counter('evictions', 'nvme') - evictions}; "
+          f"{tiered_external:.0f} prompt tokens of the repeats from the tiers")
+    assert len(answers) == len(work) and all(len(a.token_ids) == 4 for a in answers)
+    assert sampler.samples > 10
+    for tier, cap in caps.items():
+        assert sampler.apparent[tier] <= cap, (tier, sampler.apparent[tier], cap)
+    assert tiered.counter("corrupt", reason="missing") == missing  # no pinned block lost
+    assert tiered.counter("evictions", "hdd") == 0  # the HDD pool keeps every block
+    assert tiered_external > 0  # the repeats read blocks back under the evictions
+
+
+def test_a_shrunk_nvme_cap_replaces_the_engine_and_its_rebuild_evicts_down_to_it(
+    tiered: TieredEngine, reuse: Reuse
+) -> None:
+    old = tiered.container().id
+    assert reuse.blocks <= names(tiered.block_files("hdd"))
+    held = TierSampler.measure(tiered.tier_dirs()["nvme"])[0]
+    cap = int(str(parse_bytes(SHRUNK)))
+    assert held > cap, f"the NVMe tier holds {held} bytes, not above the new cap {cap}"
+    changed = {**tiered.engine.tiers_extra,
+               "nvme": {**tiered.engine.tiers_extra["nvme"], "max_bytes": SHRUNK}}
+    tiered.engine.reload(tiers_extra=changed)  # the recipe edited, then `systemctl reload`
+    began = time.monotonic()
+    while True:
+        found = tiered.client.containers.list(filters={"name": tiered.engine.container})
+        status = tiered.engine.status() or {}  # read after the listing: about what it lists
+        if status.get("state") == "running" and found and found[0].id != old:
+            tiered.url = status["url"]
+            break
+        time.sleep(0.5)
+        assert status.get("state") != "failed", (status, tiered.engine.log_tail())
+        if time.monotonic() - began > START_LIMIT:
+            raise AssertionError(f"gave up waiting for the replacement: {status}")
+    assert tiered.container().attrs["Config"]["Env"].count(f"LUCIA_KV_NVME_BYTES={cap}") == 1
+    now = TierSampler.measure(tiered.tier_dirs()["nvme"])[0]
+    print(f"\nNVMe cap {cap}: {held} bytes before the replacement, {now} after its rebuild")
+    assert now <= cap
+    assert reuse.blocks <= names(tiered.block_files("hdd")), "the HDD still holds the blocks"
+    # the old engine's counters are in the file until the new store first writes it (after a
+    # read or a write, none yet): removed, what comes back is the new process's
+    tiered.metrics_file.unlink(missing_ok=True)
+    before = tiered.by_source().get("external_kv_transfer", 0.0)
+    answer = tiered.complete(PROMPT)
+    external = tiered.by_source().get("external_kv_transfer", 0.0) - before
+    print(f"after the shrink: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers")
+    assert external >= 0.9 * len(PROMPT)
+    assert answer.token_ids == reuse.cold.token_ids
+    wait_for(lambda: tiered.counter("evictions", "nvme") > 0, "the rebuild's evictions counted",
+             lambda: str(tiered.counters()))
+    assert TierSampler.measure(tiered.tier_dirs()["nvme"])[0] <= cap
