@@ -21,6 +21,7 @@ GRAMMAR_REQUIREMENT: Final = "lucia.grammar.requirement"  # on grammar images: t
 GRAMMAR_MODULES: Final = "lucia.grammar.modules"  # on grammar images: the modules checked
 TIERS_BASE: Final = "lucia.tiers.base"  # on KV tier images: the base image id
 TIERS_VERSION: Final = "lucia.tiers.version"  # on KV tier images: the plugin's version
+TIERS_DIGEST: Final = "lucia.tiers.digest"  # on KV tier images: a digest of the plugin's files
 
 # Bookkeeping that changes without changing what runs: never part of the fingerprint.
 BOOKKEEPING: Final = frozenset({GENERATION, FINGERPRINT})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import email.parser
 import hashlib
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
+from supervisor.docker.labels import TIERS_BASE, TIERS_DIGEST, TIERS_VERSION
 from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.tier_image import Plugin, PluginUnreadable
 
@@ -125,11 +126,22 @@ def test_the_installed_files_are_what_pip_wheel_would_install(
 
 def test_labels_and_current(plugin: Plugin) -> None:
     labels = tier_image.labels(plugin, BASE)
-    assert labels == {TIERS_BASE: BASE, TIERS_VERSION: "0.1.0"}
+    assert labels == {TIERS_BASE: BASE, TIERS_VERSION: "0.1.0",
+                      TIERS_DIGEST: tier_image.digest(plugin)}
     assert tier_image.current(plugin, BASE, {**labels, "other": "x"})
     assert not tier_image.current(plugin, "sha256:" + "cd" * 32, labels), "a new base"
     assert not tier_image.current(plugin, BASE, {**labels, TIERS_VERSION: "0.0.9"}), "a new plugin"
     assert not tier_image.current(plugin, BASE, {})
+
+
+def test_a_changed_plugin_file_without_a_new_version_is_another_image(plugin: Plugin) -> None:
+    labels = tier_image.labels(plugin, BASE)
+    path, data = plugin.files[0]
+    edited = dataclasses.replace(plugin, files=((path, data + b"# fixed\n"), *plugin.files[1:]))
+    assert edited.version == plugin.version
+    assert tier_image.digest(edited) != tier_image.digest(plugin)
+    assert not tier_image.current(edited, BASE, labels), "the old files' image is not current"
+    assert tier_image.current(edited, BASE, tier_image.labels(edited, BASE))
 
 
 @pytest.mark.parametrize(

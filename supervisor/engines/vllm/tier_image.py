@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
+from supervisor.docker.labels import TIERS_BASE, TIERS_DIGEST, TIERS_VERSION
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import BuildRequest, Image
 from supervisor.engines.base import StepContext
@@ -155,12 +155,23 @@ def tag(base_ref: str) -> str:
     return f"{name}:latest{SUFFIX}"
 
 
+def digest(plugin: Plugin) -> str:
+    """A digest of every file the plugin installs: a changed file without a new version still
+    makes another image."""
+    hashed = hashlib.sha256()
+    for path, data in sorted(installed_files(plugin).items()):
+        hashed.update(f"{path}\0{len(data)}\0".encode())
+        hashed.update(data)
+    return "sha256:" + hashed.hexdigest()
+
+
 def labels(plugin: Plugin, base_id: str) -> dict[str, str]:
-    return {TIERS_BASE: base_id, TIERS_VERSION: plugin.version}
+    return {TIERS_BASE: base_id, TIERS_VERSION: plugin.version, TIERS_DIGEST: digest(plugin)}
 
 
 def current(plugin: Plugin, base_id: str, image_labels: Mapping[str, str]) -> bool:
-    """Pure: is an image with these labels the tier image of this base and plugin version?"""
+    """Pure: is an image with these labels the tier image of this base and these plugin files
+    (their version and digest)?"""
     want = labels(plugin, base_id)
     return all(image_labels.get(key) == value for key, value in want.items())
 
