@@ -152,7 +152,5 @@ def separate_scripts(path: Path) -> str:
         text = path.read_text()
     except FileNotFoundError:
         return ""
-    for offset in (0, *(n + 1 for n, c in enumerate(text) if c == "\n")):
-        if text.startswith(SEPARATE_SCRIPTS + "\n", offset):
-            return text[offset:]
-    return ""
+    found = ("\n" + text).find(f"\n{SEPARATE_SCRIPTS}\n")
+    return "" if found < 0 else text[found:]
