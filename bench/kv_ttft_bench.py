@@ -15,15 +15,17 @@ Two servers, started once each; the rows' rounds run interleaved, so drift hits 
 The shared-memory tier is off, so the NVMe tier is the fastest one. "NVMe" is a directory on
 the root disk. "HDD" is ext4 on a loop device made for the run (direct I/O to a file on the
 root disk), with the server container's I/O to it capped by the blkio cgroup (docker's
---device-read-iops and friends): this kernel has no device-mapper, so no dm-delay. blkio lets a
-100 ms slice's share of IOs pass at once and holds the rest, so --hdd-iops 75 makes a 15-block
-read cost about 100 ms more than the root disk, near what 15 random reads (8 ms each) cost a
-7200 rpm disk; the bench measures the devices alone too (an O_DIRECT read of the warm prompt's
-block files from inside the container). With --hdd-same-disk, HDD is a directory on the root
-disk as well. Each row gives the median and spread of
---rounds, the prompt tokens vLLM counted from external_kv_transfer (its /metrics) and the tier
-hits the store counted, per round, so each row shows what served it. Asserts nothing about
-timings. Needs root (the loop device) and the vLLM CPU image (scripts/machine.sh builds it).
+--device-read-iops and friends): this kernel has no device-mapper, so no dm-delay. The default
+cap, 150 IOPS, is a 7200 rpm disk's random reads; blkio lets a 100 ms slice's share pass at once
+and holds the rest, and a 68 KiB block file costs more than one IO (about 2.5 with the open,
+by the 75-IOPS figures). What the device alone costs is measured too: an O_DIRECT read of the
+warm prompt's block files from inside the container, on each tier. With --hdd-same-disk, HDD
+is a directory on the root disk as well.
+
+Each row gives the median and spread of --rounds, the prompt tokens vLLM counted from
+external_kv_transfer (its /metrics) and the store's hits per tier, per round, so each row shows
+what served it. Asserts nothing about timings. Needs root (the loop device) and the vLLM CPU
+image (scripts/machine.sh builds it).
 """
 
 from __future__ import annotations
@@ -341,10 +343,10 @@ def run(args: argparse.Namespace, lab: KvLab) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens asked per completion")
     parser.add_argument(
-        "--hdd-iops", type=int, default=75, help="the HDD stand-in's IOPS cap (see the docstring)"
+        "--hdd-iops", type=int, default=150, help="the HDD stand-in's IOPS cap (see the docstring)"
     )
     parser.add_argument("--hdd-mbps", type=int, default=150, help="its MB/s cap")
     parser.add_argument(
