@@ -130,7 +130,7 @@ class Tiers:
 
 def measured(server: Server, tokens: list[int], max_tokens: int) -> tuple[Completion, float]:
     """The completion and its prompt tokens from external_kv_transfer, once vLLM counted the
-    request's prompt (the sum over sources rose by its length)."""
+    request's prompt (vllm:prompt_tokens_total rose by its length)."""
     text = server.metrics()
     before, total = by_source(text), prompt_tokens(text)
     done = server.complete(tokens, max_tokens)
