@@ -8,6 +8,10 @@ from pathlib import Path
 
 from .procfs import percentile
 
+# RESULTS.md from this heading on holds the separate scripts' results (bench/README.md names
+# them); the suite's rewrite of the file keeps that part as it is
+SEPARATE_SCRIPTS = "# Separate scripts"
+
 
 @dataclass
 class Row:
@@ -138,4 +142,15 @@ def write_results(
     ]
     if problems:
         lines += ["", "## Problems", "", *(f"- {p}" for p in problems)]
-    path.write_text("\n".join(lines) + "\n")
+    kept = separate_scripts(path)
+    path.write_text("\n".join(lines) + "\n" + (f"\n{kept}" if kept else ""))
+
+
+def separate_scripts(path: Path) -> str:
+    """The part of an existing RESULTS.md from the separate scripts' heading on, or ""."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return ""
+    found = ("\n" + text).find(f"\n{SEPARATE_SCRIPTS}\n")
+    return "" if found < 0 else text[found:]

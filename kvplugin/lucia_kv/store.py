@@ -279,16 +279,19 @@ class Store:
         path = self.config.metrics_file
         if path is None:
             return
+        # One write at a time, its counts taken inside the lock: a later write holds later
+        # counts. "Idle" is no job waiting to be taken: with several writers, another one's job
+        # still under way must not stop this one (its write may have taken its counts already).
         with self._metrics_lock:
             now = time.monotonic()
-            idle = self._queue.unfinished_tasks <= 1  # this job is the last one
+            idle = self._queue.empty()
             if not force and not idle and now - self._metrics_at < METRICS_EVERY:
                 return
             self._metrics_at = now
-        try:
-            self.metrics.write(path)
-        except OSError as exc:
-            log.warning("the KV-cache metrics file %s: %s", path, exc.strerror)
+            try:
+                self.metrics.write(path)
+            except OSError as exc:
+                log.warning("the KV-cache metrics file %s: %s", path, exc.strerror)
 
 
 def probe(config: StoreConfig, keys: Sequence[bytes]) -> int:

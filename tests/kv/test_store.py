@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,3 +96,38 @@ def test_metrics_text_and_file(tmp_path: Path) -> None:
     assert "# TYPE lucia_kv_corrupt_total counter" in text
     assert stat.S_IMODE(os.stat(tmp_path / "kv.prom").st_mode) == 0o600
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_the_metrics_file_ends_current_when_two_writers_overlap(tmp_path: Path) -> None:
+    """One writer's metrics-file write is slow (held here until the reads are done) while the
+    other writer takes the reads' later rewrites: the file must end with every hit, not with
+    the slow write's early counts."""
+    settings = replace(
+        config(tmp_path, {"hdd": 64 * PAGE}, writers=2), metrics_file=tmp_path / "kv.prom"
+    )
+    store = Store(settings)
+    try:
+        for n in range(15):
+            store.save(block_key(n), payload(n, 100))
+        store.flush()
+        reads_done = threading.Event()
+        first = threading.Event()
+        write = store.metrics.write
+
+        def slow_first_write(path: Path) -> None:
+            if first.is_set():
+                write(path)
+                return
+            first.set()
+            text = store.metrics.render()  # this write's counts are taken now
+            reads_done.wait(30)
+            path.write_text(text)
+
+        store.metrics.write = slow_first_write  # type: ignore[method-assign]
+        for n in range(15):
+            assert store.load(block_key(n)) == payload(n, 100)
+        reads_done.set()
+        store.flush()
+        assert 'lucia_kv_hits_total{tier="hdd"} 15' in (tmp_path / "kv.prom").read_text()
+    finally:
+        store.close()
