@@ -447,7 +447,9 @@ class Engine(EngineDirs):
             f"generation {generation} {state}")
 
     def log_tail(self, lines: int = 30) -> str:
-        logs = sorted(self.root.glob("worker-*.log"))
+        """The end of the last worker's log (worker-10.log comes after worker-9.log)."""
+        logs = sorted(self.root.glob("worker-*.log"),
+                      key=lambda path: int(path.stem.removeprefix("worker-")))
         return "\n".join(p.read_text(errors="replace")[-4000:] for p in logs[-1:])
 
     def file_sd(self) -> list[dict[str, Any]]:
@@ -493,24 +495,34 @@ def router_standin(client: docker.DockerClient, base_image: str) -> str:
     return tag
 
 
-@pytest.fixture
-def make_engine(
-    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> Iterator[Callable[..., Engine]]:
-    made: list[Engine] = []
+class EngineFactory:
+    """Makes engines under one directory, and removes what each ran: workers, container, images.
 
-    def make(**overrides: Any) -> Engine:
-        name = f"t{RUN_ID}-{len(made)}-{uuid.uuid4().hex[:4]}"
-        root = tmp_path / name
+    `make_engine` is one per test; tests/conformance/relay.py keeps one per module, for engines
+    handed from case to case."""
+
+    def __init__(self, client: docker.DockerClient, base_image: str, directory: Path,
+                 recipe_repo: Callable[[], RecipeRepo], request: pytest.FixtureRequest) -> None:
+        self.client = client
+        self.base_image = base_image
+        self.directory = directory
+        self.recipe_repo = recipe_repo
+        self.request = request
+        self.made: list[Engine] = []
+
+    def __call__(self, **overrides: Any) -> Engine:
+        request = self.request
+        name = f"t{RUN_ID}-{len(self.made)}-{uuid.uuid4().hex[:4]}"
+        root = self.directory / name
         root.mkdir()
         if overrides.get("kind") == "llama-router" and not overrides.get("router_image"):
             overrides["router_image"] = request.getfixturevalue("router_images")[0]
-        repo = recipe_repo
         if overrides.get("layout") == "real":
             repo = request.getfixturevalue("real_recipe_repo")
             overrides["env"] = {"HOME": str(root / "home"), **overrides.get("env", {})}
             (root / "home").mkdir()
+        else:
+            repo = self.recipe_repo()
         cpu = overrides.get("kind") == "vllm" and overrides.get("vllm_device") == "cpu"
         if cpu:
             overrides.setdefault("vllm_image", request.getfixturevalue("vllm_cpu_images")[0])
@@ -533,19 +545,34 @@ def make_engine(
             machine = root / "machine.toml"
             machine.write_text('limit = "gpu"\n')
             overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
-        engine = Engine(name=name, repo=repo, base=base_image, root=root, **overrides)
+        engine = Engine(name=name, repo=repo, base=self.base_image, root=root, **overrides)
         engine.commit = engine.commit or git(engine.repo.path, "rev-parse", "HEAD")
-        made.append(engine)
+        self.made.append(engine)
         return engine
 
-    yield make
-    for engine in made:
+    def discard(self, engine: Engine) -> None:
+        """Its workers killed, its container and images removed."""
         for proc in engine.procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for container in client.containers.list(all=True, filters={"name": engine.container}):
+        for container in self.client.containers.list(all=True,
+                                                      filters={"name": engine.container}):
             container.remove(force=True)
         for image in (engine.image_tag + "-grammar", engine.image_tag):
             with contextlib.suppress(docker.errors.ImageNotFound):
-                client.images.remove(image, force=True)
+                self.client.images.remove(image, force=True)
+
+    def close(self) -> None:
+        for engine in self.made:
+            self.discard(engine)
+
+
+@pytest.fixture
+def make_engine(
+    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[..., Engine]]:
+    factory = EngineFactory(client, base_image, tmp_path, lambda: recipe_repo, request)
+    yield factory
+    factory.close()

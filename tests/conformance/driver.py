@@ -7,7 +7,7 @@ request) -> Kind`. The suite runs every case once per registered kind.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tests.fixtures import Engine
@@ -27,6 +27,26 @@ class Kind:
     start_timeout: float = 120  # seconds to running (the real vLLM CPU server loads slowly)
     edited_memory: str = "256m"  # a memory limit the engine starts with, other than its own
     edited_shm: str = "32m"  # a /dev/shm size the engine starts with, other than its own
+    # knobs for a stop that takes a while, so that a kill before the grace would show
+    slow_stop: dict[str, Any] = field(default_factory=lambda: {
+        "settings": {"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"}})
+    # knobs -> an engine running and its status, when the kind shares one
+    # between cases (tests/conformance/relay.py); None: make(**knobs), then up
+    take: Callable[[dict[str, Any]], tuple[Engine, dict[str, Any]]] | None = None
+    hand: Callable[[Engine], None] | None = None  # the case leaves this engine to the next
+
+    def running(self, **knobs: Any) -> tuple[Engine, dict[str, Any]]:
+        """An engine made with these knobs that runs, and its running status."""
+        if self.take is not None:
+            return self.take(knobs)
+        engine = self.make(**knobs)
+        _, status = engine.up(timeout=self.start_timeout)
+        return engine, status
+
+    def hand_on(self, engine: Engine) -> None:
+        """The case passed and leaves the engine running: a kind that shares may pass it on."""
+        if self.hand is not None:
+            self.hand(engine)
 
 
 def dies_with_3_saying(logged: str) -> Callable[[Any], tuple[str, str]]:

@@ -46,10 +46,6 @@ def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine],
     return made
 
 
-
-
-
-
 def _scrape_url(group: dict[str, Any]) -> str:
     """The URL Prometheus scrapes for a file_sd group: its __param_* labels are the query."""
     labels = group["labels"]
@@ -57,7 +53,6 @@ def _scrape_url(group: dict[str, Any]) -> str:
               if k.startswith("__param_")}
     query = "?" + urllib.parse.urlencode(params) if params else ""
     return f"http://{group['targets'][0]}{labels['__metrics_path__']}{query}"
-
 
 
 def test_acknowledgement_then_running_then_stopped(kind: Kind, client) -> None:
@@ -124,67 +119,6 @@ def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
     engine.wait_state(generation, "running", timeout=60)
 
 
-def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
-    engine = kind.make()
-    engine.up(timeout=kind.start_timeout)
-    died = time.monotonic()
-    exit_text, logged = kind.die(client.containers.get(engine.container))
-    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
-    assert time.monotonic() - died < 2.5
-    assert exit_text in status["message"]
-    assert logged in status["message"]  # its last log lines
-    assert status["url"] is None and engine.file_sd() == []
-
-
-def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
-    engine = kind.make()
-    _, status = engine.up(timeout=kind.start_timeout)
-    before = client.containers.get(engine.container).attrs
-    engine.stop_worker(engine.procs[-1])
-    assert client.containers.get(engine.container).status == "running"
-    restarted = time.time()
-    engine.start_worker()
-    engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and state_since(s) > restarted, timeout=30)
-    after = client.containers.get(engine.container).attrs
-    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
-                                                          before["State"]["StartedAt"])
-    assert "preparing" not in engine.log_tail(), "a restart must not rebuild or re-sync"
-
-
-def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
-    engine = kind.make(settings={"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"})
-    _, status = engine.up(timeout=kind.start_timeout)
-    old = client.containers.get(engine.container)
-    engine.stop_worker(engine.procs[-1])
-    kind.change_image(engine)
-    since = time.time()
-    engine.start_worker()
-    # dockerd keeps only its last 256 events: read the old container's as soon as it is gone,
-    # not after a slow engine's load, when a busy machine's other containers pushed them out
-    engine.wait_status(lambda s: _gone(client, old.id), timeout=120, what="the old one gone")
-    events = client.events(since=since, until=time.time(), decode=True,
-                           filters={"container": old.id})
-    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
-    engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and state_since(s) > since,
-                       timeout=kind.start_timeout)
-    new = client.containers.get(engine.container)
-    assert new.id != old.id and new.image.id != old.image.id
-    kills = [attrs for action, attrs in actions if action == "kill"]
-    dies = [attrs for action, attrs in actions if action == "die"]
-    assert kills and kills[0]["signal"] == "15", actions
-    assert dies and dies[0]["exitCode"] == "0", f"killed, not stopped: {actions}"
-
-
-def _gone(client: docker.DockerClient, container_id: str) -> bool:
-    try:
-        client.containers.get(container_id)
-    except docker.errors.NotFound:
-        return True
-    return False
-
-
 def test_one_worker_per_directory(kind: Kind) -> None:
     engine = kind.make()
     first = engine.start_worker()
@@ -197,8 +131,7 @@ def test_one_worker_per_directory(kind: Kind) -> None:
 
 
 def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
-    engine = kind.make()
-    engine.up(timeout=kind.start_timeout)
+    engine, _ = kind.running()
     attrs = client.containers.get(engine.container).attrs
     gateway = engine.gateway()
     bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
@@ -210,33 +143,11 @@ def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
     with socket.socket() as sock:
         sock.settimeout(2)
         assert sock.connect_ex(("127.0.0.1", engine.port)) != 0, "answers on loopback"
-
-
-def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
-    engine = kind.make()
-    engine.up(timeout=kind.start_timeout)
-    (group,) = engine.file_sd()
-    assert group["targets"] == [f"{engine.gateway()}:{engine.port}"]
-    assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
-    assert http_status(_scrape_url(group)) == 200
-    assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
-    # a request for what already runs is re-acknowledged; the target stays while it serves
-    again = engine.request("running")
-    seen = []
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        seen.append(len(engine.file_sd()))
-        time.sleep(0.005)
-    assert min(seen) == 1, "the target vanished while the engine kept serving"
-    engine.wait_state(again, "running", timeout=30)
-    stopped = engine.request("stopped")
-    engine.wait_state(stopped, "stopped", timeout=60)
-    assert engine.file_sd() == []
+    kind.hand_on(engine)
 
 
 def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
-    engine = kind.make()
-    _, status = engine.up(timeout=kind.start_timeout)
+    engine, status = kind.running()
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
     valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
@@ -258,6 +169,99 @@ def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         container.id, container.attrs["State"]["StartedAt"])
     assert engine.file_sd()
+    kind.hand_on(engine)
+
+
+def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
+    engine, status = kind.running()
+    before = client.containers.get(engine.container).attrs
+    engine.stop_worker(engine.procs[-1])
+    assert client.containers.get(engine.container).status == "running"
+    restarted = time.time()
+    engine.start_worker()
+    engine.wait_status(lambda s: s["generation"] == status["generation"]
+                       and s["state"] == "running" and state_since(s) > restarted, timeout=30)
+    after = client.containers.get(engine.container).attrs
+    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
+                                                          before["State"]["StartedAt"])
+    assert "preparing" not in engine.log_tail(), "a restart must not rebuild or re-sync"
+    kind.hand_on(engine)
+
+
+def test_status_names_what_runs(kind: Kind, client) -> None:
+    engine, status = kind.running()
+    container = client.containers.get(engine.container)
+    running = status["engine"]
+    assert running["containerId"] == container.id
+    assert running["imageId"] == container.image.id
+    assert running["image"] == kind.image(engine)  # this kind's name, no other kind's
+    assert running["image"] in container.image.tags  # a name of the image it runs (by id)
+    if kind.name == "tensorfold":
+        assert running["recipeCommit"] == engine.commit
+    if kind.name == "vllm" and engine.vllm_device == "cpu":  # a library model's file digest
+        files = engine.models_dir / engine.vllm_guid / "files"
+        assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
+        assert running["model"] == "tiny-llama"
+        assert running["engineVersion"] == "0.32.0"  # the real server's /version
+    elif kind.name == "vllm":
+        assert running["modelRevision"] == engine.revision
+    engine.request("stopped")
+    stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
+    assert stopped["engine"] is None
+
+
+def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None:
+    engine, _ = kind.running()
+    (group,) = engine.file_sd()
+    assert group["targets"] == [f"{engine.gateway()}:{engine.port}"]
+    assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
+    assert http_status(_scrape_url(group)) == 200
+    assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
+    # a request for what already runs is re-acknowledged; the target stays while it serves
+    again = engine.request("running")
+    seen = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        seen.append(len(engine.file_sd()))
+        time.sleep(0.005)
+    assert min(seen) == 1, "the target vanished while the engine kept serving"
+    engine.wait_state(again, "running", timeout=30)
+    stopped = engine.request("stopped")
+    engine.wait_state(stopped, "stopped", timeout=60)
+    assert engine.file_sd() == []
+
+
+def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, client) -> None:
+    engine, status = kind.running(**kind.slow_stop)
+    old = client.containers.get(engine.container)
+    engine.stop_worker(engine.procs[-1])
+    kind.change_image(engine)
+    since = time.time()
+    engine.start_worker()
+    # dockerd keeps only its last 256 events: read the old container's as soon as it is gone,
+    # not after a slow engine's load, when a busy machine's other containers pushed them out
+    engine.wait_status(lambda s: _gone(client, old.id), timeout=120, what="the old one gone")
+    events = client.events(since=since, until=time.time(), decode=True,
+                           filters={"container": old.id})
+    actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
+    engine.wait_status(lambda s: s["generation"] == status["generation"]
+                       and s["state"] == "running" and state_since(s) > since,
+                       timeout=kind.start_timeout)
+    new = client.containers.get(engine.container)
+    assert new.id != old.id and new.image.id != old.image.id
+    kills = [attrs for action, attrs in actions if action == "kill"]
+    dies = [attrs for action, attrs in actions if action == "die"]
+    assert kills and kills[0]["signal"] == "15", actions
+    assert dies and dies[0]["exitCode"] == "0", f"killed, not stopped: {actions}"
+    kind.hand_on(engine)
+
+
+def _gone(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except docker.errors.NotFound:
+        return True
+    return False
 
 
 def _edit_environment(engine: Engine) -> None:
@@ -307,8 +311,7 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     """What runs is what the recipe says: any change to what the container would be created
     with, picked up by SIGHUP, replaces it, and status says running only once it does."""
     change, applied = EDITS[edit]
-    engine = kind.make()
-    _, status = engine.up(timeout=kind.start_timeout)
+    engine, status = kind.running()
     before = client.containers.get(engine.container)
     change(engine, kind)
     assert not applied(before, engine, kind)
@@ -326,37 +329,14 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
     assert all(http_status(_scrape_url(group)) == 200 for group in engine.file_sd())
     with pytest.raises(docker.errors.NotFound):
         client.containers.get(before.id)
-
-
-def test_status_names_what_runs(kind: Kind, client) -> None:
-    engine = kind.make()
-    _, status = engine.up(timeout=kind.start_timeout)
-    container = client.containers.get(engine.container)
-    running = status["engine"]
-    assert running["containerId"] == container.id
-    assert running["imageId"] == container.image.id
-    assert running["image"] == kind.image(engine)  # this kind's name, no other kind's
-    assert running["image"] in container.image.tags  # a name of the image it runs (by id)
-    if kind.name == "tensorfold":
-        assert running["recipeCommit"] == engine.commit
-    if kind.name == "vllm" and engine.vllm_device == "cpu":  # a library model's file digest
-        files = engine.models_dir / engine.vllm_guid / "files"
-        assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
-        assert running["model"] == "tiny-llama"
-        assert running["engineVersion"] == "0.32.0"  # the real server's /version
-    elif kind.name == "vllm":
-        assert running["modelRevision"] == engine.revision
-    engine.request("stopped")
-    stopped = engine.wait_status(lambda s: s["state"] == "stopped", timeout=90)
-    assert stopped["engine"] is None
+    kind.hand_on(engine)
 
 
 def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, client) -> None:
     """The new port is taken by another program: the Check refuses before the running engine is
     stopped, the status stays running and says why, the file_sd target stays, and the Check is
     tried again after a back-off: once the port is free, the replacement goes ahead."""
-    engine = kind.make()
-    _, status = engine.up(timeout=kind.start_timeout)
+    engine, status = kind.running()
     before = client.containers.get(engine.container)
     (target,) = {tuple(group["targets"]) for group in engine.file_sd()}
     with socket.socket() as squatter:
@@ -391,3 +371,15 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
     assert replaced["url"] == f"http://{engine.gateway()}:{engine.port}"
     assert all(group["targets"] == [f"{engine.gateway()}:{engine.port}"]
                for group in engine.file_sd())
+    kind.hand_on(engine)
+
+
+def test_death_is_failed_with_the_exit_code_within_two_seconds(kind: Kind, client) -> None:
+    engine, _ = kind.running()
+    died = time.monotonic()
+    exit_text, logged = kind.die(client.containers.get(engine.container))
+    status = engine.wait_status(lambda s: s["state"] == "failed", timeout=10)
+    assert time.monotonic() - died < 2.5
+    assert exit_text in status["message"]
+    assert logged in status["message"]  # its last log lines
+    assert status["url"] is None and engine.file_sd() == []

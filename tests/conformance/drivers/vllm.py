@@ -12,14 +12,19 @@ from supervisor.engines.vllm import tier_image
 from tests.conformance.driver import Kind, dies_with_3_saying, killed_saying
 from tests.fixtures import Engine
 
-# "cpu": every case that the real server can do on demand runs on it (14 of 18; 35 to 45 min
-# on a loaded 2-core machine); "gpu" (the default, and what .ci/run runs): the busybox stand-in
-# on the GPU path with a recorded card, as before. The real server's own proofs in CI are
-# tests/integration/test_vllm_cpu_engine.py, test_vllm_cpu_image.py and test_kv_tiers_vllm.py.
-DEVICE: Final = os.environ.get("LUCIA_CONFORMANCE_VLLM_DEVICE", "gpu")
+# "cpu" (the default, and what .ci/run runs): every case the real server can do on demand runs
+# on it, one engine handed from case to case where the cases allow (tests/conformance/relay.py);
+# "gpu": every case on the busybox stand-in on the GPU path with a recorded card, as the GPU
+# image cannot run here (2 min 45 s on this 2-core machine beside other test runs, against
+# 23 min 38 s on the real server: ten loads of 69 to 220 s).
+DEVICES: Final = ("cpu", "gpu")
+DEVICE: Final = os.environ.get("LUCIA_CONFORMANCE_VLLM_DEVICE", "cpu")
+START_TIMEOUT: Final = 900  # seconds to running: 40 to 220 s on a loaded 2-core machine
 
 
 def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
+    if DEVICE not in DEVICES:
+        pytest.fail(f"LUCIA_CONFORMANCE_VLLM_DEVICE={DEVICE!r}: it is one of {DEVICES}")
     return (_real if DEVICE == "cpu" else _standin)(make_engine, request)
 
 
@@ -44,15 +49,26 @@ def _standin(make_engine: Callable[..., Engine], request: pytest.FixtureRequest)
 
 def _real(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> Kind:
     """`device = "cpu"` on the real server (tests/vllm_cpu.py's image, a Ready library model of
-    the tiny random Llama). A slow step is the stand-in's (tests/vllm-standin, LOAD_DELAY, on
-    the GPU path with a recorded card): the real server's load cannot be made to take 3, 12 or
-    300 seconds on demand, so acknowledgement, heartbeat, cancel and the readiness message stay
-    on it; every other case runs the real server, started with --enforce-eager (the fixture's
-    recipe: no torch.compile warm-up, 77 s to /health here against 104 s without)."""
-    images = request.getfixturevalue("vllm_cpu_images")
+    the tiny random Llama), started with --enforce-eager (the fixture's recipe: no torch.compile
+    warm-up, 77 s to /health on a loaded machine against 104 s without).
 
-    def change(engine: Engine) -> None:
-        engine.vllm_image = images[1]  # the same server rebuilt: another image id
+    Four cases stay on the stand-in (tests/vllm-standin, LOAD_DELAY, on the GPU path with a
+    recorded card), because the real server's load cannot be made to take a chosen time: the
+    heartbeat during a step held for 12 s, the cancel of a step held for 300 s, the readiness
+    message (a load whose output line stays the last one for seconds), and the
+    acknowledgement (a step held for 3 s; on the real server it would cost a load of its own,
+    171 s on a loaded machine, for a status the worker writes before the engine says anything,
+    and the real engine's stop is proven by the status and file_sd cases). Every other case
+    runs the real server. The cases that look at a running engine or replace it take the one
+    the case before handed on (tests/conformance/relay.py); the cases that stop it (status,
+    file_sd) or kill it (death, the last) hand nothing on, so the next starts a fresh one; the
+    lease case starts no engine at all. Ten loads in all: three fresh engines and seven
+    replacements (another image, five recipe edits, the replacement that could not start)."""
+    images = request.getfixturevalue("vllm_cpu_images")
+    relay = request.getfixturevalue("relays").of("vllm")
+
+    def change(engine: Engine) -> None:  # the same server rebuilt: another image id
+        engine.vllm_image = images[1] if engine.vllm_image == images[0] else images[0]
 
     def slow(seconds: int) -> tuple[dict[str, Any], str]:
         return {"vllm_device": "gpu", "settings": {"LOAD_DELAY": str(seconds)}}, (
@@ -61,6 +77,13 @@ def _real(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) ->
     def make(**knobs: Any) -> Engine:
         knobs.setdefault("vllm_device", "cpu")
         return make_engine(kind="vllm", **knobs)
+
+    def take(knobs: dict[str, Any]) -> tuple[Engine, dict[str, Any]]:
+        if knobs:  # an engine of its own: the one handed on was made without these
+            engine = make(**knobs)
+            _, status = engine.up(timeout=START_TIMEOUT)
+            return engine, status
+        return relay.take(lambda: relay.factory(kind="vllm", vllm_device="cpu"), START_TIMEOUT)
 
     def image(engine: Engine) -> str:
         if engine.vllm_device == "cpu":
@@ -75,7 +98,10 @@ def _real(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) ->
         change_image=change,
         die=killed_saying('"GET /'),  # its last lines: the worker's readiness probes
         image=image,
-        start_timeout=900,
+        start_timeout=START_TIMEOUT,
         edited_memory="5g",
         edited_shm="768m",
+        slow_stop={},  # the replacement's grace is shown by its exit code 0 after SIGTERM
+        take=take,
+        hand=relay.hand_on,
     )
