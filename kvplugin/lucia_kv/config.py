@@ -96,6 +96,30 @@ def _read_key(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes:
     return key
 
 
+def tiers(
+    extra: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[TierSpec, ...]:
+    """The tiers that are on, fastest first, from the same settings as resolve() (no key:
+    for a process that names the tiers but holds no store)."""
+    extra = {} if extra is None else extra
+    environ = os.environ if environ is None else environ
+    found = []
+    for name in TIER_NAMES:
+        directory = _setting(f"{name}_dir", extra, environ)
+        cap = _setting(f"{name}_bytes", extra, environ)
+        if not directory:
+            continue
+        path = Path(str(directory))
+        if not path.is_absolute():
+            raise ConfigError(f"{name}_dir must be an absolute path, got {path}")
+        size = int(_number(f"{name}_bytes", cap if cap is not None else 0, int))
+        if size > 0:
+            found.append(TierSpec(name, path, size))
+    if not found:
+        raise ConfigError("no tier has both a directory and a byte cap above 0")
+    return tuple(found)
+
+
 def resolve(
     extra: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
 ) -> StoreConfig:
@@ -111,20 +135,7 @@ def resolve(
         raise ConfigError(
             f"namespace {space!r} is missing or not 1-128 of [A-Za-z0-9._-] (LUCIA_KV_NAMESPACE)"
         )
-    tiers = []
-    for name in TIER_NAMES:
-        directory = _setting(f"{name}_dir", extra, environ)
-        cap = _setting(f"{name}_bytes", extra, environ)
-        if not directory:
-            continue
-        path = Path(str(directory))
-        if not path.is_absolute():
-            raise ConfigError(f"{name}_dir must be an absolute path, got {path}")
-        size = int(_number(f"{name}_bytes", cap if cap is not None else 0, int))
-        if size > 0:
-            tiers.append(TierSpec(name, path, size))
-    if not tiers:
-        raise ConfigError("no tier has both a directory and a byte cap above 0")
+    found = tiers(extra, environ)
     numbers: dict[str, int | float] = {}
     for name, default in _DEFAULTS.items():
         value = _setting(name, extra, environ)
@@ -135,7 +146,7 @@ def resolve(
     return StoreConfig(
         namespace=space,
         plugin_version=version(),
-        tiers=tuple(tiers),
+        tiers=found,
         key=_read_key(extra, environ),
         writers=int(numbers["writers"]),
         queue_blocks=int(numbers["queue_blocks"]),
@@ -150,7 +161,7 @@ def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
     each cap (each rank holds other KV heads or layers, and owns its index alone)."""
     if ranks <= 1:
         return config
-    tiers = tuple(
+    shares = tuple(
         TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
     )
-    return replace(config, tiers=tiers)
+    return replace(config, tiers=shares)

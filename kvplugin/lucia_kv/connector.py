@@ -7,12 +7,15 @@ are lucia_kv.config's. The scheduler side
 finds how many leading full blocks of a prompt the tiers hold (a stat per block, no reads) and
 plans loads and saves; the worker side loads blocks into vLLM's paged KV before the forward
 (a block that does not load is reported, so vLLM recomputes it) and queues the step's full
-blocks for the store's background writers after it.
+blocks for the store's background writers after it. The worker side reports the store's
+counters to vLLM after each step (LuciaKVStats), and vLLM's API server adds them to its own
+/metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine, tier[, reason]}.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,9 +24,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import ConfigError, StoreConfig, for_rank, resolve
+from . import report
+from .config import ConfigError, StoreConfig, for_rank, resolve, tiers
+from .metrics import HELP, REASONED, exposed, label_names
 from .scheduling import Scheduling, StepPlan
 from .store import Store, probe
 
@@ -37,6 +46,96 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("lucia_kv")
+
+
+@dataclass
+class LuciaKVStats(KVConnectorStats):
+    """The store's counter deltas of one step or more (lucia_kv.report's plain data)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        try:
+            report.merge(self.data, report.parse(other.data))
+        except report.ReportError as exc:  # never the engine's end: a count is lost, said so
+            log.warning("a KV tier stats report was not added: %s", exc)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return report.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class LuciaPromMetrics(KVConnectorPromMetrics):
+    """The store's counters in vLLM's /metrics: one counter per lucia_kv.metrics name, with
+    vLLM's labels (model_name, engine), then tier, then reason where the counter has one."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = _counters(self._counter_cls, tuple(labelnames))
+        self._children: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+        # the series without a reason start at 0 on every configured tier (rate() needs them)
+        for engine in per_engine_labelvalues:
+            for name in HELP:
+                if name not in REASONED:
+                    for tier in _tier_names(vllm_config):
+                        self._child(engine, name, (tier,))
+
+    def _child(self, engine: int, name: str, values: tuple[str, ...]) -> Any:
+        key = (engine, name, values)
+        child = self._children.get(key)
+        if child is None:
+            engine_values = self.per_engine_labelvalues[engine]
+            child = self._counters[name].labels(*engine_values, *values)
+            self._children[key] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        try:
+            counts = report.parse(transfer_stats_data)
+        except report.ReportError as exc:
+            log.warning("a KV tier stats report was dropped: %s", exc)
+            return
+        for name, values, amount in report.series(counts):
+            self._child(engine_idx, name, values).inc(amount)
+
+
+_REGISTERED: dict[tuple[type[Any], tuple[str, ...]], dict[str, Any]] = {}
+
+
+def _counters(counter_cls: type[Any], labelnames: tuple[str, ...]) -> dict[str, Any]:
+    """The counters, registered once per process: a logger built again (vLLM's tests do)
+    shares them, where registering the names twice would raise."""
+    key = (counter_cls, labelnames)
+    if key not in _REGISTERED:
+        _REGISTERED[key] = {
+            name: counter_cls(
+                name=exposed(name),
+                documentation=text,
+                labelnames=[*labelnames, *label_names(name)],
+            )
+            for name, text in HELP.items()
+        }
+    return _REGISTERED[key]
+
+
+def _tier_names(vllm_config: VllmConfig) -> tuple[str, ...]:
+    """The tiers the workers' stores have (the API server's process has no store, no key)."""
+    transfer = vllm_config.kv_transfer_config
+    try:
+        found = tiers((transfer.kv_connector_extra_config if transfer else None) or {})
+    except ConfigError:
+        return ()  # the worker refuses to start and says why
+    return tuple(tier.name for tier in found)
 
 
 class LuciaStepMetadata(KVConnectorMetadata):
@@ -73,6 +172,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._scheduling = Scheduling(self._block_size, _seed(vllm_config))
         self._store: Store | None = None
+        self._reporter: report.Reporter | None = None
         self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
         self._pins: dict[str, list[bytes]] = {}
         self._load_errors: set[int] = set()
@@ -90,6 +190,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
             rank += get_tensor_model_parallel_rank()
             self._config = for_rank(resolve(extra), rank, ranks)  # the plan's keys, its dirs
             self._store = Store(self._config)
+            self._reporter = report.Reporter(self._store.metrics)
         log.info(
             "lucia-kv %s: namespace %s, tiers %s",
             self._config.plugin_version,
@@ -218,6 +319,32 @@ class LuciaTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What the store counted since the last step's report (vLLM calls it after each step;
+        counts a background writer makes later go with a later step)."""
+        if self._reporter is None:
+            return None
+        counts = self._reporter.take()
+        return LuciaKVStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        try:
+            return LuciaKVStats(data=report.parse(data or {}))
+        except report.ReportError as exc:
+            log.warning("a KV tier stats report was dropped: %s", exc)
+            return LuciaKVStats(data={})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return LuciaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._store is not None:

@@ -23,7 +23,21 @@ HELP: Final = {
     "skipped_writes": "Writes not made (reason: pinned, too_big, queue_full, error).",
     "promotions": "Blocks copied into this faster tier after a read from a slower one.",
 }
+REASONED: Final = frozenset({"corrupt", "skipped_writes"})  # the counters with a reason label
+PREFIX: Final = "lucia_kv_"
 Labels = tuple[tuple[str, str], ...]
+
+
+def exposed(name: str) -> str:
+    """A counter's name as Prometheus shows it: lucia_kv_<name>_total."""
+    return f"{PREFIX}{name}_total"
+
+
+def label_names(name: str) -> tuple[str, ...]:
+    """The store's own labels of a counter, in order: tier, and reason where it has one."""
+    if name not in HELP:
+        raise KeyError(name)
+    return ("tier", "reason") if name in REASONED else ("tier",)
 
 
 class Metrics:
@@ -36,6 +50,9 @@ class Metrics:
     def add(self, name: str, tier: str, amount: int = 1, reason: str | None = None) -> None:
         if name not in HELP:
             raise KeyError(name)
+        if (reason is not None) != (name in REASONED):
+            # a Prometheus metric has one label set: a reason where it has one, none elsewhere
+            raise ValueError(f"counter {name} {'needs' if name in REASONED else 'has no'} reason")
         labels: Labels = (
             (("tier", tier),)
             if reason is None
@@ -70,7 +87,7 @@ class Metrics:
         counts = self.snapshot()
         lines = []
         for name, text in HELP.items():
-            metric = f"lucia_kv_{name}_total"
+            metric = exposed(name)
             lines += [f"# HELP {metric} {text}", f"# TYPE {metric} counter"]
             for (key, labels), value in sorted(counts.items()):
                 if key == name:

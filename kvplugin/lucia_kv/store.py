@@ -73,6 +73,8 @@ class Store:
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max(1, config.queue_blocks))
         self._metrics_at = 0.0
         self._metrics_lock = threading.Lock()
+        self._file_lock = threading.Lock()  # one file write at a time: the last has the latest
+        self._busy = 0  # jobs a writer took and has not finished
         self._closed = False
         self._count_queued = threading.Event()
         leftovers = []
@@ -226,7 +228,7 @@ class Store:
             self._queue.put(None)
         for thread in self._threads:
             thread.join()
-        self._write_metrics(force=True)
+        self._write_metrics()
         for tier in self.tiers:
             tier.close()
 
@@ -235,6 +237,8 @@ class Store:
     def _work(self) -> None:
         while True:
             job = self._queue.get()
+            with self._metrics_lock:
+                self._busy += 1
             try:
                 if job is None:
                     return
@@ -245,11 +249,23 @@ class Store:
                         job.tier.discard(name)
                 else:
                     self._write(job)
-                self._write_metrics(force=False)
             except Exception:
                 log.exception("a KV-cache writer job failed")
             finally:
+                self._job_done()
                 self._queue.task_done()
+
+    def _job_done(self) -> None:
+        """Rewrite the metrics file when this was the last job running with none queued (so
+        the writers' last counts are in it), or when it is METRICS_EVERY old."""
+        with self._metrics_lock:
+            self._busy -= 1
+            now = time.monotonic()
+            idle = self._busy == 0 and self._queue.empty()
+            if not idle and now - self._metrics_at < METRICS_EVERY:
+                return
+            self._metrics_at = now
+        self._write_metrics()
 
     def _write(self, job: _Write) -> None:
         name = block_name(job.key)
@@ -275,23 +291,15 @@ class Store:
             elif result is Written.TOO_BIG:
                 self.metrics.add("skipped_writes", tier.name, reason="too_big")
 
-    def _write_metrics(self, force: bool) -> None:
+    def _write_metrics(self) -> None:
         path = self.config.metrics_file
         if path is None:
             return
-        # One write at a time, its counts taken inside the lock: a later write holds later
-        # counts. "Idle" is no job waiting to be taken: with several writers, another one's job
-        # still under way must not stop this one (its write may have taken its counts already).
-        with self._metrics_lock:
-            now = time.monotonic()
-            idle = self._queue.empty()
-            if not force and not idle and now - self._metrics_at < METRICS_EVERY:
-                return
-            self._metrics_at = now
-            try:
+        try:
+            with self._file_lock:
                 self.metrics.write(path)
-            except OSError as exc:
-                log.warning("the KV-cache metrics file %s: %s", path, exc.strerror)
+        except OSError as exc:
+            log.warning("the KV-cache metrics file %s: %s", path, exc.strerror)
 
 
 def probe(config: StoreConfig, keys: Sequence[bytes]) -> int:

@@ -5,12 +5,14 @@
 order, on the tiny model, with the NVMe and HDD tiers bind-mounted from a tmp dir: cold, after a
 restart, after one byte of every block file was flipped, and once with vLLM's own
 ExampleConnector (which writes the plaintext KV of the same prompt) for the encryption check.
+The store's counters are read from vLLM's own /metrics and compared with the metrics file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import re
@@ -28,7 +30,7 @@ import pytest
 from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
 from supervisor.docker.runtime import Runtime
 from supervisor.engines.vllm import tier_image
-from tests.fixtures import RUN_ID
+from tests.fixtures import RUN_ID, TEST_LABEL
 from tests.vllm_cpu import SERVED_NAME, VllmServer
 
 pytestmark = pytest.mark.docker
@@ -42,6 +44,15 @@ SOURCE = re.compile(
     r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
 )
 CORRUPT = re.compile(r"^lucia_kv_corrupt_total\{[^}]*\} (\S+)$", re.M)
+LUCIA = re.compile(r"^(lucia_kv_\w+_total)\{([^}]*)\} (\S+)$", re.M)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+TIERS = ("shm", "nvme", "hdd")
+# counted on the model step's own thread (the connector's loads): in the step's stats report
+READ_SIDE = frozenset(
+    f"lucia_kv_{name}_total" for name in ("hits", "misses", "read_bytes", "corrupt", "stale_key")
+)
+TRANSFER_LOG = re.compile(r"KV Transfer metrics: (.*)$", re.M)  # vLLM's log, every 10 s
+SHORT_PROMPT = [5, 6, 7, 8]  # under one block: nothing for the store to load or save
 WAIT = 300.0  # the longest wait for the background writers; a limit, never an assertion
 
 
@@ -54,6 +65,20 @@ class TierImage:
     lines: tuple[str, ...]
 
 
+Series = tuple[str, tuple[tuple[str, str], ...]]  # name, labels but model_name and engine
+
+
+@dataclass
+class Counted:
+    """The store's counters in vLLM's /metrics and in the metrics file, once the file had
+    every count of the prompt; then both again after one more request (a model step)."""
+
+    served: dict[Series, float]
+    filed: dict[Series, float]
+    served_next: dict[Series, float]
+    filed_next: dict[Series, float]
+
+
 @dataclass
 class Run:
     """One server's answer to the prompt, where its prompt tokens came from, its start time."""
@@ -62,8 +87,11 @@ class Run:
     text: str
     by_source: dict[str, float]
     seconds_to_health: float
+    metrics: str = ""  # the /metrics text right after the answer
     healthy_after: bool = True
     corrupt: float = 0.0
+    counted: Counted | None = None
+    logs: str = ""
 
 
 @dataclass
@@ -144,6 +172,45 @@ def test_nocache_runs_again_the_steps_a_build_would_take_from_the_cache(
     assert cold.id != cached.id
 
 
+def test_vllms_own_aggregator_serializer_and_prometheus_carry_the_reports(
+    tier_image_built: TierImage, client: docker.DockerClient
+) -> None:
+    """Two workers' reports through vLLM's KVOutputAggregator, its msgpack between engine core
+    and API server, its KVConnectorProm and its KVConnectorLogging (tests/integration/
+    kv_stats_in_vllm.py, run in the tier image): summed, intact, on /metrics, in the log."""
+    here = Path(__file__).parent
+    output = client.containers.run(
+        tier_image_built.ref,
+        ["/checks/kv_stats_in_vllm.py", SERVED_NAME],
+        entrypoint="python3",
+        name=f"lucia-t{RUN_ID}-kv-stats",
+        labels={TEST_LABEL: RUN_ID},
+        volumes={str(here): {"bind": "/checks", "mode": "ro"}},
+        network_mode="none",
+        remove=True,
+    )
+    found = json.loads(bytes(output).decode().strip().splitlines()[-1])
+    expected = {
+        "corrupt": {"hdd": {"auth": 1}},
+        "hits": {"nvme": {"": 12}},  # 7 + 5: the two ranks' reads
+        "read_bytes": {"hdd": {"": 4096}},
+    }
+    assert found["aggregated"] == expected
+    assert found["decoded"] == expected, "msgpack carries the report unchanged"
+    assert found["rebuilt"] == "LuciaKVStats"
+    assert found["empty"] is True
+    served = _lucia(found["metrics"])
+    assert _nonzero(served) == {  # two steps' reports, added
+        ("lucia_kv_hits_total", (("tier", "nvme"),)): 24.0,
+        ("lucia_kv_read_bytes_total", (("tier", "hdd"),)): 8192.0,
+        ("lucia_kv_corrupt_total", (("reason", "auth"), ("tier", "hdd"))): 2.0,
+    }
+    assert served[("lucia_kv_writes_total", (("tier", "nvme"),))] == 0.0, "at 0 from the start"
+    assert found["log"] == [
+        "KV Transfer metrics: corrupt.hdd.auth=2, hits.nvme=24, read_bytes.hdd=8192"
+    ]
+
+
 def _metric(pattern: re.Pattern[str], text: str) -> dict[str, float]:
     found: dict[str, float] = {}
     for match in pattern.finditer(text):
@@ -184,6 +251,75 @@ def _corrupt_count(work: Path) -> float:
     return sum(_metric(CORRUPT, path.read_text()).values()) if path.exists() else 0.0
 
 
+def _lucia(text: str) -> dict[Series, float]:
+    """The lucia_kv_*_total series of a Prometheus text, by name and tier (and reason); vLLM's
+    own labels are checked and left out, so the file's series and /metrics' compare."""
+    found: dict[Series, float] = {}
+    for name, inner, value in LUCIA.findall(text):
+        labels = dict(LABEL.findall(inner))
+        if "model_name" in labels:
+            assert labels.pop("model_name") == SERVED_NAME, inner
+            assert labels.pop("engine") == "0", inner
+        key = (name, tuple(sorted(labels.items())))
+        found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def _nonzero(series: dict[Series, float]) -> dict[Series, float]:
+    return {key: value for key, value in series.items() if value}
+
+
+def _total(series: dict[Series, float], name: str, **labels: str) -> float:
+    return sum(
+        value
+        for (key, found), value in series.items()
+        if key == name and set(labels.items()) <= set(found)
+    )
+
+
+def _transfer_log(logs: str) -> dict[str, float]:
+    """The sums of vLLM's periodic `KV Transfer metrics: name.tier=n, ...` lines (each line is
+    the connector's reports of one interval, aggregated and reduced by the connector's stats)."""
+    found: dict[str, float] = {}
+    for line in TRANSFER_LOG.findall(logs):
+        for item in line.split(", "):
+            key, _, value = item.partition("=")
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def _count(
+    server: VllmServer, work: Path, done: Callable[[dict[Series, float]], bool], what: str
+) -> Counted:
+    """/metrics and the metrics file once the file shows `done` (the writers finished), then
+    both after a short prompt. vLLM ships a connector's stats only with a model step: what the
+    background writers counted after the prompt's last step (the blocks they wrote, copied or
+    evicted) is missing from /metrics until the next step, which the short prompt gives."""
+    path = work / "metrics" / "lucia-kv.prom"
+
+    def filed() -> dict[Series, float]:
+        return _lucia(path.read_text()) if path.exists() else {}
+
+    def served() -> dict[Series, float]:
+        return _lucia(server.get("/metrics").body.decode())
+
+    _wait_for(lambda: done(filed()), what, lambda: str(_nonzero(filed())))
+    served_now, filed_now = served(), filed()
+    answer = server.post(
+        "/v1/completions",
+        {"model": SERVED_NAME, "prompt": SHORT_PROMPT, "max_tokens": 1, "temperature": 0},
+        timeout=600,
+    )
+    assert answer.status == 200, answer.body[-2000:]
+    # the step's report reaches vLLM's Prometheus logger beside the answer, not before it
+    _wait_for(
+        lambda: _nonzero(served()) == _nonzero(filed()),
+        "/metrics to show the metrics file's counts after one more step",
+        lambda: f"(served {_nonzero(served())}, filed {_nonzero(filed())})",
+    )
+    return Counted(served_now, filed_now, served(), filed())
+
+
 def _serve(
     start: Callable[..., VllmServer], image: str, work: Path, key: bytes, transfer: str
 ) -> tuple[VllmServer, Run]:
@@ -216,8 +352,11 @@ def _serve(
     assert answer.status == 200, answer.body[-2000:]
     choice = answer.json()["choices"][0]
     assert answer.json()["usage"]["prompt_tokens"] == len(PROMPT)
-    by_source = _metric(SOURCE, server.get("/metrics").body.decode())
-    run = Run(tuple(choice["token_ids"]), choice["text"], by_source, server.seconds_to_health)
+    metrics = server.get("/metrics").body.decode()
+    by_source = _metric(SOURCE, metrics)
+    run = Run(
+        tuple(choice["token_ids"]), choice["text"], by_source, server.seconds_to_health, metrics
+    )
     print(f"\n/health in {run.seconds_to_health:.1f} s; prompt tokens by source {by_source}")
     return server, run
 
@@ -258,6 +397,15 @@ def runs(
     _stop(server)
 
     server, restarted = _serve(start_vllm_cpu, image, work, key, transfer)
+    # shm is the new container's own and empty: every block read from NVMe is copied into it
+    restarted.counted = _count(
+        server,
+        work,
+        lambda f: _total(f, "lucia_kv_promotions_total", tier="shm") >= FULL_BLOCKS,
+        "the metrics file to count the copies into shm",
+    )
+    _wait_for(lambda: "hits.nvme" in _transfer_log(server.logs()), "vLLM's KV transfer log line")
+    restarted.logs = server.logs()
     _stop(server)
 
     damaged: dict[Path, bytes] = {}
@@ -284,6 +432,14 @@ def runs(
         return f"({len(files)} block files, {len(left)} still damaged: {left[:4]})"
 
     _wait_for(saved_again, "every damaged block saved again", seen)
+    after_damage.counted = _count(
+        server,
+        work,
+        lambda f: all(
+            _total(f, "lucia_kv_writes_total", tier=tier) >= FULL_BLOCKS for tier in ("nvme", "hdd")
+        ),
+        "the metrics file to count the blocks saved again",
+    )
     _stop(server)
     block_files = _block_files(work)
 
@@ -355,3 +511,51 @@ def test_a_byte_flipped_in_every_block_costs_a_recompute_and_changes_no_token(
     assert runs.damaged.corrupt > 0
     assert runs.damaged.healthy_after
     print(f"\ndamaged: {runs.flipped} files flipped, corrupt counter {runs.damaged.corrupt:.0f}")
+
+
+def test_vllms_metrics_has_the_stores_counters_from_the_start_on_every_tier(runs: Runs) -> None:
+    served = _lucia(runs.cold.metrics)
+    for name in ("hits", "misses", "read_bytes", "written_bytes", "writes", "evictions"):
+        for tier in TIERS:
+            assert (f"lucia_kv_{name}_total", (("tier", tier),)) in served, (name, tier)
+    assert "# TYPE lucia_kv_corrupt_total counter" in runs.cold.metrics
+    assert "# HELP lucia_kv_hits_total Block reads served by this tier." in runs.cold.metrics
+    assert _total(served, "lucia_kv_hits_total") == 0.0, "a cold server read no block"
+
+
+def test_after_the_restart_vllms_metrics_counts_the_reads_as_the_metrics_file_does(
+    runs: Runs,
+) -> None:
+    counted = runs.restarted.counted
+    assert counted is not None
+    served = counted.served
+    print(f"\nafter the restart, /metrics: {_nonzero(served)}")
+    assert _total(served, "lucia_kv_hits_total", tier="nvme") == FULL_BLOCKS
+    assert _total(served, "lucia_kv_read_bytes_total", tier="nvme") > 0
+    assert _total(served, "lucia_kv_misses_total", tier="shm") == FULL_BLOCKS
+    reads = {key: value for key, value in _nonzero(served).items() if key[0] in READ_SIDE}
+    assert reads == {k: v for k, v in _nonzero(counted.filed).items() if k[0] in READ_SIDE}
+    # the copies into shm are the writers' counts, made after the read's step: in /metrics
+    # when a later step (the rest of the answer, or the short prompt) reported them
+    assert _total(served, "lucia_kv_promotions_total") <= FULL_BLOCKS
+    assert _total(counted.served_next, "lucia_kv_promotions_total", tier="shm") == FULL_BLOCKS
+    assert _nonzero(counted.served_next) == _nonzero(counted.filed_next)
+    logged = _transfer_log(runs.restarted.logs)
+    print(f"vLLM's log of the connector's stats: {logged}")
+    assert logged["hits.nvme"] == FULL_BLOCKS
+
+
+def test_after_the_damage_vllms_metrics_counts_the_corrupt_blocks_as_the_file_does(
+    runs: Runs,
+) -> None:
+    counted = runs.damaged.counted
+    assert counted is not None
+    served = counted.served
+    print(f"\ndamaged, /metrics: {_nonzero(served)}")
+    for tier in ("nvme", "hdd"):
+        assert _total(served, "lucia_kv_corrupt_total", tier=tier, reason="auth") == FULL_BLOCKS
+    assert _total(served, "lucia_kv_corrupt_total") == runs.flipped  # each copy read once
+    reads = {key: value for key, value in _nonzero(served).items() if key[0] in READ_SIDE}
+    assert reads == {k: v for k, v in _nonzero(counted.filed).items() if k[0] in READ_SIDE}
+    assert _total(counted.served_next, "lucia_kv_writes_total", tier="hdd") == FULL_BLOCKS
+    assert _nonzero(counted.served_next) == _nonzero(counted.filed_next)

@@ -7,6 +7,7 @@ import stat
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lucia_kv import blockfile
 from lucia_kv.store import Store, block_name, probe
@@ -129,5 +130,41 @@ def test_the_metrics_file_ends_current_when_two_writers_overlap(tmp_path: Path) 
         reads_done.set()
         store.flush()
         assert 'lucia_kv_hits_total{tier="hdd"} 15' in (tmp_path / "kv.prom").read_text()
+    finally:
+        store.close()
+
+
+class _Together(Store):
+    """A store whose two writers mark their jobs done at the same moment: each has done all
+    else with its job (its counts, its look at whether to rewrite the file) before either does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        together = threading.Barrier(2)
+        done = self._queue.task_done
+
+        def task_done() -> None:
+            together.wait(timeout=60)
+            done()
+
+        self._queue.task_done = task_done  # type: ignore[method-assign]
+
+
+def test_the_metrics_file_has_the_last_counts_when_two_writers_finish_together(
+    tmp_path: Path,
+) -> None:
+    """Each writer saw the other's job unfinished and left the file to it: the file missed
+    the last writes until some later job. The last job to finish writes it now."""
+    settings = replace(
+        config(tmp_path, {"hdd": 512 * PAGE}, writers=2), metrics_file=tmp_path / "kv.prom"
+    )
+    store = _Together(settings)
+    try:
+        for round_ in range(5):
+            store.save(block_key(2 * round_), payload(2 * round_, 100))
+            store.save(block_key(2 * round_ + 1), payload(2 * round_ + 1, 100))
+            store.flush()
+            expected = f'lucia_kv_writes_total{{tier="hdd"}} {2 * round_ + 2}\n'
+            assert expected in (tmp_path / "kv.prom").read_text(), f"round {round_}"
     finally:
         store.close()
