@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import docker
 import pytest
 
+from supervisor.docker.labels import TIERS_BASE
 from supervisor.docker.runtime import Runtime
 from supervisor.engines.vllm import preflight as pf
+from supervisor.engines.vllm import tier_image
 from supervisor.errors import Permanent, Transient
 from tests.fixtures import RUN_ID, TEST_LABEL, Engine
 from tests.registry import Gate, Registry, ours, publish, remove_ours
@@ -137,9 +139,14 @@ def test_the_vllm_worker_pulls_the_picked_tag_from_a_mirror_with_a_port(
     current, total = (float(x) for x in PROGRESS.findall(shown[-1])[-1])
     assert 0 < current < total == pytest.approx(FILLER / 1e6, rel=0.01)
     assert gate.held.is_set()
+    assert client.images.get(ref).id == published.id
+    # the recipe has KV tiers: the engine runs on the tier layer built FROM the pulled image
+    layered = client.images.get(tier_image.tag(ref))
+    assert layered.labels[TIERS_BASE] == published.id
     container = client.containers.get(engine.container)
-    assert container.image.id == published.id == client.images.get(ref).id
-    assert running["engine"]["image"] == ref and running["engine"]["imageId"] == published.id
+    assert container.image.id == layered.id
+    assert running["engine"]["image"] == tier_image.tag(ref)
+    assert running["engine"]["imageId"] == layered.id
 
 
 def _messages_until_progress(engine: Engine, gate: Gate, timeout: float) -> list[str]:
