@@ -155,6 +155,7 @@ def tag(base_ref: str) -> str:
     return f"{name}:latest{SUFFIX}"
 
 
+@functools.lru_cache(maxsize=4)  # asked at every observation of a recipe with tiers
 def digest(plugin: Plugin) -> str:
     """A digest of every file the plugin installs: a changed file without a new version still
     makes another image."""
