@@ -34,7 +34,7 @@ from supervisor.docker.labels import TIERS_VERSION
 from supervisor.docker.runtime import Runtime
 from supervisor.engines.vllm import tier_image
 from tests.standin import free_port
-from tests.vllm_cpu import CONTAINER_PORT, MODEL_DIR, SERVED_NAME, SHM_SIZE
+from tests.vllm_cpu import CONTAINER_PORT, MODEL_DIR, SERVED_NAME, SHM_SIZE, wait_healthy
 
 RUN_ID = uuid.uuid4().hex[:8]
 LABEL = "lucia.bench.run"
@@ -317,7 +317,7 @@ class KvLab:
         url = f"http://{self.gateway}:{port}"
         server = Server(container, url, 0.0)
         self.servers.append(server)
-        server.seconds_to_health = _wait_healthy(container, url)
+        server.seconds_to_health = wait_healthy(container, url, HEALTH_LIMIT, BenchError)
         return server
 
     def cleanup(self) -> list[str]:
@@ -361,21 +361,3 @@ def _remove(left: list[str], what: str, remove: Any, *args: Any, **kwargs: Any) 
         pass
     except (docker.errors.DockerException, OSError) as exc:  # requests' errors are OSErrors
         left.append(f"{what}: {exc}")
-
-
-def _wait_healthy(container: Any, url: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < HEALTH_LIMIT:
-        container.reload()
-        if container.status in {"exited", "dead"}:
-            logs = bytes(container.logs()).decode(errors="replace")
-            raise BenchError(f"vLLM exited ({container.attrs['State']}):\n{logs[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as answer:
-                if answer.status == 200:
-                    return time.monotonic() - started
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.5)
-    logs = bytes(container.logs()).decode(errors="replace")
-    raise BenchError(f"vLLM's /health did not answer within {HEALTH_LIMIT:.0f} s:\n{logs[-3000:]}")

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import subprocess
 import time
 import urllib.error
@@ -109,13 +110,35 @@ class VllmServer:
         return bytes(self.container.logs()).decode(errors="replace")
 
 
-def _wait_healthy(container: Any, url: str, timeout: float) -> float:
+BLOCK_TOKENS = 128  # the CPU backend's KV block: a prompt is keyed, loaded and saved by these
+PROMPT_SOURCE = re.compile(  # vllm:prompt_tokens_by_source_total: (source, tokens)
+    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
+)
+WAIT = 300.0  # the longest wait for the tier plugin's writers; a limit, never an assertion
+
+
+def wait_for(
+    condition: Callable[[], bool], what: str, seen: Callable[[], str] = lambda: ""
+) -> None:
+    """Poll condition until it holds; after WAIT seconds fail, naming what and what was seen."""
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > WAIT:
+            raise AssertionError(f"gave up waiting for {what} {seen()}".rstrip())
+        time.sleep(0.5)
+
+
+def wait_healthy(
+    container: Any, url: str, timeout: float, fail: type[Exception] = AssertionError
+) -> float:
+    """Seconds until vLLM's /health answered 200; its exit or the timeout raise fail, with the
+    log's tail."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         container.reload()
         if container.status in {"exited", "dead"}:
             logs = bytes(container.logs()).decode(errors="replace")
-            raise AssertionError(f"vLLM exited ({container.attrs['State']}):\n{logs[-4000:]}")
+            raise fail(f"vLLM exited ({container.attrs['State']}):\n{logs[-4000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as answer:
                 if answer.status == 200:
@@ -124,7 +147,7 @@ def _wait_healthy(container: Any, url: str, timeout: float) -> float:
             pass
         time.sleep(0.5)
     logs = bytes(container.logs()).decode(errors="replace")
-    raise AssertionError(f"vLLM's /health did not answer within {timeout} s:\n{logs[-4000:]}")
+    raise fail(f"vLLM's /health did not answer within {timeout:.0f} s:\n{logs[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +198,7 @@ def start_vllm_cpu(
         )
         started.append(container)
         url = f"http://{gateway}:{port}"
-        return VllmServer(container, url, _wait_healthy(container, url, timeout))
+        return VllmServer(container, url, wait_healthy(container, url, timeout))
 
     yield start
     for container in started:

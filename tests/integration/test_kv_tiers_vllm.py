@@ -31,18 +31,14 @@ from supervisor.docker.labels import TIERS_BASE, TIERS_VERSION
 from supervisor.docker.runtime import Runtime
 from supervisor.engines.vllm import tier_image
 from tests.fixtures import RUN_ID, TEST_LABEL
-from tests.vllm_cpu import SERVED_NAME, VllmServer
+from tests.vllm_cpu import BLOCK_TOKENS, PROMPT_SOURCE, SERVED_NAME, VllmServer, wait_for
 
 pytestmark = pytest.mark.docker
 
-BLOCK_TOKENS = 128  # the CPU backend's KV block
 PROMPT = [random.Random(22).randrange(3, 512) for _ in range(2000)]  # token ids, no specials
 FULL_BLOCKS = len(PROMPT) // BLOCK_TOKENS  # 15 blocks, 1920 tokens
 MAX_TOKENS = 32
 NAMESPACE = "tiers-test"
-SOURCE = re.compile(
-    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
-)
 CORRUPT = re.compile(r"^lucia_kv_corrupt_total\{[^}]*\} (\S+)$", re.M)
 LUCIA = re.compile(r"^(lucia_kv_\w+_total)\{([^}]*)\} (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -53,7 +49,6 @@ READ_SIDE = frozenset(
 )
 TRANSFER_LOG = re.compile(r"KV Transfer metrics: (.*)$", re.M)  # vLLM's log, every 10 s
 SHORT_PROMPT = [5, 6, 7, 8]  # under one block: nothing for the store to load or save
-WAIT = 300.0  # the longest wait for the background writers; a limit, never an assertion
 
 
 @dataclass(frozen=True)
@@ -228,16 +223,6 @@ def _block_files(work: Path) -> list[Path]:
     )
 
 
-def _wait_for(
-    condition: Callable[[], bool], what: str, seen: Callable[[], str] = lambda: ""
-) -> None:
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > WAIT:
-            raise AssertionError(f"gave up waiting for {what} {seen()}".rstrip())
-        time.sleep(0.5)
-
-
 def _read(path: Path) -> bytes | None:
     """A block file's bytes, or None when the store removed it after the listing."""
     try:
@@ -267,6 +252,11 @@ def _lucia(text: str) -> dict[Series, float]:
 
 def _nonzero(series: dict[Series, float]) -> dict[Series, float]:
     return {key: value for key, value in series.items() if value}
+
+
+def _read_side(series: dict[Series, float]) -> dict[Series, float]:
+    """The nonzero counts made on the model step's own thread (in that step's stats report)."""
+    return {key: value for key, value in _nonzero(series).items() if key[0] in READ_SIDE}
 
 
 def _total(series: dict[Series, float], name: str, **labels: str) -> float:
@@ -303,7 +293,7 @@ def _count(
     def served() -> dict[Series, float]:
         return _lucia(server.get("/metrics").body.decode())
 
-    _wait_for(lambda: done(filed()), what, lambda: str(_nonzero(filed())))
+    wait_for(lambda: done(filed()), what, lambda: str(_nonzero(filed())))
     served_now, filed_now = served(), filed()
     answer = server.post(
         "/v1/completions",
@@ -312,7 +302,7 @@ def _count(
     )
     assert answer.status == 200, answer.body[-2000:]
     # the step's report reaches vLLM's Prometheus logger beside the answer, not before it
-    _wait_for(
+    wait_for(
         lambda: _nonzero(served()) == _nonzero(filed()),
         "/metrics to show the metrics file's counts after one more step",
         lambda: f"(served {_nonzero(served())}, filed {_nonzero(filed())})",
@@ -353,7 +343,7 @@ def _serve(
     choice = answer.json()["choices"][0]
     assert answer.json()["usage"]["prompt_tokens"] == len(PROMPT)
     metrics = server.get("/metrics").body.decode()
-    by_source = _metric(SOURCE, metrics)
+    by_source = _metric(PROMPT_SOURCE, metrics)
     run = Run(
         tuple(choice["token_ids"]), choice["text"], by_source, server.seconds_to_health, metrics
     )
@@ -393,7 +383,7 @@ def runs(
         return len(_block_files(work)) >= 2 * FULL_BLOCKS
 
     server, cold = _serve(start_vllm_cpu, image, work, key, transfer)
-    _wait_for(blocks_written, "every block on NVMe and HDD")  # vLLM's SIGTERM drops the queue
+    wait_for(blocks_written, "every block on NVMe and HDD")  # vLLM's SIGTERM drops the queue
     _stop(server)
 
     server, restarted = _serve(start_vllm_cpu, image, work, key, transfer)
@@ -404,7 +394,7 @@ def runs(
         lambda f: _total(f, "lucia_kv_promotions_total", tier="shm") >= FULL_BLOCKS,
         "the metrics file to count the copies into shm",
     )
-    _wait_for(lambda: "hits.nvme" in _transfer_log(server.logs()), "vLLM's KV transfer log line")
+    wait_for(lambda: "hits.nvme" in _transfer_log(server.logs()), "vLLM's KV transfer log line")
     restarted.logs = server.logs()
     _stop(server)
 
@@ -417,7 +407,7 @@ def runs(
     flipped = len(damaged)
     (work / "metrics" / "lucia-kv.prom").unlink(missing_ok=True)  # this store counts from 0
     server, after_damage = _serve(start_vllm_cpu, image, work, key, transfer)
-    _wait_for(lambda: _corrupt_count(work) > 0, "the corrupt counter in the metrics file")
+    wait_for(lambda: _corrupt_count(work) > 0, "the corrupt counter in the metrics file")
     after_damage.corrupt = _corrupt_count(work)
     after_damage.healthy_after = server.get("/health").status == 200
 
@@ -431,7 +421,7 @@ def runs(
         files, left = _block_files(work), still_damaged()
         return f"({len(files)} block files, {len(left)} still damaged: {left[:4]})"
 
-    _wait_for(saved_again, "every damaged block saved again", seen)
+    wait_for(saved_again, "every damaged block saved again", seen)
     after_damage.counted = _count(
         server,
         work,
@@ -448,7 +438,7 @@ def runs(
         '"kv_connector_extra_config": {"shared_storage_path": "/kv/example"}}'
     )
     server, example = _serve(start_vllm_cpu, image, work, key, example_config)
-    _wait_for(lambda: any((work / "example").rglob("*.safetensors")), "ExampleConnector's files")
+    wait_for(lambda: any((work / "example").rglob("*.safetensors")), "ExampleConnector's files")
     _stop(server)
     return Runs(work, key, cold, restarted, after_damage, example, flipped, block_files)
 
@@ -533,8 +523,7 @@ def test_after_the_restart_vllms_metrics_counts_the_reads_as_the_metrics_file_do
     assert _total(served, "lucia_kv_hits_total", tier="nvme") == FULL_BLOCKS
     assert _total(served, "lucia_kv_read_bytes_total", tier="nvme") > 0
     assert _total(served, "lucia_kv_misses_total", tier="shm") == FULL_BLOCKS
-    reads = {key: value for key, value in _nonzero(served).items() if key[0] in READ_SIDE}
-    assert reads == {k: v for k, v in _nonzero(counted.filed).items() if k[0] in READ_SIDE}
+    assert _read_side(served) == _read_side(counted.filed)
     # the copies into shm are the writers' counts, made after the read's step: in /metrics
     # when a later step (the rest of the answer, or the short prompt) reported them
     assert _total(served, "lucia_kv_promotions_total") <= FULL_BLOCKS
@@ -555,7 +544,6 @@ def test_after_the_damage_vllms_metrics_counts_the_corrupt_blocks_as_the_file_do
     for tier in ("nvme", "hdd"):
         assert _total(served, "lucia_kv_corrupt_total", tier=tier, reason="auth") == FULL_BLOCKS
     assert _total(served, "lucia_kv_corrupt_total") == runs.flipped  # each copy read once
-    reads = {key: value for key, value in _nonzero(served).items() if key[0] in READ_SIDE}
-    assert reads == {k: v for k, v in _nonzero(counted.filed).items() if k[0] in READ_SIDE}
+    assert _read_side(served) == _read_side(counted.filed)
     assert _total(counted.served_next, "lucia_kv_writes_total", tier="hdd") == FULL_BLOCKS
     assert _nonzero(counted.served_next) == _nonzero(counted.filed_next)

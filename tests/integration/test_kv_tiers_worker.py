@@ -24,7 +24,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,24 +39,20 @@ from supervisor.recipe.schema import parse_bytes
 from tests import http_json
 from tests.fixtures import REPO_TEMPLATE, RUN_ID, Engine, _repo
 from tests.gguf_fixtures import add_model
+from tests.vllm_cpu import BLOCK_TOKENS, PROMPT_SOURCE, wait_for
 
 pytestmark = pytest.mark.docker
 
-BLOCK_TOKENS = 128  # the CPU backend's KV block: the recipe leaves tiers.block_size out
 PROMPT = [random.Random(2222).randrange(3, 512) for _ in range(2000)]  # token ids, no specials
 FULL_BLOCKS = len(PROMPT) // BLOCK_TOKENS  # 15 blocks, 1920 tokens
 MAX_TOKENS = 32
 SERVED = "tiny"
-SOURCE = re.compile(
-    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([^"]+)"[^}]*\} (\S+)$', re.M
-)
 COUNTER = re.compile(r"^lucia_kv_(\w+)_total\{([^}]*)\} (\d+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 METRICS_TARGET = "/kv-metrics"  # the metrics directory's mount point in the container
 CAPS = {"nvme": "16m", "hdd": "256m"}  # the NVMe cap evicts under the load; the HDD's does not
 SHRUNK = "4m"  # the NVMe cap the recipe is edited to: below what the load leaves there
 START_LIMIT = 1800.0  # the tier image build, then the server's load (40-220 s here): a limit
-WAIT = 300.0  # the longest wait for the background writers; a limit, never an assertion
 
 
 @dataclass
@@ -133,7 +129,7 @@ class TieredEngine:
 
     def by_source(self) -> dict[str, float]:
         found: dict[str, float] = {}
-        for match in SOURCE.finditer(self.metrics()):
+        for match in PROMPT_SOURCE.finditer(self.metrics()):
             found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
         return found
 
@@ -178,16 +174,6 @@ class TieredEngine:
 
 def names(paths: list[Path]) -> set[str]:
     return {path.name for path in paths}
-
-
-def wait_for(
-    condition: Callable[[], bool], what: str, seen: Callable[[], str] = lambda: ""
-) -> None:
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > WAIT:
-            raise AssertionError(f"gave up waiting for {what} {seen()}".rstrip())
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
