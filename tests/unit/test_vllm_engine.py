@@ -348,3 +348,33 @@ volumes = [{{ source = "{tmp_path / 'hf'}", target = "/root/.cache/huggingface" 
     assert isinstance(step, ModelDownload)
     found.make(step, StepContext(threading.Event(), lambda _line: None))
     assert runtime.ran == [runtime.image("lucia-vllm-cpu:test").id]
+
+
+class _ProgressLast(_Images):
+    """The hf CLI's stream as seen in CI: the path it prints, shortened, then a redraw of the
+    progress bar on stderr."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+
+    def run_streamed(self, image_id: str, *args: object, **kwargs: object) -> tuple[int, list[str]]:
+        _downloaded(self.tmp, {"num_hidden_layers": 2})
+        progress = kwargs["progress"]
+        assert callable(progress)
+        for line in ("✓ Downloaded", "  path: /root/.cache/huggingface/hub/models--...napshots/0123",
+                     "Fetching 5 files: 100%|██████████| 5/5 [00:00<00:00, 138.44it/s]"):
+            progress(line)
+        return 0, ["done"]
+
+
+def test_the_downloads_last_line_names_the_snapshot_whatever_order_the_cli_prints(
+    tmp_path: Path,
+) -> None:
+    found = _hf_engine(tmp_path)
+    found.runtime = _ProgressLast(tmp_path)
+    (step,) = found.prerequisites().missing
+    lines: list[str] = []
+    found.make(step, StepContext(threading.Event(), lines.append))
+    snapshot = tmp_path / "hf" / "hub" / "models--org--model" / "snapshots"
+    assert lines[-1] == (f"downloaded org/model at 0123456789ab into {snapshot}"
+                         "/0123456789abcdef0123456789abcdef01234567")

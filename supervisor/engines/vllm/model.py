@@ -146,7 +146,8 @@ def download(
     """The hf CLI of the engine image in a short-lived container on the engine's network, with
     the run volumes (the HF cache) and the recipe's settings as its whole environment; the
     token, only when the recipe gives one, as a read-only 0400 file named by HF_TOKEN_PATH,
-    else HF_HUB_DISABLE_IMPLICIT_TOKEN=1. Its output is the progress; a cancel kills it."""
+    else HF_HUB_DISABLE_IMPLICIT_TOKEN=1. Its output is the progress, and the snapshot it
+    left is the last line; a cancel kills it."""
     if where.snapshot is None:
         raise Permanent(
             f"no writable [run] volume holds the Hugging Face cache {hub_cache(settings)}, so "
@@ -179,6 +180,9 @@ def download(
         raise BuildFailed(f"download of {what.repo_id} (exit {code})", tail)
     if not (where.snapshot / "config.json").is_file():
         raise Permanent(f"the download of {what.repo_id} left no config.json in {where.snapshot}")
+    # The CLI's own last line is no message: its progress bar (stderr) may be redrawn after
+    # the path it prints (stdout), and it shortens that path to the terminal's width.
+    ctx.progress(f"downloaded {what.repo_id} at {what.revision[:12]} into {where.snapshot}")
 
 
 def file_secrets(secrets: Mapping[str, object], key_secret: str) -> dict[str, str]:
