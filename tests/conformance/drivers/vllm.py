@@ -58,12 +58,13 @@ def _real(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) ->
     message (a load whose output line stays the last one for seconds), and the
     acknowledgement (a step held for 3 s; on the real server it would cost a load of its own,
     171 s on a loaded machine, for a status the worker writes before the engine says anything,
-    and the real engine's stop is proven by the status and file_sd cases). Every other case
+    and the real engine's stop is proven by the file_sd case). Every other case
     runs the real server. The cases that look at a running engine or replace it take the one
-    the case before handed on (tests/conformance/relay.py); the cases that stop it (status,
-    file_sd) or kill it (death, the last) hand nothing on, so the next starts a fresh one; the
-    lease case starts no engine at all. Ten loads in all: three fresh engines and seven
-    replacements (another image, five recipe edits, the replacement that could not start)."""
+    the case before handed on (tests/conformance/relay.py); the cases that stop it (file_sd) or
+    kill it (death, the last) hand nothing on, so the next starts a fresh one; the lease case
+    starts no engine at all. The five run-spec edits come in one reload (the `every field`
+    case). Five loads in all: two fresh engines and three replacements (another image, the
+    run-spec edits, the replacement that could not start)."""
     images = request.getfixturevalue("vllm_cpu_images")
     relay = request.getfixturevalue("relays").of("vllm")
 
