@@ -361,7 +361,8 @@ class _ProgressLast(_Images):
         _downloaded(self.tmp, {"num_hidden_layers": 2})
         progress = kwargs["progress"]
         assert callable(progress)
-        for line in ("✓ Downloaded", "  path: /root/.cache/huggingface/hub/models--...napshots/0123",
+        for line in ("✓ Downloaded",
+                     "  path: /root/.cache/huggingface/hub/models--...napshots/0123",
                      "Fetching 5 files: 100%|██████████| 5/5 [00:00<00:00, 138.44it/s]"):
             progress(line)
         return 0, ["done"]
