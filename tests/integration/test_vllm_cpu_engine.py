@@ -1,11 +1,13 @@
 """The vllm engine on a CPU server through the worker, against the real vLLM 0.32.0 CPU server:
-it runs, answers a completion on the gateway address, and status.json names what runs; a recipe
+it runs, answers a completion on the gateway address, status.json names what runs, and Debian's
+Prometheus scrapes it through the worker's file_sd with up == 1 (one load for the three); a recipe
 whose memory does not fit the machine is refused before anything is pulled or started.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 
 from supervisor.docker import labels
 from tests.fixtures import RUN_ID, Engine
+from tests.system.harness import prometheus_api, prometheus_targets, running_prometheus, wait_for
 from tests.vllm_cpu import library_revision
 
 pytestmark = pytest.mark.docker
@@ -35,20 +38,32 @@ def _complete(url: str, prompt: str) -> dict[str, Any]:
 
 
 def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
-        make_engine: Callable[..., Engine], client: docker.DockerClient) -> None:
+        make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path) -> None:
     engine: Engine = make_engine(kind="vllm", vllm_device="cpu")
-    engine.start_worker()
-    status = engine.wait_state(engine.request("running"), "running", timeout=900)
+    with running_prometheus(engine.data_dir / "telemetry", tmp_path) as prometheus:
+        engine.start_worker()
+        status = engine.wait_state(engine.request("running"), "running", timeout=900)
+        _answers_on_the_gateway(engine, client, status)
+        _names_what_runs(engine, client, status)
+        _scraped_by_prometheus(engine, prometheus, status)
+    engine.request("stopped")
+    assert engine.wait_status(lambda s: s["state"] == "stopped", timeout=120)["engine"] is None
+
+
+def _answers_on_the_gateway(engine: Engine, client: docker.DockerClient,
+                            status: dict[str, Any]) -> None:
     network = client.networks.get(engine.network)
     gateway = network.attrs["IPAM"]["Config"][0]["Gateway"]
     assert status["url"] == f"http://{gateway}:{engine.port}"
-
     first = _complete(status["url"], "the quick brown fox")
     (choice,) = first["choices"]
     assert first["model"] == "tiny" and choice["finish_reason"] == "length", first
     assert first["usage"]["completion_tokens"] == 6 and choice["text"], first
     assert _complete(status["url"], "the quick brown fox")["choices"][0]["text"] == choice["text"]
 
+
+def _names_what_runs(engine: Engine, client: docker.DockerClient,
+                     status: dict[str, Any]) -> None:
     container = client.containers.get(engine.container)
     running = status["engine"]
     assert running["image"] == engine.vllm_image
@@ -66,8 +81,32 @@ def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
     args = container.attrs["Args"]
     assert args[args.index("--model") + 1] == mount["Destination"]
 
-    engine.request("stopped")
-    assert engine.wait_status(lambda s: s["state"] == "stopped", timeout=120)["engine"] is None
+
+def _scraped_by_prometheus(engine: Engine, prometheus: str, status: dict[str, Any]) -> None:
+    """Debian's Prometheus, reading the worker's file_sd, scrapes the server's /metrics."""
+    (group,) = engine.file_sd()
+    assert group["targets"] == [urllib.parse.urlsplit(status["url"]).netloc]
+
+    def up() -> list[dict[str, Any]]:
+        found = prometheus_targets(prometheus, engine.name)
+        return found if len(found) == 1 and found[0]["health"] == "up" else []
+
+    (target,) = wait_for(up, 60, "the vLLM target up")
+    assert target["labels"]["engine"] == "vllm"
+    assert target["labels"]["served_name"] == "tiny"
+    assert target["scrapeUrl"] == status["url"] + "/metrics"
+    assert wait_for(lambda: _query(prometheus, f'up{{name="{engine.name}"}}') == {
+        "tiny-llama": "1"} or None, 30, "up == 1")
+    assert wait_for(lambda: _query(
+        prometheus, f'vllm:prefix_cache_hits_total{{name="{engine.name}"}}') or None, 30,
+        "a vllm: series")
+
+
+def _query(base: str, expr: str) -> dict[str, str]:
+    """model -> value of an instant query."""
+    data = prometheus_api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {
+        "result": []}
+    return {r["metric"].get("model", ""): r["value"][1] for r in data["result"]}
 
 
 def test_a_cpu_recipe_over_the_machine_limit_is_refused_before_any_pull(

@@ -1,9 +1,9 @@
-"""A real Prometheus (Debian's) scraping the real llama-server router, and the real vLLM CPU
-server, through the worker's file_sd.
+"""A real Prometheus (Debian's) scraping the real llama-server router through the worker's file_sd
+(the real vLLM CPU server's scrape is in tests/integration/test_vllm_cpu_engine.py).
 
 The worker runs as a process of its own (not under systemd: tests/system/test_systemd.py covers
 the unit); Prometheus reads its file_sd file and scrapes every loaded model's target with
-?model=NAME&autoload=false, which never loads a model; vLLM's one target is its /metrics.
+?model=NAME&autoload=false, which never loads a model.
 """
 
 from __future__ import annotations
@@ -110,26 +110,3 @@ def test_prometheus_scrapes_every_loaded_model_without_loading_any(
     time.sleep(3)
     assert sorted(name for name, value in _models(url).items() if value == "loaded") == loaded, (
         "a scrape of the evicted model's target, before file_sd dropped it, loaded it back")
-
-
-def test_prometheus_scrapes_the_real_vllm_cpu_server(make_engine, tmp_path: Path) -> None:
-    engine: Engine = make_engine(kind="vllm", vllm_device="cpu")
-    with running_prometheus(engine.data_dir / "telemetry", tmp_path) as prometheus:
-        engine.start_worker()
-        status = engine.wait_state(engine.request("running"), "running", timeout=900)
-        (group,) = engine.file_sd()
-        assert group["targets"] == [urllib.parse.urlsplit(status["url"]).netloc]
-
-        def up() -> list[dict[str, Any]]:
-            found = _targets(prometheus, engine.name)
-            return found if len(found) == 1 and found[0]["health"] == "up" else []
-
-        (target,) = wait_for(up, 60, "the vLLM target up")
-        assert target["labels"]["engine"] == "vllm"
-        assert target["labels"]["served_name"] == "tiny"
-        assert target["scrapeUrl"] == status["url"] + "/metrics"
-        assert wait_for(lambda: _query(prometheus, f'up{{name="{engine.name}"}}') == {
-            "tiny-llama": "1"} or None, 30, "up == 1")
-        assert wait_for(lambda: _query(
-            prometheus, f'vllm:prefix_cache_hits_total{{name="{engine.name}"}}') or None, 30,
-            "a vllm: series")
