@@ -60,7 +60,7 @@ def test_dockerd_restart_while_running_and_while_building(make_engine, client) -
     assert engine.file_sd() == []
     assert proc.poll() is None, "the worker must survive a dockerd restart"
 
-    slow: Engine = make_engine(build_args={"SLOW": "40"})
+    slow: Engine = make_engine(build_args={"SLOW": "15"})  # dockerd's restart takes seconds
     slow_proc = slow.start_worker()
     generation = slow.request("running")
     slow.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
@@ -167,7 +167,7 @@ def test_full_disk_keeps_the_previous_status_and_recovers(make_engine, tmp_path)
 @pytest.mark.parametrize("moment", ["mid-build", "mid-start", "mid-stop"])
 def test_worker_killed_mid_step_converges_after_restart(make_engine, client, moment) -> None:
     if moment == "mid-build":
-        engine: Engine = make_engine(build_args={"SLOW": "30"})
+        engine: Engine = make_engine(build_args={"SLOW": "10"})
         proc = engine.start_worker()
         generation = engine.request("running")
         engine.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
@@ -339,11 +339,15 @@ def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, 
     targets = engine.file_sd()
     assert targets
     if kind == "tensorfold":  # stall just before the next observation is due
-        count = _reconciles(metrics)
-        deadline = time.monotonic() + _POLL + 10
-        while _reconciles(metrics) == count and time.monotonic() < deadline:
+        # the observation that saw it running was the last one, but for any made just after:
+        # the next is due _POLL after it (a stall begun earlier only lasts longer)
+        count, observed = _reconciles(metrics), time.monotonic()
+        settle = observed + 3
+        while time.monotonic() < settle:
+            if (now := _reconciles(metrics)) != count:
+                count, observed = now, time.monotonic()
             time.sleep(0.2)
-        time.sleep(_POLL - 3)
+        time.sleep(max(0.0, observed + _POLL - 3 - time.monotonic()))
     pid = dockerd.pid()
     os.kill(pid, signal.SIGSTOP)
     samples: list[dict] = []

@@ -307,6 +307,7 @@ def _serve(
             "--max-model-len", "2048",  # after the fixture's 1024: argparse keeps the last
             "--enable-prompt-tokens-details",
             "--no-enable-prefix-caching",  # a repeat of the prompt goes to the connector
+            "--enforce-eager",  # no torch.compile warm-up (test_vllm_cpu_image.py compiles)
             "--kv-transfer-config", transfer,
         ],
         image=image,

@@ -262,10 +262,10 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
 def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_message(
     make_engine: Callable[..., Engine], client: docker.DockerClient,
 ) -> None:
-    """The stand-in image's hf CLI (tests/vllm-standin/python3) draws a progress bar for 20 s;
+    """The stand-in image's hf CLI (tests/vllm-standin/python3) draws a progress bar for 8 s;
     the real CLI on the real image: tests/integration/test_vllm_model_download.py."""
     engine = make_engine(kind="vllm",
-                         settings={"DOWNLOAD_STEPS": "40", "DOWNLOAD_STEP_SECONDS": "0.5"})
+                         settings={"DOWNLOAD_STEPS": "16", "DOWNLOAD_STEP_SECONDS": "0.5"})
     engine.start_worker()
     generation = engine.request("running")
     seen = engine.wait_status(lambda s: "model.safetensors:" in s["message"], timeout=60,
