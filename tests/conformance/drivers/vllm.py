@@ -15,8 +15,8 @@ from tests.fixtures import Engine
 # "cpu" (the default, and what .ci/run runs): every case the real server can do on demand runs
 # on it, one engine handed from case to case where the cases allow (tests/conformance/relay.py);
 # "gpu": every case on the busybox stand-in on the GPU path with a recorded card, as the GPU
-# image cannot run here (2 min 45 s on this 2-core machine beside other test runs, against
-# 23 min 38 s on the real server: ten loads of 69 to 220 s).
+# image cannot run here (165 s on this 2-core machine beside other test runs; on the real
+# server the cases took 266 s in a whole CI run, five loads of 38 to 96 s).
 DEVICES: Final = ("cpu", "gpu")
 DEVICE: Final = os.environ.get("LUCIA_CONFORMANCE_VLLM_DEVICE", "cpu")
 START_TIMEOUT: Final = 900  # seconds to running: 40 to 220 s on a loaded 2-core machine
