@@ -18,7 +18,7 @@ import pytest
 
 from supervisor.docker import labels
 from tests.fixtures import RUN_ID, Engine
-from tests.system.harness import prometheus_api, prometheus_targets, running_prometheus, wait_for
+from tests.system.harness import prometheus_query, prometheus_targets, running_prometheus, wait_for
 from tests.vllm_cpu import library_revision
 
 pytestmark = pytest.mark.docker
@@ -95,18 +95,11 @@ def _scraped_by_prometheus(engine: Engine, prometheus: str, status: dict[str, An
     assert target["labels"]["engine"] == "vllm"
     assert target["labels"]["served_name"] == "tiny"
     assert target["scrapeUrl"] == status["url"] + "/metrics"
-    assert wait_for(lambda: _query(prometheus, f'up{{name="{engine.name}"}}') == {
+    assert wait_for(lambda: prometheus_query(prometheus, f'up{{name="{engine.name}"}}') == {
         "tiny-llama": "1"} or None, 30, "up == 1")
-    assert wait_for(lambda: _query(
+    assert wait_for(lambda: prometheus_query(
         prometheus, f'vllm:prefix_cache_hits_total{{name="{engine.name}"}}') or None, 30,
         "a vllm: series")
-
-
-def _query(base: str, expr: str) -> dict[str, str]:
-    """model -> value of an instant query."""
-    data = prometheus_api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {
-        "result": []}
-    return {r["metric"].get("model", ""): r["value"][1] for r in data["result"]}
 
 
 def test_a_cpu_recipe_over_the_machine_limit_is_refused_before_any_pull(

@@ -12,6 +12,7 @@ import pwd
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -135,6 +136,13 @@ def prometheus_targets(base: str, name: str) -> list[dict[str, Any]]:
     """The active targets Prometheus discovered for the engine `name` (its file_sd label)."""
     data = prometheus_api(base, "/api/v1/targets?state=active") or {"activeTargets": []}
     return [t for t in data["activeTargets"] if t["labels"].get("name") == name]
+
+
+def prometheus_query(base: str, expr: str) -> dict[str, str]:
+    """model -> value of an instant query."""
+    data = prometheus_api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {
+        "result": []}
+    return {r["metric"].get("model", ""): r["value"][1] for r in data["result"]}
 
 
 @contextlib.contextmanager

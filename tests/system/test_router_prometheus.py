@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures import Engine
 from tests.gguf_fixtures import add_model, write_llama
-from tests.system.harness import prometheus_api as _api
+from tests.system.harness import prometheus_query as _query
 from tests.system.harness import prometheus_targets as _targets
 from tests.system.harness import (
     running_prometheus,
@@ -28,12 +28,6 @@ from tests.system.harness import (
 )
 
 pytestmark = pytest.mark.docker
-
-
-def _query(base: str, expr: str) -> dict[str, str]:
-    """model -> value of an instant query."""
-    data = _api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {"result": []}
-    return {r["metric"].get("model", ""): r["value"][1] for r in data["result"]}
 
 
 def _models(url: str) -> dict[str, str]:
