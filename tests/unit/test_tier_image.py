@@ -95,6 +95,41 @@ def test_the_installed_package_ships_the_plugin_with_the_source_trees_version_an
     assert (version, digest) == (plugin.version, tier_image.digest(plugin))
 
 
+def test_the_plugins_own_version_is_its_pyprojects_whatever_else_is_installed(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """lucia_kv.version() (the namespace binding in the container) and the supervisor's
+    read_plugin() (its labels and namespaces) read the same file: another copy's metadata
+    earlier on the path does not change it."""
+    import subprocess
+    import sys
+
+    import lucia_kv
+
+    assert lucia_kv.version() == plugin.version
+    stale = tmp_path / "stale"
+    info = stale / "lucia_kv_tiers-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lucia-kv-tiers\nVersion: 0.0.1\n")
+    plugin_root = tier_image.SOURCE
+    script = "import lucia_kv; print(lucia_kv.version())"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env={"PYTHONPATH": f"{stale}:{plugin_root}"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.strip() == plugin.version
+    # inside the image no pyproject.toml is beside the package: the metadata installed with it
+    site = tmp_path / "site"
+    for relative, data in tier_image.installed_files(plugin).items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env={"PYTHONPATH": str(site)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.strip() == plugin.version
+
+
 def test_a_version_bump_in_pyproject_is_seen_without_importing_the_plugin(tmp_path: Path) -> None:
     source = _copy(tmp_path)
     pyproject = source / "pyproject.toml"
