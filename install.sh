@@ -82,7 +82,7 @@ place() {
 }
 
 source_hash() {
-    (cd "$src" && find pyproject.toml README.md supervisor -type f -not -path '*/__pycache__/*' \
+    (cd "$src" && find pyproject.toml README.md supervisor kvplugin -type f -not -path '*/__pycache__/*' \
         -print0 | sort -z | xargs -0 sha256sum) | sha256sum | cut -d' ' -f1
 }
 

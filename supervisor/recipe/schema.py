@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from string import Template
@@ -30,9 +31,22 @@ def _absolute(value: str) -> str:
     return value
 
 
+def _home(value: object) -> object:
+    """`~` and `~/...` as [secrets] paths take them: the home of the user loading the recipe
+    (the worker's own user; install.sh and the CLI load it as that user too)."""
+    if isinstance(value, str) and value.startswith("~"):
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):
+            raise ValueError(f"{value!r}: no such user's home directory")
+        return expanded
+    return value
+
+
 ImageRef = Annotated[str, AfterValidator(reference.image_reference)]  # an image to pull
 BuildTag = Annotated[str, AfterValidator(reference.image_tag)]  # an image to build
 AbsolutePath = Annotated[str, AfterValidator(_absolute)]
+# a path on the host: absolute, or under `~`, expanded when the recipe is loaded
+HostPath = Annotated[str, BeforeValidator(_home), AfterValidator(_absolute)]
 Commit = Annotated[str, Field(pattern=r"^[0-9a-f]{40}$", description="a full 40-hex commit id")]
 Port = Annotated[int, Field(ge=1, le=65535)]
 

@@ -263,3 +263,52 @@ def test_bad_vllm_recipes_are_refused(text: str, needle: str) -> None:
         parse(text, "bad.toml")
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def _tiered(path: str) -> str:
+    return VM + (
+        f'[tiers]\nnvme = {{ path = "{path}", max_bytes = "1GiB" }}\n'
+        f'[secrets]\nLUCIA_KV_KEY = "{path}/kv.key"\n'
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("~/kv/nvme", "HOME/kv/nvme"),
+        ("~", "HOME"),
+        ("~/", "HOME/"),
+        ("/srv/kv/nvme", "/srv/kv/nvme"),
+        ("/srv/~/kv", "/srv/~/kv"),
+        ("~root/kv", "ROOT/kv"),
+    ],
+)
+def test_tier_paths_take_the_home_of_the_workers_user_as_secret_paths_do(
+    path: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expanded when the recipe is loaded, as the user who loads it (the worker's)."""
+    import pwd
+
+    home = tmp_path / "operator"
+    monkeypatch.setenv("HOME", str(home))
+    recipe = parse(_tiered(path), "tiered.toml")
+    want = expected.replace("HOME", str(home)).replace("ROOT", pwd.getpwnam("root").pw_dir)
+    assert recipe.tiers.nvme.path == want  # type: ignore[attr-defined]
+    (disk,) = recipe.tier_plan().disks  # type: ignore[attr-defined]
+    assert disk.root == Path(want)
+    secret = Path(recipe.secrets["LUCIA_KV_KEY"]).expanduser()
+    assert secret == Path(want) / "kv.key", "the key file and the tier under the same home"
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("kv/nvme", "'kv/nvme' must be an absolute path"),
+        ("./~/kv", "'./~/kv' must be an absolute path"),
+        ("~no-such-user-here/kv", "'~no-such-user-here/kv': no such user's home directory"),
+    ],
+)
+def test_a_tier_path_neither_absolute_nor_under_a_home_is_refused(path: str, needle: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        parse(_tiered(path), "bad.toml")
+    assert str(info.value) == f"bad.toml: tiers.nvme.path: Value error, {needle}"

@@ -41,6 +41,95 @@ def test_the_version_is_the_plugins_own_metadata(plugin: Plugin) -> None:
     assert not any("__pycache__" in path for path in paths)
 
 
+def _project(tmp_path: Path) -> Path:
+    """The project's tracked (and new) files, as a user's copy: pip builds there, never here."""
+    import subprocess
+
+    root = tier_image.SOURCE.parent
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    project = tmp_path / "project"
+    for name in filter(None, listed):
+        relative = Path(name.decode())
+        if (root / relative).is_file():
+            (project / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / relative, project / relative)
+    return project
+
+
+def test_the_installed_package_ships_the_plugin_with_the_source_trees_version_and_digest(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """pip installs the project (not editable) into a directory of its own; its supervisor,
+    run isolated (the checkout off its path), reads the plugin installed beside it."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q",
+         "--disable-pip-version-check", "--target", str(site), str(_project(tmp_path))],
+        check=True,
+    )  # fmt: skip
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(site)!r})\n"
+        "from supervisor.engines.vllm import tier_image as t\n"
+        "p = t.read_plugin()\n"
+        "print(json.dumps([t.__file__, str(t.SOURCE), p.version, t.digest(p)]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    module, source, version, digest = json.loads(run.stdout)
+    assert Path(module).is_relative_to(site) and Path(source) == site / "kvplugin"
+    assert (version, digest) == (plugin.version, tier_image.digest(plugin))
+
+
+def test_the_plugins_own_version_is_its_pyprojects_whatever_else_is_installed(
+    plugin: Plugin, tmp_path: Path
+) -> None:
+    """lucia_kv.version() (the namespace binding in the container) and the supervisor's
+    read_plugin() (its labels and namespaces) read the same file: another copy's metadata
+    earlier on the path does not change it."""
+    import subprocess
+    import sys
+
+    import lucia_kv
+
+    assert lucia_kv.version() == plugin.version
+    stale = tmp_path / "stale"
+    info = stale / "lucia_kv_tiers-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lucia-kv-tiers\nVersion: 0.0.1\n")
+    plugin_root = tier_image.SOURCE
+    script = "import lucia_kv; print(lucia_kv.version())"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env={"PYTHONPATH": f"{stale}:{plugin_root}"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.strip() == plugin.version
+    # inside the image no pyproject.toml is beside the package: the metadata installed with it
+    site = tmp_path / "site"
+    for relative, data in tier_image.installed_files(plugin).items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_bytes(data)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env={"PYTHONPATH": str(site)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.strip() == plugin.version
+
+
 def test_a_version_bump_in_pyproject_is_seen_without_importing_the_plugin(tmp_path: Path) -> None:
     source = _copy(tmp_path)
     pyproject = source / "pyproject.toml"

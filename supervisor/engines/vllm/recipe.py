@@ -12,9 +12,9 @@ from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, TierPlan
 from supervisor.recipe import reference
 from supervisor.recipe.schema import (
-    AbsolutePath,
     ByteSize,
     Commit,
+    HostPath,
     RecipeBase,
     Section,
     parse_bytes,
@@ -50,7 +50,10 @@ class VllmModel(Section):
 
 
 class DiskTierSpec(Section):
-    path: AbsolutePath = Field(description="tier root on the host; namespaces are created in it")
+    path: HostPath = Field(
+        description="tier root on the host (absolute, or under ~ of the worker's user); "
+        "namespaces are created in it"
+    )
     max_bytes: ByteSize
 
 

@@ -4,10 +4,14 @@
 `lucia-kv-tiers`) goes in as an installed distribution made here with the standard library (its
 package files and a dist-info: METADATA, top_level.txt, RECORD), copied onto the image's Python
 path, since the engine image has no pip. A build step imports `lucia_kv.connector`, `vllm` and
-`cryptography` and checks the installed version. The image is labelled with the base image id
-and the plugin's version, and is rebuilt when either changes. The version is read from the
-plugin's pyproject.toml, never by importing the plugin. `build` writes a fresh context under
-the engine's state directory, builds through the runtime and removes the context.
+`cryptography` and checks the installed version. The image is labelled with the base image id,
+the plugin's version and a digest of its files, and is rebuilt when any of them changes.
+
+The plugin's source tree ships with this package as files (pyproject.toml, lucia_kv/), beside
+`supervisor` in site-packages exactly as in a checkout, so `SOURCE` is the same relative path in
+both. Its version is read from that pyproject.toml (the only place it is written), never by
+importing the plugin. `build` writes a fresh context under the engine's state directory, builds
+through the runtime and removes the context.
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ PACKAGE: Final = "lucia_kv"
 CONNECTOR: Final = "LuciaTierConnector"
 CONNECTOR_MODULE: Final = "lucia_kv.connector"
 CHECKED_MODULES: Final = (CONNECTOR_MODULE, "vllm", "cryptography")
+# beside `supervisor`: the checkout's kvplugin/, or the copy installed with this package
 SOURCE: Final = Path(__file__).resolve().parents[3] / "kvplugin"
 SITE_PACKAGES: Final = "/opt/vllm/site-packages"  # the CPU image's PYTHONPATH
 # vllm/vllm-openai: Python 3.12 with vLLM installed system-wide (uv pip install --system)
 GPU_SITE_PACKAGES: Final = "/usr/local/lib/python3.12/dist-packages"
 NEXT_STEP: Final = (
     "the running engine, if any, was left alone; fix the base image or the plugin "
-    "(kvplugin/) and request again, or remove [tiers] to run without the tiers"
+    "(kvplugin/, installed beside the supervisor by install.sh) and request again, "
+    "or remove [tiers] to run without the tiers"
 )
 PYTHON: Final = "/usr/bin/python3"
 SUFFIX: Final = "-tiers"
@@ -77,7 +83,8 @@ class Plugin:
 
 
 def read_plugin(source: Path = SOURCE) -> Plugin:
-    """The plugin from its source tree: pyproject.toml's [project] and the package's files."""
+    """The plugin from its source tree (a checkout's or the installed copy):
+    pyproject.toml's [project] and the package's files."""
     pyproject = source / "pyproject.toml"
     try:
         with pyproject.open("rb") as handle:
