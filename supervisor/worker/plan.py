@@ -15,6 +15,7 @@ from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
 from supervisor.engines.base import Observed
 from supervisor.protocol.documents import RunningEngine, State, TargetGroup
+from supervisor.worker.exits import exit_message
 from supervisor.worker.memory import BACKOFF, Memory, due, met
 from supervisor.worker.steps import (
     AwaitReady,
@@ -25,7 +26,6 @@ from supervisor.worker.steps import (
     Step,
     Stop,
     describe,
-    exit_message,
 )
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
@@ -126,9 +126,8 @@ def _plan_stopped(memory: Memory, container: Container | None) -> Decision:
 def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Decision:
     if container is not None and not container.running:
         if container.id in (memory.ready, memory.served_before):  # nothing is left answering
-            tail = f": {observed.tail}" if observed.tail else ""
             gone = replace(memory, ready=None, served_before=None)
-            return failed(gone, exit_message(container) + tail)
+            return failed(gone, exit_message(container, observed.log))
         return _working(memory, Remove(container.id))  # left from before: clear the name
     serving = container is not None and container.id == memory.ready
     if observed.missing:

@@ -71,8 +71,8 @@ def container(status: str = "running", *, image: str = IMAGE, managed: bool = Tr
 
 
 def seen(c: Container | None = None, missing: tuple[Any, ...] = (),
-         spec: RunSpec | None = SPEC, tail: str = "") -> Observed:
-    return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, tail=tail)
+         spec: RunSpec | None = SPEC, log: tuple[str, ...] = ()) -> Observed:
+    return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, log=log)
 
 
 RUN = Memory(1, "running")
@@ -154,14 +154,14 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      "limits, mounts, labels changed)", False, None),
     ("running, leftover exited container", RUN, seen(container("exited")), Remove("c1"),
      "starting", "removing the old engine container", False, None),
-    ("running, our engine died", READY, seen(container("exited", exit_code=3), tail="boom"),
+    ("running, our engine died", READY, seen(container("exited", exit_code=3), log=("boom",)),
      None, "failed", "exited with code 3: boom", False, "exited with code 3: boom"),
     ("running, killed for memory", READY, seen(container("exited", exit_code=137, oom=True)),
      None, "failed", "exited with code 137: killed for using too much memory", False,
      "exited with code 137: killed for using too much memory"),
     ("running, died while no worker looked (the last status said it served)",
      Memory(1, "running", served_before="c1"),
-     seen(container("exited", exit_code=137), tail="srv killed"), None, "failed",
+     seen(container("exited", exit_code=137), log=("srv killed",)), None, "failed",
      "exited with code 137: srv killed", False, "exited with code 137: srv killed"),
     ("running, an older container than the one the last status said served",
      Memory(1, "running", served_before="c0"), seen(container("exited", exit_code=137)),
