@@ -30,6 +30,7 @@ from supervisor.worker.steps import (
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
+RECIPE_REFUSED: Final = "recipe reload refused (the recipe loaded before stays in use): "
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,15 @@ def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
     )
 
 
-def shown(answer: Answer, refused: str | None) -> Answer:
-    """A refused desired.json is named in a settled answer; a working one keeps its progress."""
-    if refused and answer.state in ("running", "stopped", "failed"):
-        return replace(answer, message=REFUSED + refused)
-    return answer
+def shown(answer: Answer, refused: str | None, recipe_refused: str | None = None) -> Answer:
+    """A refused desired.json is named in a settled answer, and a refused recipe reload ahead of
+    what it says (the engine is left on the recipe it has); a working one keeps its progress."""
+    if answer.state not in ("running", "stopped", "failed"):
+        return answer
+    message = REFUSED + refused if refused else answer.message
+    if recipe_refused:
+        message = f"{RECIPE_REFUSED}{recipe_refused}; {message}"
+    return replace(answer, message=message)
 
 
 # -- what to do next ---------------------------------------------------------------------------

@@ -395,18 +395,29 @@ def test_acknowledge(memory: Memory, previous: Decision | None, state: str, mess
     assert decision.targets == targets
 
 
-@pytest.mark.parametrize(("state", "refused", "message"), [
-    ("running", "bad", "request refused: bad"),
-    ("stopped", "bad", "request refused: bad"),
-    ("failed", "bad", "request refused: bad"),
-    ("starting", "bad", "working"),
-    ("stopping", "bad", "working"),
-    ("running", None, "working"),
+RECIPE = "recipe reload refused (the recipe loaded before stays in use): "
+NVME = "tiers.nvme.path: '~/kv/nvme' must be an absolute path"
+
+
+@pytest.mark.parametrize(("state", "refused", "recipe", "message"), [
+    ("running", "bad", None, "request refused: bad"),
+    ("stopped", "bad", None, "request refused: bad"),
+    ("failed", "bad", None, "request refused: bad"),
+    ("starting", "bad", None, "working"),
+    ("stopping", "bad", None, "working"),
+    ("running", None, None, "working"),
+    # a refused recipe reload leads what a settled answer says; the engine is left as it is
+    ("running", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("stopped", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("failed", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("running", "bad", NVME, f"{RECIPE}{NVME}; request refused: bad"),
+    ("starting", None, NVME, "working"),  # a step's progress is not hidden
+    ("stopping", "bad", NVME, "working"),
 ])
 def test_a_refusal_is_shown_on_settled_answers(state: str, refused: str | None,
-                                              message: str) -> None:
+                                              recipe: str | None, message: str) -> None:
     answer = Answer(1, state, "working")  # type: ignore[arg-type]
-    assert shown(answer, refused).message == message
+    assert shown(answer, refused, recipe).message == message
 
 
 def test_a_stall_keeps_the_last_answer_and_says_why() -> None:
