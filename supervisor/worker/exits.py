@@ -20,6 +20,7 @@ LOG_WINDOW: Final = 1000  # log lines read of an exited container: a failed star
 _CAUSE_CHARS: Final = 300  # of the message's 500, so that the exit code and a last line fit
 _TAIL_LINES: Final = 5
 _GAP: Final = 20  # lines between two tracebacks of one failure (a re-raise, another process)
+_RECENT: Final = 50  # lines after the last error, at most, for it to be why the engine exited
 _FOLLOWING: Final = 2  # indented lines after an exception line that continue its text
 _TRACEBACK: Final = "Traceback (most recent call last):"
 # `pkg.mod.SomeError: text`, `SomeError: text` or a bare `SomeError`, after the line's prefix
@@ -37,12 +38,13 @@ class _Traceback:
 def root_cause(lines: Sequence[str]) -> str | None:
     """The first error of the last failure in a log: the exception of the first traceback of the
     last run of tracebacks (a failure and its re-raises, here or in another process), else the
-    first line of the last run of lines a logger marked ERROR; None when it names no error."""
+    first line of the last run of lines a logger marked ERROR; None when it names no error, or
+    none near its end (an error it went on from is not why it exited)."""
     found = _tracebacks(lines)
-    if found:
+    if found and len(lines) - 1 - found[-1].end <= _RECENT:
         return found[_last_run([(t.start, t.end) for t in found])].exception
     marked = [index for index, line in enumerate(lines) if _ERROR_MARK.search(line)]
-    if marked:
+    if marked and len(lines) - 1 - marked[-1] <= _RECENT:
         return lines[marked[_last_run([(i, i) for i in marked])]].strip()
     return None
 

@@ -122,6 +122,9 @@ STANDIN = ("vllm-standin: loading", "ERROR Engine core initialization failed.")
     # a traceback logged while it served, long before the failure, is not its cause
     pytest.param(NO_MODEL + SERVING + SMALL_SHM, SHM, id="an older failure"),
     pytest.param(STANDIN, "ERROR Engine core initialization failed.", id="a line marked ERROR"),
+    # an error it served on after, followed by 50 more lines, is not why it was killed
+    pytest.param(SMALL_SHM + SERVING * 3, None, id="an error long before the end"),
+    pytest.param(NO_MODEL + SERVING * 3 + STANDIN, STANDIN[-1], id="then an ERROR line"),
     pytest.param(BAD_ARGUMENT, None, id="argparse: its last line says it"),
     pytest.param(LLAMA_NO_MODEL, None, id="llama-server: no traceback, no ERROR mark"),
     pytest.param((), None, id="no output"),
