@@ -30,7 +30,7 @@ class Observed:
     url: str | None = None  # where the engine answers, once its network exists
     targets: tuple[TargetGroup, ...] = ()  # the file_sd target groups while it serves
     notes: str = ""  # what the operator should know while it serves (files skipped...)
-    tail: str = ""  # the last log lines of a container that has exited
+    log: tuple[str, ...] = ()  # the last log lines of a container that has exited
     version: str | None = None  # the version the running engine reports (vLLM's /version)
 
 

@@ -24,8 +24,7 @@ from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
-_LOG_TAIL: Final = 5
-_TAIL_CHARS: Final = 400  # of a message of at most 500, after "exited with code N: "
+_LOG_WINDOW: Final = 1000  # the lines of an exited container read: a failed start's whole log
 log = logs.get("engine")
 
 
@@ -180,7 +179,7 @@ class ContainerEngine:
             url=self.endpoint.url if self.endpoint else None,
             targets=self.targets(self.endpoint) if self.endpoint else (),
             notes=self.notes(),
-            tail=self._tail(container),
+            log=self._log(container),
             version=self.version(container),
         )
 
@@ -188,13 +187,11 @@ class ContainerEngine:
         """The version the running engine reports of itself, if it says one."""
         return None
 
-    def _tail(self, container: Container | None) -> str:
+    def _log(self, container: Container | None) -> tuple[str, ...]:
+        """Why an exited container of ours died is in its log, often far above its last line."""
         if container is None or container.running or not container.managed:
-            return ""
-        lines = self.runtime.logs(container.id, tail=_LOG_TAIL)
-        while len(lines) > 1 and len(" | ".join(lines)) > _TAIL_CHARS:
-            del lines[0]  # the last line (why it died) must fit in status.json's message
-        return " | ".join(lines)
+            return ()
+        return tuple(self.runtime.logs(container.id, tail=_LOG_WINDOW))
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         match what:

@@ -13,6 +13,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import Engine, StepContext
 from supervisor.errors import Cancelled, Permanent
+from supervisor.worker.exits import LOG_WINDOW, exit_message
 from supervisor.worker.steps import (
     AwaitReady,
     Check,
@@ -21,7 +22,6 @@ from supervisor.worker.steps import (
     Start,
     Step,
     Stop,
-    exit_message,
 )
 
 _PROBE_FIRST: Final = 0.05  # probes start fast (a warm engine answers at once) ...
@@ -81,8 +81,8 @@ def last_lines(runtime: Runtime, container_id: str) -> str:
 
 
 def died(runtime: Runtime, container: Container) -> Permanent:
-    tail = last_lines(runtime, container.id)
-    return Permanent(exit_message(container) + (f": {tail}" if tail else ""))
+    """A start that ended: its root cause, exit code and last lines, from the whole log."""
+    return Permanent(exit_message(container, runtime.logs(container.id, tail=LOG_WINDOW)))
 
 
 def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepContext) -> None:

@@ -27,6 +27,7 @@ from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
 from supervisor.worker import jobs, plan
+from supervisor.worker import memory as remembered
 from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.jobs import ExitMonitor, Job
@@ -77,7 +78,8 @@ class Worker:
         self.engine: Engine = self._engine(load_recipe())
         self.memory: Memory | None = None
         self.decision: Decision | None = None
-        self.refused: str | None = None
+        self.refused: str | None = None  # why desired.json is refused
+        self.recipe_refused: str | None = None  # why the last recipe reload was refused
         self.job: Job | None = None
         self._wake = Wakeup()
         self._stop = threading.Event()
@@ -193,16 +195,9 @@ class Worker:
         now = time.monotonic()
         if now < self._retry_at:
             return False
-        if self._failure_retry_in(now) == 0.0:
+        if remembered.retry_in(self.memory, now) == 0.0:
             return True
         return self._pending or now - self._observed_at >= self.engine.poll_interval
-
-    def _failure_retry_in(self, now: float) -> float | None:
-        """How long until a failed step may be tried again (0: now); None: not by waiting."""
-        memory = self.memory
-        if memory is None or memory.failure is None or memory.retry_at is None:
-            return None
-        return max(memory.retry_at - now, 0.0)
 
     def _next_wait(self) -> float:
         now = time.monotonic()
@@ -213,7 +208,7 @@ class Worker:
             waits.append(self._retry_at - now)
         else:
             waits.append(max(self.engine.poll_interval - (now - self._observed_at), 0.0))
-            failure_retry = self._failure_retry_in(now)
+            failure_retry = remembered.retry_in(self.memory, now)
             if failure_retry is not None:
                 waits.append(failure_retry)
         if self.notifier.watchdog_interval is not None:
@@ -221,19 +216,24 @@ class Worker:
         return max(min(waits), 0.01)
 
     def _reload_recipe(self) -> None:
+        """A valid recipe replaces the engine's; a refused one leaves it and is said in status."""
         try:
             recipe = self._load_recipe()
         except (ValueError, OSError) as exc:
             log.error("recipe reload refused; keeping the previous recipe", error=str(exc))
-            return
-        if self.job is not None:
-            self.job.cancel.set()
-        self.engine = self._engine(recipe)
-        if self.memory is not None:  # re-apply the current request to the new recipe
-            self.memory = reloaded(self.memory)
-        self._retry_at = 0.0
-        self._pending = True
-        log.info("recipe reloaded", name=self.settings.name)
+            self.recipe_refused = str(exc)
+        else:
+            if self.job is not None:
+                self.job.cancel.set()
+            self.engine = self._engine(recipe)
+            if self.memory is not None:  # re-apply the current request to the new recipe
+                self.memory = reloaded(self.memory)
+            self._retry_at = 0.0
+            self._pending = True
+            self.recipe_refused = None
+            log.info("recipe reloaded", name=self.settings.name)
+        if self.decision is not None:
+            self._show(self.decision)
 
     # -- desired.json --------------------------------------------------------------------------
 
@@ -333,13 +333,13 @@ class Worker:
             memory, step, reason, time.monotonic(), waitable=isinstance(error, Blocked)
         )
         if reason is not None:
-            retry_in = self._failure_retry_in(time.monotonic())
+            wait = remembered.retry_in(self.memory, time.monotonic())
             log.error(
                 "step failed",
                 step=job.name,
                 generation=job.generation,
                 reason=reason,
-                retry_in=None if retry_in is None else round(retry_in, 1),
+                retry_in=None if wait is None else round(wait, 1),
             )
             self.metrics.failures.labels(reason=job.name).inc()
         planned = self.engine.planned_memory() if isinstance(step, Check) else None
@@ -391,7 +391,8 @@ class Worker:
         job = self.job
         if job is not None and job.step is not None and job.progress:
             answer = replace(answer, message=job.progress)
-        self.heartbeat.show(plan.shown(answer, self.refused), self.refused, decision.targets)
+        shown = plan.shown(answer, self.refused, self.recipe_refused)
+        self.heartbeat.show(shown, self.refused, decision.targets)
 
     def _exited(self) -> None:
         """The engine's container exited: observe at once."""

@@ -90,6 +90,13 @@ def due(memory: Memory, now: float) -> bool:
     return memory.retry_at is not None and now >= memory.retry_at
 
 
+def retry_in(memory: Memory | None, now: float) -> float | None:
+    """How long until a failed step may be tried again (0: now); None: not by waiting."""
+    if memory is None or memory.failure is None or memory.retry_at is None:
+        return None
+    return max(memory.retry_at - now, 0.0)
+
+
 def met(memory: Memory) -> Memory:
     """The request is met: whatever failed on the way is forgotten, and so is its back-off."""
     if memory.failure is None and memory.failures == 0:

@@ -15,6 +15,7 @@ from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
 from supervisor.engines.base import Observed
 from supervisor.protocol.documents import RunningEngine, State, TargetGroup
+from supervisor.worker.exits import exit_message
 from supervisor.worker.memory import BACKOFF, Memory, due, met
 from supervisor.worker.steps import (
     AwaitReady,
@@ -25,11 +26,11 @@ from supervisor.worker.steps import (
     Step,
     Stop,
     describe,
-    exit_message,
 )
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
+RECIPE_REFUSED: Final = "recipe reload refused (the recipe loaded before stays in use): "
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,15 @@ def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
     )
 
 
-def shown(answer: Answer, refused: str | None) -> Answer:
-    """A refused desired.json is named in a settled answer; a working one keeps its progress."""
-    if refused and answer.state in ("running", "stopped", "failed"):
-        return replace(answer, message=REFUSED + refused)
-    return answer
+def shown(answer: Answer, refused: str | None, recipe_refused: str | None = None) -> Answer:
+    """A refused desired.json is named in a settled answer, and a refused recipe reload ahead of
+    what it says (the engine is left on the recipe it has); a working one keeps its progress."""
+    if answer.state not in ("running", "stopped", "failed"):
+        return answer
+    message = REFUSED + refused if refused else answer.message
+    if recipe_refused:
+        message = f"{RECIPE_REFUSED}{recipe_refused}; {message}"
+    return replace(answer, message=message)
 
 
 # -- what to do next ---------------------------------------------------------------------------
@@ -126,9 +131,8 @@ def _plan_stopped(memory: Memory, container: Container | None) -> Decision:
 def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Decision:
     if container is not None and not container.running:
         if container.id in (memory.ready, memory.served_before):  # nothing is left answering
-            tail = f": {observed.tail}" if observed.tail else ""
             gone = replace(memory, ready=None, served_before=None)
-            return failed(gone, exit_message(container) + tail)
+            return failed(gone, exit_message(container, observed.log))
         return _working(memory, Remove(container.id))  # left from before: clear the name
     serving = container is not None and container.id == memory.ready
     if observed.missing:

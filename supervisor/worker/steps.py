@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.docker.spec import Container, RunSpec
+from supervisor.docker.spec import RunSpec
 from supervisor.engines.base import Prerequisite
 
 
@@ -69,9 +69,3 @@ def describe(step: Step) -> str:
 def cancellable(step: Step) -> bool:
     """Stops and starts are short and must not be left half-done; the rest is interrupted."""
     return isinstance(step, Prepare | Check | AwaitReady)
-
-
-def exit_message(container: Container) -> str:
-    if container.oom_killed:
-        return f"exited with code {container.exit_code}: killed for using too much memory"
-    return f"exited with code {container.exit_code}"

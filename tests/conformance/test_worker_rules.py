@@ -1,7 +1,8 @@
 """The worker rules (README: The protocol), one suite run once per engine against the real dockerd.
 
 An engine is done when it passes this suite: acknowledgement, heartbeat, cancel, readiness,
-death with exit code, adoption, replacement, lease, gateway-only port, file_sd, refused input.
+death with exit code, adoption, replacement, lease, gateway-only port, file_sd, refused input,
+a refused recipe reload.
 """
 
 from __future__ import annotations
@@ -165,6 +166,31 @@ def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
             shutil.rmtree(desired)
         os.replace(tmp, desired)
         engine.wait_status(lambda s: s.get("refused") is None, timeout=10)
+    after = client.containers.get(engine.container)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (
+        container.id, container.attrs["State"]["StartedAt"])
+    assert engine.file_sd()
+    kind.hand_on(engine)
+
+
+def test_a_refused_recipe_reload_is_in_the_status_while_the_engine_serves_on(
+        kind: Kind, client) -> None:
+    """A recipe that cannot be loaded is said in status.json, state `running`, until a valid
+    one is; the engine serves on, untouched, on the recipe it has."""
+    engine, status = kind.running()
+    container = client.containers.get(engine.container)
+    kept = dict(engine.run_extra)
+    engine.reload(run_extra={**kept, "no_such_setting": "1"})
+    refused = engine.wait_status(lambda s: "recipe reload refused" in s["message"], timeout=10,
+                                 what="the refused reload")
+    assert refused["message"].startswith("recipe reload refused"), refused["message"]
+    assert "no_such_setting" in refused["message"]
+    assert (refused["state"], refused["generation"], refused["url"]) == (
+        "running", status["generation"], status["url"])
+    assert refused["refused"] is None  # desired.json is valid: only the recipe was refused
+    engine.reload(run_extra=kept)
+    engine.wait_status(lambda s: s["message"] == status["message"], timeout=10,
+                       what="the refusal gone once a valid recipe is loaded")
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
         container.id, container.attrs["State"]["StartedAt"])

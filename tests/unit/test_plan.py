@@ -71,8 +71,8 @@ def container(status: str = "running", *, image: str = IMAGE, managed: bool = Tr
 
 
 def seen(c: Container | None = None, missing: tuple[Any, ...] = (),
-         spec: RunSpec | None = SPEC, tail: str = "") -> Observed:
-    return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, tail=tail)
+         spec: RunSpec | None = SPEC, log: tuple[str, ...] = ()) -> Observed:
+    return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, log=log)
 
 
 RUN = Memory(1, "running")
@@ -154,14 +154,14 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      "limits, mounts, labels changed)", False, None),
     ("running, leftover exited container", RUN, seen(container("exited")), Remove("c1"),
      "starting", "removing the old engine container", False, None),
-    ("running, our engine died", READY, seen(container("exited", exit_code=3), tail="boom"),
+    ("running, our engine died", READY, seen(container("exited", exit_code=3), log=("boom",)),
      None, "failed", "exited with code 3: boom", False, "exited with code 3: boom"),
     ("running, killed for memory", READY, seen(container("exited", exit_code=137, oom=True)),
      None, "failed", "exited with code 137: killed for using too much memory", False,
      "exited with code 137: killed for using too much memory"),
     ("running, died while no worker looked (the last status said it served)",
      Memory(1, "running", served_before="c1"),
-     seen(container("exited", exit_code=137), tail="srv killed"), None, "failed",
+     seen(container("exited", exit_code=137), log=("srv killed",)), None, "failed",
      "exited with code 137: srv killed", False, "exited with code 137: srv killed"),
     ("running, an older container than the one the last status said served",
      Memory(1, "running", served_before="c0"), seen(container("exited", exit_code=137)),
@@ -395,18 +395,29 @@ def test_acknowledge(memory: Memory, previous: Decision | None, state: str, mess
     assert decision.targets == targets
 
 
-@pytest.mark.parametrize(("state", "refused", "message"), [
-    ("running", "bad", "request refused: bad"),
-    ("stopped", "bad", "request refused: bad"),
-    ("failed", "bad", "request refused: bad"),
-    ("starting", "bad", "working"),
-    ("stopping", "bad", "working"),
-    ("running", None, "working"),
+RECIPE = "recipe reload refused (the recipe loaded before stays in use): "
+NVME = "tiers.nvme.path: '~/kv/nvme' must be an absolute path"
+
+
+@pytest.mark.parametrize(("state", "refused", "recipe", "message"), [
+    ("running", "bad", None, "request refused: bad"),
+    ("stopped", "bad", None, "request refused: bad"),
+    ("failed", "bad", None, "request refused: bad"),
+    ("starting", "bad", None, "working"),
+    ("stopping", "bad", None, "working"),
+    ("running", None, None, "working"),
+    # a refused recipe reload leads what a settled answer says; the engine is left as it is
+    ("running", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("stopped", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("failed", None, NVME, f"{RECIPE}{NVME}; working"),
+    ("running", "bad", NVME, f"{RECIPE}{NVME}; request refused: bad"),
+    ("starting", None, NVME, "working"),  # a step's progress is not hidden
+    ("stopping", "bad", NVME, "working"),
 ])
 def test_a_refusal_is_shown_on_settled_answers(state: str, refused: str | None,
-                                              message: str) -> None:
+                                              recipe: str | None, message: str) -> None:
     answer = Answer(1, state, "working")  # type: ignore[arg-type]
-    assert shown(answer, refused).message == message
+    assert shown(answer, refused, recipe).message == message
 
 
 def test_a_stall_keeps_the_last_answer_and_says_why() -> None:

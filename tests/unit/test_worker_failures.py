@@ -21,6 +21,7 @@ from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import Observed, Prerequisite, StepContext
 from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
+from supervisor.recipe.schema import RecipeError
 from supervisor.worker import loop
 from supervisor.worker.plan import Answer
 
@@ -124,11 +125,11 @@ class Shown:
     at: float
 
 
-def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
-            ) -> tuple[loop.Worker, list[Shown]]:
+def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
+            load: Callable[[], Any] = object) -> tuple[loop.Worker, list[Shown]]:
     monkeypatch.setattr(loop.registry, "create", lambda *args, **kwargs: engine)
     settings = loop.Settings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
-    worker = loop.Worker(settings, object, engine.runtime)  # type: ignore[arg-type]
+    worker = loop.Worker(settings, load, engine.runtime)  # type: ignore[arg-type]
     shown: list[Shown] = []
     show = worker.heartbeat.show
 
@@ -240,3 +241,40 @@ def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
             f"{TAKEN}; trying again in 1 s") in messages
     assert shown[-1].targets[0].targets == ["172.30.0.1:9001"]
     assert shown[-1].message == "serving at http://172.30.0.1:9001"
+
+
+def test_a_refused_recipe_reload_is_in_the_status_until_a_valid_one_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = FakeRuntime(container=_container("c1", SPEC))
+    engine = FakeEngine(runtime)
+    nvme = "lucia-x.toml: tiers.nvme.path: '~/kv/nvme' must be an absolute path"
+    loads: list[Exception] = []  # what the next reloads raise; none: the recipe is valid
+
+    def load() -> object:
+        if loads:
+            raise loads.pop(0)
+        return object()
+
+    worker, shown = _worker(tmp_path, engine, monkeypatch, load)
+    serving = "serving at http://172.30.0.1:9000"
+    refused = f"recipe reload refused (the recipe loaded before stays in use): {nvme}; {serving}"
+    on_disk: list[dict[str, Any]] = []
+
+    def script() -> None:
+        _request(worker, 1, "running")
+        _until("serving", lambda: bool(shown) and shown[-1].message == serving)
+        loads.append(RecipeError(nvme))
+        os.kill(os.getpid(), signal.SIGHUP)
+        _until("the refusal", lambda: shown[-1].message == refused)
+        _until("status.json saying it", lambda: refused in worker.heartbeat.path.read_text())
+        on_disk.append(json.loads(worker.heartbeat.path.read_text()))
+        os.kill(os.getpid(), signal.SIGHUP)  # the recipe is fixed: a valid one is loaded
+        _until("the refusal gone", lambda: shown[-1].message == serving)
+
+    _drive(worker, script)
+    assert on_disk[0]["state"] == "running" and on_disk[0]["message"] == refused
+    assert on_disk[0]["url"] == "http://172.30.0.1:9000"
+    assert not runtime.stops and runtime.made == 0, "the serving engine was never touched"
+    first = next(i for i, s in enumerate(shown) if s.message == serving)
+    assert all(s.state == "running" for s in shown[first:]), [s.state for s in shown[first:]]

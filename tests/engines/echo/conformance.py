@@ -11,7 +11,7 @@ from typing import Any
 import docker
 import pytest
 
-from tests.conformance.driver import Kind, dies_with_3_saying
+from tests.conformance.driver import Kind
 from tests.fixtures import RUN_ID, TEST_LABEL, Engine
 from tests.standin import toml_text
 
@@ -33,6 +33,29 @@ def _images(request: pytest.FixtureRequest) -> tuple[str, str]:
             tags.append(tag)
         _IMAGES[RUN_ID] = (tags[0], tags[1])
     return _IMAGES[RUN_ID]
+
+
+CAUSE = "echo.tier.TierError: /kv/nvme has owner 1001 and mode 0700"
+# how vLLM fails: the cause, then a re-raise in another process, more than 5 lines below it
+WHY = (
+    "Traceback (most recent call last):",
+    '  File "/echo/tier.py", line 67, in open_directory',
+    "    raise TierError(path)",
+    CAUSE,
+    "Traceback (most recent call last):",
+    '  File "/echo/engine.py", line 12, in main',
+    "    start()",
+    '  File "/echo/engine.py", line 9, in start',
+    "    raise RuntimeError(message)",
+    "RuntimeError: Engine core initialization failed. See root cause above.",
+)
+
+
+def dies_after_a_traceback(container: Any) -> tuple[str, str]:
+    """It prints a traceback whose cause is far above its last lines, then exits with 3."""
+    why = "".join(f"{line}\n" for line in WHY)
+    container.exec_run(["sh", "-c", 'printf %s "$1" > /tmp/why && echo 3 > /tmp/die', "sh", why])
+    return "exited with code 3", CAUSE
 
 
 def recipe(engine: Engine) -> str:
@@ -65,6 +88,6 @@ def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> 
         slow_step=slow,
         slow_ready=slow,
         change_image=change,
-        die=dies_with_3_saying("exiting with 3"),
+        die=dies_after_a_traceback,
         image=lambda engine: engine.image,
     )
