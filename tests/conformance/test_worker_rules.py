@@ -258,16 +258,20 @@ def test_file_sd_holds_the_target_only_while_running(kind: Kind, client) -> None
     assert group["targets"] == [f"{engine.gateway()}:{engine.port}"]
     assert group["labels"]["engine"] == kind.name and group["labels"]["name"] == engine.name
     assert http_status(_scrape_url(group)) == 200
-    assert os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777 == 0o644
-    # a request for what already runs is re-acknowledged; the target stays while it serves
-    again = engine.request("running")
-    seen = []
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        seen.append(len(engine.file_sd()))
-        time.sleep(0.005)
-    assert min(seen) == 1, "the target vanished while the engine kept serving"
-    engine.wait_state(again, "running", timeout=30)
+    path = engine.data_dir / "telemetry" / f"{engine.name}.json"
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    # a request for what already runs is re-acknowledged; the target stays while it serves.
+    # The file is written only when its content changes, a new file renamed over it: the one
+    # held open here (its inode cannot be reused meanwhile) is still in place once the worker
+    # answered the request, unless a write came in between, a target dropped and put back too
+    held = os.open(path, os.O_RDONLY)
+    try:
+        again = engine.request("running")
+        engine.wait_state(again, "running", timeout=30)
+        replaced = not os.path.samestat(os.fstat(held), os.stat(path))
+    finally:
+        os.close(held)
+    assert not replaced, "the target was written again while the engine kept serving"
     stopped = engine.request("stopped")
     status = engine.wait_state(stopped, "stopped", timeout=90)
     assert engine.file_sd() == []
