@@ -30,6 +30,8 @@ class Kind:
     # knobs for a stop that takes a while, so that a kill before the grace would show
     slow_stop: dict[str, Any] = field(default_factory=lambda: {
         "settings": {"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"}})
+    # the slow step runs a command on the host (a prepare script), in a process group of its own
+    step_processes: bool = False
     # knobs -> an engine running and its status, when the kind shares one
     # between cases (tests/conformance/relay.py); None: make(**knobs), then up
     take: Callable[[dict[str, Any]], tuple[Engine, dict[str, Any]]] | None = None

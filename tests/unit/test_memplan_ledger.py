@@ -7,52 +7,97 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from supervisor.memplan.fit import Budget, Holding, Verdict, check
-from supervisor.memplan.ledger import Claim, Ledger, process_start
+from supervisor.memplan.ledger import LOCK, Claim, Ledger, process_start
 from supervisor.memplan.need import EngineNeed, figures
 
 G = 1024**3
 ROOT = Path(__file__).resolve().parents[2]
 
-# A worker: waits for the start signal (a file), claims 60 GiB of a 100 GiB limit, holding the
-# decision open 0.3 s so that the others try meanwhile, prints whether it fit, then lives on
-# (its claim holds while it lives) until told to quit.
+# A worker: claims 60 GiB of a 100 GiB limit; inside its decision (under the ledger's lock) it
+# says so and waits until the test lets it go on; prints whether it fit, then lives on (its
+# claim holds while it lives) until the test closes its stdin.
 CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys
     from pathlib import Path
     from supervisor.memplan.fit import Budget, check
     from supervisor.memplan.ledger import Ledger
     from supervisor.memplan.need import EngineNeed, figures
 
-    directory, name, go, quit = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+    directory, name = Path(sys.argv[1]), sys.argv[2]
     need = EngineNeed(name, (figures(name, 60 * 1024**3, 0, 0, multiplier=1.0),))
-    while not go.exists():
-        time.sleep(0.001)
 
     def decide(held):
-        verdict = check(need, Budget(100 * 1024**3, 0, held))
-        time.sleep(0.3)
-        return verdict
+        print(json.dumps({"deciding": name}), flush=True)
+        sys.stdin.readline()
+        return check(need, Budget(100 * 1024**3, 0, held))
 
     verdict = Ledger(directory).claim(name, running=(), decide=decide)
     print(json.dumps({"name": name, "fits": verdict.fits, "message": verdict.message}), flush=True)
-    while not quit.exists():
-        time.sleep(0.01)
+    sys.stdin.read()
     """
 )
 
 
-def _spawn(directory: Path, name: str, go: Path, quit_: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(directory), name, str(go), str(quit_)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+class Child:
+    """A worker process, and what it said so far (read on a thread of its own)."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(directory), name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.lines: list[dict[str, Any]] = []
+        self.released = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(json.loads(line))
+
+    @property
+    def deciding(self) -> bool:
+        """Inside its decision, waiting for the test to let it go on."""
+        return sum("deciding" in line for line in self.lines) > self.released
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return next((line for line in self.lines if "fits" in line), None)
+
+    def go_on(self) -> None:
+        assert self.proc.stdin is not None
+        self.released += 1
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def quit(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _blocked_on(lock: Path) -> set[int]:
+    """The pids blocked in flock on this file: the kernel's own list (/proc/locks, `->`)."""
+    try:
+        inode = os.stat(lock).st_ino
+    except FileNotFoundError:
+        return set()
+    found = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 6 and fields[1] == "->" and fields[6].rsplit(":", 1)[-1] == str(inode):
+            found.add(int(fields[5]))
+    return found
 
 
 def _need(name: str, gib: int) -> EngineNeed:
@@ -66,17 +111,33 @@ def _decide(name: str, gib: int, limit: int = 100) -> object:
     return decide
 
 
-def test_concurrent_starts_exactly_one_gets_the_memory(tmp_path: Path) -> None:
-    directory, go, quit_ = tmp_path / "memory", tmp_path / "go", tmp_path / "quit"
-    children = [_spawn(directory, f"engine-{i}", go, quit_) for i in range(4)]
+def test_concurrent_starts_decide_one_at_a_time_and_exactly_one_gets_the_memory(
+    tmp_path: Path,
+) -> None:
+    """Four workers claim at once. Whenever each of them is inside its decision, blocked on the
+    ledger's lock (as the kernel lists it) or done, the test counts those deciding and lets them
+    go on: under the lock, one decides while the others wait, however the machine schedules."""
+    directory = tmp_path / "memory"
+    children = [Child(directory, f"engine-{i}") for i in range(4)]
+    at_once = []
+    deadline = time.monotonic() + 60  # a bound on a failure only
     try:
-        time.sleep(1.0)  # all four are imported and waiting
-        go.touch()
-        results = [json.loads(child.stdout.readline()) for child in children if child.stdout]
+        while not all(child.result for child in children):
+            assert time.monotonic() < deadline, (at_once, [child.lines for child in children])
+            blocked = _blocked_on(directory / LOCK)
+            deciding = [child for child in children if child.deciding]
+            if deciding and all(
+                child.deciding or child.proc.pid in blocked or child.result for child in children
+            ):
+                at_once.append(len(deciding))
+                for child in deciding:
+                    child.go_on()
+            time.sleep(0.005)  # the interval of polling the children's states
     finally:
-        quit_.touch()
         for child in children:
-            child.wait(timeout=30)
+            child.quit()
+    assert at_once == [1, 1, 1, 1], f"workers deciding at once: {at_once}"
+    results = [child.result for child in children if child.result]
     winners = [r["name"] for r in results if r["fits"]]
     assert len(winners) == 1, results
     losers = [r for r in results if not r["fits"]]

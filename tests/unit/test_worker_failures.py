@@ -23,6 +23,7 @@ from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import loop
+from supervisor.worker.memory import BACKOFF
 from supervisor.worker.plan import Answer
 
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
@@ -173,6 +174,29 @@ def _drive(worker: loop.Worker, script: Callable[[], None], timeout: float = 60)
         raise failure[0]
 
 
+@dataclass
+class Clock:
+    """The loop's monotonic clock, moved on by the test: the back-offs pass with no wait."""
+
+    ahead: float = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+def _rounds(worker: loop.Worker, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each time the loop goes to wait: whether it is idle then (no observation or step)."""
+    rounds: list[bool] = []
+    wait = worker._wake.wait
+
+    def record(timeout: float) -> bool:
+        rounds.append(worker.job is None)
+        return wait(timeout)
+
+    monkeypatch.setattr(worker._wake, "wait", record)
+    return rounds
+
+
 def _until(what: str, condition: Callable[[], bool], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -206,6 +230,9 @@ def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
     runtime = FakeRuntime(container=_container("c1", SPEC))
     engine = FakeEngine(runtime)
     worker, shown = _worker(tmp_path, engine, monkeypatch)
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", clock)
+    rounds = _rounds(worker, monkeypatch)
     marks: dict[str, int] = {}
 
     def script() -> None:
@@ -218,7 +245,12 @@ def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
         marks["moved"] = len(shown)
         os.kill(os.getpid(), signal.SIGHUP)
         _until("the refusal", lambda: ARGS in shown[-1].message)
-        time.sleep(2.5)  # longer than the first back-offs: a refusal for good is not retried
+        # a refusal for good is not tried again: the loop's clock passes the first back-offs,
+        # and once the loop has gone round on that clock and is idle, the Check ran only once
+        clock.ahead += BACKOFF[0] + BACKOFF[1] + 0.5
+        mark = len(rounds)
+        worker._wake.set()
+        _until("the loop idle after the back-offs", lambda: True in rounds[mark + 1 :])
         assert len(engine.checks) == 1, engine.checks
         marks["reload"] = len(shown)
         os.kill(os.getpid(), signal.SIGHUP)  # an operator's reload tries again at once

@@ -30,4 +30,5 @@ def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> 
         change_image=change,
         die=dies_with_3_saying("exiting with 3"),
         image=lambda engine: engine.image_tag + "-grammar",
+        step_processes=True,
     )
