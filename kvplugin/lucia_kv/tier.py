@@ -38,7 +38,7 @@ class TierError(Exception):
 
 class Written(Enum):
     WRITTEN = "written"
-    PRESENT = "present"  # already there: touched instead
+    PRESENT = "present"  # already there (touched instead), or being written by another
     SKIPPED = "skipped"  # pinned blocks and writes under way fill the tier, or its old file
     # is being removed
     TOO_BIG = "too-big"  # larger than the whole tier
@@ -114,6 +114,7 @@ class Tier:
         self._pins: Counter[str] = Counter()
         self._reserved = 0  # bytes of writes under way
         self._used = 0  # bytes of indexed blocks
+        self._writing: set[str] = set()  # names with a write under way
         self._removing: dict[str, int] = {}  # out of the index, file not yet removed: bytes
         self._removing_bytes = 0
         self._clock = 0
@@ -221,12 +222,15 @@ class Tier:
                 self._index.move_to_end(name)
                 self._stamp_locked(name)
                 return Written.PRESENT
+            if name in self._writing:
+                return Written.PRESENT  # one file per name under way: evictions see it whole
             if name in self._removing:
                 return Written.SKIPPED  # a new file now could go with the old one
             evicted = self._evict_locked(size)
             if evicted is None:
                 return Written.SKIPPED
             self._reserved += size
+            self._writing.add(name)
         try:
             self._remove(evicted)
             if on_evict is not None and evicted:
@@ -237,23 +241,23 @@ class Tier:
         except blockfile.Unsynced as exc:
             self.direct = exc.direct
             with self._lock:
-                self._reserved -= size
+                self._written_locked(name, size)
                 self._index_locked(name, exc.size)  # in place: counted like any other
             raise
         except BaseException:
             with self._lock:
-                self._reserved -= size
+                self._written_locked(name, size)
             raise
         with self._lock:
-            self._reserved -= size
+            self._written_locked(name, size)
             self._index_locked(name, written)
         return Written.WRITTEN
 
     def discard(self, name: str) -> None:
         """Forget a block and remove its file (it did not open)."""
         with self._lock:
-            if name in self._removing:
-                return
+            if name in self._removing or name in self._writing:
+                return  # going already, or about to be replaced whole
             size = self._index.pop(name, 0)
             self._used -= size
             self._removing_locked(name, size)
@@ -283,6 +287,10 @@ class Tier:
             self._used -= size
             self._removing_locked(name, size)
         return victims
+
+    def _written_locked(self, name: str, reserved: int) -> None:
+        self._reserved -= reserved
+        self._writing.discard(name)
 
     def _index_locked(self, name: str, size: int) -> None:
         self._used += size - self._index.pop(name, 0)

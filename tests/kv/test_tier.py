@@ -41,16 +41,18 @@ def assert_index_is_on_disk(tier: Tier) -> None:
         assert os.stat(tier.directory / name).st_size == size, f"indexed {name} has no file"
 
 
-class HeldRemoval:
-    """A fault that holds the first file removal until released."""
+class Held:
+    """A fault that holds the first time a write or removal reaches the step, until
+    released."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: str = UNLINK) -> None:
+        self.step = step
         self.holding = threading.Event()
         self.release = threading.Event()
         self.held = False
 
     def __call__(self, step: str) -> None:
-        if step == UNLINK and not self.held:
+        if step == self.step and not self.held:
             self.held = True
             self.holding.set()
             self.release.wait()
@@ -76,7 +78,7 @@ def in_thread(
 
 
 def test_an_evicted_block_counts_until_its_file_is_gone(tmp_path: Path) -> None:
-    hold = HeldRemoval()
+    hold = Held()
     tier = Tier(TierSpec("shm", tmp_path / "shm", 4 * PAGE), fault=hold)
     assert tier.write(name_of(1), payload(1, pages(4))) is Written.WRITTEN  # fills the tier
     # a small block evicts the large one; its removal is held
@@ -98,7 +100,7 @@ def test_an_evicted_block_counts_until_its_file_is_gone(tmp_path: Path) -> None:
 
 
 def test_a_discarded_block_counts_until_its_file_is_gone(tmp_path: Path) -> None:
-    hold = HeldRemoval()
+    hold = Held()
     tier = Tier(TierSpec("shm", tmp_path / "shm", 4 * PAGE), fault=hold)
     assert tier.write(name_of(1), payload(1, pages(4))) is Written.WRITTEN
     thread = threading.Thread(target=tier.discard, args=(name_of(1),))
@@ -115,7 +117,7 @@ def test_a_discarded_block_counts_until_its_file_is_gone(tmp_path: Path) -> None
 
 
 def test_a_block_is_not_written_while_its_old_file_is_removed(tmp_path: Path) -> None:
-    hold = HeldRemoval()
+    hold = Held()
     tier = Tier(TierSpec("shm", tmp_path / "shm", 4 * PAGE), fault=hold)
     for n in (1, 2):
         assert tier.write(name_of(n), payload(n, pages(2))) is Written.WRITTEN
@@ -132,6 +134,25 @@ def test_a_block_is_not_written_while_its_old_file_is_removed(tmp_path: Path) ->
     assert_index_is_on_disk(tier)
     assert again is Written.SKIPPED
     assert disk_bytes(tier.directory) == tier.used
+    tier.close()
+
+
+def test_one_write_of_a_block_at_a_time(tmp_path: Path) -> None:
+    hold = Held("dirsync")  # the first write of block 1 is renamed in, not yet indexed
+    tier = Tier(TierSpec("shm", tmp_path / "shm", 4 * PAGE), fault=hold)
+    thread, results = in_thread(lambda: tier.write(name_of(1), payload(1, pages(2))), hold.holding)
+    hold.holding.wait()
+    try:
+        again = tier.write(name_of(1), payload(1, pages(2)))
+        for n in (2, 3):  # enough to evict a second copy of block 1, had there been one
+            tier.write(name_of(n), payload(n, pages(2)))
+    finally:
+        hold.release.set()
+        thread.join()
+    assert results == [Written.WRITTEN]
+    assert_index_is_on_disk(tier)
+    assert again is Written.PRESENT
+    assert tier.read(name_of(1)) == payload(1, pages(2))
     tier.close()
 
 
