@@ -5,7 +5,8 @@ that O_DIRECT can write and read it from page-aligned buffers and no page cache 
 Where the file system refuses O_DIRECT (EINVAL), the same bytes go through the page cache.
 A write goes to `.tmp-<name>-<random>` in the same directory, is fsynced, renamed over the
 name and the directory fsynced: a reader sees the old file, the new one, or none, never a torn
-one. Temp files left by a crash are removed when the tier is opened.
+one. Temp files left by a crash are removed when the tier is opened. A directory fsync that
+fails after the rename raises Unsynced: the file is in place, and its bytes are on disk.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ class Short(Exception):
     """A block file shorter than its length says (truncated), or without a length."""
 
 
+class Unsynced(OSError):
+    """The block file is complete and in place under its name, but the directory's fsync
+    failed (a crash may lose the name): the caller counts the file as written."""
+
+    def __init__(self, error: OSError, size: int, direct: bool) -> None:
+        super().__init__(error.errno, error.strerror)
+        self.size = size  # bytes on disk
+        self.direct = direct
+
+
 def disk_size(payload_bytes: int) -> int:
     """The bytes a payload of this size takes on disk."""
     return -(-(LENGTH_BYTES + payload_bytes) // ALIGN) * ALIGN
@@ -72,7 +83,8 @@ def write(
     dir_fd: int, name: str, payload: bytes | memoryview, direct: bool, fault: Fault | None = None
 ) -> tuple[int, bool]:
     """Replace `name` in the directory with this payload; returns (bytes on disk, direct I/O
-    used). Raises OSError (the temp file is removed) when the disk refuses."""
+    used). Raises OSError (the temp file is removed) when the disk refuses, Unsynced when
+    only the directory's fsync after the rename failed."""
     step = fault if fault is not None else (lambda _step: None)
     size = disk_size(len(payload))
     buffer = _buffer(size)
@@ -116,8 +128,11 @@ def write(
     except Exception:
         os.unlink(temp, dir_fd=dir_fd)
         raise
-    step("dirsync")
-    os.fsync(dir_fd)
+    try:
+        step("dirsync")
+        os.fsync(dir_fd)
+    except OSError as exc:
+        raise Unsynced(exc, size, used_direct) from exc
     return size, used_direct
 
 

@@ -277,6 +277,14 @@ class Store:
 
             try:
                 result = tier.write(name, record, on_evict=evicted)
+            except blockfile.Unsynced as exc:
+                log.warning(
+                    "tier %s: a block is written but the directory's fsync failed: %s "
+                    "(a crash may lose it)",
+                    tier.name,
+                    exc.strerror,
+                )
+                result = Written.WRITTEN
             except OSError as exc:
                 log.warning("tier %s: writing a block failed: %s", tier.name, exc.strerror)
                 self.metrics.add("skipped_writes", tier.name, reason="error")

@@ -4,7 +4,9 @@ The index (block name -> bytes on disk, in least-recently-used order) lives in m
 rebuilt from the directory when the tier opens, bounded by entries and time. The LRU order
 survives a restart because each write or hit stamps the file's mtime with a logical clock.
 Writes reserve their bytes first: evicting least recently used unpinned blocks to make room,
-or skipping the write when pinned blocks (and writes under way) leave no room.
+or skipping the write when pinned blocks (and writes under way) leave no room. An evicted or
+discarded block's bytes stay counted until its file is gone, so the files on disk never hold
+more than the cap, and a block is not written again while its old file is being removed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .config import TierSpec
 
 DIR_MODE: Final = 0o700
 NAME: Final = re.compile(r"[0-9a-f]{64}")
+UNLINK: Final = "unlink"  # the fault step before a block file is removed
 
 
 class TierError(Exception):
@@ -35,8 +38,9 @@ class TierError(Exception):
 
 class Written(Enum):
     WRITTEN = "written"
-    PRESENT = "present"  # already there: touched instead
-    SKIPPED = "skipped"  # pinned blocks and writes under way fill the tier
+    PRESENT = "present"  # already there (touched instead), or being written by another
+    SKIPPED = "skipped"  # pinned blocks and writes under way fill the tier, or its old file
+    # is being removed
     TOO_BIG = "too-big"  # larger than the whole tier
 
 
@@ -48,15 +52,37 @@ class Rebuilt:
     evicted: int  # indexed blocks over the cap (the cap shrank)
 
 
-def _open_directory(path: Path) -> int:
+def _make_directories(path: Path) -> None:
+    """Create the missing directories of the path, owner-only. Another process (a rank of the
+    same engine) may create one at the same time: that one must be a directory of ours."""
     missing = []
     here = path
     while not os.path.lexists(here):
         missing.append(here)
         here = here.parent
     for directory in reversed(missing):
-        os.mkdir(directory, DIR_MODE)
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            _check_made_by_another(directory)
+            continue
         os.chmod(directory, DIR_MODE)  # whatever the umask says
+
+
+def _check_made_by_another(directory: Path) -> None:
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise TierError(f"{directory} appeared and is not a directory (a tier must be one)")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise TierError(
+            f"{directory} appeared with owner {info.st_uid} and mode "
+            f"{stat.S_IMODE(info.st_mode):04o}; it must be owned by uid {os.geteuid()} "
+            "with mode 0700"
+        )
+
+
+def _open_directory(path: Path) -> int:
+    _make_directories(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -75,6 +101,8 @@ class Tier:
     """A byte-capped directory of block files; thread-safe."""
 
     def __init__(self, spec: TierSpec, fault: blockfile.Fault | None = None) -> None:
+        """`fault` is called before each step of a write (blockfile.STEPS) and with UNLINK
+        before a file is removed, for fault injection."""
         self.name = spec.name
         self.directory = spec.directory
         self.max_bytes = spec.max_bytes
@@ -86,6 +114,9 @@ class Tier:
         self._pins: Counter[str] = Counter()
         self._reserved = 0  # bytes of writes under way
         self._used = 0  # bytes of indexed blocks
+        self._writing: set[str] = set()  # names with a write under way
+        self._removing: dict[str, int] = {}  # out of the index, file not yet removed: bytes
+        self._removing_bytes = 0
         self._clock = 0
 
     def close(self) -> None:
@@ -122,11 +153,8 @@ class Tier:
                 self._index[name] = size
                 self._used += size
                 self._clock = max(self._clock, stamp)
-            evicted = self._evict_locked(0)
-        if evicted is None:
-            evicted = []
-        for name in evicted:
-            self._unlink(name)
+            evicted = self._evict_locked(0) or []
+        self._remove(evicted)
         return Rebuilt(len(found), temps, tuple(leftovers), len(evicted))
 
     def index(self) -> list[tuple[str, int]]:
@@ -136,8 +164,11 @@ class Tier:
 
     @property
     def used(self) -> int:
+        """Bytes counted against the cap: indexed blocks, writes and removals under way. While
+        a write's victims are being removed, both they and the write count: more than the cap
+        for that moment, though the files never hold more (the victims go first)."""
         with self._lock:
-            return self._used + self._reserved
+            return self._used + self._reserved + self._removing_bytes
 
     def contains(self, name: str) -> bool:
         with self._lock:
@@ -191,42 +222,54 @@ class Tier:
                 self._index.move_to_end(name)
                 self._stamp_locked(name)
                 return Written.PRESENT
+            if name in self._writing:
+                return Written.PRESENT  # one file per name under way: evictions see it whole
+            if name in self._removing:
+                return Written.SKIPPED  # a new file now could go with the old one
             evicted = self._evict_locked(size)
-            if evicted is not None:
-                self._reserved += size
-        if evicted is None:
-            return Written.SKIPPED
-        for victim in evicted:
-            self._unlink(victim)
-        if on_evict is not None and evicted:
-            on_evict(len(evicted))
+            if evicted is None:
+                return Written.SKIPPED
+            self._reserved += size
+            self._writing.add(name)
         try:
+            self._remove(evicted)
+            if on_evict is not None and evicted:
+                on_evict(len(evicted))
             written, self.direct = blockfile.write(
                 self._fd, name, payload, self.direct, self._fault
             )
+        except blockfile.Unsynced as exc:
+            self.direct = exc.direct
+            with self._lock:
+                self._written_locked(name, size)
+                self._index_locked(name, exc.size)  # in place: counted like any other
+            raise
         except BaseException:
             with self._lock:
-                self._reserved -= size
+                self._written_locked(name, size)
             raise
         with self._lock:
-            self._reserved -= size
-            self._used += written - self._index.pop(name, 0)
-            self._index[name] = written
-            self._stamp_locked(name)
+            self._written_locked(name, size)
+            self._index_locked(name, written)
         return Written.WRITTEN
 
     def discard(self, name: str) -> None:
         """Forget a block and remove its file (it did not open)."""
         with self._lock:
-            self._used -= self._index.pop(name, 0)
-        self._unlink(name)
+            if name in self._removing or name in self._writing:
+                return  # going already, or about to be replaced whole
+            size = self._index.pop(name, 0)
+            self._used -= size
+            self._removing_locked(name, size)
+        self._remove([name])
 
     # --- internals ---------------------------------------------------------------------------
 
     def _evict_locked(self, need: int) -> list[str] | None:
         """Names to evict so that `need` more bytes fit, taken out of the index; None (and
-        nothing evicted) when pinned blocks and writes under way leave too little room."""
-        free = self.max_bytes - self._used - self._reserved
+        nothing evicted) when pinned blocks, writes and removals under way leave too little
+        room. The victims' bytes count as removals until their files are gone."""
+        free = self.max_bytes - self._used - self._reserved - self._removing_bytes
         if free >= need:
             return []
         victims = []
@@ -240,8 +283,49 @@ class Tier:
         if free < need:
             return None
         for name in victims:
-            self._used -= self._index.pop(name)
+            size = self._index.pop(name)
+            self._used -= size
+            self._removing_locked(name, size)
         return victims
+
+    def _written_locked(self, name: str, reserved: int) -> None:
+        self._reserved -= reserved
+        self._writing.discard(name)
+
+    def _index_locked(self, name: str, size: int) -> None:
+        self._used += size - self._index.pop(name, 0)
+        self._index[name] = size
+        self._stamp_locked(name)
+
+    def _removing_locked(self, name: str, size: int) -> None:
+        self._removing[name] = size
+        self._removing_bytes += size
+
+    def _remove(self, names: list[str]) -> None:
+        """Remove files taken out of the index; their bytes stop counting once each is gone.
+        A file that stays (the disk refused) goes back into the index as the least recently
+        used, still counted, and the first error is raised."""
+        gone: set[str] = set()
+        errors: list[OSError] = []
+        try:
+            for name in names:
+                try:
+                    self._unlink(name)
+                except OSError as exc:
+                    errors.append(exc)
+                else:
+                    gone.add(name)
+        finally:
+            with self._lock:
+                for name in names:
+                    size = self._removing.pop(name)
+                    self._removing_bytes -= size
+                    if name not in gone and size:
+                        self._index[name] = size
+                        self._index.move_to_end(name, last=False)
+                        self._used += size
+        if errors:
+            raise errors[0]
 
     def _stamp_locked(self, name: str) -> None:
         """Record the LRU position in the file's mtime (a logical clock), for a restart."""
@@ -250,5 +334,7 @@ class Tier:
             os.utime(name, ns=(self._clock, self._clock), dir_fd=self._fd, follow_symlinks=False)
 
     def _unlink(self, name: str) -> None:
+        if self._fault is not None:
+            self._fault(UNLINK)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._fd)

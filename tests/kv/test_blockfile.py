@@ -1,11 +1,14 @@
 """Block files: atomic, owner-only, direct I/O with a clean fallback, no torn block after a
-crash at any step of a write."""
+process is killed at any step of a write."""
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +16,10 @@ from lucia_kv import blockfile
 from lucia_kv.config import TierSpec
 from lucia_kv.tier import Tier, TierError
 
+from tests.kv import crash_child
 from tests.kv.support import payload
 
-
-class Crash(BaseException):
-    """The process dies here: nothing after this point runs, no cleanup either."""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def open_dir(path: Path) -> int:
@@ -77,32 +79,47 @@ def test_missing_and_short_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("step", blockfile.STEPS)
-def test_crash_at_each_step_leaves_no_torn_block(tmp_path: Path, step: str) -> None:
+def test_a_process_killed_at_each_step_leaves_no_torn_block(tmp_path: Path, step: str) -> None:
     spec = TierSpec("hdd", tmp_path / "hdd", 1 << 20)
     tier = Tier(spec)
     tier.write("1" * 64, payload(1, 9000))
-
-    def crash_at(now: str) -> None:
-        if now == step:
-            raise Crash(now)
-
-    crashing = Tier(spec, fault=crash_at)
-    crashing.rebuild(100, 10.0)
-    with pytest.raises(Crash):
-        crashing.write("2" * 64, payload(2, 20_000))
-    # the process is gone; a new one opens the tier
+    tier.close()
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.kv.crash_child", str(spec.directory), step],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'kvplugin'}"),
+        check=False,
+    )
+    assert child.returncode == -signal.SIGKILL  # killed at the step, no cleanup ran
+    left = {entry.name: entry.stat().st_size for entry in os.scandir(spec.directory)}
+    temps = {name: size for name, size in left.items() if name.startswith(".tmp-")}
+    renamed = blockfile.STEPS.index(step) > blockfile.STEPS.index("rename")
+    full = blockfile.disk_size(crash_child.SIZE)
+    expected_temp = {
+        "open": None,
+        "write": 0,
+        "half-written": full // 2 // blockfile.ALIGN * blockfile.ALIGN,
+    }
+    if renamed:
+        assert sorted(left) == ["1" * 64, crash_child.NAME] and left[crash_child.NAME] == full
+    else:
+        assert set(left) - set(temps) == {"1" * 64}
+        sizes = list(temps.values())
+        assert sizes == ([] if step == "open" else [expected_temp.get(step, full)])
+    # a new process opens the tier
     reopened = Tier(spec)
     rebuilt = reopened.rebuild(100, 10.0)
     names = {name for name, _ in reopened.index()}
     assert not [n for n in os.listdir(spec.directory) if n.startswith(blockfile.TEMP_PREFIX)]
+    assert rebuilt.temps_removed == len(temps)
     assert reopened.read("1" * 64) == payload(1, 9000)
-    if blockfile.STEPS.index(step) <= blockfile.STEPS.index("rename"):  # before the rename
-        assert names == {"1" * 64}
-        assert rebuilt.temps_removed == (0 if step == "open" else 1)
+    if renamed:
+        assert names == {"1" * 64, crash_child.NAME}
+        assert reopened.read(crash_child.NAME) == payload(2, crash_child.SIZE)
     else:
-        assert names == {"1" * 64, "2" * 64}
-        assert reopened.read("2" * 64) == payload(2, 20_000)
+        assert names == {"1" * 64}
     assert reopened.used == sum(size for _, size in reopened.index())
+    reopened.close()
 
 
 def test_a_failed_write_removes_its_temp_file(tmp_path: Path) -> None:

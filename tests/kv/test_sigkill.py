@@ -1,5 +1,7 @@
-"""A writer killed with SIGKILL at random points leaves no torn block: after recovery every
-indexed copy in every tier opens to its own bytes, and no temp file is left."""
+"""A writer killed with SIGKILL at random points leaves no torn block and no more bytes than
+a tier's cap: the files it left, temp files included, fit the cap; the restart indexes exactly
+the block files there (evicting none) and removes the temp files; every indexed copy in every
+tier opens to its own bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from lucia_kv import tier as tier_module
 from lucia_kv.sealing import Sealer
 from lucia_kv.store import Store, block_name
 
@@ -45,11 +48,16 @@ def test_sigkill_of_a_writer_leaves_no_torn_block(tmp_path: Path) -> None:
             child.wait()
             if child.stdout is not None:
                 child.stdout.close()
+        left = {name: files(tmp_path / name / "ns-a") for name in CAPS}
+        for name, cap in CAPS.items():
+            assert sum(left[name].values()) <= cap, f"{name}: more on disk than the cap"
         store = Store(config(tmp_path, CAPS))
         try:
             sealer = Sealer(KEY, store.config.namespace, store.config.plugin_version)
             for tier in store.tiers:
-                assert tier.used <= tier.max_bytes
+                blocks = {n for n in left[tier.name] if tier_module.NAME.fullmatch(n)}
+                assert {name for name, _ in tier.index()} == blocks
+                assert store.metrics.get("evictions", tier.name) == 0
                 leftovers = [n for n in os.listdir(tier.directory) if n.startswith(".tmp-")]
                 assert not leftovers, leftovers
                 for name, _ in tier.index():
@@ -63,3 +71,9 @@ def test_sigkill_of_a_writer_leaves_no_torn_block(tmp_path: Path) -> None:
         finally:
             store.close()
     assert checked > ROUNDS  # copies were there to check, every round
+
+
+def files(directory: Path) -> dict[str, int]:
+    """Every file in the directory and its size."""
+    with os.scandir(directory) as entries:
+        return {entry.name: entry.stat(follow_symlinks=False).st_size for entry in entries}

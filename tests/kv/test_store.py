@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -9,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from lucia_kv import blockfile
 from lucia_kv.store import Store, block_name, probe
 
@@ -71,6 +73,26 @@ def test_a_tier_full_of_pinned_blocks_skips_writes(tmp_path: Path) -> None:
         store.save(block_key(5), payload(5, 100))
         store.flush()
         assert not store.tiers[0].contains(block_name(block_key(0)))  # unpinned: evictable
+    finally:
+        store.close()
+
+
+def test_a_failed_directory_fsync_counts_the_block_as_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def dirsync_fails(step: str) -> None:
+        if step == "dirsync":
+            raise OSError(errno.EIO, "Input/output error")
+
+    store = Store(config(tmp_path, {"nvme": 8 * PAGE, "hdd": 16 * PAGE}), fault=dirsync_fails)
+    try:
+        store.save(block_key(1), payload(1, 100))
+        store.flush()
+        assert store.metrics.get("writes") == 2
+        assert store.metrics.get("skipped_writes") == 0
+        assert "directory's fsync failed: Input/output error" in caplog.text
+        assert store.lookup([block_key(1)]) == 1
+        assert store.load(block_key(1)) == payload(1, 100)
     finally:
         store.close()
 

@@ -1,9 +1,13 @@
 """The store against a model (hypothesis stateful) while its files are damaged: a flipped
 byte, a truncation, a deleted file, a file renamed in from another namespace and a rotated key
-each give the other copy or a miss, counted, and never another block's bytes."""
+each give the other copy or a miss, counted, and never another block's bytes. Three writer
+threads save batches at once, and after each step the directories themselves are checked: no
+more bytes than the cap, no temp file, no file the index does not count, and no indexed block
+without its file unless the test removed it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -12,7 +16,7 @@ from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from lucia_kv import blockfile
 from lucia_kv.sealing import HEADER_BYTES, Sealer
 from lucia_kv.store import Store, block_name
@@ -23,6 +27,8 @@ SHM = "/dev/shm"  # tmpfs: real files and O_DIRECT, without a disk's fsync per s
 CAPS = {"shm": 3 * 2 * blockfile.ALIGN, "hdd": 64 * 2 * blockfile.ALIGN}
 SIZE = 5000  # two pages on disk
 KEYS = st.integers(min_value=0, max_value=4)
+TIERS = st.sampled_from(sorted(CAPS))
+WRITERS = 3
 Damage = str  # "auth", "short", "missing" (corrupt) or "stale" (another key)
 
 
@@ -32,10 +38,18 @@ class StoreModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="lucia-kv-store-", dir=SHM))
         self.key = KEY
         self.rotations = 0
-        self.store = Store(config(self.root, CAPS, key=self.key))
+        self.dirsync_fails = False
+        self.store = self.open()
         self.damage: dict[tuple[str, int], Damage] = {}
         self.corrupt: Counter[tuple[str, str]] = Counter()
         self.stale: Counter[str] = Counter()
+
+    def open(self) -> Store:
+        return Store(config(self.root, CAPS, key=self.key, writers=WRITERS), fault=self.fault)
+
+    def fault(self, step: str) -> None:
+        if step == "dirsync" and self.dirsync_fails:
+            raise OSError(errno.EIO, "Input/output error")
 
     def teardown(self) -> None:
         self.store.close()
@@ -71,6 +85,23 @@ class StoreModel(RuleBasedStateMachine):
         self.store.flush()
         self.resync()
 
+    @rule(ns=st.lists(KEYS, min_size=2, max_size=6))
+    def save_at_once(self, ns: list[int]) -> None:
+        """A batch the writers take concurrently (a block twice in it too)."""
+        for n in ns:
+            assert self.store.save(block_key(n), payload(n, SIZE))
+        self.store.flush()
+        self.resync()
+
+    @rule(n=KEYS)
+    def save_while_the_directory_fsync_fails(self, n: int) -> None:
+        """The file is in place though its directory's fsync failed: counted and served."""
+        self.dirsync_fails = True
+        try:
+            self.save(n)
+        finally:
+            self.dirsync_fails = False
+
     @rule(n=KEYS)
     def load(self, n: int) -> None:
         expected = None
@@ -91,34 +122,34 @@ class StoreModel(RuleBasedStateMachine):
         self.store.flush()
         self.resync()
 
-    @precondition(lambda self: bool(self.intact()))
-    @rule(data=st.data())
-    def flip_a_byte(self, data: st.DataObject) -> None:
-        tier, n = data.draw(st.sampled_from(self.intact()))
+    @rule(tier=TIERS, n=KEYS)
+    def flip_a_byte(self, tier: str, n: int) -> None:
+        if (tier, n) not in self.intact():
+            return  # drawn from every copy, not from those held: writers race for the cap
         path = self.path(tier, n)
         data = bytearray(path.read_bytes())
         data[blockfile.LENGTH_BYTES + HEADER_BYTES + 100] ^= 0x20  # in the ciphertext
         path.write_bytes(bytes(data))
         self.damage[(tier, n)] = "auth"
 
-    @precondition(lambda self: bool(self.intact()))
-    @rule(data=st.data())
-    def truncate(self, data: st.DataObject) -> None:
-        tier, n = data.draw(st.sampled_from(self.intact()))
+    @rule(tier=TIERS, n=KEYS)
+    def truncate(self, tier: str, n: int) -> None:
+        if (tier, n) not in self.intact():
+            return  # drawn from every copy, not from those held: writers race for the cap
         os.truncate(self.path(tier, n), blockfile.ALIGN)
         self.damage[(tier, n)] = "short"
 
-    @precondition(lambda self: bool(self.intact()))
-    @rule(data=st.data())
-    def delete(self, data: st.DataObject) -> None:
-        tier, n = data.draw(st.sampled_from(self.intact()))
+    @rule(tier=TIERS, n=KEYS)
+    def delete(self, tier: str, n: int) -> None:
+        if (tier, n) not in self.intact():
+            return  # drawn from every copy, not from those held: writers race for the cap
         self.path(tier, n).unlink()
         self.damage[(tier, n)] = "missing"
 
-    @precondition(lambda self: bool(self.intact()))
-    @rule(data=st.data())
-    def rename_in_from_another_namespace(self, data: st.DataObject) -> None:
-        tier, n = data.draw(st.sampled_from(self.intact()))
+    @rule(tier=TIERS, n=KEYS)
+    def rename_in_from_another_namespace(self, tier: str, n: int) -> None:
+        if (tier, n) not in self.intact():
+            return  # drawn from every copy, not from those held: writers race for the cap
         other = self.root / "other-namespace"
         other.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
@@ -135,7 +166,7 @@ class StoreModel(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         self.store.close()
-        self.store = Store(config(self.root, CAPS, key=self.key))
+        self.store = self.open()
         self.resync()  # a deleted file is no longer indexed
         self.corrupt.clear()  # a new process counts from zero
         self.stale.clear()
@@ -145,7 +176,7 @@ class StoreModel(RuleBasedStateMachine):
         self.store.close()
         self.rotations += 1
         self.key = f"rotated cache key number {self.rotations:06d}".encode()
-        self.store = Store(config(self.root, CAPS, key=self.key))
+        self.store = self.open()
         self.resync()
         self.corrupt.clear()
         self.stale.clear()
@@ -155,9 +186,18 @@ class StoreModel(RuleBasedStateMachine):
                     self.damage[(tier, n)] = "stale"  # the key id is read before the tag
 
     @invariant()
-    def caps_hold(self) -> None:
+    def the_files_are_the_index_under_the_cap(self) -> None:
+        names = {block_name(block_key(n)): n for n in range(5)}
         for tier in self.store.tiers:
-            assert tier.used <= tier.max_bytes
+            with os.scandir(tier.directory) as entries:
+                files = {e.name: e.stat(follow_symlinks=False).st_size for e in entries}
+            assert sum(files.values()) <= tier.max_bytes, files
+            index = dict(tier.index())
+            assert set(files) <= set(index), f"{tier.name}: files out of the index"
+            for name, size in index.items():
+                damage = self.damage.get((tier.name, names[name]))
+                if damage is None or damage in ("auth", "stale"):
+                    assert files.get(name) == size, f"{tier.name}: {name} is not on disk"
 
     @invariant()
     def counted(self) -> None:
@@ -168,5 +208,5 @@ class StoreModel(RuleBasedStateMachine):
             assert metrics.get("stale_key", tier) == self.stale[tier]
 
 
-StoreModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+StoreModel.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_store_against_model = StoreModel.TestCase
