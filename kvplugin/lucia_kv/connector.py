@@ -10,6 +10,11 @@ plans loads and saves; the worker side loads blocks into vLLM's paged KV before 
 blocks for the store's background writers after it. The worker side reports the store's
 counters to vLLM after each step (LuciaKVStats), and vLLM's API server adds them to its own
 /metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine, tier[, reason]}.
+
+A block's key chains the engine's seed (parallel layout, KV dtype), the token ids up to it and
+the extras vLLM's own prefix cache keys it with (cache salt, LoRA adapter, multimodal items,
+prompt embeddings: lucia_kv.scheduling, read by lucia_kv.extras); a request whose extras have no
+name that lasts a restart skips the tiers (lucia_kv_requests_unkeyable_total).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import report
 from .config import ConfigError, StoreConfig, for_rank, resolve, tiers
-from .metrics import HELP, REASONED, exposed, label_names
-from .scheduling import Scheduling, StepPlan
+from .extras import RequestExtras
+from .metrics import HELP, REASONED, UNTIERED, exposed, label_names
+from .scheduling import Scheduling, StepPlan, seed
 from .store import Store, probe
 
 if TYPE_CHECKING:
@@ -87,8 +93,9 @@ class LuciaPromMetrics(KVConnectorPromMetrics):
         for engine in per_engine_labelvalues:
             for name in HELP:
                 if name not in REASONED:
-                    for tier in _tier_names(vllm_config):
-                        self._child(engine, name, (tier,))
+                    tiered = [(tier,) for tier in _tier_names(vllm_config)]
+                    for values in [()] if name in UNTIERED else tiered:
+                        self._child(engine, name, values)
 
     def _child(self, engine: int, name: str, values: tuple[str, ...]) -> Any:
         key = (engine, name, values)
@@ -146,9 +153,13 @@ class LuciaStepMetadata(KVConnectorMetadata):
 
 
 def _seed(vllm_config: VllmConfig) -> bytes:
-    """What shapes a block's bytes beyond its tokens and the namespace: the parallel layout."""
+    """What shapes every block's bytes beyond its tokens, its request's extras and the
+    namespace: the parallel layout and the KV cache's dtype (the model's, under "auto")."""
     parallel = vllm_config.parallel_config
-    return f"tp{parallel.tensor_parallel_size}/pp{parallel.pipeline_parallel_size}".encode()
+    kv_dtype = str(vllm_config.cache_config.cache_dtype)
+    if kv_dtype == "auto":
+        kv_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return seed(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, kv_dtype)
 
 
 class LuciaTierConnector(KVConnectorBase_V1):
@@ -170,7 +181,9 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self._config: StoreConfig = resolve(extra)
         self._block_size = vllm_config.cache_config.block_size
         self._requests: dict[str, Request] = {}
+        self._extras = RequestExtras(vllm_config, self._block_size)
         self._scheduling = Scheduling(self._block_size, _seed(vllm_config))
+        self._rank = 0
         self._store: Store | None = None
         self._reporter: report.Reporter | None = None
         self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
@@ -188,6 +201,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
 
             rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size
             rank += get_tensor_model_parallel_rank()
+            self._rank = rank
             self._config = for_rank(resolve(extra), rank, ranks)  # the plan's keys, its dirs
             self._store = Store(self._config)
             self._reporter = report.Reporter(self._store.metrics)
@@ -204,10 +218,16 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
-        keys = self._scheduling.prompt_keys(list(request.prompt_token_ids or []))
+        extras = self._extras.of(request)
+        if extras is None:
+            self._scheduling.unkeyable(request.request_id)
+            return 0, False
+        # the ids vLLM computes the KV of (a prompt of embeddings: 0s, its digests in extras)
+        prompt = list(request.all_token_ids[: request.num_prompt_tokens])
+        keys = self._scheduling.prompt_keys(prompt, extras)
         hits = probe(self._config, keys)
-        found = self._scheduling.matched(request.request_id, num_computed_tokens, keys, hits)
-        return found, False
+        rid, computed = request.request_id, num_computed_tokens
+        return self._scheduling.matched(rid, computed, keys, hits, extras), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -218,45 +238,39 @@ class LuciaTierConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        scheduled: list[tuple[str, list[int] | None, bool, int, int]] = []
         counts = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            scheduled.append(
-                (
-                    new.req_id,
-                    list(new.block_ids[0]),
-                    True,
-                    new.num_computed_tokens,
-                    counts[new.req_id],
-                )
-            )
+        scheduled: list[tuple[str, list[int] | None, bool, int, int]] = [
+            (new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens, counts[new.req_id])
+            for new in scheduler_output.scheduled_new_reqs
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[index]
-            scheduled.append(
-                (
-                    req_id,
-                    None if blocks is None else list(blocks[0]),
-                    req_id in cached.resumed_req_ids,
-                    cached.num_computed_tokens[index],
-                    counts[req_id],
-                )
-            )
-        tokens = {
-            req_id: list(self._requests[req_id].all_token_ids)
-            for req_id, *_ in scheduled
-            if req_id in self._requests
-        }
-        return LuciaStepMetadata(self._scheduling.step(scheduled, tokens))
+            new_ids = None if blocks is None else list(blocks[0])
+            resumed, computed = req_id in cached.resumed_req_ids, cached.num_computed_tokens[index]
+            scheduled.append((req_id, new_ids, resumed, computed, counts[req_id]))
+        known = [self._requests[req_id] for req_id, *_ in scheduled if req_id in self._requests]
+        tokens = {request.request_id: list(request.all_token_ids) for request in known}
+        # a streaming session's next input may bring multimodal items: the extras of now
+        extras = {request.request_id: self._extras.of(request) for request in known}
+        return LuciaStepMetadata(self._scheduling.step(scheduled, tokens, extras))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._extras.forget(request.request_id)
         self._scheduling.finished(request.request_id)
         return False, None  # saves copy the blocks out before the step ends
 
     # --- worker side ---------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Also count the requests the scheduler found unkeyable: on rank 0, in its store."""
+        super().bind_connector_metadata(connector_metadata)
+        plan = self._plan()
+        if plan is not None and plan.unkeyable and self._rank == 0 and self._store is not None:
+            self._store.count("requests_unkeyable", plan.unkeyable)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         blocks = self._kv_cache_config.num_blocks

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Final
 
-# name -> help; every counter carries a tier label, some a reason
+# name -> help; every counter but the untiered ones carries a tier label, some a reason
 HELP: Final = {
     "hits": "Block reads served by this tier.",
     "misses": "Block reads this tier could not serve (not there, or did not open).",
@@ -22,8 +22,13 @@ HELP: Final = {
     "stale_key": "Blocks sealed under a rotated-out cache key; a miss, removed.",
     "skipped_writes": "Writes not made (reason: pinned, too_big, queue_full, error).",
     "promotions": "Blocks copied into this faster tier after a read from a slower one.",
+    "requests_unkeyable": (
+        "Requests the tiers skipped (no lookup, no save): what shapes their KV has no name "
+        "that lasts a restart."
+    ),
 }
 REASONED: Final = frozenset({"corrupt", "skipped_writes"})  # the counters with a reason label
+UNTIERED: Final = frozenset({"requests_unkeyable"})  # counted per engine, not per tier
 PREFIX: Final = "lucia_kv_"
 Labels = tuple[tuple[str, str], ...]
 
@@ -34,9 +39,12 @@ def exposed(name: str) -> str:
 
 
 def label_names(name: str) -> tuple[str, ...]:
-    """The store's own labels of a counter, in order: tier, and reason where it has one."""
+    """The store's own labels of a counter, in order: tier (none for an untiered one), and
+    reason where it has one."""
     if name not in HELP:
         raise KeyError(name)
+    if name in UNTIERED:
+        return ()
     return ("tier", "reason") if name in REASONED else ("tier",)
 
 
@@ -47,20 +55,18 @@ class Metrics:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, Labels]] = Counter()
 
-    def add(self, name: str, tier: str, amount: int = 1, reason: str | None = None) -> None:
+    def add(self, name: str, tier: str | None, amount: int = 1, reason: str | None = None) -> None:
+        """Count; tier is None exactly for the untiered counters."""
         if name not in HELP:
             raise KeyError(name)
+        if (tier is None) != (name in UNTIERED):
+            raise ValueError(f"counter {name} {'has no' if name in UNTIERED else 'needs a'} tier")
         if (reason is not None) != (name in REASONED):
             # a Prometheus metric has one label set: a reason where it has one, none elsewhere
             raise ValueError(f"counter {name} {'needs' if name in REASONED else 'has no'} reason")
-        labels: Labels = (
-            (("tier", tier),)
-            if reason is None
-            else (
-                ("tier", tier),
-                ("reason", reason),
-            )
-        )
+        labels: Labels = ()
+        if tier is not None:
+            labels = (("tier", tier),) if reason is None else (("tier", tier), ("reason", reason))
         with self._lock:
             self._counts[(name, labels)] += amount
 
@@ -92,7 +98,7 @@ class Metrics:
             for (key, labels), value in sorted(counts.items()):
                 if key == name:
                     inner = ",".join(f'{label}="{value_}"' for label, value_ in labels)
-                    lines.append(f"{metric}{{{inner}}} {value}")
+                    lines.append(f"{metric}{{{inner}}} {value}" if inner else f"{metric} {value}")
         return "\n".join(lines) + "\n"
 
     def write(self, path: Path) -> None:

@@ -2,8 +2,9 @@
 
 vLLM ships a connector's stats with each model step, from the worker to the API server's
 Prometheus logger, through its IPC serializers: so a report is nested dicts of str keys and int
-amounts only, `{name: {tier: {reason: amount}}}` (reason "" for a counter without one), and
-holds no zero. This module has no vLLM in it; lucia_kv.connector wraps it in vLLM's types.
+amounts only, `{name: {tier: {reason: amount}}}` (reason "" for a counter without one, tier ""
+for an untiered one), and holds no zero. This module has no vLLM in it; lucia_kv.connector
+wraps it in vLLM's types.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 
-from .metrics import HELP, REASONED, Labels, Metrics
+from .metrics import HELP, REASONED, UNTIERED, Labels, Metrics
 
 Counts = dict[str, dict[str, dict[str, int]]]
 NO_REASON = ""
+NO_TIER = ""
 
 
 class ReportError(ValueError):
@@ -40,7 +42,7 @@ class Reporter:
                 if delta <= 0:
                     continue
                 found = dict(labels)
-                tier = counts.setdefault(name, {}).setdefault(found["tier"], {})
+                tier = counts.setdefault(name, {}).setdefault(found.get("tier", NO_TIER), {})
                 tier[found.get("reason", NO_REASON)] = delta
                 self._reported[(name, labels)] = value
             return counts
@@ -56,7 +58,9 @@ def parse(data: Mapping[str, object]) -> Counts:
         if not isinstance(tiers, Mapping):
             raise ReportError(f"counter {name}: tiers must be a mapping, got {tiers!r}")
         for tier, reasons in tiers.items():
-            if not isinstance(tier, str) or not tier:
+            if name in UNTIERED and tier != NO_TIER:
+                raise ReportError(f"counter {name} has no tier, got {tier!r}")
+            if name not in UNTIERED and (not isinstance(tier, str) or not tier):
                 raise ReportError(f"counter {name}: tier {tier!r} is not a name")
             if not isinstance(reasons, Mapping):
                 raise ReportError(f"counter {name}{{tier={tier}}}: not a mapping of reasons")
@@ -87,7 +91,8 @@ def series(counts: Counts) -> Iterator[tuple[str, tuple[str, ...], int]]:
     for name, tiers in counts.items():
         for tier, reasons in tiers.items():
             for reason, amount in reasons.items():
-                yield name, ((tier,) if reason == NO_REASON else (tier, reason)), amount
+                tiered = () if tier == NO_TIER else (tier,)
+                yield name, (tiered if reason == NO_REASON else (*tiered, reason)), amount
 
 
 def reduce(counts: Counts) -> dict[str, int | float]:

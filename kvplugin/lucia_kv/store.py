@@ -163,6 +163,12 @@ class Store:
         self._count_later()
         return None
 
+    def count(self, name: str, amount: int = 1) -> None:
+        """Count an engine-wide event (lucia_kv.metrics' UNTIERED: a request the tiers
+        skipped), reported and in the metrics file like the store's own counts."""
+        self.metrics.add(name, None, amount)
+        self._count_later()
+
     def _count_later(self) -> None:
         """Have a writer rewrite the metrics file; never on the caller's thread."""
         if self.config.metrics_file is None or self._closed or self._count_queued.is_set():

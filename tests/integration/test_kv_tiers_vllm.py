@@ -1,11 +1,13 @@
 """The KV tier plugin as an image layer, in the real vLLM 0.32.0 CPU server.
 
 `<cpu image>-tiers` is built cold (no build cache) under a private tag through the project's own
-`Runtime.build`, from supervisor.engines.vllm.tier_image's context. Two servers run from it on
+`Runtime.build`, from supervisor.engines.vllm.tier_image's context. Servers run from it on
 the tiny model, with the NVMe and HDD tiers bind-mounted from a tmp dir: one with the tiers and
-no prefix cache, asked the prompt twice (cold, then from the tiers), and one with vLLM's own
-ExampleConnector (which writes the plaintext KV of the same prompt) for the encryption check.
-The store's counters are read from vLLM's own /metrics and compared with the metrics file.
+no prefix cache, asked the prompt twice (cold, then from the tiers), then under two cache salts
+(each its own blocks); one with vLLM's own ExampleConnector (which writes the plaintext KV of
+the same prompt) for the encryption check; and the tiered one again, a restart, asked the prompt
+under the first salt. The store's counters are read from vLLM's own /metrics and compared with
+the metrics file.
 Reuse after a restart and damaged blocks are proven through the worker
 (test_kv_tiers_worker.py); vLLM's aggregation of every counter, corrupt included, in the image
 by kv_stats_in_vllm.py.
@@ -42,7 +44,7 @@ PROMPT = [random.Random(22).randrange(3, 512) for _ in range(2000)]  # token ids
 FULL_BLOCKS = len(PROMPT) // BLOCK_TOKENS  # 15 blocks, 1920 tokens
 MAX_TOKENS = 32
 NAMESPACE = "tiers-test"
-LUCIA = re.compile(r"^(lucia_kv_\w+_total)\{([^}]*)\} (\S+)$", re.M)
+LUCIA = re.compile(r"^(lucia_kv_\w+_total)(?:\{([^}]*)\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 TIERS = ("shm", "nvme", "hdd")
 # counted on the model step's own thread (the connector's loads): in the step's stats report
@@ -51,6 +53,8 @@ READ_SIDE = frozenset(
 )
 TRANSFER_LOG = re.compile(r"KV Transfer metrics: (.*)$", re.M)  # vLLM's log, every 10 s
 SHORT_PROMPT = [5, 6, 7, 8]  # under one block: nothing for the store to load or save
+SALTS = ("tenant-a", "tenant-b")
+EXTERNAL = "external_kv_transfer"  # vLLM's source of the prompt tokens a connector gave
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,9 @@ class Runs:
     cold: Run
     repeated: Run
     example: Run
-    block_files: list[Path] = field(default_factory=list)
+    salted: tuple[Run, ...] = ()  # the prompt under SALTS, after `repeated`, on its server
+    restarted: Run | None = None  # the prompt under SALTS[0], on the tiered server started again
+    block_files: list[Path] = field(default_factory=list)  # the unsalted prompt's
 
 
 def _build(runtime: Runtime, request: Any) -> tuple[Any, list[str], float]:
@@ -316,20 +322,20 @@ def _serve(
     )  # fmt: skip
 
 
-def _ask(server: VllmServer) -> Run:
-    """The server's answer to the prompt, and where its prompt tokens came from so far."""
-    answer = server.post(
-        "/v1/completions",
-        {
-            "model": SERVED_NAME,
-            "prompt": PROMPT,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-        timeout=600,
-    )
+def _ask(server: VllmServer, salt: str | None = None) -> Run:
+    """The server's answer to the prompt (under a cache salt), and where its prompt tokens came
+    from so far."""
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    answer = server.post("/v1/completions", body, timeout=600)
     assert answer.status == 200, answer.body[-2000:]
     choice = answer.json()["choices"][0]
     assert answer.json()["usage"]["prompt_tokens"] == len(PROMPT)
@@ -385,8 +391,16 @@ def runs(
     )
     wait_for(lambda: "hits.shm" in _transfer_log(server.logs()), "vLLM's KV transfer log line")
     repeated.logs = server.logs()
-    _stop(server)
     block_files = _block_files(work)
+    salted = [_ask(server, SALTS[0])]
+    if salted[0].by_source.get(EXTERNAL, 0.0) == repeated.by_source.get(EXTERNAL, 0.0):
+        # computed, not loaded: its blocks are new, the restart below reads them
+        wait_for(
+            lambda: len(_block_files(work)) >= 2 * 2 * FULL_BLOCKS,
+            "every block of the salted prompt on NVMe and HDD",
+        )
+    salted.append(_ask(server, SALTS[1]))
+    _stop(server)
 
     example_config = (
         '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
@@ -396,7 +410,11 @@ def runs(
     example = _ask(server)
     wait_for(lambda: any((work / "example").rglob("*.safetensors")), "ExampleConnector's files")
     _stop(server)
-    return Runs(work, key, cold, repeated, example, block_files)
+
+    server = _serve(start_vllm_cpu, image, work, key, transfer)  # the tiered server again
+    restarted = _ask(server, SALTS[0])
+    _stop(server)
+    return Runs(work, key, cold, repeated, example, tuple(salted), restarted, block_files)
 
 
 def test_a_repeat_of_the_prompt_comes_from_the_tiers_with_the_same_answer(runs: Runs) -> None:
@@ -407,6 +425,30 @@ def test_a_repeat_of_the_prompt_comes_from_the_tiers_with_the_same_answer(runs: 
     assert external == FULL_BLOCKS * BLOCK_TOKENS >= 0.9 * len(PROMPT)
     assert runs.repeated.token_ids == runs.cold.token_ids
     assert runs.repeated.text == runs.cold.text
+
+
+def test_another_cache_salt_takes_nothing_from_the_tiers_the_same_one_after_a_restart_does(
+    runs: Runs,
+) -> None:
+    """vLLM salts its own prefix cache's keys per tenant; the tiers' keys take the salt too:
+    the same prompt under another salt (or none) is computed again, under the same salt it is
+    read back, after a restart too (the salt's keys do not depend on the process)."""
+    tenant_a, tenant_b = runs.salted
+    before = runs.repeated.by_source.get(EXTERNAL, 0.0)  # the short prompt in between: none
+    took_a = tenant_a.by_source.get(EXTERNAL, 0.0) - before
+    took_b = tenant_b.by_source.get(EXTERNAL, 0.0) - tenant_a.by_source.get(EXTERNAL, 0.0)
+    assert runs.restarted is not None
+    took_again = runs.restarted.by_source.get(EXTERNAL, 0.0)  # a new server counts from 0
+    print(
+        f"\nfrom the tiers: {took_a:.0f} tokens under {SALTS[0]} after the unsalted prompt, "
+        f"{took_b:.0f} under {SALTS[1]} after {SALTS[0]}, {took_again:.0f} under {SALTS[0]} "
+        "after a restart"
+    )
+    assert took_a == 0.0, "the unsalted prompt's blocks went to a salted request"
+    assert took_b == 0.0, f"{SALTS[0]}'s blocks went to {SALTS[1]}"
+    assert took_again == FULL_BLOCKS * BLOCK_TOKENS >= 0.9 * len(PROMPT)
+    assert tenant_a.token_ids == tenant_b.token_ids == runs.cold.token_ids
+    assert runs.restarted.token_ids == runs.cold.token_ids
 
 
 def test_block_files_are_0600_and_tier_directories_0700(runs: Runs) -> None:
@@ -452,6 +494,7 @@ def test_vllms_metrics_has_the_stores_counters_from_the_start_on_every_tier(runs
     for name in ("hits", "misses", "read_bytes", "written_bytes", "writes", "evictions"):
         for tier in TIERS:
             assert (f"lucia_kv_{name}_total", (("tier", tier),)) in served, (name, tier)
+    assert served[("lucia_kv_requests_unkeyable_total", ())] == 0.0, "untiered, at 0 too"
     assert "# TYPE lucia_kv_corrupt_total counter" in runs.cold.metrics
     assert "# HELP lucia_kv_hits_total Block reads served by this tier." in runs.cold.metrics
     assert _total(served, "lucia_kv_hits_total") == 0.0, "a cold server read no block"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import threading
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lucia_kv import blockfile
 from lucia_kv.config import ConfigError, tiers
-from lucia_kv.metrics import HELP, REASONED, Metrics, exposed, label_names
+from lucia_kv.metrics import HELP, REASONED, UNTIERED, Metrics, exposed, label_names
 from lucia_kv.report import Counts, Reporter, ReportError, merge, parse, reduce, series
 from lucia_kv.store import Store
 
@@ -86,6 +87,23 @@ def test_a_store_reports_its_reads_and_its_writers_counts(tmp_path: Path) -> Non
         store.close()
 
 
+def test_a_store_counts_the_skipped_requests_in_its_reports_and_its_metrics_file(
+    tmp_path: Path,
+) -> None:
+    metrics_file = tmp_path / "lucia-kv.prom"
+    settings = config(tmp_path, {"hdd": 16 * PAGE})
+    store = Store(dataclasses.replace(settings, metrics_file=metrics_file))
+    try:
+        reporter = Reporter(store.metrics)
+        store.count("requests_unkeyable", 2)
+        store.count("requests_unkeyable")
+        assert reporter.take() == {"requests_unkeyable": {"": {"": 3}}}
+        store.flush()  # the count queued a rewrite of the metrics file
+        assert "\nlucia_kv_requests_unkeyable_total 3\n" in metrics_file.read_text()
+    finally:
+        store.close()
+
+
 def test_the_reports_survive_json_and_pickle_and_parse_back_equal() -> None:
     metrics = Metrics()
     metrics.add("hits", "shm", 3)
@@ -147,15 +165,40 @@ def test_a_counter_takes_a_reason_exactly_where_prometheus_gives_it_one() -> Non
 def test_the_names_are_the_metric_files_names() -> None:
     metrics = Metrics()
     for name in HELP:
-        metrics.add(name, "hdd", reason="error" if name in REASONED else None)
+        tier = None if name in UNTIERED else "hdd"
+        metrics.add(name, tier, reason="error" if name in REASONED else None)
     text = metrics.render()
     for name in HELP:
         assert f"# HELP {exposed(name)} {HELP[name]}" in text
+        if name in UNTIERED:
+            assert f"\n{exposed(name)} 1\n" in text
+            continue
         labels = 'tier="hdd",reason="error"' if name in REASONED else 'tier="hdd"'
         assert f"{exposed(name)}{{{labels}}} 1" in text
     assert exposed("corrupt") == "lucia_kv_corrupt_total"
     assert label_names("corrupt") == ("tier", "reason")
     assert label_names("hits") == ("tier",)
+    assert label_names("requests_unkeyable") == ()
+
+
+def test_an_untiered_counter_is_reported_without_a_tier_and_refuses_one() -> None:
+    metrics = Metrics()
+    reporter = Reporter(metrics)
+    metrics.add("requests_unkeyable", None, 2)
+    metrics.add("hits", "nvme")
+    counts = reporter.take()
+    assert counts == {"requests_unkeyable": {"": {"": 2}}, "hits": {"nvme": {"": 1}}}
+    assert parse(counts) == counts
+    assert sorted(series(counts)) == [("hits", ("nvme",), 1), ("requests_unkeyable", (), 2)]
+    assert reduce(counts) == {"hits.nvme": 1, "requests_unkeyable": 2}
+    with pytest.raises(ValueError, match="counter requests_unkeyable has no tier"):
+        metrics.add("requests_unkeyable", "nvme")
+    with pytest.raises(ValueError, match="counter hits needs a tier"):
+        metrics.add("hits", None)
+    with pytest.raises(ReportError, match="counter requests_unkeyable has no tier"):
+        parse({"requests_unkeyable": {"nvme": {"": 1}}})
+    with pytest.raises(ReportError, match="is not a name"):
+        parse({"hits": {"": {"": 1}}})
 
 
 def test_the_tiers_are_named_without_the_key() -> None:
@@ -174,7 +217,13 @@ reports = st.dictionaries(
 
 def _counts(drawn: dict[str, dict[str, int]]) -> Counts:
     reason = {name: ("auth" if name in REASONED else "") for name in HELP}
-    return {n: {t: {reason[n]: a} for t, a in tiers_.items()} for n, tiers_ in drawn.items()}
+    counts: Counts = {}
+    for name, tiers_ in drawn.items():
+        for tier, amount in tiers_.items():
+            where = "" if name in UNTIERED else tier  # one series: the drawn amounts add up
+            by_reason = counts.setdefault(name, {}).setdefault(where, {})
+            by_reason[reason[name]] = by_reason.get(reason[name], 0) + amount
+    return counts
 
 
 @given(st.lists(reports, max_size=6))

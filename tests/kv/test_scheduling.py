@@ -1,8 +1,21 @@
-"""The connector's scheduler-side bookkeeping: keys by prefix, loads and saves of full blocks."""
+"""The connector's scheduler-side bookkeeping: keys by prefix and extras, loads and saves of full
+blocks."""
 
 from __future__ import annotations
 
-from lucia_kv.scheduling import Scheduling, chain
+import hashlib
+import struct
+
+import pytest
+from lucia_kv.scheduling import (
+    NO_EXTRAS,
+    Extras,
+    Scheduling,
+    StepPlan,
+    block_extras,
+    chain,
+    seed,
+)
 
 BS = 4
 
@@ -79,3 +92,131 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again() -> None:
     # the load failed: vLLM computes the request again from its first token
     step = plan.step([("r", None, False, 0, 9)], {"r": prompt})
     assert [t.blocks for t in step.saves] == [((4, keys[0]), (5, keys[1]))]
+
+
+# --- what a key is made of: the engine's seed and the request's extras ----------------------
+
+
+def test_the_seed_names_the_parallel_layout_and_the_kv_dtype() -> None:
+    assert seed(2, 1, "bfloat16") == b"tp2/pp1/kv-bfloat16"
+    assert seed(1, 4, "fp8_e4m3") == b"tp1/pp4/kv-fp8_e4m3"
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    return tag + len(value).to_bytes(4, "little") + value
+
+
+def test_a_blocks_extras_are_tagged_length_prefixed_fields_of_what_touches_it() -> None:
+    extras = Extras(
+        salt="tenant-a",
+        lora=("sql", "/adapters/sql"),
+        mm=(("img1", 5, 6),),  # positions 5..10: blocks 1 and 2 of 4 tokens
+        embeds=(b"e0" * 16, b"e1" * 16),
+    )
+    lora = _field(b"L", b"sql") + _field(b"P", b"/adapters/sql")
+    assert block_extras(extras, 0, BS) == lora + _field(b"S", b"tenant-a") + _field(
+        b"E", b"e0" * 16
+    )
+    image = b"img1" + struct.pack("<qq", 5 - 4, 6)  # offset from the block's start, length
+    assert block_extras(extras, 1, BS) == lora + _field(b"M", image) + _field(b"E", b"e1" * 16)
+    image = b"img1" + struct.pack("<qq", 5 - 8, 6)
+    assert block_extras(extras, 2, BS) == lora + _field(b"M", image)
+    assert block_extras(extras, 3, BS) == lora
+    assert block_extras(NO_EXTRAS, 0, BS) == b""
+
+
+def test_the_chain_is_sha256_of_the_previous_key_the_tokens_and_the_blocks_extras() -> None:
+    tokens = list(range(12))
+    extras = Extras(salt="s1", mm=(("img", 4, 4),))
+    previous = hashlib.sha256(b"lucia-kv chain v1\0" + b"tp1/pp1/kv-bfloat16").digest()
+    expected = []
+    for index, fields in enumerate(
+        [
+            _field(b"S", b"s1"),
+            _field(b"M", b"img" + struct.pack("<qq", 0, 4)),
+            b"",
+        ]
+    ):
+        block = struct.pack("<4q", *tokens[index * 4 : index * 4 + 4])
+        previous = hashlib.sha256(previous + block + fields).digest()
+        expected.append(previous)
+    assert chain(tokens, BS, seed(1, 1, "bfloat16"), extras=extras) == expected
+    # without extras a key is the tokens' alone: the blocks stored before extras were keyed
+    plain = hashlib.sha256(b"lucia-kv chain v1\0s").digest()
+    plain = hashlib.sha256(plain + struct.pack("<4q", 0, 1, 2, 3)).digest()
+    assert chain(tokens, BS, b"s")[0] == plain
+
+
+IMAGE = ("sha-of-image-a", 5, 6)  # placeholder positions 5..10: blocks 1 and 2
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "differs_from"),
+    [
+        (NO_EXTRAS, Extras(salt="tenant-b"), 0),
+        (Extras(salt="tenant-a"), Extras(salt="tenant-b"), 0),
+        (Extras(salt="tenant-a"), Extras(salt="tenant-a"), None),
+        (NO_EXTRAS, Extras(lora=("sql", "/a/sql")), 0),
+        (Extras(lora=("sql", "/a/sql")), Extras(lora=("chat", "/a/sql")), 0),
+        (Extras(lora=("sql", "/a/sql")), Extras(lora=("sql", "/a/sql-v2")), 0),
+        (Extras(lora=("sql", "/a/sql")), Extras(lora=("sql", "/a/sql")), None),
+        (NO_EXTRAS, Extras(mm=(IMAGE,)), 1),
+        (Extras(mm=(IMAGE,)), Extras(mm=(("sha-of-image-b", 5, 6),)), 1),
+        (Extras(mm=(IMAGE,)), Extras(mm=(("sha-of-image-a", 6, 5),)), 1),
+        (Extras(mm=(("a", 9, 2),)), Extras(mm=(("b", 9, 2),)), 2),
+        (Extras(mm=(IMAGE,)), Extras(mm=(IMAGE,)), None),
+        (Extras(embeds=(b"x", b"y", b"z")), Extras(embeds=(b"x", b"y", b"Z")), 2),
+    ],
+)
+def test_same_tokens_other_extras_other_keys_from_the_first_block_they_touch(
+    first: Extras, second: Extras, differs_from: int | None
+) -> None:
+    tokens = list(range(16))
+    one, two = chain(tokens, BS, b"s", extras=first), chain(tokens, BS, b"s", extras=second)
+    same = [a == b for a, b in zip(one, two, strict=True)]
+    if differs_from is None:
+        assert all(same)
+    else:  # the chain carries a difference to every later block
+        assert same == [i < differs_from for i in range(len(one))]
+
+
+def test_a_lookup_and_the_saves_of_a_salted_request_use_the_same_keys() -> None:
+    extras = Extras(salt="tenant-a", lora=("sql", "/a/sql"))
+    plan = Scheduling(BS, b"s")
+    prompt = list(range(13))
+    keys = plan.prompt_keys(prompt, extras)
+    assert keys == chain(prompt[:12], BS, b"s", extras=extras)
+    assert keys != plan.prompt_keys(prompt)
+    assert plan.matched("r", 0, keys, hits=0, extras=extras) == 0
+    plan.allocated("r", [1, 2, 3, 4], external_tokens=0)
+    step = plan.step([("r", [1, 2, 3, 4], True, 0, 13)], {"r": prompt}, {"r": extras})
+    assert [t.blocks for t in step.saves] == [((1, keys[0]), (2, keys[1]), (3, keys[2]))]
+    prompt.extend([13, 14, 15])  # decoded tokens fill block 3: chained with the same extras
+    step = plan.step([("r", None, False, 13, 3)], {"r": prompt}, {"r": extras})
+    assert [t.blocks for t in step.saves] == [((4, chain(prompt, BS, b"s", extras=extras)[3]),)]
+
+
+def test_an_unkeyable_request_is_neither_looked_up_loaded_nor_saved_and_counted_once() -> None:
+    plan = Scheduling(BS, b"s")
+    prompt = list(range(9))
+    plan.unkeyable("r")
+    plan.unkeyable("r")  # asked again (the scheduler retries a request it could not place)
+    plan.allocated("r", [1, 2, 3], external_tokens=0)
+    step = plan.step([("r", [1, 2, 3], True, 0, 9)], {"r": prompt}, {"r": None})
+    assert (step.loads, step.saves, step.unkeyable) == ([], [], 1)
+    plan.finished("r")
+    assert plan.step([], {}) == StepPlan()  # nothing held, nothing to release
+
+
+def test_a_request_that_turns_unkeyable_saves_nothing_more_and_is_counted() -> None:
+    plan = Scheduling(BS, b"s")
+    prompt = list(range(9))
+    plan.matched("r", 0, plan.prompt_keys(prompt), hits=0)
+    plan.allocated("r", [1, 2, 3], external_tokens=0)
+    first = plan.step([("r", [1, 2, 3], True, 0, 5)], {"r": prompt}, {"r": NO_EXTRAS})
+    assert len(first.saves) == 1 and first.unkeyable == 0
+    # a streaming session's next input brings an item with no stable name
+    second = plan.step([("r", None, False, 5, 4)], {"r": prompt}, {"r": None})
+    assert (second.saves, second.unkeyable) == ([], 1)
+    plan.finished("r")
+    assert plan.step([], {}).finished == ["r"], "its pinned blocks are still released"
