@@ -14,7 +14,12 @@ from . import version
 
 TIER_NAMES: Final = ("shm", "nvme", "hdd")  # fastest first
 ENV_PREFIX: Final = "LUCIA_KV_"
-KEY_BYTES_MIN: Final = 16
+KEY_HEX_DIGITS: Final = 64  # 32 random bytes, what `openssl rand -hex 32` prints
+KEY_RULE: Final = (
+    f"the cache key must be exactly {KEY_HEX_DIGITS} hex digits (32 random bytes: "
+    "openssl rand -hex 32)"
+)
+_KEY = re.compile(rb"[0-9a-fA-F]{%d}" % KEY_HEX_DIGITS)
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DEFAULTS: Final[Mapping[str, int | float]] = {
     "writers": 2,
@@ -40,12 +45,21 @@ class StoreConfig:
     namespace: str
     plugin_version: str
     tiers: tuple[TierSpec, ...]  # fastest first
-    key: bytes = field(repr=False)
+    key: bytes = field(repr=False)  # the 32 bytes the hex digits name
     writers: int = 2
     queue_blocks: int = 1024
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0
     metrics_file: Path | None = None
+
+
+def parse_key(text: bytes) -> bytes:
+    """The 32-byte cache key from its file's text (surrounding space ignored); ConfigError
+    naming the rule, never the text, for anything but 64 hex digits."""
+    text = text.strip()
+    if not _KEY.fullmatch(text):
+        raise ConfigError(f"{KEY_RULE}; LUCIA_KV_KEY_FILE or LUCIA_KV_KEY")
+    return bytes.fromhex(text.decode())
 
 
 def _setting(name: str, extra: Mapping[str, object], environ: Mapping[str, str]) -> object:
@@ -83,17 +97,12 @@ def _read_key(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes:
                         f"key file {path} has mode {stat.S_IMODE(info.st_mode):04o}; "
                         f"chmod 600 {path}"
                     )
-                key = handle.read().strip()
+                text = handle.read(4096)
         except OSError as exc:
             raise ConfigError(f"key file {path}: {exc.strerror}") from None
     else:
-        key = environ.get(ENV_PREFIX + "KEY", "").encode()
-    if len(key) < KEY_BYTES_MIN:
-        raise ConfigError(
-            f"the cache key is missing or shorter than {KEY_BYTES_MIN} bytes "
-            "(LUCIA_KV_KEY_FILE or LUCIA_KV_KEY)"
-        )
-    return key
+        text = environ.get(ENV_PREFIX + "KEY", "").encode()
+    return parse_key(text)
 
 
 def tiers(

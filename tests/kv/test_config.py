@@ -9,7 +9,7 @@ import pytest
 from lucia_kv import version
 from lucia_kv.config import ConfigError, for_rank, resolve
 
-KEY = "k" * 32
+KEY = "00112233445566778899aabbccddeeff" * 2  # 64 hex digits: openssl rand -hex 32
 
 
 def env(tmp_path: Path, **more: str) -> dict[str, str]:
@@ -29,7 +29,7 @@ def test_environment_gives_tiers_fastest_first(tmp_path: Path) -> None:
     found = resolve({}, env(tmp_path, LUCIA_KV_SHM_DIR="/dev/shm/x", LUCIA_KV_SHM_BYTES="4096"))
     assert [t.name for t in found.tiers] == ["shm", "nvme", "hdd"]
     assert found.tiers[2].max_bytes == 4194304
-    assert found.key == KEY.encode()
+    assert found.key == bytes.fromhex(KEY) and len(found.key) == 32
     assert found.plugin_version == version() == "0.1.0"
 
 
@@ -42,10 +42,10 @@ def test_extra_config_wins_over_environment(tmp_path: Path) -> None:
 
 def test_key_file_is_preferred_to_the_key_variable(tmp_path: Path) -> None:
     secret = tmp_path / "key"
-    secret.write_bytes(b"a key from its own file, long enough\n")
+    secret.write_bytes(b"ABCDEF" + b"0" * 58 + b"\n")  # `openssl rand -hex 32`'s line
     os.chmod(secret, 0o600)
     found = resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(secret)))
-    assert found.key == b"a key from its own file, long enough"
+    assert found.key == bytes.fromhex("abcdef" + "0" * 58)
 
 
 def test_key_never_shows_in_repr(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_key_never_shows_in_repr(tmp_path: Path) -> None:
     ("extra", "more", "message"),
     [
         ({"key": KEY}, {}, "must not be in kv_connector_extra_config"),
-        ({}, {"LUCIA_KV_KEY": "short"}, "shorter than 16 bytes"),
+        ({}, {"LUCIA_KV_KEY": "short"}, "exactly 64 hex digits"),
         ({}, {"LUCIA_KV_NAMESPACE": "../escape"}, "namespace"),
         ({}, {"LUCIA_KV_HDD_BYTES": "lots"}, "hdd_bytes must be a number"),
         ({}, {"LUCIA_KV_HDD_BYTES": "-1"}, "must not be negative"),
@@ -75,10 +75,32 @@ def test_bad_settings_are_refused_clearly(
 
 def test_key_file_open_to_others_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "key"
-    secret.write_bytes(b"x" * 32)
+    secret.write_bytes(KEY.encode())
     os.chmod(secret, 0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(secret)))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"",  # no key
+        b"0123456789abcdef0123456789abcdef",  # 32 hex digits (a uuid4's 16 bytes)
+        b"0123456789abcdef" * 4 + b"00",  # 66 hex digits
+        b"the first cache key, 32 bytes ok",  # a passphrase
+        b"g" + b"0" * 63,  # 64 characters, one not hex
+        b"0" * 32 + b" " + b"0" * 31,  # space inside
+        b"0x" + b"0" * 62,
+    ],
+)
+def test_only_64_hex_digits_are_a_key(tmp_path: Path, text: bytes) -> None:
+    secret = tmp_path / "key"
+    secret.write_bytes(text + b"\n")
+    os.chmod(secret, 0o600)
+    with pytest.raises(ConfigError, match=r"exactly 64 hex digits \(32 random bytes") as caught:
+        resolve({}, env(tmp_path, LUCIA_KV_KEY_FILE=str(secret)))
+    if text:
+        assert text.decode() not in str(caught.value)
 
 
 def test_missing_key_file_is_refused(tmp_path: Path) -> None:

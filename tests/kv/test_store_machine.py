@@ -4,6 +4,7 @@ each give the other copy or a miss, counted, and never another block's bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -144,7 +145,7 @@ class StoreModel(RuleBasedStateMachine):
     def rotate_key(self) -> None:
         self.store.close()
         self.rotations += 1
-        self.key = f"rotated cache key number {self.rotations:06d}".encode()
+        self.key = hashlib.sha256(f"rotated cache key {self.rotations}".encode()).digest()
         self.store = Store(config(self.root, CAPS, key=self.key))
         self.resync()
         self.corrupt.clear()

@@ -77,6 +77,26 @@ PLAN = TierPlan(shm_bytes=8 * GIB, shm_size=10 * GIB, memory=26 * GIB, disks=(
 ))
 
 
+@pytest.mark.parametrize(
+    ("key", "refused"),
+    [
+        ("0123456789abcdef" * 4, False),  # openssl rand -hex 32
+        ("0123456789ABCDEF" * 4, False),
+        ("0123456789abcdef" * 2, True),  # 16 bytes (a uuid4's hex)
+        ("0123456789abcdef" * 4 + "0", True),
+        ("k" * 64, True),  # 64 characters, not hex
+        ("a passphrase long enough to pass a length check", True),
+        ("", True),
+    ],
+)
+def test_only_64_hex_digits_are_a_cache_key(key: str, refused: bool) -> None:
+    why = kv.key_refused(key)
+    assert (why is not None) == refused
+    if why is not None:
+        assert why == kv.KEY_RULE and "openssl rand -hex 32" in why
+        assert not key or key not in why
+
+
 def test_what_the_container_gets_in_the_prepared_configuration() -> None:
     space = kv.namespace(BASE)
     got = kv.container(PLAN, space, BASE.key_id)

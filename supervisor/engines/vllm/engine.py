@@ -117,6 +117,8 @@ class Vllm(ContainerEngine):
     # -- observe -------------------------------------------------------------------------------
 
     def prerequisites(self) -> Prerequisites:
+        if self.recipe.tiers.any:
+            self.key_id()  # a key the plugin would refuse stops here, before any pull or build
         launch = self._launch()
         if launch is None:  # nothing is pulled before the GPU says which image, or refuses
             return Prerequisites((Preflight(),))
@@ -248,8 +250,15 @@ class Vllm(ContainerEngine):
         return Path(ref.models_dir).expanduser() / ref.guid / "files"
 
     def key_id(self) -> str:
-        key = self.secrets().get(self.recipe.tiers.key_secret)
-        return kv_tiers.key_id(key) if key else ""
+        """The cache key's id; a key the plugin would refuse stops the engine here first."""
+        name = self.recipe.tiers.key_secret
+        key = self.secrets().get(name)
+        if not key:
+            return ""
+        why = kv_tiers.key_refused(key) if self.recipe.tiers.any else None
+        if why is not None:
+            raise Permanent(f"secret {name}: {why}")
+        return kv_tiers.key_id(key)
 
     # -- make ----------------------------------------------------------------------------------
 

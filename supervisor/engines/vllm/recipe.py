@@ -160,9 +160,10 @@ class VllmRecipe(RecipeBase):
     @model_validator(mode="after")
     def _tiers_fit(self) -> Self:
         tiers = self.tiers
-        if (tiers.nvme or tiers.hdd) and tiers.key_secret not in self.secrets:
+        if tiers.any and tiers.key_secret not in self.secrets:  # every tier's blocks are sealed
             raise ValueError(
-                f'disk tiers need the cache key: add [secrets] {tiers.key_secret} = "<file>"'
+                f'the KV tiers need the cache key: add [secrets] {tiers.key_secret} = "<file>" '
+                "(a 0600 file holding 64 hex digits: openssl rand -hex 32)"
             )
         if tiers.shm_bytes is not None:
             shm = parse_bytes(self.run.shm_size) if self.run.shm_size else None

@@ -20,6 +20,9 @@ configuration and the engine arguments that change what a block holds (the quant
 extra `vllm serve` arguments). Only the current namespace's directory is mounted, so the engine
 never sees blocks of another; old namespaces are removed, oldest first, once the tier's cap
 needs their room (`prune`).
+
+The cache key is 64 hex digits (32 random bytes, `openssl rand -hex 32`); the plugin refuses
+anything else with the same rule, so a recipe is refused here before an engine starts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from typing import Final
 KEY_CONTEXT: Final = b"lucia-supervisor kv-cache key id v1"
 SHM_ROOT: Final = "/dev/shm/lucia-kv"
 CONTAINER_ROOT: Final = "/kv"
+KEY_RULE: Final = (
+    "the cache key must be exactly 64 hex digits (32 random bytes: openssl rand -hex 32)"
+)
+_KEY = re.compile(r"[0-9a-fA-F]{64}")
 _NAMESPACE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -80,6 +87,11 @@ def library_manifest(guid: str, file_digests: Mapping[str, str]) -> str:
     return json.dumps(
         {"library": guid, "files": dict(sorted(file_digests.items()))}, sort_keys=True
     )
+
+
+def key_refused(key: str) -> str | None:
+    """Why the cache key cannot be used (the rule, never the key), or None."""
+    return None if _KEY.fullmatch(key) else KEY_RULE
 
 
 def key_id(key: str | bytes) -> str:
