@@ -51,6 +51,7 @@ class StoreConfig:
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0
     metrics_file: Path | None = None
+    rank: str = ""  # the parallel rank's share (for_rank), "" for a whole engine
 
 
 def parse_key(text: bytes) -> bytes:
@@ -167,10 +168,11 @@ def resolve(
 
 def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
     """The share of one parallel rank: its own subdirectory of each tier and an equal part of
-    each cap (each rank holds other KV heads or layers, and owns its index alone)."""
+    each cap (each rank holds other KV heads or layers, owns its index alone, and seals under a
+    key of its own: sealing.py)."""
     if ranks <= 1:
         return config
     shares = tuple(
         TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
     )
-    return replace(config, tiers=shares)
+    return replace(config, tiers=shares, rank=f"rank{rank}")

@@ -68,7 +68,9 @@ class Store:
     ) -> None:
         self.config = config
         self.metrics = Metrics()
-        self._sealer = sealer or Sealer(config.key, config.namespace, config.plugin_version)
+        self._sealer = sealer or Sealer(
+            config.key, config.namespace, config.plugin_version, config.rank
+        )
         self.tiers = tuple(Tier(spec, fault) for spec in config.tiers)
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max(1, config.queue_blocks))
         self._metrics_at = 0.0

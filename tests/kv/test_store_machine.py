@@ -131,7 +131,7 @@ class StoreModel(RuleBasedStateMachine):
         finally:
             os.close(fd)
         os.rename(other / block_name(block_key(n)), self.path(tier, n))
-        self.damage[(tier, n)] = "auth"
+        self.damage[(tier, n)] = "stale"  # each namespace seals under a key of its own
 
     @rule()
     def restart(self) -> None:
