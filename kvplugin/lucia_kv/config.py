@@ -26,6 +26,7 @@ _DEFAULTS: Final[Mapping[str, int | float]] = {
     "queue_blocks": 1024,
     "rebuild_max_entries": 1_000_000,
     "rebuild_max_seconds": 30.0,
+    "data_parallel_size": 1,
 }
 
 
@@ -51,6 +52,7 @@ class StoreConfig:
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0
     metrics_file: Path | None = None
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size (a dense model's ranks say 1)
     rank: str = ""  # the parallel rank's share (for_rank), "" for a whole engine
 
 
@@ -137,7 +139,7 @@ def resolve(
 
     Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
     shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
-    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file."""
+    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file, data_parallel_size."""
     extra = {} if extra is None else extra
     environ = os.environ if environ is None else environ
     space = str(_setting("namespace", extra, environ) or "")
@@ -150,8 +152,9 @@ def resolve(
     for name, default in _DEFAULTS.items():
         value = _setting(name, extra, environ)
         numbers[name] = default if value is None else _number(name, value, type(default))
-    if numbers["writers"] < 1:
-        raise ConfigError("writers must be at least 1")
+    for name in ("writers", "data_parallel_size"):
+        if numbers[name] < 1:
+            raise ConfigError(f"{name} must be at least 1")
     metrics = _setting("metrics_file", extra, environ)
     return StoreConfig(
         namespace=space,
@@ -163,16 +166,26 @@ def resolve(
         rebuild_max_entries=int(numbers["rebuild_max_entries"]),
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
         metrics_file=Path(str(metrics)) if metrics else None,
+        data_parallel_size=int(numbers["data_parallel_size"]),
     )
 
 
-def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
+def for_rank(
+    config: StoreConfig, rank: int, ranks: int, dp_rank: int = 0, dp_size: int = 1
+) -> StoreConfig:
     """The share of one parallel rank: its own subdirectory of each tier and an equal part of
-    each cap (each rank holds other KV heads or layers, owns its index alone, and seals under a
-    key of its own: sealing.py)."""
-    if ranks <= 1:
+    each cap. Each data-parallel engine (dp<n>) and, in it, each tensor or pipeline rank
+    (rank<n>) holds its own blocks, owns its index alone and seals under a key of its own
+    (sealing.py): two never share a directory. vLLM runs a dense model's data-parallel ranks
+    as independent engines that each report a size of 1 (keeping their index), so the size
+    is also taken from the configuration's data_parallel_size."""
+    dp_size = max(dp_size, config.data_parallel_size, dp_rank + 1)
+    parts = [f"dp{dp_rank}"] if dp_size > 1 else []
+    parts += [f"rank{rank}"] if ranks > 1 else []
+    if not parts:
         return config
-    shares = tuple(
-        TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
+    share = max(1, ranks) * dp_size
+    tiers = tuple(
+        TierSpec(t.name, t.directory.joinpath(*parts), t.max_bytes // share) for t in config.tiers
     )
-    return replace(config, tiers=shares, rank=f"rank{rank}")
+    return replace(config, tiers=tiers, rank="/".join(parts))

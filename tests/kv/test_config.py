@@ -112,8 +112,70 @@ def test_each_parallel_rank_owns_a_share(tmp_path: Path) -> None:
     whole = resolve({}, env(tmp_path))
     assert for_rank(whole, 0, 1) == whole
     share = for_rank(whole, 1, 2)
+    assert share.rank == "rank1"
     assert [t.directory for t in share.tiers] == [
         tmp_path / "nvme" / "rank1",
         tmp_path / "hdd" / "rank1",
     ]
     assert [t.max_bytes for t in share.tiers] == [524288, 2097152]
+
+
+@pytest.mark.parametrize(
+    ("rank", "ranks", "dp_rank", "dp_size", "configured", "below", "share"),
+    [
+        (0, 1, 0, 1, 1, "", 1),  # one engine, one rank: the namespace directory itself
+        (1, 2, 0, 1, 1, "rank1", 2),
+        (0, 1, 1, 2, 1, "dp1", 2),  # a MoE model's data-parallel rank reports its size
+        (1, 2, 1, 2, 1, "dp1/rank1", 4),
+        (0, 1, 0, 1, 2, "dp0", 2),  # a dense model's ranks report size 1: the setting says 2
+        (0, 1, 1, 1, 2, "dp1", 2),
+        (0, 1, 3, 1, 1, "dp3", 4),  # an index without a size still gets its own directory
+    ],
+)
+def test_each_parallel_and_data_parallel_rank_owns_a_share(
+    tmp_path: Path,
+    rank: int,
+    ranks: int,
+    dp_rank: int,
+    dp_size: int,
+    configured: int,
+    below: str,
+    share: int,
+) -> None:
+    whole = resolve({"data_parallel_size": configured}, env(tmp_path))
+    found = for_rank(whole, rank, ranks, dp_rank, dp_size)
+    assert found.rank == below
+    assert [t.directory for t in found.tiers] == [
+        tmp_path / "nvme" / below if below else tmp_path / "nvme",
+        tmp_path / "hdd" / below if below else tmp_path / "hdd",
+    ]
+    assert [t.max_bytes for t in found.tiers] == [1048576 // share, 4194304 // share]
+
+
+@pytest.mark.parametrize(("dp_size", "ranks"), [(2, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("reported", ["moe", "dense"])
+def test_no_two_ranks_share_or_nest_a_directory(
+    tmp_path: Path, dp_size: int, ranks: int, reported: str
+) -> None:
+    """Every rank of every data-parallel engine: its own directory, none inside another's,
+    and the shares add up to no more than the cap."""
+    whole = resolve({"data_parallel_size": dp_size}, env(tmp_path))
+    shares = [
+        for_rank(whole, rank, ranks, dp, dp_size if reported == "moe" else 1)
+        for dp in range(dp_size)
+        for rank in range(ranks)
+    ]
+    directories = [share.tiers[0].directory for share in shares]
+    assert len(set(directories)) == dp_size * ranks
+    for one in directories:
+        assert not any(one != other and one.is_relative_to(other) for other in directories)
+    assert len({share.rank for share in shares}) == dp_size * ranks
+    assert sum(share.tiers[0].max_bytes for share in shares) <= whole.tiers[0].max_bytes
+
+
+def test_the_data_parallel_size_comes_from_the_environment(tmp_path: Path) -> None:
+    assert resolve({}, env(tmp_path)).data_parallel_size == 1
+    found = resolve({}, env(tmp_path, LUCIA_KV_DATA_PARALLEL_SIZE="4"))
+    assert found.data_parallel_size == 4
+    with pytest.raises(ConfigError, match="data_parallel_size must be at least 1"):
+        resolve({}, env(tmp_path, LUCIA_KV_DATA_PARALLEL_SIZE="0"))

@@ -270,6 +270,14 @@ def test_any_tier_with_the_key_is_accepted(tiers: str) -> None:
     assert recipe.tiers.any and "LUCIA_KV_KEY" in recipe.secrets  # type: ignore[attr-defined]
 
 
+def test_the_data_parallel_size_reaches_the_namespace_and_the_plugin() -> None:
+    text = SHM_FITS.replace("[vllm]\n", '[vllm]\nargs = ["--data-parallel-size", "2"]\n')
+    recipe = parse(text + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED)
+    assert recipe.parallel().data == 2  # type: ignore[attr-defined]
+    assert recipe.tier_plan().data_parallel == 2  # type: ignore[attr-defined]
+    assert parse(VM).parallel().data == 1  # type: ignore[attr-defined]
+
+
 def test_the_pinned_nightly_is_accepted() -> None:
     text = VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "'
                       + "e68efc685ab1" + "7" * 28 + '"\n')

@@ -9,6 +9,7 @@ environment, where each tier is, its cap, the namespace and the cache key:
     LUCIA_KV_SHM_DIR     /dev/shm/lucia-kv/<namespace>    LUCIA_KV_SHM_BYTES   its cap
     LUCIA_KV_NVME_DIR    /kv/nvme (the namespace's dir)   LUCIA_KV_NVME_BYTES  its cap
     LUCIA_KV_HDD_DIR     /kv/hdd                          LUCIA_KV_HDD_BYTES   its cap
+    LUCIA_KV_DATA_PARALLEL_SIZE  --data-parallel-size, where over 1: a directory per rank
     LUCIA_KV_KEY_FILE    a read-only 0400 file holding the cache key (secretfiles.py): the
                          key is never in the environment, the arguments or a log
 
@@ -34,7 +35,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
@@ -47,6 +48,7 @@ KEY_RULE: Final = (
 )
 _KEY = re.compile(r"[0-9a-fA-F]{64}")
 _NAMESPACE = re.compile(r"[0-9a-f]{32}")
+_DATA_PARALLEL = ("--data-parallel-size", "--data_parallel_size", "-dp")
 
 
 class TierRefused(Exception):
@@ -66,6 +68,22 @@ class KvLayout:
 class Parallel:
     tensor: int = 1
     pipeline: int = 1
+    data: int = 1  # --data-parallel-size: engine cores in one container, each its own directory
+
+
+def data_parallel(args: Sequence[str]) -> int:
+    """The data-parallel size the extra `vllm serve` arguments give (the last one wins, as in
+    argparse); 1 without one, or with one that is not a number (vLLM refuses that itself)."""
+    found = 1
+    for at, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name not in _DATA_PARALLEL:
+            continue
+        if not equals:
+            value = args[at + 1] if at + 1 < len(args) else ""
+        if value.isdigit() and int(value) >= 1:
+            found = int(value)
+    return found
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ class TierPlan:
     shm_size: int  # the container's /dev/shm
     memory: int  # the container's memory limit (shm pages count against it)
     disks: tuple[DiskTier, ...]
+    data_parallel: int = 1  # vLLM's dense data-parallel ranks each report a size of 1
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,8 @@ def container(plan: TierPlan, space: str, key_identity: str) -> ContainerTiers:
         "LUCIA_KV_SHM_DIR": f"{SHM_ROOT}/{space}",
         "LUCIA_KV_SHM_BYTES": str(plan.shm_bytes),
     }
+    if plan.data_parallel > 1:
+        env["LUCIA_KV_DATA_PARALLEL_SIZE"] = str(plan.data_parallel)
     volumes = []
     for tier in plan.disks:
         target = f"{CONTAINER_ROOT}/{tier.name}"
