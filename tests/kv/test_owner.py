@@ -6,10 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,32 +13,10 @@ from lucia_kv import owner
 from lucia_kv.owner import LOCK_NAME, Taken
 from lucia_kv.store import Store
 
+from tests.kv.owner_child import child_store
 from tests.kv.support import config
 
-ROOT = Path(__file__).resolve().parents[2]
-ENVIRONMENT = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'kvplugin'}")
 PAGE = 4096
-
-
-@contextmanager
-def child_store(namespace: str, *directories: Path) -> Iterator[subprocess.Popen[str]]:
-    """Another process holding a store over the directories, until its input closes."""
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.kv.owner_child", namespace, *map(str, directories)],
-        cwd=ROOT,
-        env=ENVIRONMENT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        assert child.stdout.readline().strip() == "owned"
-        yield child
-    finally:
-        child.stdin.close()
-        child.wait()
-        child.stdout.close()
 
 
 def test_a_second_store_in_another_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
