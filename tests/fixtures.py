@@ -319,7 +319,7 @@ class Engine(EngineDirs):
             return self._write_vllm_cpu_recipe()
         key = self.root / "kv.key"
         if not key.exists():
-            key.write_text(uuid.uuid4().hex + "\n")
+            key.write_text(os.urandom(32).hex() + "\n")  # the 64 hex digits a key must be
             key.chmod(0o600)
         settings = {"LOAD_DELAY": "1", **self.settings}
         secrets = {"LUCIA_KV_KEY": str(key), **self.secrets}

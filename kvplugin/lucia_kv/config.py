@@ -14,13 +14,19 @@ from . import version
 
 TIER_NAMES: Final = ("shm", "nvme", "hdd")  # fastest first
 ENV_PREFIX: Final = "LUCIA_KV_"
-KEY_BYTES_MIN: Final = 16
+KEY_HEX_DIGITS: Final = 64  # 32 random bytes, what `openssl rand -hex 32` prints
+KEY_RULE: Final = (
+    f"the cache key must be exactly {KEY_HEX_DIGITS} hex digits (32 random bytes: "
+    "openssl rand -hex 32)"
+)
+_KEY = re.compile(rb"[0-9a-fA-F]{%d}" % KEY_HEX_DIGITS)
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DEFAULTS: Final[Mapping[str, int | float]] = {
     "writers": 2,
     "queue_blocks": 1024,
     "rebuild_max_entries": 1_000_000,
     "rebuild_max_seconds": 30.0,
+    "data_parallel_size": 1,
 }
 
 
@@ -40,12 +46,23 @@ class StoreConfig:
     namespace: str
     plugin_version: str
     tiers: tuple[TierSpec, ...]  # fastest first
-    key: bytes = field(repr=False)
+    key: bytes = field(repr=False)  # the 32 bytes the hex digits name
     writers: int = 2
     queue_blocks: int = 1024
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0
     metrics_file: Path | None = None
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size (a dense model's ranks say 1)
+    rank: str = ""  # the parallel rank's share (for_rank), "" for a whole engine
+
+
+def parse_key(text: bytes) -> bytes:
+    """The 32-byte cache key from its file's text (surrounding space ignored); ConfigError
+    naming the rule, never the text, for anything but 64 hex digits."""
+    text = text.strip()
+    if not _KEY.fullmatch(text):
+        raise ConfigError(f"{KEY_RULE}; LUCIA_KV_KEY_FILE or LUCIA_KV_KEY")
+    return bytes.fromhex(text.decode())
 
 
 def _setting(name: str, extra: Mapping[str, object], environ: Mapping[str, str]) -> object:
@@ -83,17 +100,12 @@ def _read_key(extra: Mapping[str, object], environ: Mapping[str, str]) -> bytes:
                         f"key file {path} has mode {stat.S_IMODE(info.st_mode):04o}; "
                         f"chmod 600 {path}"
                     )
-                key = handle.read().strip()
+                text = handle.read(4096)
         except OSError as exc:
             raise ConfigError(f"key file {path}: {exc.strerror}") from None
     else:
-        key = environ.get(ENV_PREFIX + "KEY", "").encode()
-    if len(key) < KEY_BYTES_MIN:
-        raise ConfigError(
-            f"the cache key is missing or shorter than {KEY_BYTES_MIN} bytes "
-            "(LUCIA_KV_KEY_FILE or LUCIA_KV_KEY)"
-        )
-    return key
+        text = environ.get(ENV_PREFIX + "KEY", "").encode()
+    return parse_key(text)
 
 
 def tiers(
@@ -127,7 +139,7 @@ def resolve(
 
     Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
     shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
-    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file."""
+    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file, data_parallel_size."""
     extra = {} if extra is None else extra
     environ = os.environ if environ is None else environ
     space = str(_setting("namespace", extra, environ) or "")
@@ -140,8 +152,9 @@ def resolve(
     for name, default in _DEFAULTS.items():
         value = _setting(name, extra, environ)
         numbers[name] = default if value is None else _number(name, value, type(default))
-    if numbers["writers"] < 1:
-        raise ConfigError("writers must be at least 1")
+    for name in ("writers", "data_parallel_size"):
+        if numbers[name] < 1:
+            raise ConfigError(f"{name} must be at least 1")
     metrics = _setting("metrics_file", extra, environ)
     return StoreConfig(
         namespace=space,
@@ -153,15 +166,26 @@ def resolve(
         rebuild_max_entries=int(numbers["rebuild_max_entries"]),
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
         metrics_file=Path(str(metrics)) if metrics else None,
+        data_parallel_size=int(numbers["data_parallel_size"]),
     )
 
 
-def for_rank(config: StoreConfig, rank: int, ranks: int) -> StoreConfig:
+def for_rank(
+    config: StoreConfig, rank: int, ranks: int, dp_rank: int = 0, dp_size: int = 1
+) -> StoreConfig:
     """The share of one parallel rank: its own subdirectory of each tier and an equal part of
-    each cap (each rank holds other KV heads or layers, and owns its index alone)."""
-    if ranks <= 1:
+    each cap. Each data-parallel engine (dp<n>) and, in it, each tensor or pipeline rank
+    (rank<n>) holds its own blocks, owns its index alone and seals under a key of its own
+    (sealing.py): two never share a directory. vLLM runs a dense model's data-parallel ranks
+    as independent engines that each report a size of 1 (keeping their index), so the size
+    is also taken from the configuration's data_parallel_size."""
+    dp_size = max(dp_size, config.data_parallel_size, dp_rank + 1)
+    parts = [f"dp{dp_rank}"] if dp_size > 1 else []
+    parts += [f"rank{rank}"] if ranks > 1 else []
+    if not parts:
         return config
-    shares = tuple(
-        TierSpec(t.name, t.directory / f"rank{rank}", t.max_bytes // ranks) for t in config.tiers
+    share = max(1, ranks) * dp_size
+    tiers = tuple(
+        TierSpec(t.name, t.directory.joinpath(*parts), t.max_bytes // share) for t in config.tiers
     )
-    return replace(config, tiers=shares)
+    return replace(config, tiers=tiers, rank="/".join(parts))

@@ -191,8 +191,11 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         parallel = vllm_config.parallel_config
         ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # this data-parallel engine's index (kept when a dense model's ranks are made
+        # independent engines of size 1) and size
+        dp = (parallel.data_parallel_index, parallel.data_parallel_size)
         # the scheduler probes rank 0's share: every rank saves the same blocks
-        self._config = for_rank(self._config, 0, ranks)
+        self._config = for_rank(self._config, 0, ranks, *dp)
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import (
                 get_pp_group,
@@ -202,7 +205,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
             rank = get_pp_group().rank_in_group * parallel.tensor_parallel_size
             rank += get_tensor_model_parallel_rank()
             self._rank = rank
-            self._config = for_rank(resolve(extra), rank, ranks)  # the plan's keys, its dirs
+            self._config = for_rank(resolve(extra), rank, ranks, *dp)  # the plan's keys, dirs
             self._store = Store(self._config)
             self._reporter = report.Reporter(self._store.metrics)
         log.info(

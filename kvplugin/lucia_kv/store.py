@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from . import blockfile
+from . import blockfile, owner
 from .config import StoreConfig
 from .metrics import Metrics
 from .sealing import BlockSealer, Corrupt, Sealer, StaleKey
@@ -68,8 +68,16 @@ class Store:
     ) -> None:
         self.config = config
         self.metrics = Metrics()
-        self._sealer = sealer or Sealer(config.key, config.namespace, config.plugin_version)
+        self._sealer = sealer or Sealer(
+            config.key, config.namespace, config.plugin_version, config.rank
+        )
         self.tiers = tuple(Tier(spec, fault) for spec in config.tiers)
+        try:  # one store per directory: a second would keep its own index and cap
+            self._owners = owner.claim_all(spec.directory for spec in config.tiers)
+        except owner.OwnerError:
+            for tier in self.tiers:
+                tier.close()
+            raise
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max(1, config.queue_blocks))
         self._metrics_at = 0.0
         self._metrics_lock = threading.Lock()
@@ -225,7 +233,7 @@ class Store:
         self._queue.join()
 
     def close(self) -> None:
-        """Finish the queued writes, stop the writers, release the tiers."""
+        """Finish the queued writes, stop the writers, release the tiers and their locks."""
         if self._closed:
             return
         self._closed = True
@@ -237,6 +245,8 @@ class Store:
         self._write_metrics()
         for tier in self.tiers:
             tier.close()
+        for owned in self._owners:
+            owned.release()
 
     # --- the writers ---------------------------------------------------------------------------
 

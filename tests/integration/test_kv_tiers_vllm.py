@@ -223,7 +223,7 @@ def _block_files(work: Path) -> list[Path]:
         path
         for tier in ("nvme", "hdd")
         for path in (work / tier).rglob("*")
-        if path.is_file() and not path.name.startswith(".tmp-")
+        if path.is_file() and re.fullmatch(r"[0-9a-f]{64}", path.name)
     )
 
 
@@ -455,6 +455,10 @@ def test_block_files_are_0600_and_tier_directories_0700(runs: Runs) -> None:
     assert len(runs.block_files) == 2 * FULL_BLOCKS
     for path in runs.block_files:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    for tier in ("nvme", "hdd"):  # the owner lock names the vLLM worker that held the tier
+        lock = runs.work / tier / NAMESPACE / ".lucia-kv-owner"
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+        assert re.fullmatch(r"pid \d+ on host \S+ in container [0-9a-f]{12}\n", lock.read_text())
     directories = [
         p for tier in ("nvme", "hdd") for p in (runs.work / tier).rglob("*") if p.is_dir()
     ]

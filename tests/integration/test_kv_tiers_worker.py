@@ -49,6 +49,7 @@ MAX_TOKENS = 32
 SERVED = "tiny"
 COUNTER = re.compile(r"^lucia_kv_(\w+)_total\{([^}]*)\} (\d+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}")
 METRICS_TARGET = "/kv-metrics"  # the metrics directory's mount point in the container
 CAPS = {"nvme": "16m", "hdd": "256m"}  # the NVMe cap evicts under the load; the HDD's does not
 SHRUNK = "4m"  # the NVMe cap the recipe is edited to: below what the load leaves there
@@ -95,7 +96,7 @@ class TieredEngine:
             for name, root in self.tier_roots.items()
             if tier in (None, name)
             for path in root.rglob("*")
-            if path.is_file() and not path.name.startswith(".tmp-")
+            if path.is_file() and BLOCK_NAME.fullmatch(path.name)  # not temp files, not the lock
         )
 
     def caps(self) -> dict[str, int]:

@@ -202,7 +202,7 @@ def _secrets_are_files(container: Any, files: dict[str, str]) -> None:
 
 
 def _rotate_key(engine: Engine) -> None:
-    (engine.root / "kv.key").write_text("a rotated cache key\n")
+    (engine.root / "kv.key").write_text(os.urandom(32).hex() + "\n")
 
 
 CHANGES: dict[str, Callable[[Engine, tuple[str, str]], None]] = {

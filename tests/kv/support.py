@@ -8,8 +8,8 @@ from pathlib import Path
 from lucia_kv import version
 from lucia_kv.config import StoreConfig, TierSpec
 
-KEY = b"the first cache key, 32 bytes ok"
-OTHER_KEY = b"a rotated cache key, also 32 b.."
+KEY = hashlib.sha256(b"the first cache key").digest()  # 32 bytes, as config.parse_key gives
+OTHER_KEY = hashlib.sha256(b"a rotated cache key").digest()
 
 
 def config(

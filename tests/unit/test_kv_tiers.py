@@ -45,6 +45,7 @@ CHANGES = {
     "layers": {"layout": replace(BASE.layout, layers=None)},
     "tensor parallel": {"parallel": Parallel(tensor=2)},
     "pipeline parallel": {"parallel": Parallel(pipeline=2)},
+    "data parallel": {"parallel": Parallel(data=2)},
     "quantization": {"engine_args": ("quantization=fp8",)},
     "extra arguments": {"engine_args": ("quantization=none", "--dtype", "float16")},
 }
@@ -77,6 +78,26 @@ PLAN = TierPlan(shm_bytes=8 * GIB, shm_size=10 * GIB, memory=26 * GIB, disks=(
 ))
 
 
+@pytest.mark.parametrize(
+    ("key", "refused"),
+    [
+        ("0123456789abcdef" * 4, False),  # openssl rand -hex 32
+        ("0123456789ABCDEF" * 4, False),
+        ("0123456789abcdef" * 2, True),  # 16 bytes (a uuid4's hex)
+        ("0123456789abcdef" * 4 + "0", True),
+        ("k" * 64, True),  # 64 characters, not hex
+        ("a passphrase long enough to pass a length check", True),
+        ("", True),
+    ],
+)
+def test_only_64_hex_digits_are_a_cache_key(key: str, refused: bool) -> None:
+    why = kv.key_refused(key)
+    assert (why is not None) == refused
+    if why is not None:
+        assert why == kv.KEY_RULE and "openssl rand -hex 32" in why
+        assert not key or key not in why
+
+
 def test_what_the_container_gets_in_the_prepared_configuration() -> None:
     space = kv.namespace(BASE)
     got = kv.container(PLAN, space, BASE.key_id)
@@ -95,6 +116,31 @@ def test_what_the_container_gets_in_the_prepared_configuration() -> None:
     assert not any(name == "LUCIA_KV_KEY" for name in got.environment)  # a file, elsewhere
     assert KEY not in repr(got)
     assert (got.shm_size, got.memory) == (10 * GIB, 26 * GIB)
+
+
+def test_a_data_parallel_engine_tells_the_plugin_its_size() -> None:
+    got = kv.container(replace(PLAN, data_parallel=4), kv.namespace(BASE), BASE.key_id)
+    assert got.environment["LUCIA_KV_DATA_PARALLEL_SIZE"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("args", "size"),
+    [
+        ((), 1),
+        (("--dtype", "float16"), 1),
+        (("--data-parallel-size", "2"), 2),
+        (("--data-parallel-size=4",), 4),
+        (("-dp", "3", "--enforce-eager"), 3),
+        (("--data_parallel_size", "2"), 2),
+        (("-dp", "2", "--data-parallel-size", "8"), 8),  # the last wins, as in argparse
+        (("--data-parallel-size",), 1),  # no value: vLLM refuses it itself
+        (("--data-parallel-size", "two"), 1),
+        (("--data-parallel-size-local", "2"), 1),  # another flag
+        (("--data-parallel-rank", "1"), 1),
+    ],
+)
+def test_the_data_parallel_size_from_the_extra_arguments(args: tuple[str, ...], size: int) -> None:
+    assert kv.data_parallel(args) == size
 
 
 def test_no_disk_tiers_means_no_mounts() -> None:

@@ -210,6 +210,8 @@ def test_a_library_model_is_served_from_its_mount() -> None:
 
 
 VM = VLLM_MINIMAL
+KEYED = '[secrets]\nLUCIA_KV_KEY = "/run/kv.key"\n'
+SHM_FITS = VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\nmemory = "26g"')
 VLLM_BAD = [
     ("channel", VM.replace('[vllm]\n', '[vllm]\nchannel = "beta"\n'), "vllm.channel"),
     ("quantization", VM.replace('[vllm]\n', '[vllm]\nquantization = "int4"\n'),
@@ -236,18 +238,44 @@ VLLM_BAD = [
     ("hf id with a path", VM.replace('id = "org/model"', 'id = "../../etc"'), "id"),
     ("disk tier without the key", VM + '[tiers]\nnvme = { path = "/n", max_bytes = "16GiB" }\n',
      "cache key"),
+    ("hdd tier without the key", VM + '[tiers]\nhdd = { path = "/h", max_bytes = "16GiB" }\n',
+     "cache key"),
+    # the shm offload seals its blocks too: without the key the plugin would stop vLLM
+    ("shm tier without the key", SHM_FITS + '[tiers]\nshm_bytes = "8GiB"\n', "cache key"),
     ("relative tier path", VM + '[tiers]\nnvme = { path = "n", max_bytes = 1 }\n', "absolute"),
     ("tier size", VM + '[tiers]\nhdd = { path = "/h", max_bytes = "lots" }\n', "not a size"),
-    ("shm offload without shm_size", VM + '[tiers]\nshm_bytes = "8GiB"\n', "run.shm_size"),
-    ("shm offload larger than shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "8g"\n'
-                                               'memory = "26g"') + '[tiers]\nshm_bytes = "8GiB"\n',
+    ("shm offload without shm_size", VM + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED,
      "run.shm_size"),
+    ("shm offload larger than shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "8g"\n'
+                                               'memory = "26g"') + '[tiers]\nshm_bytes = "8GiB"\n'
+     + KEYED, "run.shm_size"),
     ("memory limit below shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\n'
-                                          'memory = "9g"') + '[tiers]\nshm_bytes = "8GiB"\n',
-     "run.memory"),
+                                          'memory = "9g"') + '[tiers]\nshm_bytes = "8GiB"\n'
+     + KEYED, "run.memory"),
     ("unknown vllm key", VM.replace('[vllm]\n', '[vllm]\ngpu_memory_utilization = 0.9\n'),
      "unknown key"),
 ]
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        'shm_bytes = "8GiB"',
+        'nvme = { path = "/n", max_bytes = "16GiB" }',
+        'hdd = { path = "/h", max_bytes = "16GiB" }',
+    ],
+)
+def test_any_tier_with_the_key_is_accepted(tiers: str) -> None:
+    recipe = parse(SHM_FITS + f"[tiers]\n{tiers}\n" + KEYED)
+    assert recipe.tiers.any and "LUCIA_KV_KEY" in recipe.secrets  # type: ignore[attr-defined]
+
+
+def test_the_data_parallel_size_reaches_the_namespace_and_the_plugin() -> None:
+    text = SHM_FITS.replace("[vllm]\n", '[vllm]\nargs = ["--data-parallel-size", "2"]\n')
+    recipe = parse(text + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED)
+    assert recipe.parallel().data == 2  # type: ignore[attr-defined]
+    assert recipe.tier_plan().data_parallel == 2  # type: ignore[attr-defined]
+    assert parse(VM).parallel().data == 1  # type: ignore[attr-defined]
 
 
 def test_the_pinned_nightly_is_accepted() -> None:

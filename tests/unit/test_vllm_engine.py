@@ -26,6 +26,8 @@ from supervisor.protocol import files
 from supervisor.recipe.loader import parse
 from tests.gpu_recordings import fake_nvidia_smi
 
+CACHE_KEY = "c0ffee" + "0123456789abcdef" * 3 + "fedcba9876"  # 64 hex digits
+
 
 def recipe(tmp: Path, card: str, **vllm: str) -> VllmRecipe:
     smi = fake_nvidia_smi(tmp, card)
@@ -195,7 +197,7 @@ volumes = [{{ source = "{tmp / 'hf'}", target = "/root/.cache/huggingface" }}]
 """
     )
     assert isinstance(parsed, VllmRecipe)
-    (tmp / "kv.key").write_text("the cache key\n")
+    (tmp / "kv.key").write_text(CACHE_KEY + "\n")
     found = Vllm("v", parsed, _Images(), tmp / "state")
     (tmp / "state").mkdir(exist_ok=True)
     found._preflight(StepContext(threading.Event(), lambda _line: None))
@@ -279,12 +281,12 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
     assert spec.environment["LUCIA_KV_KEY_FILE"] == "/run/lucia-secrets/LUCIA_KV_KEY/value"
     assert spec.environment["HF_HUB_OFFLINE"] == "1"
     shown = repr(spec)
-    assert "hf_secret_value" not in shown and "the cache key" not in shown
+    assert "hf_secret_value" not in shown and CACHE_KEY not in shown
     secret_mounts = {m.target: m for m in spec.mounts if m.target.startswith("/run/lucia-secrets")}
     assert set(secret_mounts) == {"/run/lucia-secrets/HF_TOKEN", "/run/lucia-secrets/LUCIA_KV_KEY"}
     assert all(m.read_only for m in secret_mounts.values())
     found.check_more(spec, StepContext(threading.Event(), lambda _line: None))  # writes them
-    for name, value in (("HF_TOKEN", "hf_secret_value"), ("LUCIA_KV_KEY", "the cache key")):
+    for name, value in (("HF_TOKEN", "hf_secret_value"), ("LUCIA_KV_KEY", CACHE_KEY)):
         path = Path(secret_mounts[f"/run/lucia-secrets/{name}"].source) / "value"
         assert path.read_text().strip() == value
         assert stat.S_IMODE(path.stat().st_mode) == 0o400

@@ -20,13 +20,13 @@ from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.engines.vllm.steps import TierDirectories, TierImage
-from supervisor.errors import BuildFailed
+from supervisor.errors import BuildFailed, Permanent
 from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
 
 BASE = "lucia-vllm-cpu:0.32.0-torch2.13.0"
 BASE_ID = "sha256:" + "b" * 64
-KEY = "0123456789abcdef-the-cache-key"
+KEY = "5ab1e" + "0123456789abcdef" * 3 + "c0ffeeabcde"  # 64 hex digits
 
 
 def recipe_text(tmp: Path, tiers: str | None = None, extra: str = "") -> str:
@@ -96,9 +96,9 @@ class Images(Runtime):
         return image
 
 
-def engine(tmp: Path, runtime: Runtime, text: str | None = None) -> Vllm:
+def engine(tmp: Path, runtime: Runtime, text: str | None = None, key: str = KEY) -> Vllm:
     (tmp / "library" / "g1" / "files").mkdir(parents=True, exist_ok=True)
-    (tmp / "kv.key").write_text(KEY + "\n")
+    (tmp / "kv.key").write_text(key + "\n")
     (tmp / "kv.key").chmod(0o600)
     found = Vllm("c", parsed(text or recipe_text(tmp)), runtime, tmp / "state")
     return found
@@ -130,6 +130,27 @@ def test_the_tier_image_comes_after_the_base_image_then_the_tier_directories(
     assert ready.missing == ()
     assert ready.image == EngineImage(f"{BASE}-tiers", runtime.images[f"{BASE}-tiers"])
     assert len(runtime.builds) == 1
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "0123456789abcdef0123456789abcdef",  # 32 hex digits: a uuid4, 16 bytes
+        "a passphrase an operator made up, long enough",
+        "g" + "0" * 63,  # 64 characters, one not hex
+        KEY + "00",
+    ],
+)
+def test_a_key_the_plugin_would_refuse_stops_the_engine_before_its_start(
+    tmp_path: Path, key: str
+) -> None:
+    found = engine(tmp_path, Images(base_images()), key=key)
+    with pytest.raises(Permanent) as refused:
+        found.prerequisites()
+    assert str(refused.value) == (
+        "secret LUCIA_KV_KEY: the cache key must be exactly 64 hex digits "
+        "(32 random bytes: openssl rand -hex 32)"
+    )
 
 
 def test_a_recipe_without_tiers_builds_nothing_and_runs_the_base_image(tmp_path: Path) -> None:
@@ -302,8 +323,11 @@ def test_an_old_recipe_with_plugin_version_gets_the_extra_field_error(tmp_path: 
 
 
 def test_the_cpu_recipes_tiers_uncommented_load_and_start_with_the_tier_image(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # the key file the recipe names, under ~
+    (tmp_path / ".config" / "lucia").mkdir(parents=True)
+    (tmp_path / ".config" / "lucia" / "vllm-cache.key").write_text(KEY + "\n")
     shipped = (Path(__file__).resolve().parents[2] / "recipes" / "vllm-cpu.toml").read_text()
     marker = "# [tiers]\n"
     assert marker in shipped

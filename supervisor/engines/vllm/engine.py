@@ -117,6 +117,7 @@ class Vllm(ContainerEngine):
     # -- observe -------------------------------------------------------------------------------
 
     def prerequisites(self) -> Prerequisites:
+        self.key_id()  # a key the plugin would refuse stops here, before any pull or build
         launch = self._launch()
         if launch is None:  # nothing is pulled before the GPU says which image, or refuses
             return Prerequisites((Preflight(),))
@@ -159,9 +160,7 @@ class Vllm(ContainerEngine):
             layout=kv_tiers.KvLayout(
                 tiers.kv_dtype, recipe.block_size, **hf_model.read_layout(self._model_dir())
             ),
-            parallel=kv_tiers.Parallel(
-                recipe.vllm.tensor_parallel, recipe.vllm.pipeline_parallel
-            ),
+            parallel=recipe.parallel(),
             engine_args=(f"quantization={recipe.vllm.quantization}", *recipe.vllm.args),
         )
 
@@ -248,7 +247,10 @@ class Vllm(ContainerEngine):
         return Path(ref.models_dir).expanduser() / ref.guid / "files"
 
     def key_id(self) -> str:
-        key = self.secrets().get(self.recipe.tiers.key_secret)
+        """The cache key's id; with tiers, a key the plugin would refuse stops the engine."""
+        key = self.secrets().get(name := self.recipe.tiers.key_secret, "")
+        if self.recipe.tiers.any and (why := kv_tiers.key_refused(key)):
+            raise Permanent(f"secret {name}: {why}")
         return kv_tiers.key_id(key) if key else ""
 
     # -- make ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from supervisor.engines.vllm import cpu
 from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
-from supervisor.engines.vllm.tiers import DiskTier, TierPlan
+from supervisor.engines.vllm.tiers import DiskTier, Parallel, TierPlan, data_parallel
 from supervisor.recipe import reference
 from supervisor.recipe.schema import (
     ByteSize,
@@ -163,9 +163,10 @@ class VllmRecipe(RecipeBase):
     @model_validator(mode="after")
     def _tiers_fit(self) -> Self:
         tiers = self.tiers
-        if (tiers.nvme or tiers.hdd) and tiers.key_secret not in self.secrets:
+        if tiers.any and tiers.key_secret not in self.secrets:  # every tier's blocks are sealed
             raise ValueError(
-                f'disk tiers need the cache key: add [secrets] {tiers.key_secret} = "<file>"'
+                f'the KV tiers need the cache key: add [secrets] {tiers.key_secret} = "<file>" '
+                "(a 0600 file holding 64 hex digits: openssl rand -hex 32)"
             )
         if tiers.shm_bytes is not None:
             shm = parse_bytes(self.run.shm_size) if self.run.shm_size else None
@@ -210,6 +211,12 @@ class VllmRecipe(RecipeBase):
             args += ["--block-size", str(self.block_size)]
         return tuple(args)
 
+    def parallel(self) -> Parallel:
+        """The parallel configuration the namespace names: tensor and pipeline sizes, and the
+        data-parallel size the extra arguments give."""
+        v = self.vllm
+        return Parallel(v.tensor_parallel, v.pipeline_parallel, data_parallel(v.args))
+
     @property
     def model_argument(self) -> str:
         """What `vllm serve` loads: the HF id, or the library model mounted at /models/<guid>."""
@@ -246,6 +253,12 @@ class VllmRecipe(RecipeBase):
         )
         shm = parse_bytes(self.run.shm_size) if self.run.shm_size else 0
         memory = parse_bytes(self.run.memory) if self.run.memory else 0
-        return TierPlan(t.shm_bytes or 0, int(shm), int(memory), disks)  # type: ignore[call-overload]
+        return TierPlan(
+            t.shm_bytes or 0,
+            int(shm),  # type: ignore[call-overload]
+            int(memory),  # type: ignore[call-overload]
+            disks,
+            data_parallel(self.vllm.args),
+        )
 
 

@@ -9,6 +9,7 @@ environment, where each tier is, its cap, the namespace and the cache key:
     LUCIA_KV_SHM_DIR     /dev/shm/lucia-kv/<namespace>    LUCIA_KV_SHM_BYTES   its cap
     LUCIA_KV_NVME_DIR    /kv/nvme (the namespace's dir)   LUCIA_KV_NVME_BYTES  its cap
     LUCIA_KV_HDD_DIR     /kv/hdd                          LUCIA_KV_HDD_BYTES   its cap
+    LUCIA_KV_DATA_PARALLEL_SIZE  --data-parallel-size, where over 1: a directory per rank
     LUCIA_KV_KEY_FILE    a read-only 0400 file holding the cache key (secretfiles.py): the
                          key is never in the environment, the arguments or a log
 
@@ -19,11 +20,16 @@ key being written anywhere), the KV layout (from the model's config.json), the p
 configuration and the engine arguments that change what a block holds (the quantization, the
 extra `vllm serve` arguments). Only the current namespace's directory is mounted, so the engine
 never sees blocks of another; old namespaces are removed, oldest first, once the tier's cap
-needs their room (`prune`).
+needs their room (`prune`), and never one whose owner lock an engine's store holds.
+
+The cache key is 64 hex digits (32 random bytes, `openssl rand -hex 32`); the plugin refuses
+anything else with the same rule, so a recipe is refused here before an engine starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -31,7 +37,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
@@ -39,7 +45,13 @@ from typing import Final
 KEY_CONTEXT: Final = b"lucia-supervisor kv-cache key id v1"
 SHM_ROOT: Final = "/dev/shm/lucia-kv"
 CONTAINER_ROOT: Final = "/kv"
+OWNER_LOCK: Final = ".lucia-kv-owner"  # the plugin's lock file (lucia_kv.owner.LOCK_NAME)
+KEY_RULE: Final = (
+    "the cache key must be exactly 64 hex digits (32 random bytes: openssl rand -hex 32)"
+)
+_KEY = re.compile(r"[0-9a-fA-F]{64}")
 _NAMESPACE = re.compile(r"[0-9a-f]{32}")
+_DATA_PARALLEL = ("--data-parallel-size", "--data_parallel_size", "-dp")
 
 
 class TierRefused(Exception):
@@ -59,6 +71,22 @@ class KvLayout:
 class Parallel:
     tensor: int = 1
     pipeline: int = 1
+    data: int = 1  # --data-parallel-size: engine cores in one container, each its own directory
+
+
+def data_parallel(args: Sequence[str]) -> int:
+    """The data-parallel size the extra `vllm serve` arguments give (the last one wins, as in
+    argparse); 1 without one, or with one that is not a number (vLLM refuses that itself)."""
+    found = 1
+    for at, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name not in _DATA_PARALLEL:
+            continue
+        if not equals:
+            value = args[at + 1] if at + 1 < len(args) else ""
+        if value.isdigit() and int(value) >= 1:
+            found = int(value)
+    return found
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,11 @@ def library_manifest(guid: str, file_digests: Mapping[str, str]) -> str:
     return json.dumps(
         {"library": guid, "files": dict(sorted(file_digests.items()))}, sort_keys=True
     )
+
+
+def key_refused(key: str) -> str | None:
+    """Why the cache key cannot be used (the rule, never the key), or None."""
+    return None if _KEY.fullmatch(key) else KEY_RULE
 
 
 def key_id(key: str | bytes) -> str:
@@ -106,6 +139,7 @@ class TierPlan:
     shm_size: int  # the container's /dev/shm
     memory: int  # the container's memory limit (shm pages count against it)
     disks: tuple[DiskTier, ...]
+    data_parallel: int = 1  # vLLM's dense data-parallel ranks each report a size of 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +158,8 @@ def container(plan: TierPlan, space: str, key_identity: str) -> ContainerTiers:
         "LUCIA_KV_SHM_DIR": f"{SHM_ROOT}/{space}",
         "LUCIA_KV_SHM_BYTES": str(plan.shm_bytes),
     }
+    if plan.data_parallel > 1:
+        env["LUCIA_KV_DATA_PARALLEL_SIZE"] = str(plan.data_parallel)
     volumes = []
     for tier in plan.disks:
         target = f"{CONTAINER_ROOT}/{tier.name}"
@@ -228,13 +264,45 @@ def _bytes(path: Path) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _unowned(path: Path) -> Iterator[bool]:
+    """Whether no engine's store holds an owner lock in a namespace directory (its own, or a
+    rank's below it). The locks are held here until the block ends, so no store takes one
+    while the namespace is removed; a lock file that does not open counts as held."""
+    held: list[int] = []
+    free = True
+    try:
+        for top, _dirs, names in os.walk(path, followlinks=False):
+            if OWNER_LOCK not in names:
+                continue
+            try:
+                fd = os.open(
+                    os.path.join(top, OWNER_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+                )
+            except FileNotFoundError:
+                continue
+            except OSError:
+                free = False
+                break
+            held.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                free = False
+                break
+        yield free
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def prune(
     root: Path, space: str, cap: int, reserve: int, keep: frozenset[str] = frozenset()
 ) -> list[Path]:
     """Remove other namespaces under a tier root, oldest (last changed) first, while the room
     the current one is promised (reserve, its cap) and the others' bytes exceed the tier's cap.
-    Namespaces in keep (one a running engine still mounts) are never removed. Returns what was
-    removed."""
+    Namespaces in keep (one a running engine still mounts) and those whose owner lock a store
+    holds (another engine's, live) are never removed. Returns what was removed."""
     others = []
     for path in stale(root, space):
         if path.name in keep or path.is_symlink() or not path.is_dir():
@@ -248,7 +316,10 @@ def prune(
     for _, path, size in others:
         if reserve + held <= cap:
             break
-        shutil.rmtree(path)
+        with _unowned(path) as free:
+            if not free:
+                continue
+            shutil.rmtree(path)
         held -= size
         removed.append(path)
     return removed
