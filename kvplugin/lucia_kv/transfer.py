@@ -96,9 +96,14 @@ class Blocks:
             return []
         index = self._index(block_ids)
         if self._direct:
-            spans = [(x.data.data_ptr(), x.data.stride(x.dim), x.size) for x in self._layers]
+            # each layer's run read in place (a view of the cache's memory, no copy), joined
+            # into the block's bytes: one copy
+            spans = [
+                (x.data.data_ptr(), x.data.stride(x.dim), ctypes.c_char * x.size)
+                for x in self._layers
+            ]
             return [
-                b"".join(ctypes.string_at(base + b * stride, size) for base, stride, size in spans)
+                b"".join([run.from_address(base + b * stride) for base, stride, run in spans])
                 for b in block_ids
             ]
         host = self._host(count)
