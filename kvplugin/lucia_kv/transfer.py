@@ -133,7 +133,7 @@ class Blocks:
         index = self._index([block_id for block_id, _ in blocks])
         if self._direct:
             for block_id, data in blocks:
-                source = ctypes.cast(data, ctypes.c_void_p).value or 0
+                source = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
                 for x in self._layers:
                     target = x.data.data_ptr() + block_id * x.data.stride(x.dim)
                     ctypes.memmove(target, source + x.offset, x.size)
