@@ -1,4 +1,4 @@
-"""The vLLM KV connector over the block store (the only module that imports vllm or torch).
+"""The vLLM KV connector over the block store (the only module that imports vllm).
 
 Select it with `--kv-transfer-config '{"kv_connector": "LuciaTierConnector",
 "kv_connector_module_path": "lucia_kv.connector", "kv_role": "kv_both",
@@ -7,9 +7,10 @@ are lucia_kv.config's. The scheduler side
 finds how many leading full blocks of a prompt the tiers hold (a stat per block, no reads) and
 plans loads and saves; the worker side loads blocks into vLLM's paged KV before the forward
 (a block that does not load is reported, so vLLM recomputes it) and queues the step's full
-blocks for the store's background writers after it. The worker side reports the store's
-counters to vLLM after each step (LuciaKVStats), and vLLM's API server adds them to its own
-/metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine, tier[, reason]}.
+blocks for the store's background writers after it, each way a step's blocks at once through
+lucia_kv.transfer (one copy and one wait per step, on the GPU too). The worker side reports
+the store's counters to vLLM after each step (LuciaKVStats), and vLLM's API server adds them to
+its own /metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine, tier[, reason]}.
 
 A block's key chains the engine's seed (parallel layout, KV dtype), the token ids up to it and
 the extras vLLM's own prefix cache keys it with (cache salt, LoRA adapter, multimodal items,
@@ -41,6 +42,7 @@ from .extras import RequestExtras
 from .metrics import HELP, REASONED, UNTIERED, exposed, label_names
 from .scheduling import Scheduling, StepPlan, seed
 from .store import Store, probe
+from .transfer import Blocks, block_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -186,7 +188,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
         self._rank = 0
         self._store: Store | None = None
         self._reporter: report.Reporter | None = None
-        self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
+        self._blocks: Blocks | None = None  # the layers' KV caches, in name order
         self._pins: dict[str, list[bytes]] = {}
         self._load_errors: set[int] = set()
         parallel = vllm_config.parallel_config
@@ -277,20 +279,25 @@ class LuciaTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         blocks = self._kv_cache_config.num_blocks
-        self._layers = []
+        layers = []
         for name in sorted(kv_caches):
             cache = kv_caches[name]
-            dims = [d for d in range(min(2, cache.dim())) if cache.shape[d] == blocks]
-            if not dims:
-                raise ValueError(f"KV cache {name} of shape {tuple(cache.shape)} has no block dim")
-            self._layers.append((name, cache, dims[0]))
+            try:
+                layers.append(block_view(cache, blocks))
+            except ValueError:
+                raise ValueError(
+                    f"KV cache {name} of shape {tuple(cache.shape)} has no block dim"
+                ) from None
+        self._blocks = Blocks(layers)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is None or self._store is None:
+        if plan is None or self._store is None or self._blocks is None:
             return
         for finished in plan.finished:
             self._unpin(finished)
+        size = self._blocks.block_bytes
+        found: list[tuple[int, bytes]] = []  # every request's blocks up to its first failure
         for load in plan.loads:
             keys = [key for _, key in load.blocks]
             self._store.pin(keys)
@@ -300,10 +307,21 @@ class LuciaTierConnector(KVConnectorBase_V1):
                 # after a failure the rest is still read: a damaged copy is found and removed
                 # now, so the recomputed block is saved in its place
                 data = self._store.load(key)
-                if failed is None and (data is None or not self._inject(block_id, data)):
+                if failed is not None:
+                    continue
+                if data is not None and len(data) != size:
+                    log.warning("a KV block of %d bytes, expected %d: not loaded", len(data), size)
+                if data is None or len(data) != size:
                     failed = position
+                else:
+                    found.append((block_id, data))
             if failed is not None:
                 self._load_errors.update(b for b, _ in load.blocks[failed:])
+        try:
+            self._blocks.load(found)  # the step's blocks in one copy and one wait
+        except (RuntimeError, ValueError) as exc:  # recomputed, never the engine's end
+            log.warning("%d KV blocks not loaded: %s", len(found), exc)
+            self._load_errors.update(block_id for block_id, _ in found)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -319,14 +337,23 @@ class LuciaTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan is None or self._store is None:
+        if plan is None or self._store is None or self._blocks is None:
             return
+        blocks: list[tuple[int, bytes]] = []
         for save in plan.saves:
             keys = [key for _, key in save.blocks]
             self._store.pin(keys)
             self._pins.setdefault(save.request_id, []).extend(keys)
-            for block_id, key in save.blocks:
-                self._store.save(key, self._extract(block_id))
+            blocks.extend(save.blocks)
+        if not blocks:
+            return
+        try:
+            found = self._blocks.save([block_id for block_id, _ in blocks])  # one copy, one wait
+        except (RuntimeError, ValueError) as exc:  # a cache, never the engine's end
+            log.warning("%d KV blocks not saved: %s", len(blocks), exc)
+            return
+        for (_, key), data in zip(blocks, found, strict=True):
+            self._store.save(key, data)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for request_id in finished_req_ids:
@@ -380,25 +407,3 @@ class LuciaTierConnector(KVConnectorBase_V1):
         keys = self._pins.pop(request_id, None)
         if keys and self._store is not None:
             self._store.unpin(keys)
-
-    def _extract(self, block_id: int) -> bytes:
-        parts = []
-        for _, cache, dim in self._layers:
-            block = cache.select(dim, block_id).contiguous()
-            parts.append(block.view(torch.uint8).reshape(-1).numpy().tobytes())
-        return b"".join(parts)
-
-    def _inject(self, block_id: int, data: bytes) -> bool:
-        expected = sum(c.select(d, 0).numel() * c.element_size() for _, c, d in self._layers)
-        if len(data) != expected:
-            log.warning("a KV block of %d bytes, expected %d: not loaded", len(data), expected)
-            return False
-        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        offset = 0
-        for _, cache, dim in self._layers:
-            target = cache.select(dim, block_id)
-            size = target.numel() * target.element_size()
-            part = source[offset : offset + size].view(cache.dtype).reshape(target.shape)
-            target.copy_(part)
-            offset += size
-        return True

@@ -93,6 +93,41 @@ def test_only_the_docker_package_imports_the_docker_sdk() -> None:
     assert outside == []
 
 
+def top_imports(path: Path) -> set[str]:
+    """The top-level packages a file imports, wherever in the file (absolute imports only)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "allowed"),
+    [
+        # the extras read a request's prompt embeddings, which only vLLM hands over
+        (
+            "torch",
+            {
+                "kvplugin/lucia_kv/connector.py",
+                "kvplugin/lucia_kv/transfer.py",
+                "kvplugin/lucia_kv/extras.py",
+            },
+        ),
+        ("vllm", {"kvplugin/lucia_kv/connector.py"}),
+    ],
+)
+def test_only_the_connector_and_its_helpers_import_torch_and_vllm(
+    package: str, allowed: set[str]
+) -> None:
+    files = [*(ROOT / "supervisor").rglob("*.py"), *(ROOT / "kvplugin").rglob("*.py")]
+    importers = {str(p.relative_to(ROOT)) for p in files if package in top_imports(p)}
+    assert importers, f"the scan found no import of {package} at all"
+    assert sorted(importers - allowed) == []
+
+
 def readme_layout() -> list[str]:
     """The paths the README's Layout block names: one entry a line, its first word, two spaces
     of indent per folder level (a folder's name ends in /; its line stands for its package)."""
