@@ -86,3 +86,54 @@ def test_vllm_names_items_by_content_unless_both_of_its_caches_are_off(
     reader = RequestExtras(config, 16)
     read = reader.of(_request(mm_features=[_item("h", 0, 4)]))
     assert (read is not None) is by_content
+
+
+BLOCK = 4
+
+
+def _expected(rows: Any, mask: list[bool] | None = None) -> bytes:
+    """A block's digest from its rows, written out from embeds_digests' docstring; the bytes
+    taken as 16-bit integers, another road to the same memory."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256(f"{rows.dtype}{tuple(rows.shape)}".encode())
+    digest.update(rows.contiguous().view(torch.int16).numpy().tobytes())
+    if mask is not None:
+        digest.update(bytes(mask))
+    return digest.digest()
+
+
+def test_prompt_embeddings_are_keyed_per_block_by_their_bytes_and_positions() -> None:
+    import torch  # in the test extras
+
+    generator = torch.Generator().manual_seed(25)
+    embeds = torch.randn(10, 3, generator=generator).to(torch.bfloat16)  # 2 full blocks, 2 rows
+    digests = request_extras(_request(prompt_embeds=embeds), BLOCK, mm_by_content=True)
+    assert digests is not None
+    assert digests.embeds == tuple(
+        _expected(embeds[start : start + BLOCK]) for start in range(0, 10, BLOCK)
+    )
+
+    changed = embeds.clone()
+    changed[5, 1] += 1  # block 1 only
+    other = request_extras(_request(prompt_embeds=changed), BLOCK, mm_by_content=True)
+    assert other is not None
+    assert [a == b for a, b in zip(digests.embeds, other.embeds, strict=True)] == [
+        True,
+        False,
+        True,
+    ]
+
+    as_f32 = request_extras(_request(prompt_embeds=embeds.float()), BLOCK, mm_by_content=True)
+    assert as_f32 is not None
+    assert set(as_f32.embeds).isdisjoint(digests.embeds)  # the dtype is keyed
+
+    mask = [True, False, True, True, False, False, True, True, True, True]
+    mixed = request_extras(
+        _request(prompt_embeds=embeds, prompt_is_token_ids=mask), BLOCK, mm_by_content=True
+    )
+    assert mixed is not None
+    assert mixed.embeds[0] == _expected(embeds[:BLOCK], mask[:BLOCK])
+    assert mixed.embeds[0] != digests.embeds[0]  # which positions are embeddings is keyed
