@@ -342,7 +342,7 @@ class Engine(EngineDirs):
               {"shm_size": "64m", "memory": "512m", **self.run_extra,
                # the HF cache the model download fills; extra volumes come on top of it
                "volumes": [{"source": str(self.root / "hf-cache"),
-                            "target": "/root/.cache/huggingface"},
+                            "target": "/var/cache/huggingface"},
                            *self.run_extra.get("volumes", [])]}.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")

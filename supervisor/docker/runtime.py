@@ -170,6 +170,7 @@ class Runtime:
             created = api.create_container(
                 spec.image,
                 name=spec.name,
+                user=spec.user,
                 command=list(spec.command) or None,
                 environment=dict(spec.environment),
                 labels=dict(spec.labels),
@@ -245,11 +246,13 @@ class Runtime:
         labels: dict[str, str],
         progress: Progress,
         cancel: threading.Event,
+        user: str | None = None,
     ) -> tuple[int, list[str]]:
         """Run a short-lived container to its end, its output relayed as progress (a progress
         bar redrawn with \\r as its latest redraw), and remove it: its exit code and the last
-        lines. A cancel kills and removes it at once (Cancelled). Containers carrying the same
-        labels that a killed worker left behind are removed first."""
+        lines. A cancel kills and removes it at once (Cancelled). It runs as user ("uid:gid";
+        None: the image's). Containers carrying the same labels that a killed worker left behind
+        are removed first."""
         api = self.api
         marks = {**labels, MANAGED: "step"}
         for left in self.containers([f"{k}={v}" for k, v in marks.items()], running=False):
@@ -263,7 +266,7 @@ class Runtime:
         with _translated(f"creating a step container on {image[:19]}"):
             created = api.create_container(
                 image, entrypoint=[entrypoint], command=command, environment=environment,
-                labels=marks, host_config=host_config,
+                labels=marks, host_config=host_config, user=user,
             )
         cid = created["Id"]
         tail: list[str] = []

@@ -71,6 +71,7 @@ class RunSpec:
     ipc_mode: str | None = None
     ulimits: Mapping[str, int] = field(default_factory=dict)
     mounts: tuple[Mount, ...] = ()
+    user: str | None = None  # "uid:gid" the container runs as; None: the image's own user
 
     def fingerprint(self) -> str:
         """Per setting a short digest, as `image=…,command=…,…`: stored as a container label,
@@ -78,6 +79,8 @@ class RunSpec:
         return ",".join(f"{key}={_digest(value)}" for key, value in self._settings().items())
 
     def _settings(self) -> dict[str, object]:
+        # the user only when one is set: containers created before it existed stay as they are
+        user: dict[str, object] = {} if self.user is None else {"user": self.user}
         return {
             "image": self.image,
             "command": list(self.command),
@@ -92,6 +95,7 @@ class RunSpec:
             ],
             "mounts": [[m.source, m.target, m.read_only] for m in self.mounts],
             "labels": {k: v for k, v in sorted(self.labels.items()) if k not in labels.BOOKKEEPING},
+            **user,
         }
 
 

@@ -51,7 +51,7 @@ def test_the_real_vllm_image_serves_on_this_gpu(
         vllm_model=model, revision=revision, ready_timeout=1800,
         vllm={"served_name": "gpu-check", "max_model_len": 2048, "memory": 80},
         run_extra={"gpus": "all", "shm_size": "10g", "memory": "26g",
-                   "volumes": [{"source": str(hf_cache), "target": "/root/.cache/huggingface"}]},
+                   "volumes": [{"source": str(hf_cache), "target": "/var/cache/huggingface"}]},
     )
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "running", timeout=2400)

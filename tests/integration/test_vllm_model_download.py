@@ -5,12 +5,15 @@
 The token rules: a token only when the recipe gives one, as a read-only 0400 file named by
 HF_TOKEN_PATH, never in the container's environment or arguments; without one a token in the
 cache (`~/.cache/huggingface/token`, mounted with it) or in the settings is never sent. A cancel
-ends a slow download at once and leaves no container.
+ends a slow download at once and leaves no container. The CLI runs as the worker's uid and gid
+(account.py): as a uid the image has no passwd entry for, it downloads all the same and every
+file it leaves is that uid's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -24,7 +27,7 @@ from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Mount
 from supervisor.engines.base import StepContext
-from supervisor.engines.vllm import model
+from supervisor.engines.vllm import account, model
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.errors import Cancelled
 from tests.fixtures import RUN_ID, TEST_LABEL
@@ -59,7 +62,7 @@ def _download(
     lines: list[str] | None = None, name: str = "",
 ) -> None:
     inside = model.snapshot({}, REPO, REVISION)
-    volumes = (Mount(str(cache), "/root/.cache/huggingface"),)
+    volumes = (Mount(str(cache), "/var/cache/huggingface"),)
     where = model.Where(image, network, volumes, model.on_host(inside, volumes))
     seen = lines if lines is not None else []
     model.download(
@@ -155,3 +158,22 @@ def test_a_cancel_ends_a_slow_download_within_a_second_and_inspect_shows_no_toke
     assert took < 1.5, f"cancel took {took:.2f}s"
     assert client.containers.list(all=True, filters={"label": f"{labels.NAME}={name}"}) == []
     print(f"cancel of a slow download: {took:.2f} s")
+
+
+def test_as_a_uid_without_a_passwd_entry_it_downloads_and_every_file_is_that_uids(
+    vllm_cpu_image: str, network: tuple[str, str], tiny_repo: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's uid when it is not root, as `docker run --user` gives it: the image has no
+    passwd entry for it (no HOME but /, which it cannot write)."""
+    uid = gid = 4242
+    monkeypatch.setattr(account, "user", lambda: f"{uid}:{gid}")
+    cache = tmp_path / "hf"
+    cache.mkdir(mode=0o700)
+    os.chown(cache, uid, gid)  # the service user's own cache
+    with Hub(REPO, REVISION, tiny_repo, network[1]) as hub:
+        _download(vllm_cpu_image, network[0], cache, hub, secrets={})
+    snapshot = cache / "hub" / "models--lucia-test--tiny-llama" / "snapshots" / REVISION
+    assert (snapshot / "config.json").read_bytes() == (tiny_repo / "config.json").read_bytes()
+    owners = {(p.lstat().st_uid, p.lstat().st_gid) for p in cache.rglob("*")}
+    assert owners == {(uid, gid)}, owners

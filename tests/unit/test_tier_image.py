@@ -7,6 +7,7 @@ import dataclasses
 import email.parser
 import hashlib
 import json
+import os
 import shutil
 import zipfile
 from importlib import metadata
@@ -290,11 +291,18 @@ def test_the_check_script_refuses_another_version(plugin: Plugin, tmp_path: Path
 
 
 def test_the_context_holds_the_dockerfile_and_the_files(plugin: Plugin, tmp_path: Path) -> None:
-    context = tier_image.write_context(plugin, BASE, tmp_path / "context")
+    before = os.umask(0o027)  # the unit's UMask
+    try:
+        context = tier_image.write_context(plugin, BASE, tmp_path / "context")
+    finally:
+        os.umask(before)
     assert (context / "Dockerfile").read_text() == tier_image.dockerfile(plugin, BASE)
     connector = context / "site-packages" / "lucia_kv" / "connector.py"
     assert connector.read_bytes() == (tier_image.SOURCE / "lucia_kv" / "connector.py").read_bytes()
     assert (connector.stat().st_mode & 0o777) == 0o644
+    site = context / "site-packages"
+    for path in (site, *site.rglob("*")):  # what the engine, not root, must read
+        assert (path.stat().st_mode & 0o777) == (0o755 if path.is_dir() else 0o644), path
     with pytest.raises(ValueError, match="is not empty"):
         tier_image.write_context(plugin, BASE, context)
     request = tier_image.build_request(plugin, "lucia-vllm-cpu:1", BASE, context, nocache=True)

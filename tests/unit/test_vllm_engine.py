@@ -193,7 +193,7 @@ LUCIA_KV_KEY = "{tmp / 'kv.key'}"
 {secrets}
 [run]
 port = 8000
-volumes = [{{ source = "{tmp / 'hf'}", target = "/root/.cache/huggingface" }}]
+volumes = [{{ source = "{tmp / 'hf'}", target = "/var/cache/huggingface" }}]
 """
     )
     assert isinstance(parsed, VllmRecipe)
@@ -302,7 +302,7 @@ def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_pat
         found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
                    StepContext(threading.Event(), lambda _line: None))
     assert "no writable [run] volume holds the Hugging Face cache" in str(refused.value)
-    assert 'target = "/root/.cache/huggingface"' in str(refused.value)
+    assert 'target = "/var/cache/huggingface"' in str(refused.value)
 
 
 class _Recording(_Images):
@@ -339,7 +339,7 @@ revision = "0123456789abcdef0123456789abcdef01234567"
 port = 8000
 memory = "4g"
 shm_size = "512m"
-volumes = [{{ source = "{tmp_path / 'hf'}", target = "/root/.cache/huggingface" }}]
+volumes = [{{ source = "{tmp_path / 'hf'}", target = "/var/cache/huggingface" }}]
 """
     )
     assert isinstance(parsed, VllmRecipe)
@@ -364,7 +364,7 @@ class _ProgressLast(_Images):
         progress = kwargs["progress"]
         assert callable(progress)
         for line in ("✓ Downloaded",
-                     "  path: /root/.cache/huggingface/hub/models--...napshots/0123",
+                     "  path: /var/cache/huggingface/hub/models--...napshots/0123",
                      "Fetching 5 files: 100%|██████████| 5/5 [00:00<00:00, 138.44it/s]"):
             progress(line)
         return 0, ["done"]

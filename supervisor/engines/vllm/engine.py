@@ -25,7 +25,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
-from supervisor.engines.vllm import cpu, probes, secretfiles, tier_image
+from supervisor.engines.vllm import account, cpu, probes, secretfiles, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
@@ -344,7 +344,8 @@ class Vllm(ContainerEngine):
         tiers = kv_tiers.container(plan, space, self.key_id())
         names = self._file_secrets()
         given = secretfiles.plan(self._secrets_root, names)
-        environment = {k: v for k, v in base.environment.items() if k not in names}
+        environment = {k: v for k, v in account.environment(base.environment).items()
+                       if k not in names}  # as the worker's user, HOME and HF_HOME its own
         environment.update(given.environment)  # paths of read-only files, never the values
         if self.recipe.vllm.model.hf is not None:  # downloaded by its own step: never at load
             environment.setdefault("HF_HUB_OFFLINE", "1")
@@ -360,6 +361,7 @@ class Vllm(ContainerEngine):
             shm_size=f"{tiers.shm_size}b" if tiers.shm_size else base.shm_size,
             memory=f"{tiers.memory}b" if tiers.memory else base.memory,
             labels={**base.labels, NAMESPACE_LABEL: space},
+            user=account.user(),  # the tier directories' owner (prepare): the worker's uid
         )
 
     def mounts(self) -> tuple[Mount, ...]:

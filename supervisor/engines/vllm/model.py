@@ -22,12 +22,11 @@ from typing import Final
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Mount
 from supervisor.engines.base import StepContext
-from supervisor.engines.vllm import secretfiles
+from supervisor.engines.vllm import account, secretfiles
 from supervisor.errors import BuildFailed, Permanent
 
 PYTHON: Final = "python3"
 HF_CLI: Final = ("-m", "huggingface_hub.cli.hf")  # the `hf` console script's module
-CONTAINER_HOME: Final = "/root"  # the vLLM images run as root
 TOKEN_NAMES: Final = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 NO_TOKEN: Final = {"HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
 
@@ -62,11 +61,10 @@ def command(repo_id: str, revision: str) -> list[str]:
 
 def hub_cache(settings: Mapping[str, str]) -> PurePosixPath:
     """Where huggingface_hub keeps its cache inside the container (its own rules: HF_HUB_CACHE,
-    else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    else HF_HOME/hub; HF_HOME is the recipe's, else account.HF_HOME, which the engine is given)."""
     if settings.get("HF_HUB_CACHE"):
         return PurePosixPath(settings["HF_HUB_CACHE"])
-    home = settings.get("HF_HOME") or f"{CONTAINER_HOME}/.cache/huggingface"
-    return PurePosixPath(home) / "hub"
+    return PurePosixPath(settings.get("HF_HOME") or account.HF_HOME) / "hub"
 
 
 def snapshot(settings: Mapping[str, str], repo_id: str, revision: str) -> PurePosixPath:
@@ -143,8 +141,9 @@ def download(
     labels: dict[str, str],
     ctx: StepContext,
 ) -> None:
-    """The hf CLI of the engine image in a short-lived container on the engine's network, with
-    the run volumes (the HF cache) and the recipe's settings as its whole environment; the
+    """The hf CLI of the engine image in a short-lived container on the engine's network, as the
+    engine's user (account.py: the files it leaves are the worker's), with the run volumes (the
+    HF cache) and the recipe's settings (account.environment) as its whole environment; the
     token, only when the recipe gives one, as a read-only 0400 file named by HF_TOKEN_PATH,
     else HF_HUB_DISABLE_IMPLICIT_TOKEN=1. Its output is the progress, and the snapshot it
     left is the last line; a cancel kills it."""
@@ -152,9 +151,9 @@ def download(
         raise Permanent(
             f"no writable [run] volume holds the Hugging Face cache {hub_cache(settings)}, so "
             'the download would be lost with its container; add volumes = [{ source = '
-            '"~/.cache/huggingface", target = "/root/.cache/huggingface" }]'
+            f'"~/.cache/huggingface", target = "{account.HF_HOME}" }}]'
         )
-    env = {k: v for k, v in settings.items() if k not in TOKEN_NAMES}
+    env = {k: v for k, v in account.environment(settings).items() if k not in TOKEN_NAMES}
     mounts = where.volumes
     token = next((n for n in TOKEN_NAMES if n in secrets), None)
     if token is None:
@@ -175,6 +174,7 @@ def download(
         labels=labels,
         progress=ctx.progress,
         cancel=ctx.cancel,
+        user=account.user(),
     )
     if code != 0:
         raise BuildFailed(f"download of {what.repo_id} (exit {code})", tail)

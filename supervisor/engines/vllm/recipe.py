@@ -7,7 +7,7 @@ from typing import Annotated, Final, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
-from supervisor.engines.vllm import cpu
+from supervisor.engines.vllm import account, cpu
 from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, Parallel, TierPlan, data_parallel
 from supervisor.recipe import reference
@@ -178,6 +178,15 @@ class VllmRecipe(RecipeBase):
                     "tiers.shm_bytes needs run.memory larger than run.shm_size "
                     "(shared memory counts against the container's limit)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _not_root(self) -> Self:
+        """The engine runs as the service user (account.py): nothing it needs may be in /root."""
+        targets = [volume.target for volume in self.run.volumes]
+        why = account.refused_paths(targets, self.environment)
+        if why is not None:
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -207,15 +207,19 @@ def dockerfile(plugin: Plugin, base: str, site: str = SITE_PACKAGES) -> str:
 
 def write_context(plugin: Plugin, base_id: str, directory: Path, site: str = SITE_PACKAGES) -> Path:
     """Write the build context (Dockerfile FROM base_id, the installed files) into an empty
-    directory."""
+    directory. The copied files are 0644 and their directories 0755 whatever the umask says
+    (the unit's is 0027): the engine, which runs as the service user, not root, reads them."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     if any(directory.iterdir()):
         raise ValueError(f"build context {directory} is not empty")
+    copied = directory / CONTEXT_SITE
     for relative, data in installed_files(plugin).items():
-        path = directory / CONTEXT_SITE / relative
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path = copied / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         path.chmod(0o644)
+    for made in (copied, *(p for p in copied.rglob("*") if p.is_dir())):
+        made.chmod(0o755)
     (directory / "Dockerfile").write_text(dockerfile(plugin, base_id, site))
     return directory
 
