@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import pwd
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
 ENGINE_HOME: Final = "/tmp"  # HOME of the engine: present and writable by any uid
@@ -36,14 +36,15 @@ def _name(uid: int) -> str:
         return str(uid)
 
 
-def environment(settings: Mapping[str, str]) -> dict[str, str]:
+def environment(settings: Mapping[str, str], leaving_out: Collection[str] = ()) -> dict[str, str]:
     """The recipe's settings with HOME, USER and LOGNAME (torch's cache names ask for a user
     name, which a uid without a passwd entry lacks) and HF_HOME by default; the recipe's own
-    HF_HOME or HF_HUB_CACHE win."""
+    HF_HOME or HF_HUB_CACHE win. Settings named in leaving_out (secrets and tokens, which go in
+    as files if at all) are left out."""
     name = _name(os.getuid())
     found = {"HOME": ENGINE_HOME, "USER": name, "LOGNAME": name, **settings}
     found.setdefault("HF_HOME", HF_HOME)
-    return found
+    return {key: value for key, value in found.items() if key not in leaving_out}
 
 
 def under_root(path: str) -> bool:

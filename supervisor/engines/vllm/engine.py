@@ -333,9 +333,8 @@ class Vllm(ContainerEngine):
     def engine_args(self) -> tuple[str, ...]:
         """The layout's flags, then the connector when there are tiers: its settings are in the
         environment (run_spec) and the key in its file, never in argv."""
-        tiers = ("--kv-transfer-config", tier_image.transfer_config()) if self.recipe.tiers.any \
-            else ()
-        return (*self.recipe.layout_args(), *tiers)
+        tiers = ("--kv-transfer-config", tier_image.transfer_config())
+        return (*self.recipe.layout_args(), *(tiers if self.recipe.tiers.any else ()))
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         base = super().run_spec(found, endpoint)
@@ -344,8 +343,7 @@ class Vllm(ContainerEngine):
         tiers = kv_tiers.container(plan, space, self.key_id())
         names = self._file_secrets()
         given = secretfiles.plan(self._secrets_root, names)
-        environment = {k: v for k, v in account.environment(base.environment).items()
-                       if k not in names}  # as the worker's user, HOME and HF_HOME its own
+        environment = account.environment(base.environment, leaving_out=names)  # HOME, HF_HOME
         environment.update(given.environment)  # paths of read-only files, never the values
         if self.recipe.vllm.model.hf is not None:  # downloaded by its own step: never at load
             environment.setdefault("HF_HUB_OFFLINE", "1")

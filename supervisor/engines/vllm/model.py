@@ -153,7 +153,7 @@ def download(
             'the download would be lost with its container; add volumes = [{ source = '
             f'"~/.cache/huggingface", target = "{account.HF_HOME}" }}]'
         )
-    env = {k: v for k, v in account.environment(settings).items() if k not in TOKEN_NAMES}
+    env = account.environment(settings, leaving_out=TOKEN_NAMES)
     mounts = where.volumes
     token = next((n for n in TOKEN_NAMES if n in secrets), None)
     if token is None:
