@@ -27,7 +27,9 @@ from typing import Any
 
 import docker
 import pytest
+from lucia_kv.tier import NAME as BLOCK_NAME
 
+from supervisor.engines.vllm import account
 from supervisor.engines.vllm import preflight as pf
 from tests import http_json
 from tests.fixtures import Engine
@@ -77,7 +79,8 @@ def from_tiers(url: str) -> float:
 
 
 def block_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")]
+    """The block files under a tier root (not temp files, not the owner lock)."""
+    return [p for p in root.rglob("*") if p.is_file() and BLOCK_NAME.fullmatch(p.name)]
 
 
 def wait_for(check: Callable[[], bool], what: str, limit: float = 300) -> None:
@@ -103,7 +106,7 @@ def test_a_repeat_after_a_restart_is_loaded_from_the_tiers_into_the_gpu(
         vllm={"served_name": SERVED, "max_model_len": 4096, "memory": 80,
               "prefix_caching": False},
         run_extra={"gpus": "all", "shm_size": "10g", "memory": "26g",
-                   "volumes": [{"source": str(hf_cache), "target": "/root/.cache/huggingface"}]},
+                   "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}]},
     )  # fmt: skip
     engine.start_worker()
     status = running(engine)

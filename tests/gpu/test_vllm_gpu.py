@@ -25,6 +25,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from supervisor.engines.vllm import account
 from supervisor.engines.vllm import preflight as pf
 from supervisor.hw import gpu
 from tests.fixtures import Engine
@@ -51,7 +52,7 @@ def test_the_real_vllm_image_serves_on_this_gpu(
         vllm_model=model, revision=revision, ready_timeout=1800,
         vllm={"served_name": "gpu-check", "max_model_len": 2048, "memory": 80},
         run_extra={"gpus": "all", "shm_size": "10g", "memory": "26g",
-                   "volumes": [{"source": str(hf_cache), "target": "/var/cache/huggingface"}]},
+                   "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}]},
     )
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "running", timeout=2400)
