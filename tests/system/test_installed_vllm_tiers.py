@@ -22,6 +22,7 @@ from typing import Any
 
 import docker
 import pytest
+from lucia_kv.tier import NAME as BLOCK_NAME
 
 from supervisor.engines.vllm import tier_image
 from tests import http_json
@@ -99,8 +100,12 @@ class Served:
         return status
 
     def tier_files(self, tier: str) -> list[Path]:
+        """Every file the engine left in a tier (blocks, the owner lock), temp files aside."""
         return sorted(p for p in (self.work / f"kv-{tier}").rglob("*")
                       if p.is_file() and not p.name.startswith(".tmp-"))
+
+    def blocks(self, tier: str) -> list[Path]:
+        return [p for p in self.tier_files(tier) if BLOCK_NAME.fullmatch(p.name)]
 
 
 def _complete(url: str) -> tuple[tuple[int, ...], float]:
@@ -172,7 +177,7 @@ def test_the_service_users_engine_reuses_the_tiers_after_a_stop_and_start(
     assert cold_external == 0.0
 
     def written() -> bool:  # vLLM's SIGTERM drops the writers' queue: wait for every block
-        return all(len(served.tier_files(t)) >= FULL_BLOCKS for t in ("nvme", "hdd"))
+        return all(len(served.blocks(t)) >= FULL_BLOCKS for t in ("nvme", "hdd"))
 
     wait_until(written, "every block on NVMe and HDD")
     served.request("stopped")
