@@ -39,6 +39,7 @@ from supervisor.recipe.schema import parse_bytes
 from tests import http_json
 from tests.fixtures import REPO_TEMPLATE, RUN_ID, Engine, _repo
 from tests.gguf_fixtures import add_model
+from tests.kv.support import flip_one_byte
 from tests.vllm_cpu import BLOCK_TOKENS, PROMPT_SOURCE, wait_for
 
 pytestmark = pytest.mark.docker
@@ -338,19 +339,6 @@ def test_the_key_is_in_no_argument_environment_status_or_worker_output(
     for where, data in (("status.json", status), ("the worker's output", output)):
         assert key_hex.encode() not in data, where
         assert raw not in data, where
-
-
-def flip_one_byte(path: Path) -> None:
-    """Flip a byte inside the sealed payload (`length | payload | padding`: the padding is
-    outside what AES-GCM authenticates), in place."""
-    data = bytearray(path.read_bytes())
-    length = int.from_bytes(data[:8], "little")
-    assert 0 < length <= len(data) - 8, (path, length, len(data))
-    data[8 + length // 2] ^= 0xFF
-    with path.open("r+b") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def test_with_the_nvme_copy_deleted_the_hdd_serves_and_the_copy_comes_back(

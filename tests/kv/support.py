@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from lucia_kv import version
@@ -40,3 +41,16 @@ def payload(n: int, size: int) -> bytes:
     """Bytes that differ per block, so a block served for another is caught."""
     seed = hashlib.sha256(f"payload {n}".encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
+
+
+def flip_one_byte(path: Path) -> None:
+    """Flip a byte inside the sealed payload (`length | payload | padding`: the padding is
+    outside what AES-GCM authenticates), in place."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    assert 0 < length <= len(data) - 8, (path, length, len(data))
+    data[8 + length // 2] ^= 0xFF
+    with path.open("r+b") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
