@@ -4,7 +4,9 @@ user `lucia`, its systemd user service, the real vLLM 0.32.0 CPU server on the t
 The worker creates the tier namespaces 0700 as lucia; the engine container runs as lucia's uid
 and gid, so the tier plugin (which opens only directories its own uid owns) opens them, and a
 prompt answered before a stop and start through the protocol comes back from the tiers after
-it. Every file the engine wrote is lucia's: lucia can remove it all.
+it; with the NVMe copy deleted the HDD serves it and the copy comes back; with a byte flipped in
+every block the answer is recomputed, the same, by the same engine, and every block is saved
+again. Every file the engine wrote is lucia's: lucia can remove it all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lucia_kv.tier import NAME as BLOCK_NAME
 from supervisor.engines.vllm import tier_image
 from tests import http_json
 from tests.gguf_fixtures import add_model
+from tests.kv.support import flip_one_byte
 from tests.standin import free_port
 from tests.system.harness import RUN_ID, USER, Installation, as_user, systemctl, wait_for
 from tests.vllm_cpu import BLOCK_TOKENS, PROMPT_SOURCE
@@ -166,7 +169,7 @@ def served(installation: Installation, client: docker.DockerClient, vllm_cpu_ima
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_the_service_users_engine_reuses_the_tiers_after_a_stop_and_start(
+def test_the_service_users_engine_reuses_its_tiers_after_a_restart_a_lost_copy_and_damage(
     served: Served, client: docker.DockerClient
 ) -> None:
     uid = served.installed.uid
@@ -187,6 +190,37 @@ def test_the_service_users_engine_reuses_the_tiers_after_a_stop_and_start(
     print(f"\nafter the restart: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers")
     assert external == FULL_BLOCKS * BLOCK_TOKENS
     assert warm == cold
+
+    # the HDD serves a deleted NVMe copy, and the copy comes back, written by the engine
+    on_nvme = {path.name for path in served.blocks("nvme")}
+    assert len(on_nvme) == FULL_BLOCKS
+    for path in served.blocks("nvme"):
+        path.unlink()
+    again, total = _complete(status["url"])
+    print(f"NVMe copy deleted: {total - external:.0f} prompt tokens from the tiers")
+    assert total - external == FULL_BLOCKS * BLOCK_TOKENS
+    assert again == cold
+    wait_until(lambda: {path.name for path in served.blocks("nvme")} == on_nvme,
+               "the NVMe copy back", lambda: f"({len(served.blocks('nvme'))} blocks)")
+
+    # a flipped byte in every block of both tiers: a miss, the cold answer from the same
+    # engine, and every damaged block saved again (sealed afresh: other bytes)
+    engine_id = client.containers.get(served.installed.container).id
+    damaged = [*served.blocks("nvme"), *served.blocks("hdd")]
+    assert len(damaged) == 2 * FULL_BLOCKS
+    for path in damaged:
+        flip_one_byte(path)
+    flipped = {path: path.read_bytes() for path in damaged}
+    recomputed, _ = _complete(status["url"])
+    assert recomputed == cold
+    assert client.containers.get(served.installed.container).id == engine_id
+    assert (served.installed.status() or {}).get("state") == "running"
+
+    def still_damaged() -> list[Path]:
+        return [path for path in flipped if _read(path) in (flipped[path], None)]
+
+    wait_until(lambda: not still_damaged(), "every damaged block saved again",
+               lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)")
     served.request("stopped")
     # what the engine wrote is lucia's, owner-only, and lucia (the worker) removes all of it
     for tier in ("nvme", "hdd"):
@@ -196,3 +230,10 @@ def test_the_service_users_engine_reuses_the_tiers_after_a_stop_and_start(
         root = served.work / f"kv-{tier}"
         as_user("rm", "-r", str(root))
         assert not root.exists()
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
