@@ -6,10 +6,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.protocol.documents import TargetGroup
+
+# the log lines read of a container that exited: a failed start's whole log, since its root
+# cause is often far above its last line (worker/exits.py finds it)
+EXIT_LOG_LINES: Final = 1000
 
 
 class Prerequisite(Protocol):

@@ -11,20 +11,24 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
 
 from supervisor import logs, redaction
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
-from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
+from supervisor.engines.base import (
+    EXIT_LOG_LINES,
+    Endpoint,
+    Observed,
+    Prerequisite,
+    StepContext,
+)
 from supervisor.errors import Blocked, Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
-_LOG_WINDOW: Final = 1000  # the lines of an exited container read: a failed start's whole log
 log = logs.get("engine")
 
 
@@ -191,7 +195,7 @@ class ContainerEngine:
         """Why an exited container of ours died is in its log, often far above its last line."""
         if container is None or container.running or not container.managed:
             return ()
-        return tuple(self.runtime.logs(container.id, tail=_LOG_WINDOW))
+        return tuple(self.runtime.logs(container.id, tail=EXIT_LOG_LINES))
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         match what:

@@ -11,9 +11,9 @@ from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, RunSpec
-from supervisor.engines.base import Engine, StepContext
+from supervisor.engines.base import EXIT_LOG_LINES, Engine, StepContext
 from supervisor.errors import Cancelled, Permanent
-from supervisor.worker.exits import LOG_WINDOW, exit_message
+from supervisor.worker.exits import exit_message
 from supervisor.worker.steps import (
     AwaitReady,
     Check,
@@ -82,7 +82,7 @@ def last_lines(runtime: Runtime, container_id: str) -> str:
 
 def died(runtime: Runtime, container: Container) -> Permanent:
     """A start that ended: its root cause, exit code and last lines, from the whole log."""
-    return Permanent(exit_message(container, runtime.logs(container.id, tail=LOG_WINDOW)))
+    return Permanent(exit_message(container, runtime.logs(container.id, tail=EXIT_LOG_LINES)))
 
 
 def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepContext) -> None:

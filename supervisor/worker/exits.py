@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from supervisor.docker.spec import Container
+from supervisor.engines.base import EXIT_LOG_LINES
 from supervisor.protocol.documents import MAX_MESSAGE
 
-LOG_WINDOW: Final = 1000  # log lines read of an exited container: a failed start's whole log
 _CAUSE_CHARS: Final = 300  # of the message's 500, so that the exit code and a last line fit
 _TAIL_LINES: Final = 5
 _GAP: Final = 20  # lines between two tracebacks of one failure (a re-raise, another process)
@@ -75,7 +75,7 @@ def _tracebacks(lines: Sequence[str]) -> list[_Traceback]:
 def _exception(lines: Sequence[str], start: int, prefix: str) -> _Traceback | None:
     """The exception line closing the traceback that starts at start: the first line with the
     traceback's prefix (a process or logger mark) that is not indented, nor a frame."""
-    for index in range(start + 1, min(start + LOG_WINDOW, len(lines))):
+    for index in range(start + 1, min(start + EXIT_LOG_LINES, len(lines))):
         line = lines[index]
         if not line.startswith(prefix):
             continue  # another process's line, between this traceback's
