@@ -15,6 +15,8 @@ pytest_plugins = (
         "tests.system.harness",
         "tests.registry",
         "tests.conformance.relay",
+        "tests.schedule",
+        "pytester",
     ]
     if importlib.util.find_spec("docker") is not None
     else []

@@ -47,6 +47,7 @@ def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
     assert "too much memory" in status["message"]
 
 
+@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
 def test_dockerd_restart_while_running_and_while_building(make_engine, client) -> None:
     engine: Engine = make_engine()
     proc, status = engine.up()
@@ -254,6 +255,7 @@ def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, da
 
 
 
+@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
 def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> None:
     """dockerd stopped with SIGSTOP for 25 s while a new request is observed: the loop stays
     alive, the heartbeat keeps its interval, the status says docker did not answer, and the
@@ -324,6 +326,7 @@ def _reconciles(port: int) -> float:
     raise AssertionError("the worker has no lucia_worker_reconciles_total")
 
 
+@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
 @pytest.mark.parametrize("kind", ["tensorfold", "llama-router"])
 def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, request,
                                                                     kind: str) -> None:
