@@ -8,7 +8,9 @@
 
 Variants run interleaved, so drift hits each alike; medians of --rounds. Prints a table; asserts
 nothing about timings. Direct I/O means the page cache holds none of these bytes, so reads come
-from the device every time.
+from the device every time. Besides the wall time, each variant's CPU time (the whole process,
+every thread): the device's time wanders with the machine's load, the CPU time is what the code
+itself costs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -34,7 +37,7 @@ from lucia_kv import blockfile, version  # noqa: E402
 from lucia_kv.config import StoreConfig, TierSpec  # noqa: E402
 from lucia_kv.store import Store  # noqa: E402
 
-from bench.standalone import filesystem, machine, table, timed  # noqa: E402
+from bench.standalone import filesystem, machine, table  # noqa: E402
 
 MIB = 1024 * 1024
 KEY = b"benchmark cache key, 32 bytes ok"
@@ -48,6 +51,13 @@ class PlainSealer:
 
     def open(self, block: bytes, record: bytes | memoryview) -> bytes:
         return bytes(record)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """The wall and CPU (this process, all threads) seconds one call of `fn` took."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def keys_and_data(blocks: int, size: int) -> tuple[list[bytes], list[bytes]]:
@@ -121,12 +131,12 @@ def store_config(directory: Path, total: int, writers: int) -> StoreConfig:
 def run(work: Path, blocks: int, size: int, rounds: int, writers: int) -> list[tuple[str, ...]]:
     keys, data = keys_and_data(blocks, size)
     total = blocks * size
-    samples: dict[str, list[float]] = {}
+    samples: dict[str, list[tuple[float, float]]] = {}
     aead = AESGCM(os.urandom(32))
     nonce = os.urandom(12)
     sealed = [aead.encrypt(nonce, block, key) for key, block in zip(keys, data, strict=True)]
 
-    def add(name: str, seconds: float) -> None:
+    def add(name: str, seconds: tuple[float, float]) -> None:
         samples.setdefault(name, []).append(seconds)
 
     for _ in range(rounds):
@@ -156,7 +166,10 @@ def run(work: Path, blocks: int, size: int, rounds: int, writers: int) -> list[t
             shutil.rmtree(directory)
         add("AES-256-GCM seal, memory only", timed(lambda: seal_all(aead, nonce, keys, data)))
         add("AES-256-GCM open, memory only", timed(lambda: open_all(aead, nonce, keys, sealed)))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians = {
+        name: statistics.median(wall for wall, _ in values) for name, values in samples.items()
+    }
+    cpu = {name: statistics.median(used for _, used in values) for name, values in samples.items()}
     baseline = {"write": "raw O_DIRECT write + fsync", "read": "raw O_DIRECT read"}
     rows = []
     for name, seconds in medians.items():
@@ -167,6 +180,7 @@ def run(work: Path, blocks: int, size: int, rounds: int, writers: int) -> list[t
                 f"{seconds * 1000:.1f} ms",
                 f"{total / seconds / MIB:.0f} MiB/s",
                 f"{seconds / medians[baseline[kind]]:.2f}x",
+                f"{cpu[name] * 1000:.1f} ms",
             )
         )
     return rows
@@ -190,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.rounds} rounds, median, {args.writers} writers, on {fs} ({work})"
         )
         rows = run(work, args.blocks, size, args.rounds, args.writers)
-    table(rows, ("variant", "median", "throughput", "vs raw O_DIRECT"))
+    table(rows, ("variant", "median", "throughput", "vs raw O_DIRECT", "CPU (median)"))
     print(f"load at end {os.getloadavg()[0]:.2f}")
     return 0
 

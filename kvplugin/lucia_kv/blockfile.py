@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
-from typing import Final
+from typing import Final, TypeVar
 
 ALIGN: Final = 4096
 LENGTH_BYTES: Final = 8
@@ -26,6 +26,7 @@ FILE_MODE: Final = 0o600
 Fault = Callable[[str], None]  # called before each step of a write, for fault injection
 STEPS: Final = ("open", "write", "half-written", "fsync", "rename", "dirsync")
 _DIRECT: Final = getattr(os, "O_DIRECT", 0)
+T = TypeVar("T")
 _LOCAL = threading.local()  # one aligned buffer per thread, reused: fresh pages cost faults
 
 
@@ -137,7 +138,14 @@ def write(
 
 
 def read(dir_fd: int, name: str, direct: bool) -> bytes:
-    """The payload of a block file; raises Missing or Short."""
+    """The payload of a block file (a copy); raises Missing or Short."""
+    return read_with(dir_fd, name, direct, bytes)
+
+
+def read_with(dir_fd: int, name: str, direct: bool, use: Callable[[memoryview], T]) -> T:
+    """What `use` makes of the payload of a block file, handed to it as a view of this
+    thread's read buffer: valid only until `use` returns, so `use` keeps nothing of it
+    (no copy is made here). Raises Missing or Short."""
     try:
         fd, used_direct = _open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, direct, dir_fd)
     except FileNotFoundError:
@@ -149,12 +157,13 @@ def read(dir_fd: int, name: str, direct: bool) -> bytes:
         rounded = -(-size // ALIGN) * ALIGN
         buffer = _buffer(rounded)
         got = _read_into(fd, buffer, rounded, direct=used_direct, name=name, dir_fd=dir_fd)
-        length = int.from_bytes(buffer[:LENGTH_BYTES], "little")
-        if LENGTH_BYTES + length > got:
-            raise Short(f"{name}: {got} bytes, its length says {LENGTH_BYTES + length}")
-        return buffer[LENGTH_BYTES : LENGTH_BYTES + length]  # a copy: the buffer is reused
     finally:
         os.close(fd)
+    length = int.from_bytes(buffer[:LENGTH_BYTES], "little")
+    if LENGTH_BYTES + length > got:
+        raise Short(f"{name}: {got} bytes, its length says {LENGTH_BYTES + length}")
+    with memoryview(buffer) as view, view[LENGTH_BYTES : LENGTH_BYTES + length] as payload:
+        return use(payload)
 
 
 def _read_into(

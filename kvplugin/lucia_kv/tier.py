@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from . import blockfile
 from .config import TierSpec
@@ -30,6 +30,7 @@ from .config import TierSpec
 DIR_MODE: Final = 0o700
 NAME: Final = re.compile(r"[0-9a-f]{64}")
 UNLINK: Final = "unlink"  # the fault step before a block file is removed
+T = TypeVar("T")
 
 
 class TierError(Exception):
@@ -203,7 +204,13 @@ class Tier:
     def read(self, name: str) -> bytes:
         """The block's payload (and it becomes most recently used); raises blockfile.Missing
         or blockfile.Short."""
-        data = blockfile.read(self._fd, name, self.direct)
+        return self.read_with(name, bytes)
+
+    def read_with(self, name: str, use: Callable[[memoryview], T]) -> T:
+        """What `use` makes of the block's payload, a view valid only until `use` returns
+        (blockfile.read_with); the block becomes most recently used. Raises
+        blockfile.Missing or blockfile.Short, or what `use` raises."""
+        data = blockfile.read_with(self._fd, name, self.direct, use)
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)

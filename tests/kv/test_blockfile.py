@@ -62,6 +62,43 @@ def test_falls_back_where_o_direct_is_refused(tmp_path: Path, monkeypatch) -> No
         os.close(fd)
 
 
+def test_read_with_hands_over_the_payload_only_while_use_runs(tmp_path: Path) -> None:
+    fd = open_dir(tmp_path / "t")
+    try:
+        blockfile.write(fd, "e" * 64, payload(3, 10_000), direct=True)
+        seen: list[bytes] = []
+
+        def use(view: memoryview) -> memoryview:
+            seen.append(bytes(view))
+            return view
+
+        kept = blockfile.read_with(fd, "e" * 64, True, use)
+        assert seen == [payload(3, 10_000)]
+        with pytest.raises(ValueError, match="released"):
+            bytes(kept)  # the buffer is reused by the next read: no view of it outlives use
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("length", "error"), [(None, blockfile.Missing), (5000, blockfile.Short), (3, blockfile.Short)]
+)
+def test_read_with_never_hands_over_a_missing_or_short_payload(
+    tmp_path: Path, length: int | None, error: type[Exception]
+) -> None:
+    fd = open_dir(tmp_path / "t")
+    try:
+        if length is not None:
+            blockfile.write(fd, "f" * 64, payload(4, 10_000), direct=True)
+            os.truncate(tmp_path / "t" / ("f" * 64), length)
+        used: list[int] = []
+        with pytest.raises(error):
+            blockfile.read_with(fd, "f" * 64, True, lambda view: used.append(len(view)))
+        assert used == []
+    finally:
+        os.close(fd)
+
+
 def test_missing_and_short_files(tmp_path: Path) -> None:
     fd = open_dir(tmp_path / "t")
     try:

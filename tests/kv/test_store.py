@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from lucia_kv import blockfile
+from lucia_kv.sealing import Corrupt
 from lucia_kv.store import Store, block_name, probe
 
 from tests.kv.support import block_key, config, payload
@@ -55,6 +56,48 @@ def test_a_read_from_the_pool_warms_the_faster_tiers(tmp_path: Path) -> None:
         assert store.metrics.get("evictions", "nvme") == 3
         assert store.load(block_key(0)) == payload(0, 100)
         assert store.metrics.get("hits", "nvme") == 1
+    finally:
+        store.close()
+
+
+class ViewSealer:
+    """Seals nothing; records what the store hands it to open."""
+
+    def __init__(self) -> None:
+        self.opened: list[type] = []
+
+    def seal(self, block: bytes, plaintext: bytes | memoryview) -> bytes:
+        return block + bytes(plaintext)
+
+    def open(self, block: bytes, record: bytes | memoryview) -> bytes:
+        self.opened.append(type(record))
+        if bytes(record[: len(block)]) != block:
+            raise Corrupt("another block's record")
+        return bytes(record[len(block) :])
+
+
+def test_a_record_opens_straight_from_the_read_buffer(tmp_path: Path) -> None:
+    sealer = ViewSealer()
+    store = Store(config(tmp_path, {"hdd": 16 * PAGE}), sealer=sealer)
+    try:
+        store.save(block_key(0), payload(0, 9000))
+        store.flush()
+        assert store.load(block_key(0)) == payload(0, 9000)
+        assert sealer.opened == [memoryview]  # not a copy of the record first
+        assert store.metrics.get("read_bytes", "hdd") == blockfile.disk_size(32 + 9000)
+    finally:
+        store.close()
+
+
+def test_loaded_blocks_stay_whole_across_later_reads(tmp_path: Path) -> None:
+    """Each read reuses one buffer: what a load returns must not be a view of it."""
+    store = Store(config(tmp_path, {"hdd": 16 * PAGE}))
+    try:
+        for n in range(3):
+            store.save(block_key(n), payload(n, 5000 + n))
+        store.flush()
+        loaded = [store.load(block_key(n)) for n in range(3)]
+        assert loaded == [payload(n, 5000 + n) for n in range(3)]
     finally:
         store.close()
 
