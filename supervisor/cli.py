@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import paths, waiting
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.schemas import checked_in

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor.engines import registry
+from supervisor.host import protocol as host
 from supervisor.library.models import LibraryUnavailable
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, size
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
-from supervisor.protocol import host
 from supervisor.recipe.schema import Recipe
 
 # A status in one of these may have a container behind it, even with a stale heartbeat (a
