@@ -229,6 +229,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
+    from supervisor.engines.registry import plan_memory
     from supervisor.memplan import overview, probe, settings
     from supervisor.recipe.loader import load
     from supervisor.recipe.schema import RecipeError
@@ -254,7 +255,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_err(f"cannot measure the memory limit: {exc}")
         return EXIT_FAILED
     held = overview.held_from_files(data_dir_from(args.data_dir))
-    plan = overview.build(recipes, machine, memory, held)
+    plan = overview.build(recipes, machine, memory, held, plan_memory)
     if args.json:
         print(json.dumps(overview.as_json(plan), indent=2))
     else:
