@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 from tests.engine_dirs import EngineDirs
 
 from .status import Doc, StatusWatch, Timeout, read_json

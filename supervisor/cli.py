@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import paths, waiting
-from supervisor.protocol import host
+from supervisor.host import keys
+from supervisor.host import protocol as host
 from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.schemas import checked_in
@@ -229,6 +230,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
+    from supervisor.engines.registry import plan_memory
     from supervisor.memplan import overview, probe, settings
     from supervisor.recipe.loader import load
     from supervisor.recipe.schema import RecipeError
@@ -254,12 +256,66 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_err(f"cannot measure the memory limit: {exc}")
         return EXIT_FAILED
     held = overview.held_from_files(data_dir_from(args.data_dir))
-    plan = overview.build(recipes, machine, memory, held)
+    plan = overview.build(recipes, machine, memory, held, plan_memory)
     if args.json:
         print(json.dumps(overview.as_json(plan), indent=2))
     else:
         print(overview.render(plan))
     return EXIT_OK if plan.fits else EXIT_FAILED
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    """The key goes to stdout alone (KEY=$(lucia-supervisor keys create NAME)), once."""
+    now = utc_now()
+    try:
+        expires = keys.parse_expiry(args.expires, now) if args.expires else None
+        new = keys.create(paths.keys_file(data_dir_from(args.data_dir)), args.name, now, expires)
+    except keys.KeysFileInvalid as exc:
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    except (keys.KeyRefused, keys.BadExpiry) as exc:
+        _print_err(str(exc))
+        return EXIT_FAILED
+    entry = new.entry
+    until = f"expires {entry.expires:%Y-%m-%dT%H:%M:%SZ}" if entry.expires else "never expires"
+    _print_err(f"created key {entry.id} ({entry.name}, {until}); it is shown once, here:")
+    print(new.secret)
+    return EXIT_OK
+
+
+def _cmd_keys_list(args: argparse.Namespace) -> int:
+    try:
+        rows = keys.describe(keys.load(paths.keys_file(data_dir_from(args.data_dir))), utc_now())
+    except keys.KeysFileInvalid as exc:
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE")
+    table = [header] + [
+        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never", str(r["state"]))
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    now = utc_now()
+    try:
+        done = keys.revoke_key(paths.keys_file(data_dir_from(args.data_dir)), args.key, now)
+    except keys.KeysFileInvalid as exc:
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    except keys.KeyRefused as exc:
+        _print_err(str(exc))
+        return EXIT_FAILED
+    when = "now" if done.revoked == now else f"already, at {done.revoked}"
+    print(f"revoked {done.id} ({done.name}) {when}; the gateway refuses it within a second")
+    return EXIT_OK
 
 
 def state_dir_from(value: str | None, name: str) -> Path:
@@ -279,6 +335,29 @@ def _engine_name(value: str) -> str:
         return host.check_name(value)
     except host.BadName as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+              common: argparse.ArgumentParser) -> None:  # fmt: skip
+    ks = sub.add_parser("keys", help="issued inference keys: create, list, revoke")
+    ksub = ks.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kc = ksub.add_parser(
+        "create", parents=[common], help="issue a lucia_inf_ key; it is printed once"
+    )
+    kc.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+    kc.add_argument(
+        "--expires",
+        metavar="WHEN",
+        help="a duration (12h, 30d, 8w), an ISO date (2026-12-31: from that day's start, UTC) "
+        "or an ISO time with its offset; default: never",
+    )
+    kc.set_defaults(func=_cmd_keys_create)
+    kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
+    kl.add_argument("--json", action="store_true")
+    kl.set_defaults(func=_cmd_keys_list)
+    kr = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id or name")
+    kr.add_argument("key", metavar="ID|NAME")
+    kr.set_defaults(func=_cmd_keys_revoke)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--machine", help="machine settings file (env LUCIA_MACHINE_FILE)")
     pl.set_defaults(func=_cmd_plan)
+
+    _add_keys(sub, common)
 
     sch = sub.add_parser("schemas", help="write the protocol's JSON Schemas")
     sch.add_argument("--out", required=True, metavar="DIR")

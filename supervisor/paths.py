@@ -32,6 +32,11 @@ def data_dir(value: str | None = None) -> Path:
     return (Path(raw).expanduser() if raw else lucia_share() / "host" / "data").absolute()
 
 
+def keys_file(data: Path) -> Path:
+    """The issued inference keys' digests (never the keys): <data>/inference-keys/keys.json."""
+    return data / "inference-keys" / "keys.json"
+
+
 def installed_recipes() -> Path:
     return lucia_share() / "recipes"
 

@@ -17,7 +17,7 @@ from typing import Final, TextIO
 
 from watchfiles import watch
 
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 from supervisor.protocol.documents import State
 
 EXIT_OK: Final = 0

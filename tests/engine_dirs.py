@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 
 
 class EngineDirs:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from watchfiles import watch
 
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 
 from ..engine import Engine
 from ..lab import Lab

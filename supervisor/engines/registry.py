@@ -20,6 +20,8 @@ from supervisor.engines.kind import EngineKind
 if TYPE_CHECKING:
     from supervisor.docker.runtime import Runtime
     from supervisor.engines.base import Engine
+    from supervisor.memplan.fit import Budget
+    from supervisor.memplan.overview import EnginePlan
     from supervisor.recipe.schema import RecipeBase
 
 MODULES_ENV: Final = "LUCIA_ENGINE_MODULES"
@@ -88,3 +90,8 @@ def create(
 ) -> Engine:
     """data_dir: where the machine's memory claims are shared; None plans no memory."""
     return get(recipe.engine).engine(name, recipe, runtime, state_dir, data_dir)
+
+
+def plan_memory(recipe: RecipeBase, budget: Budget, multiplier: float) -> EnginePlan:
+    """The recipe's plan by its kind's memory planner: the planner `overview.build` is given."""
+    return get(recipe.engine).memory(recipe, budget, multiplier)

@@ -1,26 +1,26 @@
 """The plan of named engines without starting anything: what `lucia-supervisor plan` prints.
 
 Each engine is planned against the limit less the reserves and what the other engines' claims
-hold (the engine's own claim is not counted against itself), by its kind's memory planner (the
-engine registry's): a tensorfold engine from its recipe's [memory] section, a llama-router from
-the GGUF headers of its library's Ready models.
+hold (the engine's own claim is not counted against itself), by the planner the caller gives:
+the engine registry's, which asks the recipe's kind (a tensorfold engine from its recipe's
+[memory] section, a llama-router from the GGUF headers of its library's Ready models). The
+memory plan knows no engine: engines import it, never the other way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
-from supervisor.engines import registry
+from supervisor.host import protocol as host
 from supervisor.library.models import LibraryUnavailable
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, size
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
-from supervisor.protocol import host
 from supervisor.recipe.schema import Recipe
 
 # A status in one of these may have a container behind it, even with a stale heartbeat (a
@@ -73,8 +73,8 @@ class Overview:
         return all(engine.fits for engine in self.engines)
 
 
-def plan_engine(recipe: Recipe, budget: Budget, multiplier: float) -> EnginePlan:
-    return registry.get(recipe.engine).memory(recipe, budget, multiplier)
+# (recipe, budget, weight multiplier) -> its plan; the registry's `plan_memory` in the CLI
+Planner: TypeAlias = Callable[[Recipe, Budget, float], EnginePlan]
 
 
 def build(
@@ -82,13 +82,14 @@ def build(
     settings: MachineSettings,
     memory: Memory,
     held: Sequence[Holding],
+    planner: Planner,
 ) -> Overview:
     plans = []
     for recipe in recipes:
         others = tuple(h for h in held if h.name != recipe.name)
         budget = Budget(memory.limit, settings.reserves.total, others)
         try:
-            plans.append(plan_engine(recipe, budget, settings.weight_multiplier))
+            plans.append(planner(recipe, budget, settings.weight_multiplier))
         except (OSError, ValueError, LibraryUnavailable) as exc:
             plans.append(EnginePlan(recipe.name, None, str(exc)))
     return Overview(memory, settings, tuple(held), tuple(plans))

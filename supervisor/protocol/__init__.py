@@ -1,1 +1,1 @@
-"""The file protocol: desired, status and file_sd documents, atomic files, the lease, the host."""
+"""The file protocol: desired, status and file_sd documents, atomic files, the lease."""

@@ -42,11 +42,11 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
+from supervisor.host.protocol import DESIRED, STATUS
 from supervisor.protocol import documents as protocol
 from supervisor.protocol import files
 from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, InvalidDocument, TargetGroup
 from supervisor.protocol.files import FileRefused
-from supervisor.protocol.host import DESIRED, STATUS
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.memory import Memory

@@ -19,8 +19,8 @@ from datetime import UTC, datetime, timedelta
 import docker
 import pytest
 
+from supervisor.host.protocol import classify
 from supervisor.protocol.documents import parse_status
-from supervisor.protocol.host import classify
 from tests.system.harness import (
     Installation,
     as_user,

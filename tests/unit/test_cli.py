@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from supervisor import cli, waiting
-from supervisor.protocol import host
+from supervisor.host import protocol as host
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.version import version

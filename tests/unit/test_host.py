@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.protocol import host
+from supervisor.host import protocol as host
+from supervisor.host.protocol import STALE_AFTER, BadName, classify, read_status, request
 from supervisor.protocol.documents import Status, dump, parse_desired
 from supervisor.protocol.files import read_text, write_atomic
-from supervisor.protocol.host import STALE_AFTER, BadName, classify, read_status, request
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)

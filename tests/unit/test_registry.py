@@ -78,7 +78,8 @@ def test_the_plan_overview_asks_the_kind_for_its_plan(monkeypatch: pytest.Monkey
     """It used to treat any kind but tensorfold and vllm as a router (AttributeError)."""
     monkeypatch.setenv(registry.MODULES_ENV, ECHO)
     machine = settings.defaults()
-    plan = overview.build([parse(echo_recipe())], machine, Memory("fixed", 64 << 30, 64 << 30), [])
+    memory = Memory("fixed", 64 << 30, 64 << 30)
+    plan = overview.build([parse(echo_recipe())], machine, memory, [], registry.plan_memory)
     (engine,) = plan.engines
     assert engine.verdict is None and engine.problem == "the echo engine is not planned"
 
