@@ -41,7 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Final, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
 DEFAULT_ADDRESS: Final = "127.0.0.1"
@@ -93,9 +101,14 @@ class Listen(_Section):
     tls_cert: FilePath | None = None
     tls_key: FilePath | None = None
 
+    @field_validator("address")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        ipaddress.ip_address(value)  # its ValueError says what is wrong
+        return value
+
     @model_validator(mode="after")
     def _checked(self) -> Self:
-        ipaddress.ip_address(self.address)  # a ValueError names it
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key come together: set both or neither")
         return self
