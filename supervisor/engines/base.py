@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -36,6 +36,7 @@ class Observed:
     notes: str = ""  # what the operator should know while it serves (files skipped...)
     log: tuple[str, ...] = ()  # the last log lines of a container that has exited
     version: str | None = None  # the version the running engine reports (vLLM's /version)
+    models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,29 @@ class Engine(Protocol):
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
 
+    def served_models(self) -> tuple[str, ...]:
+        """The model names a client asks this engine for, in every state, from the recipe or
+        what the worker made of it (never from the running engine): status.json's models."""
+
     def failed_models(self) -> tuple[str, ...]:
         """The models whose load failed, as the last observation saw (the worker's gauge)."""
 
     def private_files(self) -> tuple[Path, ...]:
         """Files only this engine's worker writes (their stale temp files are cleaned)."""
+
+
+def flag_values(args: Sequence[str], flag: str, *, many: bool = False) -> tuple[str, ...]:
+    """Pure: the value(s) the last `flag` of an argument list gives, as argparse reads them:
+    `--flag V`, `--flag=V` and, with `many` (nargs="+"), every value up to the next option."""
+    found: tuple[str, ...] = ()
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            found = (arg[len(flag) + 1 :],)
+        elif arg == flag:
+            values: list[str] = []
+            for value in args[index + 1 :]:
+                if value.startswith("-") or (values and not many):
+                    break
+                values.append(value)
+            found = tuple(values)
+    return found

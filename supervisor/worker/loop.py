@@ -76,6 +76,7 @@ class Worker:
             self.metrics,
         )
         self.engine: Engine = self._engine(load_recipe())
+        self.heartbeat.models = self.engine.served_models()
         self.memory: Memory | None = None
         self.decision: Decision | None = None
         self.refused: str | None = None  # why desired.json is refused
@@ -226,6 +227,7 @@ class Worker:
             if self.job is not None:
                 self.job.cancel.set()
             self.engine = self._engine(recipe)
+            self.heartbeat.models = self.engine.served_models()
             if self.memory is not None:  # re-apply the current request to the new recipe
                 self.memory = reloaded(self.memory)
             self._retry_at = 0.0
@@ -309,6 +311,7 @@ class Worker:
         elif job.result is not None:
             self._failures = 0
             self.metrics.set_load_failed(job.engine.failed_models())
+            self.heartbeat.models = job.result.models
             decision = plan.plan(self.memory, job.result, time.monotonic())
             if not means_to_start(decision.memory):  # before a step that may claim anew
                 container = job.result.container

@@ -31,7 +31,7 @@ from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.model import ModelDownload
-from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.engines.vllm.recipe import VllmRecipe, served_names
 from supervisor.engines.vllm.steps import (
     MemoryFit,
     Preflight,
@@ -395,6 +395,9 @@ class Vllm(ContainerEngine):
         super().started(container_id)
         if container_id is not None and self._namespace is not None:
             self._prune(self._namespace)  # the replaced engine's namespace, once it has gone
+
+    def served_models(self) -> tuple[str, ...]:
+        return served_names(self.recipe)
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp, self._model_stamp)
