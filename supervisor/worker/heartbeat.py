@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import logs, redaction
+from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
     InvalidDocument,
@@ -26,7 +27,6 @@ from supervisor.protocol.documents import (
     utc_now,
 )
 from supervisor.version import version
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 

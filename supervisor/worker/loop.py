@@ -23,6 +23,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
 from supervisor.engines.base import Engine
 from supervisor.errors import Blocked, Cancelled, Permanent, Transient
+from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
@@ -32,7 +33,6 @@ from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.jobs import ExitMonitor, Job
 from supervisor.worker.memory import Memory, Reported, conclude, means_to_start, reloaded, reported
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, Metrics
