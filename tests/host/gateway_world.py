@@ -32,6 +32,7 @@ KEYS = FixedKeys(
     }
 )
 AUTH = {"Authorization": f"Bearer {INFERENCE_KEY}"}
+OWNER = {"Authorization": f"Bearer {OWNER_KEY}"}
 
 
 def write_status(
@@ -77,6 +78,7 @@ class Upstream:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     status: int = 200
     url: str = ""
+    answer_after: asyncio.Event | None = None  # a plain answer waits for it before its headers
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         document = await request.json()
@@ -92,6 +94,8 @@ class Upstream:
             "total_tokens": 5 + self.chunks,
         }
         if not document.get("stream"):
+            if self.answer_after is not None:
+                await self.answer_after.wait()
             answer = {
                 "id": "c1",
                 "object": "chat.completion",
@@ -106,7 +110,16 @@ class Upstream:
                 ],
                 "usage": usage,
             }
-            return web.json_response(answer)
+            if self.hold is None:
+                return web.json_response(answer)
+            data = json.dumps(answer).encode()
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.content_length = len(data)
+            await response.prepare(request)
+            await response.write(data[:10])  # then holds the rest
+            await self.hold.wait()
+            await response.write(data[10:])
+            return response
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -182,7 +195,12 @@ async def world(
     engine = TestServer(engine_app, handler_cancellation=True)
     await engine.start_server()
     up.url = str(engine.make_url("")).rstrip("/")
-    app = create_app(parse(settings, "test"), data, KEYS, Timing(keepalive_s=0.05, poll_s=0.02))
+    app = create_app(
+        parse(settings, "test"),
+        data,
+        KEYS,
+        Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02),
+    )
     gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()
     try:

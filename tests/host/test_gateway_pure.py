@@ -81,7 +81,7 @@ def test_token_bounds_within_the_range_pass(value: int | None) -> None:
     assert body.prepare(body.CHAT, raw, 100).body == raw
 
 
-LIMITS = Admission(running=2, waiting=3, max_wait_s=1)
+LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)
 
 
 @pytest.mark.parametrize(
@@ -165,6 +165,8 @@ def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask(cut: int, hide: 
         ('[keys]\nowner_file = "relative"', "must be an absolute path"),
         ("[limits]\nrunning = 0", "limits.running"),
         ("[limits]\nmax_wait_s = -1", "limits.max_wait_s"),
+        ("[limits]\ndeadline_s = 0", "limits.deadline_s"),
+        ("[engines.big]\ndeadline_s = 0", "engines.big.deadline_s"),
         ("[engines.big]\nrunnig = 1", "engines.big.runnig: unknown setting"),
         ("[limit]\nrunning = 1", "limit: unknown setting"),
         ("[limits\n", "not valid TOML"),
@@ -177,9 +179,11 @@ def test_bad_settings_name_the_setting(text: str, words: str) -> None:
 
 
 def test_settings_defaults_and_engine_overrides() -> None:
-    settings = parse('[engines.big]\nrunning = 1\n[listen]\naddress = "0.0.0.0"', "gw.toml")
-    assert settings.admission("big") == Admission(running=1, waiting=64, max_wait_s=30.0)
-    assert settings.admission("small") == Admission(running=4, waiting=64, max_wait_s=30.0)
+    settings = parse(
+        '[engines.big]\nrunning = 1\ndeadline_s = 7200\n[listen]\naddress = "0.0.0.0"', "gw.toml"
+    )
+    assert settings.admission("big") == Admission(1, 64, max_wait_s=30.0, deadline_s=7200.0)
+    assert settings.admission("small") == Admission(4, 64, max_wait_s=30.0, deadline_s=1800.0)
     assert settings.listen.port == 8400
     assert settings.idle.stop_after_s == 0
     assert "listen.tls_cert" in settings.warnings()[0]

@@ -61,7 +61,12 @@ class Gate:
         self.limits = limits
         self.running = 0
         self.waiting = 0
+        self.last_used = time.monotonic()  # when a request last came or went (idle stop)
         self._queue: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0 or self.waiting > 0
 
     @asynccontextmanager
     async def slot(
@@ -69,7 +74,7 @@ class Gate:
     ) -> AsyncIterator[Admitted]:
         """A running slot. `before` (a start on demand) is awaited first, as a waiter; its
         own time does not count against the wait, which starts when it is done."""
-        began = time.monotonic()
+        began = self.last_used = time.monotonic()
         verdict = decide(self.running, self.waiting, self.limits)
         if verdict == "refuse":
             raise too_busy(self.engine, self.running, self.waiting, 0.0, "the queue is full")
@@ -86,6 +91,7 @@ class Gate:
         try:
             yield Admitted(time.monotonic() - began)
         finally:
+            self.last_used = time.monotonic()
             self._release()
 
     async def _wait_for_slot(self, began: float) -> None:

@@ -18,15 +18,18 @@ from aiohttp import web
 
 from supervisor.host.gateway import body
 from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.auth import Authenticator, Identity, presented_key
+from supervisor.host.gateway.auth import Authenticator, Caller, allowed, presented_key
 from supervisor.host.gateway.catalog import Catalog, Engine, route
-from supervisor.host.gateway.forward import Forwarder
+from supervisor.host.gateway.forward import Forwarder, Trace
+from supervisor.host.gateway.hostapi import HostApi
+from supervisor.host.gateway.idle import CHECK_S, IdleStop
+from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
-IDENTITY: Final = web.RequestKey("identity", Identity)
+CALLER: Final = web.RequestKey("caller", Caller)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,6 +47,7 @@ def refusal_response(refusal: Refusal) -> web.Response:
 class Timing:
     keepalive_s: float = KEEPALIVE_S
     poll_s: float = POLL_S
+    idle_check_s: float = CHECK_S
 
 
 class Gateway:
@@ -57,6 +61,14 @@ class Gateway:
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
         self.gates: dict[str, Gate] = {}
         self.forwarder = Forwarder()
+        self.metrics = Metrics(self.counts)
+        self.idle = IdleStop(
+            data_dir, self.starter, self.gate, settings.idle.stop_after_s, timing.idle_check_s
+        )
+        self.host_api = HostApi(data_dir, self.catalog, self.gates.get, self.idle)
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        return {name: (gate.running, gate.waiting) for name, gate in self.gates.items()}
 
     def gate(self, engine: str) -> Gate:
         gate = self.gates.get(engine)
@@ -69,14 +81,29 @@ class Gateway:
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            key = presented_key(request.headers.get("Authorization"))
-            identity = self.auth.verify(key) if key is not None else None
-            if identity is None:
-                raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
-            request[IDENTITY] = identity
+            if allowed(request.path, None) != "open":
+                request[CALLER] = self.caller(request)
             return await handler(request)
         except Refusal as refusal:
+            self.metrics.refused(refusal.code)
             return refusal_response(refusal)
+
+    def caller(self, request: web.Request) -> Caller:
+        """The verified caller, allowed this path: else 401 (no valid key) or 403 (its role)."""
+        key = presented_key(request.headers.get("Authorization"))
+        caller = self.auth.verify(key) if key is not None else None
+        if caller is None:
+            raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
+        if allowed(request.path, caller.role) == "forbidden":
+            raise Refusal(
+                403, "permission_denied",
+                f"{request.path} needs the owner key; this key's role is {caller.role}, which "
+                "may call /v1 only",
+            )  # fmt: skip
+        return caller
+
+    async def serve_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- GET /v1/models ---------------------------------------------------------------------
 
@@ -118,13 +145,14 @@ class Gateway:
     # -- the forwarded routes ---------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        trace = Trace(arrived=asyncio.get_running_loop().time())
         path = request.path
         raw = await read_body(request, body.limit(path))
         prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
         engine, model = route(prepared.model, self.catalog.engines(), self.settings.tiers)
         if model != prepared.model:  # a tier alias: the engine knows the model's own name
             prepared = body.with_model(prepared, model)
-        url = engine.url(Catalog.now())
+        url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
         sse: web.StreamResponse | None = None
 
         async def start() -> None:
@@ -132,18 +160,38 @@ class Gateway:
             if prepared.stream:
                 sse = await open_sse(request)
             url = await self._wait_start(engine.name, sse)
+            self.idle.stopping.discard(engine.name)
 
+        gate = self.gate(engine.name)
         try:
-            async with self.gate(engine.name).slot(None if url else start):
+            async with gate.slot(None if url else start) as admitted:
                 assert url is not None
+                self.metrics.wait.labels(engine=engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
-                    request, url=url, path=path, prepared=prepared, engine=engine.name, sse=sse
-                )
+                    request, url=url, prepared=prepared, engine=engine.name, sse=sse,
+                    deadline_s=gate.limits.deadline_s, trace=trace,
+                )  # fmt: skip
         except Refusal as refusal:
+            trace.outcome = trace.outcome or "refused"
             if sse is None:
                 raise
+            self.metrics.refused(refusal.code)
             await send_error_event(sse, refusal.body())
             return sse
+        finally:
+            self._record(trace, model, engine.name)
+
+    def _record(self, trace: Trace, model: str, engine: str) -> None:
+        """The request in the metrics; a handler ended without an outcome lost its client."""
+        m = self.metrics
+        outcome = trace.outcome or "client_gone"
+        m.requests.labels(model=model, engine=engine, outcome=outcome).inc()
+        now = asyncio.get_running_loop().time()
+        if trace.first_byte is not None:
+            m.ttft.labels(engine=engine).observe(trace.first_byte - trace.arrived)
+        if outcome != "refused":
+            m.duration.labels(engine=engine).observe(now - trace.arrived)
+        m.usage(model, engine, trace.usage)
 
     async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:
         waiting = asyncio.ensure_future(self.starter.ready(engine))
@@ -200,7 +248,10 @@ def create_app(
     app.router.add_get("/v1/models", gateway.models)
     for path in body.FORWARDED:
         app.router.add_post(path, gateway.forward)
+    app.router.add_get(METRICS_PATH, gateway.serve_metrics)
+    gateway.host_api.routes(app)
     app.cleanup_ctx.append(gateway.forwarder.session)
+    app.cleanup_ctx.append(gateway.idle.task)
     return app
 
 

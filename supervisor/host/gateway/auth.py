@@ -1,13 +1,36 @@
-"""Who is calling: the gateway asks an Authenticator, which the keys module provides."""
+"""Who is calling, and what that caller may do.
+
+The gateway asks an Authenticator (the keys module's check plugs in here) for the caller of a
+presented key; `allowed` decides by role: the inference role may call /v1 only, the owner also
+the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Final, Literal, Protocol
+
+from supervisor.host.gateway.metrics import METRICS_PATH
+from supervisor.protocol.files import FileRefused, read_text
 
 Role = Literal["owner", "inference"]
-BEARER = "bearer "
+BEARER: Final = "bearer "
+V1: Final = "/v1/"
+HOST_API: Final = "/api/host/"
+MIN_KEY: Final = 32
+_KEY_FILE_LIMIT: Final = 4096
+
+
+class Caller(Protocol):
+    """A verified caller: what the gateway reads of an identity."""
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -19,9 +42,21 @@ class Identity:
 
 
 class Authenticator(Protocol):
-    def verify(self, presented: str) -> Identity | None:
-        """The identity of a presented key, or None when it is no valid key."""
+    def verify(self, presented: str) -> Caller | None:
+        """The caller of a presented key, or None when it is no valid key."""
         ...
+
+
+Access = Literal["open", "allowed", "forbidden"]
+
+
+def allowed(path: str, role: Role | None) -> Access:
+    """Pure: whether a caller of this role (None: no valid key yet) may call this path."""
+    if path == METRICS_PATH:
+        return "open"
+    if role == "owner":
+        return "allowed"
+    return "allowed" if role == "inference" and path.startswith(V1) else "forbidden"
 
 
 def presented_key(authorization: str | None) -> str | None:
@@ -30,6 +65,33 @@ def presented_key(authorization: str | None) -> str | None:
         return None
     key = authorization[len(BEARER) :].strip()
     return key or None
+
+
+class KeysRefused(ValueError):
+    """A key file the gateway cannot start with; str() names the file and the rule."""
+
+
+def read_key(path: Path) -> str:
+    try:
+        text = read_text(path, limit=_KEY_FILE_LIMIT)
+    except (OSError, FileRefused) as exc:
+        raise KeysRefused(f"{path}: a key file must be a readable regular file ({exc})") from None
+    key = text.strip()
+    if len(key) < MIN_KEY or any(c.isspace() for c in key):
+        raise KeysRefused(f"{path}: a key has at least {MIN_KEY} characters and no spaces")
+    return key
+
+
+def fixed_keys(owner_file: Path, inference_file: Path) -> FixedKeys:
+    """The owner and inference keys from their files, or KeysRefused naming the rule."""
+    owner, inference = read_key(owner_file), read_key(inference_file)
+    if owner == inference:
+        raise KeysRefused(
+            f"{owner_file}, {inference_file}: the owner key and the inference key must differ"
+        )
+    return FixedKeys(
+        {owner: Identity("owner", "owner"), inference: Identity("inference", "inference")}
+    )
 
 
 class FixedKeys:

@@ -21,6 +21,7 @@ fast = "qwen2.5-0.5b"
 running = 4                    # requests forwarded at once
 waiting = 64                   # requests held for a slot
 max_wait_s = 30                # how long one is held before a 429
+deadline_s = 1800              # one clock from admission over the dial and the whole answer
 load_wait_s = 900              # how long a start on demand is waited for
 max_tokens = 32768             # the bound of max_tokens and its siblings
 
@@ -28,7 +29,8 @@ max_tokens = 32768             # the bound of max_tokens and its siblings
 running = 1
 
 [idle]
-stop_after_s = 0               # 0: never stop an engine for being idle
+stop_after_s = 0               # 0: never; else an engine the gateway started is stopped
+                               # after this long with nothing running or waiting on it
 ```
 """
 
@@ -58,6 +60,7 @@ DEFAULT_RUNNING: Final = 4
 DEFAULT_WAITING: Final = 64
 DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
+DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
 DEFAULT_MAX_TOKENS: Final = 32768
 _MAX_FILE: Final = 1024 * 1024
 
@@ -133,12 +136,14 @@ class EngineLimits(_Section):
     running: int | None = Field(default=None, ge=1, le=10_000)
     waiting: int | None = Field(default=None, ge=0, le=100_000)
     max_wait_s: float | None = Field(default=None, gt=0, le=86_400)
+    deadline_s: float | None = Field(default=None, gt=0, le=86_400)
 
 
 class Limits(_Section):
     running: int = Field(default=DEFAULT_RUNNING, ge=1, le=10_000)
     waiting: int = Field(default=DEFAULT_WAITING, ge=0, le=100_000)
     max_wait_s: float = Field(default=DEFAULT_MAX_WAIT_S, gt=0, le=86_400)
+    deadline_s: float = Field(default=DEFAULT_DEADLINE_S, gt=0, le=86_400)
     load_wait_s: float = Field(default=DEFAULT_LOAD_WAIT_S, gt=0, le=86_400)
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=10_000_000)
 
@@ -154,6 +159,7 @@ class Admission:
     running: int
     waiting: int
     max_wait_s: float
+    deadline_s: float
 
 
 class Settings(_Section):
@@ -170,6 +176,7 @@ class Settings(_Section):
             running=own.running if own.running is not None else self.limits.running,
             waiting=own.waiting if own.waiting is not None else self.limits.waiting,
             max_wait_s=own.max_wait_s if own.max_wait_s is not None else self.limits.max_wait_s,
+            deadline_s=own.deadline_s if own.deadline_s is not None else self.limits.deadline_s,
         )
 
     def warnings(self) -> list[str]:

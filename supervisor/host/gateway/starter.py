@@ -65,6 +65,9 @@ class Starter:
         self.poll_s = poll_s
         self._starts: dict[str, asyncio.Task[str]] = {}
         self.requests_written = 0
+        # engine -> the generation of `running` the gateway wrote: its own starts, which idle
+        # stop may end; a later request by anyone else (a new generation) makes it not ours
+        self.started: dict[str, int] = {}
 
     async def ready(self, engine: str) -> str:
         """The engine's url once it serves; the caller may be cancelled, the start goes on."""
@@ -88,6 +91,7 @@ class Starter:
         if step.step == "request":
             generation = await asyncio.to_thread(request, self.data_dir, engine, "running")
             self.requests_written += 1
+            self.started[engine] = generation
         while True:
             status = load_status(directory)
             reading = classify(status, generation, utc_now())
