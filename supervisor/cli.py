@@ -23,6 +23,7 @@ EXIT_FAILED: Final = waiting.EXIT_FAILED
 EXIT_USAGE: Final = 2
 EXIT_UNANSWERED: Final = waiting.EXIT_UNANSWERED
 EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the recipe is fixed
+GATEWAY: Final = "gateway"  # lucia-gateway.service: the gateway's unit, never an engine's
 DEFAULT_DATA_DIR: Final = "~/.local/share/lucia/host/data"
 # A first download of a large checkpoint (125 GB) takes hours; a stale worker ends a wait anyway.
 DEFAULT_TIMEOUT: Final = 6 * 3600.0
@@ -47,6 +48,7 @@ def known_engines(data_dir: Path, recipes: Path) -> set[str]:
     names = {path.stem for path in recipes.glob("*.toml")}
     units = paths.units_dir()
     names |= {path.name[len("lucia-") : -len(".service")] for path in units.glob("lucia-*.service")}
+    names.discard(GATEWAY)  # lucia-gateway.service is the gateway's, no engine's
     names |= {name for name in _engine_names(data_dir) if (data_dir / name / host.STATUS).is_file()}
     return names
 
@@ -55,7 +57,7 @@ def unknown_engine(name: str, data_dir: Path, recipes: Path) -> str | None:
     """Why name is no engine of this machine, in one line; None when it is one."""
     recipe, unit = recipes / f"{name}.toml", paths.unit_file(name)
     status = host.engine_dir(data_dir, name) / host.STATUS
-    if recipe.is_file() or unit.is_file() or status.is_file():
+    if recipe.is_file() or (unit.is_file() and name != GATEWAY) or status.is_file():
         return None
     known = ", ".join(sorted(known_engines(data_dir, recipes))) or "none"
     return (
@@ -227,6 +229,25 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from supervisor import logs
+    from supervisor.host.gateway import settings as gateway_settings
+    from supervisor.host.gateway.auth import KeysRefused, fixed_keys
+    from supervisor.host.gateway.service import Service, serve
+
+    logs.configure()
+    log = logs.get("gateway")
+    try:
+        settings = gateway_settings.load(args.settings)
+        auth = fixed_keys(settings.keys.owner_file, settings.keys.inference_file)
+        service = Service(settings, data_dir_from(args.data_dir), auth)
+    except (gateway_settings.SettingsError, KeysRefused) as exc:
+        log.error("gateway refused to start", error=str(exc))
+        _print_err(str(exc))
+        return EXIT_CONFIG
+    return serve(service)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
     from supervisor.memplan import overview, probe, settings
@@ -335,6 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--heartbeat", type=_positive, help="seconds between status writes (15)")
     work.add_argument("--metrics-port", type=int, help="serve worker metrics on 127.0.0.1:PORT")
     work.set_defaults(func=_cmd_worker)
+
+    gw = sub.add_parser(
+        "gateway", parents=[common], help="serve the authenticated /v1 in front of the engines"
+    )
+    gw.add_argument(
+        "--settings",
+        metavar="PATH",
+        help="settings file (env LUCIA_GATEWAY_SETTINGS, default ~/.config/lucia/gateway.toml)",
+    )
+    gw.set_defaults(func=_cmd_gateway)
 
     pl = sub.add_parser(
         "plan", parents=[common, recipes], help="print the memory plan; start nothing"

@@ -159,7 +159,7 @@ def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask(cut: int, hide: 
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("[listen]\nport = 0", "listen.port"),
+        ("[listen]\nport = -1", "listen.port"),
         ('[listen]\naddress = "localhost"', "listen.address"),
         ('[listen]\ntls_cert = "/c"', "tls_cert and tls_key come together"),
         ('[keys]\nowner_file = "relative"', "must be an absolute path"),

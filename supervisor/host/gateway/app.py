@@ -255,6 +255,9 @@ def create_app(
     return app
 
 
-def runner(app: web.Application) -> web.AppRunner:
-    """The runner the gateway serves with: a client that disconnects cancels its handler."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+def runner(app: web.Application, shutdown_s: float = 60.0) -> web.AppRunner:
+    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
+    stop, requests in flight get `shutdown_s` to finish."""
+    return web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_s
+    )

@@ -100,7 +100,7 @@ class _Section(BaseModel):
 
 class Listen(_Section):
     address: str = DEFAULT_ADDRESS
-    port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)  # 0: any free port
     tls_cert: FilePath | None = None
     tls_key: FilePath | None = None
 
