@@ -106,6 +106,8 @@ def test_a_stream_passes_chunk_by_chunk_and_a_disconnect_ends_the_upstream(
             r.close()  # the client goes away
         await asyncio.wait_for(w.upstream.ended.wait(), 30)
         assert w.app.gate("small").running == 0
+        gone = w.app.metrics.requests.labels(model="tiny", engine="small", outcome="client_gone")
+        await until(lambda: gone._value.get() == 1)  # counted once the handler has ended
 
     run(tmp_path, scenario, hold=hold)
 

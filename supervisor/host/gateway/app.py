@@ -171,6 +171,9 @@ class Gateway:
                     request, url=url, prepared=prepared, engine=engine.name, sse=sse,
                     deadline_s=gate.limits.deadline_s, trace=trace,
                 )  # fmt: skip
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            trace.outcome = "client_gone"
+            raise
         except Refusal as refusal:
             trace.outcome = trace.outcome or "refused"
             if sse is None:
