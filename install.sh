@@ -125,11 +125,14 @@ install_all() {
         [ -f "$recipe" ] || die "no such recipe file: $recipe"
         name=$(basename "$recipe" .toml)
         [[ "$name" =~ ^[a-z0-9][a-z0-9_.-]*$ ]] || die "recipe file name $name is not a valid engine name"
+        [ "$name" != gateway ] || die "recipe file name gateway is taken by the lucia-gateway unit"
         "$venv/bin/python" -c 'import sys; from pathlib import Path; from supervisor.recipe.loader import load; load(Path(sys.argv[1]))' "$recipe" \
             || die "recipe $recipe is invalid (see above)"
         place "$recipe" "$recipes/$name.toml" 0644
         render_unit "$name"
     done
+    # the gateway: installed, never started or enabled here (it needs its key files first)
+    place "$src/units/lucia-gateway.service" "$units/lucia-gateway.service" 0644
     if [ "$changed" -gt 0 ]; then
         systemctl_user daemon-reload
         say "$changed change(s); systemd reloaded"
@@ -142,6 +145,7 @@ install_all() {
             systemctl_user enable --now "lucia-$name.service"
         done
     fi
+    say "the gateway is installed stopped: write its key files, then systemctl --user enable --now lucia-gateway"
     say "services: $(cd "$units" && ls lucia-*.service | tr '\n' ' ')"
     say "start one with: systemctl --user start lucia-NAME; request it with: $venv/bin/lucia-supervisor request NAME running --wait"
 }

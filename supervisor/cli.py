@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import paths, waiting
-from supervisor.host import keys
+from supervisor.host import commands
 from supervisor.host import protocol as host
 from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
@@ -23,7 +23,8 @@ EXIT_OK: Final = waiting.EXIT_OK
 EXIT_FAILED: Final = waiting.EXIT_FAILED
 EXIT_USAGE: Final = 2
 EXIT_UNANSWERED: Final = waiting.EXIT_UNANSWERED
-EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the recipe is fixed
+EXIT_CONFIG: Final = waiting.EXIT_CONFIG
+GATEWAY: Final = "gateway"  # lucia-gateway.service: the gateway's unit, never an engine's
 DEFAULT_DATA_DIR: Final = "~/.local/share/lucia/host/data"
 # A first download of a large checkpoint (125 GB) takes hours; a stale worker ends a wait anyway.
 DEFAULT_TIMEOUT: Final = 6 * 3600.0
@@ -48,6 +49,7 @@ def known_engines(data_dir: Path, recipes: Path) -> set[str]:
     names = {path.stem for path in recipes.glob("*.toml")}
     units = paths.units_dir()
     names |= {path.name[len("lucia-") : -len(".service")] for path in units.glob("lucia-*.service")}
+    names.discard(GATEWAY)  # lucia-gateway.service is the gateway's, no engine's
     names |= {name for name in _engine_names(data_dir) if (data_dir / name / host.STATUS).is_file()}
     return names
 
@@ -56,7 +58,7 @@ def unknown_engine(name: str, data_dir: Path, recipes: Path) -> str | None:
     """Why name is no engine of this machine, in one line; None when it is one."""
     recipe, unit = recipes / f"{name}.toml", paths.unit_file(name)
     status = host.engine_dir(data_dir, name) / host.STATUS
-    if recipe.is_file() or unit.is_file() or status.is_file():
+    if recipe.is_file() or (unit.is_file() and name != GATEWAY) or status.is_file():
         return None
     known = ", ".join(sorted(known_engines(data_dir, recipes))) or "none"
     return (
@@ -264,60 +266,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.fits else EXIT_FAILED
 
 
-def _cmd_keys_create(args: argparse.Namespace) -> int:
-    """The key goes to stdout alone (KEY=$(lucia-supervisor keys create NAME)), once."""
-    now = utc_now()
-    try:
-        expires = keys.parse_expiry(args.expires, now) if args.expires else None
-        new = keys.create(paths.keys_file(data_dir_from(args.data_dir)), args.name, now, expires)
-    except keys.KeysFileInvalid as exc:
-        _print_err(str(exc))
-        return EXIT_CONFIG
-    except (keys.KeyRefused, keys.BadExpiry) as exc:
-        _print_err(str(exc))
-        return EXIT_FAILED
-    entry = new.entry
-    until = f"expires {entry.expires:%Y-%m-%dT%H:%M:%SZ}" if entry.expires else "never expires"
-    _print_err(f"created key {entry.id} ({entry.name}, {until}); it is shown once, here:")
-    print(new.secret)
-    return EXIT_OK
-
-
-def _cmd_keys_list(args: argparse.Namespace) -> int:
-    try:
-        rows = keys.describe(keys.load(paths.keys_file(data_dir_from(args.data_dir))), utc_now())
-    except keys.KeysFileInvalid as exc:
-        _print_err(str(exc))
-        return EXIT_CONFIG
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return EXIT_OK
-    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE")
-    table = [header] + [
-        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never", str(r["state"]))
-        for r in rows
-    ]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    for line in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-    return EXIT_OK
-
-
-def _cmd_keys_revoke(args: argparse.Namespace) -> int:
-    now = utc_now()
-    try:
-        done = keys.revoke_key(paths.keys_file(data_dir_from(args.data_dir)), args.key, now)
-    except keys.KeysFileInvalid as exc:
-        _print_err(str(exc))
-        return EXIT_CONFIG
-    except keys.KeyRefused as exc:
-        _print_err(str(exc))
-        return EXIT_FAILED
-    when = "now" if done.revoked == now else f"already, at {done.revoked}"
-    print(f"revoked {done.id} ({done.name}) {when}; the gateway refuses it within a second")
-    return EXIT_OK
-
-
 def state_dir_from(value: str | None, name: str) -> Path:
     """The worker's private state (paths.state_dir)."""
     return paths.state_dir(value, name)
@@ -335,29 +283,6 @@ def _engine_name(value: str) -> str:
         return host.check_name(value)
     except host.BadName as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser],
-              common: argparse.ArgumentParser) -> None:  # fmt: skip
-    ks = sub.add_parser("keys", help="issued inference keys: create, list, revoke")
-    ksub = ks.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    kc = ksub.add_parser(
-        "create", parents=[common], help="issue a lucia_inf_ key; it is printed once"
-    )
-    kc.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
-    kc.add_argument(
-        "--expires",
-        metavar="WHEN",
-        help="a duration (12h, 30d, 8w), an ISO date (2026-12-31: from that day's start, UTC) "
-        "or an ISO time with its offset; default: never",
-    )
-    kc.set_defaults(func=_cmd_keys_create)
-    kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
-    kl.add_argument("--json", action="store_true")
-    kl.set_defaults(func=_cmd_keys_list)
-    kr = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id or name")
-    kr.add_argument("key", metavar="ID|NAME")
-    kr.set_defaults(func=_cmd_keys_revoke)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -415,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--metrics-port", type=int, help="serve worker metrics on 127.0.0.1:PORT")
     work.set_defaults(func=_cmd_worker)
 
+    commands.add_gateway(sub, common)
+
     pl = sub.add_parser(
         "plan", parents=[common, recipes], help="print the memory plan; start nothing"
     )
@@ -423,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--machine", help="machine settings file (env LUCIA_MACHINE_FILE)")
     pl.set_defaults(func=_cmd_plan)
 
-    _add_keys(sub, common)
+    commands.add_keys(sub, common)
 
     sch = sub.add_parser("schemas", help="write the protocol's JSON Schemas")
     sch.add_argument("--out", required=True, metavar="DIR")

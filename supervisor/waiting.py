@@ -23,6 +23,7 @@ from supervisor.protocol.documents import State
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_UNANSWERED: Final = 3
+EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the file is fixed
 LINE_EVERY: Final = 5.0  # off a terminal: seconds between progress lines
 _CLEAR: Final = "\r\x1b[K"  # carriage return, then erase to the end of the line
 

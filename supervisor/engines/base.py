@@ -36,6 +36,7 @@ class Observed:
     notes: str = ""  # what the operator should know while it serves (files skipped...)
     log: tuple[str, ...] = ()  # the last log lines of a container that has exited
     version: str | None = None  # the version the running engine reports (vLLM's /version)
+    models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ class Engine(Protocol):
 
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
+
+    def served_models(self) -> tuple[str, ...]:
+        """The model names a client asks this engine for, in every state, from the recipe or
+        what the worker made of it (never from the running engine): status.json's models."""
 
     def failed_models(self) -> tuple[str, ...]:
         """The models whose load failed, as the last observation saw (the worker's gauge)."""

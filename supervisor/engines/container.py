@@ -118,6 +118,9 @@ class ContainerEngine:
     def failed_models(self) -> tuple[str, ...]:
         return ()
 
+    def served_models(self) -> tuple[str, ...]:
+        raise NotImplementedError  # each kind names its own, from its recipe
+
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
         raise ValueError(f"{self.kind} cannot make {what!r}")
 
@@ -185,6 +188,7 @@ class ContainerEngine:
             notes=self.notes(),
             log=self._log(container),
             version=self.version(container),
+            models=self.served_models(),
         )
 
     def version(self, container: Container | None) -> str | None:

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 SCHEMA_VERSION: Final = 1
 MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly
 MAX_MESSAGE: Final = 500
+MAX_MODELS: Final = 1000
 
 DesiredState = Literal["running", "stopped"]
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
@@ -134,6 +135,13 @@ class Status(BaseModel):
         description="While failed: the worker tries the failed step again by itself after a "
         "back-off (a port, memory or an image held or missing for now); false: it waits for a "
         "new request or a recipe reload.",
+    )
+    models: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_MODELS,
+        description="The model names the engine serves, as its recipe's preset names them, in "
+        "every state (the host routes by them and never reads a recipe); absent in files from "
+        "older workers.",
     )
     worker_version: str | None = Field(
         default=None,

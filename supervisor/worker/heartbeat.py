@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import logs, redaction
+from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
     InvalidDocument,
@@ -26,7 +27,6 @@ from supervisor.protocol.documents import (
     utc_now,
 )
 from supervisor.version import version
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 
@@ -53,6 +53,7 @@ class Heartbeat:
         self._metrics = metrics
         self._clock = clock
         self.status: Status | None = None
+        self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
         self._written_at = float("-inf")
         self._dirty = False
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
@@ -84,6 +85,7 @@ class Heartbeat:
             refused=clean_message(redaction.redact(refused)) if refused else None,
             engine=answer.engine if running else None,
             retrying=answer.retrying and answer.state == "failed",
+            models=self.models,
             worker_version=version(),
         )
         self.status = status
@@ -168,7 +170,7 @@ class Heartbeat:
 
 
 def _same_answer(a: Status, b: Status) -> bool:
-    fields = ("generation", "state", "url", "refused", "engine", "retrying")
+    fields = ("generation", "state", "url", "refused", "engine", "retrying", "models")
     return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 

@@ -23,6 +23,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
 from supervisor.engines.base import Engine
 from supervisor.errors import Blocked, Cancelled, Permanent, Transient
+from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
@@ -32,7 +33,6 @@ from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.jobs import ExitMonitor, Job
 from supervisor.worker.memory import Memory, Reported, conclude, means_to_start, reloaded, reported
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, Metrics
@@ -68,14 +68,11 @@ class Worker:
         files.ensure_dir(settings.state_dir, mode=0o700)
         self.notifier = Notifier()
         self.metrics = Metrics(settings.name)
-        self.heartbeat = Heartbeat(
-            self.directory / STATUS,
-            FileSdWriter(settings.data_dir, settings.name),
-            settings.heartbeat,
-            self.notifier,
-            self.metrics,
-        )
+        file_sd = FileSdWriter(settings.data_dir, settings.name)
+        self.heartbeat = Heartbeat(self.directory / STATUS, file_sd, settings.heartbeat,
+                                   self.notifier, self.metrics)
         self.engine: Engine = self._engine(load_recipe())
+        self.heartbeat.models = self.engine.served_models()
         self.memory: Memory | None = None
         self.decision: Decision | None = None
         self.refused: str | None = None  # why desired.json is refused
@@ -226,6 +223,7 @@ class Worker:
             if self.job is not None:
                 self.job.cancel.set()
             self.engine = self._engine(recipe)
+            self.heartbeat.models = self.engine.served_models()
             if self.memory is not None:  # re-apply the current request to the new recipe
                 self.memory = reloaded(self.memory)
             self._retry_at = 0.0
@@ -309,6 +307,7 @@ class Worker:
         elif job.result is not None:
             self._failures = 0
             self.metrics.set_load_failed(job.engine.failed_models())
+            self.heartbeat.models = job.result.models
             decision = plan.plan(self.memory, job.result, time.monotonic())
             if not means_to_start(decision.memory):  # before a step that may claim anew
                 container = job.result.container

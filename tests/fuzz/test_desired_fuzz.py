@@ -43,6 +43,7 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from supervisor.host.protocol import DESIRED, STATUS
+from supervisor.notify import Notifier
 from supervisor.protocol import documents as protocol
 from supervisor.protocol import files
 from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, InvalidDocument, TargetGroup
@@ -50,7 +51,6 @@ from supervisor.protocol.files import FileRefused
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.memory import Memory
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer, Decision, shown
 from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
 from tests.corpus import INVALID, VALID, materialise

@@ -513,3 +513,14 @@ def test_status_lists_engines_not_the_shared_directories(tmp_path: Path) -> None
         (tmp_path / shared).mkdir()
     (tmp_path / "tf").mkdir()
     assert cli._engine_names(tmp_path) == ["tf"]
+
+
+def test_the_gateways_unit_names_no_engine(tmp_path: Path, home: Path) -> None:
+    from supervisor import cli
+
+    data, recipes = tmp_path / "data", ensure_dir(tmp_path / "recipes")
+    install_unit(home, "gateway")
+    install_unit(home, "router")
+    assert cli.known_engines(data, recipes) == {"router"}
+    assert cli.unknown_engine("router", data, recipes) is None
+    assert "no engine named gateway" in (cli.unknown_engine("gateway", data, recipes) or "")

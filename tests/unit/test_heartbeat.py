@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.notify import Notifier
 from supervisor.protocol.documents import TargetGroup, json_schemas, parse_status
 from supervisor.worker.heartbeat import Heartbeat
-from supervisor.worker.notify import Notifier
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
 

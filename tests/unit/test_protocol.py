@@ -173,10 +173,18 @@ def test_status_times_are_iso_utc_with_z() -> None:
         assert datetime.fromisoformat(wire[key]).utcoffset() == timedelta(0)
 
 
+def test_status_models_are_optional_and_kept_in_every_state() -> None:
+    wire = json.loads(dump(status()))
+    del wire["models"]  # a file from an older worker
+    assert parse_status(json.dumps(wire)).models == ()
+    wire.update(state="stopped", url=None, engine=None, models=["fast-1b", "deep-8b"])
+    assert parse_status(json.dumps(wire)).models == ("fast-1b", "deep-8b")
+
+
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "retrying", "workerVersion"}
+                         "engine", "retrying", "models", "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))

@@ -33,3 +33,33 @@ def test_the_unit_is_a_notify_service_with_a_watchdog() -> None:
     environment = TEMPLATE.read_text()
     for variable in ("LUCIA_DATA_DIR", "LUCIA_RECIPES_DIR", "LUCIA_STATE_DIR"):
         assert f"Environment={variable}=" in environment
+
+
+GATEWAY = ROOT / "units" / "lucia-gateway.service"
+INSTALL = ROOT / "install.sh"
+
+
+def test_the_gateway_unit_is_a_notify_service_with_a_watchdog_in_the_journal() -> None:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string(GATEWAY.read_text())
+    service = parser["Service"]
+    assert service["Type"] == "notify"
+    assert service["NotifyAccess"] == "main"
+    assert int(service["WatchdogSec"]) > 0
+    assert service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"] == "78"  # bad settings or keys
+    assert service["ExecStart"].endswith("/lucia-supervisor gateway")
+    assert (service["StandardOutput"], service["StandardError"]) == ("journal", "journal")
+    assert service["SyslogIdentifier"] == "lucia-gateway"
+    assert "Environment=LUCIA_DATA_DIR=" in GATEWAY.read_text()
+    # streams in flight get the service's 20 s before the unit's stop timeout kills it
+    assert int(service["TimeoutStopSec"]) > 20
+
+
+def test_install_sh_installs_the_gateway_unit_but_never_starts_or_enables_it() -> None:
+    script = INSTALL.read_text()
+    assert 'place "$src/units/lucia-gateway.service" "$units/lucia-gateway.service" 0644' in script
+    commands = [line for line in script.splitlines() if "systemctl_user" in line]
+    assert commands and not any("gateway" in line for line in commands)
+    assert "recipe file name gateway is taken" in script  # no engine unit may replace it

@@ -91,7 +91,8 @@ class FakeEngine:
         port = container.bindings[0][1] if container else self.spec.host_port
         url = f"http://172.30.0.1:{port}"
         return Observed(container=container, spec=self.spec, url=url,
-                        targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),))
+                        targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),),
+                        models=self.served_models())
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         raise AssertionError("nothing is missing")
@@ -113,6 +114,9 @@ class FakeEngine:
 
     def failed_models(self) -> tuple[str, ...]:
         return ()
+
+    def served_models(self) -> tuple[str, ...]:
+        return ("fake-model",)
 
     def private_files(self) -> tuple[Path, ...]:
         return ()
@@ -215,6 +219,8 @@ def test_a_stop_that_fails_for_good_is_failed_and_tried_again_after_a_growing_de
         _until("stopped", lambda: bool(shown) and shown[-1].state == "stopped")
 
     _drive(worker, script)
+    on_disk = json.loads(worker.heartbeat.path.read_text())
+    assert (on_disk["state"], on_disk["models"]) == ("stopped", ["fake-model"])  # every state
     assert len(runtime.stops) == 3, runtime.stops  # two failures, then Docker was fixed
     first, second = (b - a for a, b in zip(runtime.stops, runtime.stops[1:], strict=False))
     assert first >= 1.0 and second >= 2.0, (first, second)  # never planned again at once

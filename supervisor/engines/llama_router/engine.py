@@ -208,6 +208,10 @@ class LlamaRouter(ContainerEngine):
         synced = self.syncer.synced()
         return router_memory.need(self.name, synced.startup_need) if synced is not None else None
 
+    def served_models(self) -> tuple[str, ...]:
+        """The preset's models: those the last sync offered (none before a first sync)."""
+        return preset.models(self.syncer.preset_text())
+
     def failed_models(self) -> tuple[str, ...]:
         """The models of the last observation whose load failed (the worker's gauge)."""
         return tuple(model.name for model in router_api.failed(self._listing or ()))

@@ -121,6 +121,17 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def models(text: str | None) -> tuple[str, ...]:
+    """Pure: the model names a preset serves, its sections but `[*]`, in order; none without
+    a preset."""
+    names: list[str] = []
+    for raw in (text or "").splitlines():
+        line = raw.strip()
+        if line.startswith("[") and line.endswith("]") and line not in ("[*]", "[]"):
+            names.append(line[1:-1])
+    return tuple(dict.fromkeys(names))
+
+
 def changed_sections(before: str | None, after: str) -> tuple[str, ...]:
     """The model sections of `after` that differ from `before` (all of them when the global
     `[*]` section or the rest of the header changed): those a reloading router unloads."""

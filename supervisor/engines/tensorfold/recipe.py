@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
+from supervisor.engines.flags import flag_values
 from supervisor.recipe.schema import BuildTag, Commit, RecipeBase, Section
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -106,3 +107,18 @@ class TensorFoldRecipe(RecipeBase):
         return self
 
 
+
+
+_NAME_FLAGS: Final = ("--name", "--served-model-name")
+
+
+def served_names(recipe: TensorFoldRecipe) -> tuple[str, ...]:
+    """Pure: the name TensorFold serves under: the last `--name` (or `--served-model-name`)
+    of its run command, else the model it loads."""
+    command = recipe.command
+    found: tuple[str, ...] = ()
+    for index, arg in enumerate(command):
+        flag = arg.split("=", 1)[0]
+        if flag in _NAME_FLAGS:
+            found = flag_values(command[index:], flag)[:1] or found
+    return found or (recipe.model,)

@@ -31,7 +31,7 @@ from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.model import ModelDownload
-from supervisor.engines.vllm.recipe import VllmRecipe
+from supervisor.engines.vllm.recipe import VllmRecipe, served_names
 from supervisor.engines.vllm.steps import (
     MemoryFit,
     Preflight,
@@ -202,16 +202,10 @@ class Vllm(ContainerEngine):
         if image is None:
             raise Blocked("the engine image is missing; it is pulled again")
         snapshot = self._snapshot()
-        hf_model.download(
-            self.runtime,
-            what,
-            hf_model.Where(image.id, self.recipe.run.network, self.volumes(), snapshot),
-            settings=self.recipe.environment,
-            secrets=self.secrets(),
-            secrets_root=self._secrets_root,
-            labels={labels.NAME: self.name},
-            ctx=ctx,
-        )
+        where = hf_model.Where(image.id, self.recipe.run.network, self.volumes(), snapshot)
+        hf_model.download(self.runtime, what, where, settings=self.recipe.environment,
+                          secrets=self.secrets(), secrets_root=self._secrets_root,
+                          labels={labels.NAME: self.name}, ctx=ctx)
         files.write_atomic(self._model_stamp, json.dumps({"key": self._model_key()}).encode(),
                            0o600)
         log.info("model downloaded", model=what.repo_id, revision=what.revision)
@@ -395,6 +389,9 @@ class Vllm(ContainerEngine):
         super().started(container_id)
         if container_id is not None and self._namespace is not None:
             self._prune(self._namespace)  # the replaced engine's namespace, once it has gone
+
+    def served_models(self) -> tuple[str, ...]:
+        return served_names(self.recipe)
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp, self._model_stamp)

@@ -7,6 +7,7 @@ from typing import Annotated, Final, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
+from supervisor.engines.flags import flag_values
 from supervisor.engines.vllm import account, cpu
 from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, Parallel, TierPlan, data_parallel
@@ -271,3 +272,10 @@ class VllmRecipe(RecipeBase):
         )
 
 
+
+
+def served_names(recipe: VllmRecipe) -> tuple[str, ...]:
+    """Pure: the names vLLM serves the model under, as its run spec passes them: the recipe's
+    served_name, or what its extra arguments' `--served-model-name` (nargs "+") give."""
+    args = ("--served-model-name", recipe.vllm.served_name, *recipe.vllm.args)
+    return flag_values(args, "--served-model-name", many=True)

@@ -1,0 +1,133 @@
+"""The host's own commands: the gateway, and the inference keys it checks.
+
+They read and write the host's files only (the data directory, keys.json); none touches Docker,
+an engine or a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TypeAlias
+
+from supervisor import paths
+from supervisor.host import keys
+from supervisor.protocol.documents import utc_now
+from supervisor.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def print_err(message: str) -> None:
+    print(f"lucia-supervisor: {message}", file=sys.stderr)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from supervisor import logs
+    from supervisor.host.gateway import settings as gateway_settings
+    from supervisor.host.gateway.service import Service, serve
+    from supervisor.host.keycheck import Verifier
+
+    logs.configure()
+    log = logs.get("gateway")
+    try:
+        settings = gateway_settings.load(args.settings)
+        data = paths.data_dir(args.data_dir)
+        auth = Verifier.open(
+            paths.keys_file(data), settings.keys.owner_file, settings.keys.inference_file
+        )
+        service = Service(settings, data, auth)
+    except (gateway_settings.SettingsError, keys.KeyConfigError) as exc:
+        log.error("gateway refused to start", error=str(exc))
+        print_err(str(exc))
+        return EXIT_CONFIG
+    return serve(service)
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    """The key goes to stdout alone (KEY=$(lucia-supervisor keys create NAME)), once."""
+    now = utc_now()
+    try:
+        expires = keys.parse_expiry(args.expires, now) if args.expires else None
+        new = keys.create(paths.keys_file(paths.data_dir(args.data_dir)), args.name, now, expires)
+    except keys.KeysFileInvalid as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    except (keys.KeyRefused, keys.BadExpiry) as exc:
+        print_err(str(exc))
+        return EXIT_FAILED
+    entry = new.entry
+    until = f"expires {entry.expires:%Y-%m-%dT%H:%M:%SZ}" if entry.expires else "never expires"
+    print_err(f"created key {entry.id} ({entry.name}, {until}); it is shown once, here:")
+    print(new.secret)
+    return EXIT_OK
+
+
+def _cmd_keys_list(args: argparse.Namespace) -> int:
+    try:
+        rows = keys.describe(keys.load(paths.keys_file(paths.data_dir(args.data_dir))), utc_now())
+    except keys.KeysFileInvalid as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE")
+    table = [header] + [
+        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never", str(r["state"]))
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    return EXIT_OK
+
+
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    now = utc_now()
+    try:
+        done = keys.revoke_key(paths.keys_file(paths.data_dir(args.data_dir)), args.key, now)
+    except keys.KeysFileInvalid as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    except keys.KeyRefused as exc:
+        print_err(str(exc))
+        return EXIT_FAILED
+    when = "now" if done.revoked == now else f"already, at {done.revoked}"
+    print(f"revoked {done.id} ({done.name}) {when}; the gateway refuses it within a second")
+    return EXIT_OK
+
+
+def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    ks = sub.add_parser("keys", help="issued inference keys: create, list, revoke")
+    ksub = ks.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kc = ksub.add_parser(
+        "create", parents=[common], help="issue a lucia_inf_ key; it is printed once"
+    )
+    kc.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+    kc.add_argument(
+        "--expires",
+        metavar="WHEN",
+        help="a duration (12h, 30d, 8w), an ISO date (2026-12-31: from that day's start, UTC) "
+        "or an ISO time with its offset; default: never",
+    )
+    kc.set_defaults(func=_cmd_keys_create)
+    kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
+    kl.add_argument("--json", action="store_true")
+    kl.set_defaults(func=_cmd_keys_list)
+    kr = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id or name")
+    kr.add_argument("key", metavar="ID|NAME")
+    kr.set_defaults(func=_cmd_keys_revoke)
+
+
+def add_gateway(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    gw = sub.add_parser(
+        "gateway", parents=[common], help="serve the authenticated /v1 in front of the engines"
+    )
+    gw.add_argument(
+        "--settings",
+        metavar="PATH",
+        help="settings file (env LUCIA_GATEWAY_SETTINGS, default ~/.config/lucia/gateway.toml)",
+    )
+    gw.set_defaults(func=_cmd_gateway)

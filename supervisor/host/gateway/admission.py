@@ -1,0 +1,127 @@
+"""Admission per engine (the RFC's): how many run at once, how many wait, and for how long.
+
+Beyond either bound a request is refused at once with 429 and Retry-After; a wait that runs
+out is refused the same way. The bound holds for every request, loaded engine or not: a
+request held while its engine starts counts as waiting too. Slots pass in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway.settings import Admission
+
+Verdict = Literal["run", "wait", "refuse"]
+RETRY_AFTER_S: Final = 1
+
+
+def decide(running: int, waiting: int, limits: Admission) -> Verdict:
+    """Pure: what a new request gets. It runs only when a slot is free and nobody waits."""
+    if running < limits.running and waiting == 0:
+        return "run"
+    if waiting < limits.waiting:
+        return "wait"
+    return "refuse"
+
+
+def too_busy(engine: str, running: int, waiting: int, waited: float, why: str) -> Refusal:
+    retry = max(RETRY_AFTER_S, math.ceil(waited)) if why == "waited too long" else RETRY_AFTER_S
+    return Refusal(
+        429,
+        "engine_busy",
+        f"engine {engine} is busy: {why} ({running} running, {waiting} waiting)",
+        headers={"Retry-After": str(retry)},
+        details={
+            "engine": engine,
+            "running": running,
+            "waiting": waiting,
+            "waited_s": round(waited, 3),
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    waited_s: float
+
+
+class Gate:
+    """One engine's slots. `slot()` holds one for the body of an `async with`."""
+
+    def __init__(self, engine: str, limits: Admission) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.running = 0
+        self.waiting = 0
+        self.last_used = time.monotonic()  # when a request last came or went (idle stop)
+        self._queue: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0 or self.waiting > 0
+
+    @asynccontextmanager
+    async def slot(
+        self, before: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[Admitted]:
+        """A running slot. `before` (a start on demand) is awaited first, as a waiter; its
+        own time does not count against the wait, which starts when it is done."""
+        began = self.last_used = time.monotonic()
+        verdict = decide(self.running, self.waiting, self.limits)
+        if verdict == "refuse":
+            raise too_busy(self.engine, self.running, self.waiting, 0.0, "the queue is full")
+        if verdict == "run" and before is None:
+            self.running += 1
+        else:
+            self.waiting += 1
+            try:
+                if before is not None:
+                    await before()
+                await self._wait_for_slot(began)
+            finally:
+                self.waiting -= 1
+        try:
+            yield Admitted(time.monotonic() - began)
+        finally:
+            self.last_used = time.monotonic()
+            self._release()
+
+    async def _wait_for_slot(self, began: float) -> None:
+        if self.running < self.limits.running and not self._queue:
+            self.running += 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), self.limits.max_wait_s)
+        except TimeoutError:
+            if turn.done():  # handed a slot just as the wait ran out: take it
+                return
+            self._queue.remove(turn)
+            waited = time.monotonic() - began
+            raise too_busy(
+                self.engine, self.running, self.waiting - 1, waited, "waited too long"
+            ) from None
+        except asyncio.CancelledError:
+            if turn.done():  # a slot was handed over: pass it on
+                self._release()
+            else:
+                self._queue.remove(turn)
+            raise
+
+    def _release(self) -> None:
+        """A slot passes to the first waiter, or becomes free."""
+        while self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.running -= 1

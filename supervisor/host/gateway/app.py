@@ -1,0 +1,266 @@
+"""The gateway's HTTP application: keys, routing, admission, start on demand, forwarding.
+
+Run it with `handler_cancellation=True` (see `runner`): a client that goes away then ends its
+handler, and with it the upstream request. A start on demand is a task of its own and goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+
+from supervisor.host.gateway import body
+from supervisor.host.gateway.admission import Gate
+from supervisor.host.gateway.auth import Authenticator, Caller, allowed, presented_key
+from supervisor.host.gateway.catalog import Catalog, Engine, route
+from supervisor.host.gateway.forward import Forwarder, Trace
+from supervisor.host.gateway.hostapi import HostApi
+from supervisor.host.gateway.idle import CHECK_S, IdleStop
+from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway.settings import Settings
+from supervisor.host.gateway.starter import POLL_S, Starter
+
+KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
+CALLER: Final = web.RequestKey("caller", Caller)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def refusal_response(refusal: Refusal) -> web.Response:
+    return web.Response(
+        status=refusal.status,
+        body=refusal.encoded(),
+        content_type="application/json",
+        headers=refusal.headers,
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    keepalive_s: float = KEEPALIVE_S
+    poll_s: float = POLL_S
+    idle_check_s: float = CHECK_S
+
+
+class Gateway:
+    def __init__(
+        self, settings: Settings, data_dir: Path, auth: Authenticator, timing: Timing
+    ) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.timing = timing
+        self.catalog = Catalog(data_dir)
+        self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
+        self.gates: dict[str, Gate] = {}
+        self.forwarder = Forwarder()
+        self.metrics = Metrics(self.counts)
+        self.idle = IdleStop(
+            data_dir, self.starter, self.gate, settings.idle.stop_after_s, timing.idle_check_s
+        )
+        self.host_api = HostApi(data_dir, self.catalog, self.gates.get, self.idle)
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        return {name: (gate.running, gate.waiting) for name, gate in self.gates.items()}
+
+    def gate(self, engine: str) -> Gate:
+        gate = self.gates.get(engine)
+        if gate is None:
+            gate = self.gates[engine] = Gate(engine, self.settings.admission(engine))
+        return gate
+
+    # -- middleware ------------------------------------------------------------------------
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if allowed(request.path, None) != "open":
+                request[CALLER] = self.caller(request)
+            return await handler(request)
+        except Refusal as refusal:
+            self.metrics.refused(refusal.code)
+            return refusal_response(refusal)
+
+    def caller(self, request: web.Request) -> Caller:
+        """The verified caller, allowed this path: else 401 (no valid key) or 403 (its role)."""
+        key = presented_key(request.headers.get("Authorization"))
+        caller = self.auth.verify(key) if key is not None else None
+        if caller is None:
+            raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
+        if allowed(request.path, caller.role) == "forbidden":
+            raise Refusal(
+                403, "permission_denied",
+                f"{request.path} needs the owner key; this key's role is {caller.role}, which "
+                "may call /v1 only",
+            )  # fmt: skip
+        return caller
+
+    async def serve_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- GET /v1/models ---------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = Catalog.now()
+        aliases: dict[str, list[str]] = {}
+        for tier, model in self.settings.tiers.items():
+            aliases.setdefault(model, []).append(tier)
+        data = [
+            self._model_entry(engine, model, aliases.get(model, []), now)
+            for engine in self.catalog.engines()
+            for model in engine.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    def _model_entry(
+        self, engine: Engine, model: str, tiers: list[str], now: Any
+    ) -> dict[str, Any]:
+        status = engine.status
+        running = status.engine if status is not None else None
+        gate = self.gates.get(engine.name)
+        return {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "lucia",
+            "engine": engine.name,
+            "state": status.state if status is not None else None,
+            "fresh": engine.fresh(now),
+            "tiers": sorted(tiers),
+            "build": {"engineVersion": running.engine_version, "image": running.image}
+            if running is not None
+            else None,
+            "weightsRevision": running.model_revision if running is not None else None,
+            "running": gate.running if gate is not None else 0,
+            "waiting": gate.waiting if gate is not None else 0,
+        }
+
+    # -- the forwarded routes ---------------------------------------------------------------
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        trace = Trace(arrived=asyncio.get_running_loop().time())
+        path = request.path
+        raw = await read_body(request, body.limit(path))
+        prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
+        engine, model = route(prepared.model, self.catalog.engines(), self.settings.tiers)
+        if model != prepared.model:  # a tier alias: the engine knows the model's own name
+            prepared = body.with_model(prepared, model)
+        url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
+        sse: web.StreamResponse | None = None
+
+        async def start() -> None:
+            nonlocal url, sse
+            if prepared.stream:
+                sse = await open_sse(request)
+            url = await self._wait_start(engine.name, sse)
+            self.idle.stopping.discard(engine.name)
+
+        gate = self.gate(engine.name)
+        try:
+            async with gate.slot(None if url else start) as admitted:
+                assert url is not None
+                self.metrics.wait.labels(engine=engine.name).observe(admitted.waited_s)
+                return await self.forwarder.send(
+                    request, url=url, prepared=prepared, engine=engine.name, sse=sse,
+                    deadline_s=gate.limits.deadline_s, trace=trace,
+                )  # fmt: skip
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            trace.outcome = "client_gone"
+            raise
+        except Refusal as refusal:
+            trace.outcome = trace.outcome or "refused"
+            if sse is None:
+                raise
+            self.metrics.refused(refusal.code)
+            await send_error_event(sse, refusal.body())
+            return sse
+        finally:
+            self._record(trace, model, engine.name)
+
+    def _record(self, trace: Trace, model: str, engine: str) -> None:
+        """The request in the metrics; a handler ended without an outcome lost its client."""
+        m = self.metrics
+        outcome = trace.outcome or "client_gone"
+        m.requests.labels(model=model, engine=engine, outcome=outcome).inc()
+        now = asyncio.get_running_loop().time()
+        if trace.first_byte is not None:
+            m.ttft.labels(engine=engine).observe(trace.first_byte - trace.arrived)
+        if outcome != "refused":
+            m.duration.labels(engine=engine).observe(now - trace.arrived)
+        m.usage(model, engine, trace.usage)
+
+    async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:
+        waiting = asyncio.ensure_future(self.starter.ready(engine))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.timing.keepalive_s)
+                if done:
+                    return waiting.result()
+                if sse is not None:
+                    await sse.write(f": starting engine {engine}\n\n".encode())
+        finally:
+            waiting.cancel()  # only this caller's wait: the start is shielded
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes the route's limit."""
+    if request.content_length is not None and request.content_length > limit:
+        raise body.too_large(request.path)
+    chunks: list[bytes] = []
+    size = 0
+    async for data in request.content.iter_any():
+        size += len(data)
+        if size > limit:
+            raise body.too_large(request.path)
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response
+
+
+async def send_error_event(response: web.StreamResponse, error: dict[str, Any]) -> None:
+    try:
+        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await response.write_eof()
+    except (ConnectionError, aiohttp.ClientConnectionResetError):
+        pass
+
+
+GATEWAY: Final = web.AppKey("gateway", Gateway)
+
+
+def create_app(
+    settings: Settings, data_dir: Path, auth: Authenticator, timing: Timing | None = None
+) -> web.Application:
+    gateway = Gateway(settings, data_dir, auth, timing or Timing())
+    app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
+    app[GATEWAY] = gateway
+    app.router.add_get("/v1/models", gateway.models)
+    for path in body.FORWARDED:
+        app.router.add_post(path, gateway.forward)
+    app.router.add_get(METRICS_PATH, gateway.serve_metrics)
+    gateway.host_api.routes(app)
+    app.cleanup_ctx.append(gateway.forwarder.session)
+    app.cleanup_ctx.append(gateway.idle.task)
+    return app
+
+
+def runner(app: web.Application, shutdown_s: float = 60.0) -> web.AppRunner:
+    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
+    stop, requests in flight get `shutdown_s` to finish."""
+    return web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_s
+    )

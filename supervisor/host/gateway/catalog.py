@@ -1,0 +1,94 @@
+"""What the engines serve, from their status.json files: the router's only source.
+
+The host never reads a recipe: each worker writes its engine's model names into status.json
+(`models`), in every state. A file is parsed again only when it was replaced (the worker writes
+it by rename) or changed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.protocol import STALE_AFTER, STATUS, BadName, check_name, load_status
+from supervisor.protocol.documents import Status, utc_now
+
+_SHOWN: Final = 50  # model names listed in a 404
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    status: Status | None
+
+    def fresh(self, now: datetime) -> bool:
+        return self.status is not None and now - self.status.checked_at <= STALE_AFTER
+
+    def url(self, now: datetime) -> str | None:
+        """Where it serves, when it does and its worker is alive."""
+        if self.status is None or self.status.state != "running" or not self.fresh(now):
+            return None
+        return self.status.url
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.status.models if self.status is not None else ()
+
+
+def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Engine, str]:
+    """Pure: the engine that serves `model` (a tier alias resolved first), and the model
+    name it knows; 404 naming the models that exist."""
+    name = tiers.get(model, model)
+    for engine in engines:
+        if name in engine.models:
+            return engine, name
+    known = sorted({m for engine in engines for m in engine.models} | set(tiers))
+    shown = ", ".join(known[:_SHOWN]) + (", …" if len(known) > _SHOWN else "")
+    raise Refusal(
+        404,
+        "model_not_found",
+        f"The model `{model}` does not exist or is not served here. Models: {shown or 'none'}",
+        param="model",
+    )
+
+
+class Catalog:
+    """The engines of a data directory, re-read as their status files change."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._seen: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+
+    def engines(self) -> list[Engine]:
+        found: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        try:
+            entries = list(os.scandir(self.data_dir))
+        except FileNotFoundError:
+            entries = []
+        for entry in sorted(entries, key=lambda e: e.name):
+            try:
+                check_name(entry.name)
+                info = os.stat(Path(entry.path) / STATUS)
+            except (BadName, OSError):
+                continue
+            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)  # each write is a new inode
+            known = self._seen.get(entry.name)
+            if known is not None and known[0] == stamp:
+                found[entry.name] = known
+            else:
+                found[entry.name] = (stamp, Engine(entry.name, load_status(Path(entry.path))))
+        self._seen = found
+        return [engine for _, engine in found.values()]
+
+    def engine(self, name: str) -> Engine:
+        """One engine, read now."""
+        directory = self.data_dir / check_name(name)
+        return Engine(name, load_status(directory))
+
+    @staticmethod
+    def now() -> datetime:
+        return utc_now()

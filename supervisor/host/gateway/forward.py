@@ -1,0 +1,238 @@
+"""One request to its engine and the answer back, within the request's deadline.
+
+Only the body and its content type go upstream: never the client's Authorization or any other
+header. Answers pass on as they come: SSE event by event (usage.py), a plain answer chunk by
+chunk with the engine's status and content type. A stream the engine breaks off ends with an
+error event, never a hang. One clock from admission covers the dial and the whole answer: when
+it runs out, a stream ends with an error event, a request not yet answered gets 504, and a
+plain answer already begun is cut off (its client sees a short body, never a whole-looking
+one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+
+from supervisor.host.gateway.body import Prepared
+from supervisor.host.gateway.metrics import Outcome
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway.usage import UsageFilter
+
+SSE: Final = "text/event-stream"
+_CONNECT_S: Final = 10.0
+_BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
+_USAGE_COPY: Final = 4 * 1024 * 1024  # a plain answer up to this size is read for its usage
+_PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def unreachable(engine: str, exc: BaseException) -> Refusal:
+    return Refusal(502, "engine_unreachable", f"engine {engine} did not answer: {describe(exc)}")
+
+
+def timed_out(engine: str, deadline_s: float) -> Refusal:
+    return Refusal(
+        504, "timeout", f"engine {engine} did not finish within the deadline of {deadline_s:g} s"
+    )
+
+
+@dataclass
+class Trace:
+    """What one request did, for the metrics: filled in as it goes."""
+
+    arrived: float  # the loop's clock
+    outcome: Outcome | None = None
+    first_byte: float | None = None
+    usage: dict[str, Any] | None = None
+    response: web.StreamResponse | None = field(default=None, repr=False)  # once begun
+
+    def wrote(self) -> None:
+        if self.first_byte is None:
+            self.first_byte = asyncio.get_running_loop().time()
+
+
+def usage_of(answer: bytes) -> dict[str, Any] | None:
+    """Pure: the usage object of a whole JSON answer, if it has one."""
+    try:
+        document = json.loads(answer)
+    except ValueError:
+        return None
+    usage = document.get("usage") if isinstance(document, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+class Forwarder:
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    async def session(self, _: web.Application) -> AsyncIterator[None]:
+        """The app's cleanup context: one client session, one pool of connections."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S),
+        )
+        try:
+            yield
+        finally:
+            await self._session.close()
+
+    async def send(
+        self,
+        request: web.Request,
+        *,
+        url: str,
+        prepared: Prepared,
+        engine: str,
+        sse: web.StreamResponse | None,
+        deadline_s: float,
+        trace: Trace,
+    ) -> web.StreamResponse:
+        """Forward; `sse` is the client's stream when it was opened already (a start)."""
+        trace.response = sse
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._send(request, url, prepared, engine, trace)
+        except TimeoutError:
+            trace.outcome = "timed_out"
+            refusal = timed_out(engine, deadline_s)
+            response = trace.response
+            if response is None:
+                raise refusal from None
+            if response.content_type == SSE:
+                await response.write(b"data: " + refusal.encoded() + b"\n\n")
+                await response.write_eof()
+            elif request.transport is not None:
+                request.transport.close()  # cut off: a short body tells the client
+            return response
+
+    async def _send(
+        self, request: web.Request, url: str, prepared: Prepared, engine: str, trace: Trace
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        try:
+            upstream = await self._session.post(
+                url + request.path,
+                data=prepared.body,
+                headers={"Content-Type": "application/json"},
+            )
+        except _BROKEN as exc:
+            trace.outcome = "engine_failed"
+            raise unreachable(engine, exc) from None
+        async with upstream:
+            trace.outcome = "ok" if upstream.status < 400 else "engine_error"
+            streams = upstream.headers.get("Content-Type", "").startswith(SSE)
+            sse = trace.response
+            if sse is not None and not streams:
+                # the client's stream is open (a start): the answer becomes an event
+                try:
+                    content = await upstream.read()
+                except _BROKEN as exc:
+                    trace.outcome = "engine_failed"
+                    raise unreachable(engine, exc) from None
+                trace.wrote()
+                await sse.write(b"data: " + content + b"\n\n")
+                await sse.write_eof()
+                return sse
+            if sse is None:
+                headers = {k: upstream.headers[k] for k in _PASSED_HEADERS if k in upstream.headers}
+                if streams:
+                    headers = {"Content-Type": SSE, "Cache-Control": "no-cache"}
+                sse = web.StreamResponse(status=upstream.status, headers=headers)
+            if streams:
+                await self._relay(
+                    request, upstream=upstream, sse=sse, prepared=prepared, engine=engine,
+                    trace=trace,
+                )  # fmt: skip
+            else:
+                await self._pass(request, upstream, sse, engine, trace)
+            return sse
+
+    async def _pass(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        engine: str,
+        trace: Trace,
+    ) -> None:
+        """A plain answer, chunk by chunk; its usage read from a copy kept up to a bound."""
+        copy: list[bytes] | None = [] if upstream.status == 200 else None
+        kept = 0
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                data = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except _BROKEN as exc:
+                trace.outcome = "engine_failed"
+                if trace.response is None:
+                    raise unreachable(engine, exc) from None
+                if request.transport is not None:
+                    request.transport.close()  # cut off: a short body tells the client
+                return
+            if trace.response is None:
+                trace.response = response
+                await response.prepare(request)
+            trace.wrote()
+            if copy is not None:
+                kept += len(data)
+                if kept <= _USAGE_COPY:
+                    copy.append(data)
+                else:
+                    copy = None
+            await response.write(data)
+        if trace.response is None:  # an empty answer
+            trace.response = response
+            await response.prepare(request)
+        if copy is not None:
+            trace.usage = usage_of(b"".join(copy))
+        await response.write_eof()
+
+    async def _relay(
+        self,
+        request: web.Request,
+        *,
+        upstream: aiohttp.ClientResponse,
+        sse: web.StreamResponse,
+        prepared: Prepared,
+        engine: str,
+        trace: Trace,
+    ) -> None:
+        if trace.response is None:
+            trace.response = sse
+            await sse.prepare(request)
+        usage = UsageFilter(prepared.hide_usage)
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                data = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except _BROKEN as exc:  # the engine's side: the client's errors propagate
+                trace.outcome = "engine_failed"
+                error = Refusal(
+                    502, "engine_failed", f"engine {engine} broke off the stream: {describe(exc)}"
+                )
+                await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
+                await sse.write_eof()
+                trace.usage = usage.usage
+                return
+            out = usage.feed(data)
+            if out:
+                trace.wrote()
+                await sse.write(out)  # waits while the client's buffer is full
+        trace.usage = usage.usage
+        await sse.write(usage.close())
+        await sse.write_eof()

@@ -1,0 +1,100 @@
+"""The host API, for the owner only: each engine's status, and a request to run or stop it.
+
+It reports whether each heartbeat is fresh, and writes requests through the protocol's host
+module.
+
+An engine the owner asks for is the operator's from then on: idle stop leaves it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from aiohttp import web
+
+from supervisor.host.gateway import body
+from supervisor.host.gateway.admission import Gate
+from supervisor.host.gateway.catalog import Catalog, Engine
+from supervisor.host.gateway.idle import IdleStop
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.protocol import BadName, check_name, engine_dir, read_desired, request
+from supervisor.protocol.documents import dump
+
+ENGINES: Final = "/api/host/engines"
+_BODY_LIMIT: Final = 64 * 1024
+_DESIRED: Final = ("running", "stopped")
+
+
+def wanted(raw: bytes) -> str:
+    """Pure: the state a POST asks for; 400 naming what is wrong."""
+    document = body.decode(raw)
+    desired = document.get("desired")
+    if desired not in _DESIRED or set(document) != {"desired"}:
+        raise Refusal(
+            400, "invalid_request", 'the body must be {"desired": "running"} or '
+            '{"desired": "stopped"}', param="desired",
+        )  # fmt: skip
+    return str(desired)
+
+
+class HostApi:
+    def __init__(
+        self, data_dir: Path, catalog: Catalog, gates: Callable[[str], Gate | None], idle: IdleStop
+    ) -> None:
+        self.data_dir = data_dir
+        self.catalog = catalog
+        self.gates = gates
+        self.idle = idle
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get(ENGINES, self.engines)
+        app.router.add_post(ENGINES + "/{name}", self.set_desired)
+
+    async def engines(self, _: web.Request) -> web.Response:
+        now = Catalog.now()
+        rows = [self._row(engine, now) for engine in self.catalog.engines()]
+        return web.json_response({"engines": rows})
+
+    def _row(self, engine: Engine, now: Any) -> dict[str, Any]:
+        desired = read_desired(engine_dir(self.data_dir, engine.name))
+        gate = self.gates(engine.name)
+        return {
+            "name": engine.name,
+            "fresh": engine.fresh(now),
+            "status": json.loads(dump(engine.status)) if engine.status is not None else None,
+            "desired": json.loads(dump(desired)) if desired is not None else None,
+            "startedByGateway": engine.name in self.idle.starter.started,
+            "running": gate.running if gate is not None else 0,
+            "waiting": gate.waiting if gate is not None else 0,
+        }
+
+    async def set_desired(self, request: web.Request) -> web.Response:
+        raw = await request.content.read(_BODY_LIMIT + 1)
+        if len(raw) > _BODY_LIMIT:
+            raise Refusal(413, "request_too_large", "the body of the host API is limited to 64 KiB")
+        desired = wanted(raw)
+        name = request.match_info["name"]
+        try:
+            check_name(name)
+        except BadName as exc:
+            raise Refusal(400, "invalid_request", str(exc), param="name") from None
+        known = [engine.name for engine in self.catalog.engines()]
+        if name not in known:
+            raise Refusal(
+                404, "engine_not_found",
+                f"no engine {name} has a worker here. Engines: {', '.join(known) or 'none'}",
+            )  # fmt: skip
+        generation = await asyncio.to_thread(request_state, self.data_dir, name, desired)
+        self.idle.starter.started.pop(name, None)  # the operator's from now on
+        self.idle.stopping.discard(name)
+        return web.json_response(
+            {"engine": name, "desired": desired, "generation": generation}, status=202
+        )
+
+
+def request_state(data_dir: Path, name: str, desired: str) -> int:
+    return request(data_dir, name, "running" if desired == "running" else "stopped")

@@ -1,0 +1,113 @@
+"""The gateway as a service: listening, sd_notify, its file_sd target, and the stop.
+
+It listens (TLS from the configured files), says READY and pings the watchdog as a Type=notify
+unit, publishes its file_sd target, and stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import ssl
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+
+from supervisor import logs
+from supervisor.host.gateway.app import create_app, runner
+from supervisor.host.gateway.auth import Authenticator
+from supervisor.host.gateway.metrics import publish_target, target
+from supervisor.host.gateway.settings import Listen, Settings, SettingsError
+from supervisor.notify import Notifier
+
+WATCHDOG_IDLE_S: Final = 5.0  # how often the loop looks when there is no watchdog
+SHUTDOWN_S: Final = 20.0  # streams in flight get this long at a stop (the unit allows 30)
+log = logs.get("gateway")
+
+
+def tls_context(listen: Listen) -> ssl.SSLContext | None:
+    """The server's TLS context from the configured files; SettingsError naming the setting."""
+    if listen.tls_cert is None or listen.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(listen.tls_cert, listen.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc)
+        raise SettingsError(
+            f"listen.tls_cert {listen.tls_cert}, listen.tls_key {listen.tls_key}: cannot be "
+            f"used: {detail}"
+        ) from None
+    return context
+
+
+class Service:
+    def __init__(
+        self,
+        settings: Settings,
+        data_dir: Path,
+        auth: Authenticator,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.settings = settings
+        self.data_dir = data_dir
+        self.auth = auth
+        self.notifier = notifier or Notifier()
+        self.context = tls_context(settings.listen)  # before anything binds: exit 78 early
+        self.stop = asyncio.Event()
+        self.port: int | None = None  # the bound port, once listening (0 in settings: any)
+        self.listening = asyncio.Event()
+
+    async def run(self) -> None:
+        listen = self.settings.listen
+        for warning in self.settings.warnings():
+            log.warning(warning)
+        app_runner = runner(create_app(self.settings, self.data_dir, self.auth), SHUTDOWN_S)
+        await app_runner.setup()
+        try:
+            site = web.TCPSite(app_runner, listen.address, listen.port, ssl_context=self.context)
+            await site.start()
+            self.port = bound_port(app_runner, listen.port)
+            path = publish_target(self.data_dir, target(listen.address, self.port, listen.tls))
+            scheme = "https" if listen.tls else "http"
+            where = f"{scheme}://{listen.address}:{self.port}"
+            log.info("gateway listening", url=where, file_sd=str(path))
+            self.notifier.ready()
+            self.notifier.status(f"serving on {where}")
+            self.listening.set()
+            await self._watch()
+        finally:
+            self.notifier.stopping()
+            log.info("gateway stopping")
+            await app_runner.cleanup()
+
+    async def _watch(self) -> None:
+        interval = self.notifier.watchdog_interval
+        every = interval / 2 if interval else WATCHDOG_IDLE_S
+        while not self.stop.is_set():
+            self.notifier.watchdog()  # from the loop: a blocked loop misses its pings
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), every)
+
+
+def bound_port(app_runner: web.AppRunner, configured: int) -> int:
+    for address in app_runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return configured
+
+
+def serve(service: Service) -> int:
+    """Run until SIGTERM or SIGINT; the exit status."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, service.stop.set)
+        await service.run()
+
+    asyncio.run(main())
+    return 0

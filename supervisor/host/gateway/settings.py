@@ -1,0 +1,230 @@
+"""The gateway's settings: one TOML file, every default resolved here and nowhere else.
+
+The file is the argument, then LUCIA_GATEWAY_SETTINGS, then `$XDG_CONFIG_HOME/lucia/gateway.toml`.
+A missing file at the default place means every default; a file named on purpose must exist.
+
+```toml
+[listen]
+address = "127.0.0.1"          # loopback by default; a LAN address is opened on purpose
+port = 8400
+tls_cert = "/etc/lucia/gateway.crt"   # both or neither
+tls_key = "/etc/lucia/gateway.key"
+
+[keys]
+owner_file = "~/.config/lucia/owner.key"
+inference_file = "~/.config/lucia/inference.key"
+
+[tiers]                        # aliases a request's `model` may name
+fast = "qwen2.5-0.5b"
+
+[limits]                       # for every engine, unless [engines.NAME] says otherwise
+running = 4                    # requests forwarded at once
+waiting = 64                   # requests held for a slot
+max_wait_s = 30                # how long one is held before a 429
+deadline_s = 1800              # one clock from admission over the dial and the whole answer
+load_wait_s = 900              # how long a start on demand is waited for
+max_tokens = 32768             # the bound of max_tokens and its siblings
+
+[engines.big]
+running = 1
+
+[idle]
+stop_after_s = 0               # 0: never; else an engine the gateway started is stopped
+                               # after this long with nothing running or waiting on it
+```
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Final, Self
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
+DEFAULT_ADDRESS: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8400
+DEFAULT_RUNNING: Final = 4
+DEFAULT_WAITING: Final = 64
+DEFAULT_MAX_WAIT_S: Final = 30.0
+DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
+DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
+DEFAULT_MAX_TOKENS: Final = 32768
+_MAX_FILE: Final = 1024 * 1024
+
+
+def config_home() -> Path:
+    raw = os.environ.get("XDG_CONFIG_HOME")
+    return (Path(raw) if raw else Path("~/.config")).expanduser() / "lucia"
+
+
+def settings_file(value: str | None = None) -> tuple[Path, bool]:
+    """The settings file, and whether it was named (the argument or the environment)."""
+    raw = value or os.environ.get(SETTINGS_ENV)
+    if raw:
+        return Path(raw).expanduser().absolute(), True
+    return (config_home() / "gateway.toml").absolute(), False
+
+
+def _expand(value: object) -> object:
+    if isinstance(value, str):
+        if value.startswith("~"):
+            value = os.path.expanduser(value)
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path (or start with ~/)")
+    return value
+
+
+FilePath = Annotated[Path, BeforeValidator(_expand)]
+
+
+class SettingsError(ValueError):
+    """Settings the gateway cannot start with; str() names the file, the setting and the rule."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Section):
+    address: str = DEFAULT_ADDRESS
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)  # 0: any free port
+    tls_cert: FilePath | None = None
+    tls_key: FilePath | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        ipaddress.ip_address(value)  # its ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _checked(self) -> Self:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key come together: set both or neither")
+        return self
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+class Keys(_Section):
+    owner_file: FilePath = Field(default_factory=lambda: config_home() / "owner.key")
+    inference_file: FilePath = Field(default_factory=lambda: config_home() / "inference.key")
+
+
+class EngineLimits(_Section):
+    """Admission for one engine; None: the [limits] value."""
+
+    running: int | None = Field(default=None, ge=1, le=10_000)
+    waiting: int | None = Field(default=None, ge=0, le=100_000)
+    max_wait_s: float | None = Field(default=None, gt=0, le=86_400)
+    deadline_s: float | None = Field(default=None, gt=0, le=86_400)
+
+
+class Limits(_Section):
+    running: int = Field(default=DEFAULT_RUNNING, ge=1, le=10_000)
+    waiting: int = Field(default=DEFAULT_WAITING, ge=0, le=100_000)
+    max_wait_s: float = Field(default=DEFAULT_MAX_WAIT_S, gt=0, le=86_400)
+    deadline_s: float = Field(default=DEFAULT_DEADLINE_S, gt=0, le=86_400)
+    load_wait_s: float = Field(default=DEFAULT_LOAD_WAIT_S, gt=0, le=86_400)
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=10_000_000)
+
+
+class Idle(_Section):
+    stop_after_s: float = Field(default=0, ge=0, le=30 * 86_400)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One engine's resolved admission limits."""
+
+    running: int
+    waiting: int
+    max_wait_s: float
+    deadline_s: float
+
+
+class Settings(_Section):
+    listen: Listen = Field(default_factory=Listen)
+    keys: Keys = Field(default_factory=Keys)
+    tiers: dict[str, str] = Field(default_factory=dict)
+    limits: Limits = Field(default_factory=Limits)
+    engines: dict[str, EngineLimits] = Field(default_factory=dict)
+    idle: Idle = Field(default_factory=Idle)
+
+    def admission(self, engine: str) -> Admission:
+        own = self.engines.get(engine, EngineLimits())
+        return Admission(
+            running=own.running if own.running is not None else self.limits.running,
+            waiting=own.waiting if own.waiting is not None else self.limits.waiting,
+            max_wait_s=own.max_wait_s if own.max_wait_s is not None else self.limits.max_wait_s,
+            deadline_s=own.deadline_s if own.deadline_s is not None else self.limits.deadline_s,
+        )
+
+    def warnings(self) -> list[str]:
+        """What is allowed but unwise, for the log at start."""
+        if not self.listen.loopback and not self.listen.tls:
+            return [
+                f"listen.address {self.listen.address} is not loopback and listen.tls_cert is "
+                "not set: keys cross the network in clear"
+            ]
+        return []
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in err["loc"]) or "settings"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown setting"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}"
+
+
+def parse(text: str, origin: str) -> Settings:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{origin}: not valid TOML: {exc}") from None
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(f"{origin}: {_first_error(exc)}") from None
+
+
+def load(value: str | None = None) -> Settings:
+    """The settings from the file named, or the default place; raises SettingsError."""
+    path, named = settings_file(value)
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(_MAX_FILE + 1)
+    except FileNotFoundError:
+        if named:
+            raise SettingsError(f"{path}: no such settings file") from None
+        return Settings()
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
+    if len(raw) > _MAX_FILE:
+        raise SettingsError(f"{path}: larger than {_MAX_FILE} bytes")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise SettingsError(f"{path}: not UTF-8") from None
+    return parse(text, str(path))

@@ -1,0 +1,190 @@
+"""The gateway's pure parts, as tables: bodies, admission, start plans, the usage filter and
+the settings."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from supervisor.host.gateway import body
+from supervisor.host.gateway.admission import decide
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway.settings import Admission, SettingsError, parse
+from supervisor.host.gateway.starter import plan
+from supervisor.host.gateway.usage import UsageFilter
+from supervisor.protocol.documents import DesiredFile, Status, utc_now
+
+NOW = utc_now()
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "stream", "hide", "options"),
+    [
+        (body.CHAT, {"model": "m"}, False, False, None),
+        (body.CHAT, {"model": "m", "stream": True}, True, True, {"include_usage": True}),
+        (
+            body.CHAT,
+            {"model": "m", "stream": True, "stream_options": {"include_usage": False}},
+            True,
+            True,
+            {"include_usage": True},
+        ),
+        (
+            body.COMPLETIONS,
+            {"model": "m", "stream": True, "stream_options": {"include_usage": True}},
+            True,
+            False,
+            {"include_usage": True},
+        ),
+        (body.RESPONSES, {"model": "m", "stream": True}, True, False, None),
+        (body.EMBEDDINGS, {"model": "m", "input": "x"}, False, False, None),
+    ],
+)
+def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
+    path: str, document: dict[str, Any], stream: bool, hide: bool, options: Any
+) -> None:
+    prepared = body.prepare(path, json.dumps(document).encode(), 100)
+    assert (prepared.model, prepared.stream, prepared.hide_usage) == ("m", stream, hide)
+    assert json.loads(prepared.body).get("stream_options") == options
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "words"),
+    [
+        (b'{"model": 1}', 400, "model must be a non-empty string"),
+        (b'{"model": ""}', 400, "model must be"),
+        (b'{"model": "m", "stream": "yes"}', 400, "stream must be"),
+        (b'{"model": "m", "stream_options": 3}', 400, "stream_options must be"),
+        (b'{"model": "m", "max_tokens": true}', 400, "max_tokens"),
+        (b'{"model": "m", "max_tokens": 101}', 400, "from 1 to 100"),
+        (b'{"model": "m", "max_completion_tokens": 0}', 400, "max_completion_tokens"),
+        (b'{"model": "m", "max_output_tokens": 1.5}', 400, "max_output_tokens"),
+        (b'{"model": "m"', 400, "line 1 column 14"),
+        (b'{"model": "m", "x": NaX}', 400, "malformed JSON"),
+        (b"\xc3(", 400, "not UTF-8"),
+        (b"x" * (body.TEXT_LIMIT + 1), 413, "2 MiB"),
+    ],
+)
+def test_bad_bodies_are_refused_naming_why(raw: bytes, status: int, words: str) -> None:
+    with pytest.raises(Refusal) as caught:
+        body.prepare(body.CHAT, raw, 100)
+    assert caught.value.status == status
+    assert words in caught.value.message
+
+
+@pytest.mark.parametrize("value", [None, 1, 100])
+def test_token_bounds_within_the_range_pass(value: int | None) -> None:
+    raw = json.dumps({"model": "m", "max_tokens": value}).encode()
+    assert body.prepare(body.CHAT, raw, 100).body == raw
+
+
+LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "verdict"),
+    [
+        (0, 0, "run"),
+        (1, 0, "run"),
+        (2, 0, "wait"),
+        (1, 1, "wait"),  # a free slot, but someone is first in line
+        (2, 2, "wait"),
+        (2, 3, "refuse"),
+        (0, 3, "refuse"),  # every waiter counts, loaded engine or not
+    ],
+)
+def test_admission_decides_by_both_bounds(running: int, waiting: int, verdict: str) -> None:
+    assert decide(running, waiting, LIMITS) == verdict
+
+
+def status(state: str, generation: int, age_s: float = 0, url: str | None = None) -> Status:
+    checked = NOW - timedelta(seconds=age_s)
+    return Status(
+        generation=generation,
+        state=state,  # type: ignore[arg-type]
+        since=checked,
+        message=state,
+        url=url,
+        checked_at=checked,
+    )
+
+
+def desired(value: str, generation: int) -> DesiredFile:
+    return DesiredFile.model_validate(
+        {"schemaVersion": 1, "generation": generation, "desired": value}
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_", "answer", "step", "generation"),
+    [
+        (None, None, "unavailable", 0),
+        (None, status("stopped", 0, age_s=61), "unavailable", 0),
+        (desired("running", 2), status("running", 2, url="http://e:1"), "ready", 0),
+        (None, status("stopped", 0), "request", 0),
+        (desired("stopped", 4), status("stopped", 4), "request", 0),
+        (desired("running", 5), status("stopped", 4), "follow", 5),  # asked, not yet answered
+        (desired("running", 5), status("starting", 5), "follow", 5),
+        (desired("running", 5), status("failed", 5), "request", 0),  # a new try
+        (desired("stopped", 6), status("running", 5, url="http://e:1"), "request", 0),
+    ],
+)
+def test_a_start_plan_follows_the_request_on_file(
+    request_: DesiredFile | None, answer: Status | None, step: str, generation: int
+) -> None:
+    got = plan(request_, answer, NOW)
+    assert (got.step, got.generation) == (step, generation)
+
+
+CONTENT = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("cut", [1, 7, len(CONTENT), len(CONTENT) + 5, len(CONTENT + USAGE) - 1])
+@pytest.mark.parametrize("hide", [True, False])
+def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask(cut: int, hide: bool) -> None:
+    stream = CONTENT + USAGE + DONE
+    usage = UsageFilter(hide)
+    first = usage.feed(stream[:cut])
+    out = first + usage.feed(stream[cut:]) + usage.close()
+    assert out == (CONTENT + DONE if hide else stream)
+    assert usage.usage == {"prompt_tokens": 1, "completion_tokens": 2}
+    assert first == (CONTENT if cut >= len(CONTENT) else b"")  # finished events go on at once
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[listen]\nport = -1", "listen.port"),
+        ('[listen]\naddress = "localhost"', "listen.address"),
+        ('[listen]\ntls_cert = "/c"', "tls_cert and tls_key come together"),
+        ('[keys]\nowner_file = "relative"', "must be an absolute path"),
+        ("[limits]\nrunning = 0", "limits.running"),
+        ("[limits]\nmax_wait_s = -1", "limits.max_wait_s"),
+        ("[limits]\ndeadline_s = 0", "limits.deadline_s"),
+        ("[engines.big]\ndeadline_s = 0", "engines.big.deadline_s"),
+        ("[engines.big]\nrunnig = 1", "engines.big.runnig: unknown setting"),
+        ("[limit]\nrunning = 1", "limit: unknown setting"),
+        ("[limits\n", "not valid TOML"),
+    ],
+)
+def test_bad_settings_name_the_setting(text: str, words: str) -> None:
+    with pytest.raises(SettingsError, match=r"^gw\.toml: ") as caught:
+        parse(text, "gw.toml")
+    assert words in str(caught.value)
+
+
+def test_settings_defaults_and_engine_overrides() -> None:
+    settings = parse(
+        '[engines.big]\nrunning = 1\ndeadline_s = 7200\n[listen]\naddress = "0.0.0.0"', "gw.toml"
+    )
+    assert settings.admission("big") == Admission(1, 64, max_wait_s=30.0, deadline_s=7200.0)
+    assert settings.admission("small") == Admission(4, 64, max_wait_s=30.0, deadline_s=1800.0)
+    assert settings.listen.port == 8400
+    assert settings.idle.stop_after_s == 0
+    assert "listen.tls_cert" in settings.warnings()[0]
+    assert parse("", "gw.toml").warnings() == []
