@@ -9,7 +9,8 @@ process, in order, so what it holds is never held twice at once:
 - `cold-build`: the vLLM CPU image built from nothing under a private tag;
 - every other module is a group of its own, so its module-scoped engines are set up once.
 The alone phase (`@pytest.mark.alone`) runs one case at a time with nothing beside it: the cases
-that stop, restart or freeze the machine's dockerd.
+that stop, restart or freeze the machine's dockerd, and the few that count what happens during a
+race the machine's two cores decide (answers while a model loads).
 
 The controller sees node ids only, so a group is named from the node id (`group_of`). Every
 collection checks that against what each case holds (`held_group`: its fixtures and marks), so a
@@ -21,6 +22,7 @@ Plain `python -m pytest` still runs everything, in one process.
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -84,6 +86,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="shared: only cases that may run beside others; alone: only those that may not "
              "(python -m tests.run runs both)",
     )
+
+
+_spent: defaultdict[str, float] = defaultdict(float)  # group -> seconds, setup to teardown
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _spent[group_of(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The groups by time spent: the longest is the floor of the shared phase's wall time."""
+    if not _spent:
+        return
+    terminalreporter.section("time by group (tests/schedule.py)")
+    for name, seconds in sorted(_spent.items(), key=lambda item: -item[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+    terminalreporter.write_line(f"{sum(_spent.values()):8.1f} s  in all")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling:

@@ -119,7 +119,9 @@ class ContainerEngine:
         return ()
 
     def served_models(self) -> tuple[str, ...]:
-        raise NotImplementedError  # each kind names its own, from its recipe
+        """None, unless the kind names them (each shipped kind does, from its recipe): a kind
+        that names none is served by no gateway route, and its worker runs as before."""
+        return ()
 
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
         raise ValueError(f"{self.kind} cannot make {what!r}")

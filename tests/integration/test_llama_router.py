@@ -195,6 +195,7 @@ def _safe_models(engine: Engine) -> dict[str, Any]:
         return {}
 
 
+@pytest.mark.alone  # counts answers during a load: a race the other cases would tilt
 def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, client) -> None:
     """A new load-on-startup set reaches the running router through its API (POST
     /models/load, /models/unload), not a restart: the same container, alpha serving on."""
