@@ -100,8 +100,10 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def running_gateway(work: Path, data_dir: Path, settings: str = "") -> Iterator[Gateway]:
-    """The gateway over `data_dir`, with `settings` (TOML) after [listen] and [keys]."""
+def running_gateway(work: Path, data_dir: Path, settings: str = "",
+                    listen: str = "") -> Iterator[Gateway]:
+    """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
+    (TOML sections) after [listen] and [keys]."""
     work.mkdir(parents=True, exist_ok=True)
     owner, inference = (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
@@ -110,7 +112,7 @@ def running_gateway(work: Path, data_dir: Path, settings: str = "") -> Iterator[
     port = free_port()
     path = work / "gateway.toml"
     path.write_text(
-        f'[listen]\naddress = "127.0.0.1"\nport = {port}\n'
+        f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
         f'[keys]\nowner_file = "{work / "owner.key"}"\n'
         f'inference_file = "{work / "inference.key"}"\n' + settings)
     log = work / "gateway.log"

@@ -21,7 +21,7 @@ import docker
 import openai
 import pytest
 
-from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
+from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo, state_since
 from tests.gateway_proc import Gateway, metric, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
 from tests.standin import recipe_repository
@@ -31,14 +31,15 @@ pytestmark = pytest.mark.docker
 
 CONTEXT = 32768  # a long answer: a slow reader holds its slot while the engine writes on
 HEADER_TIMEOUT_S = 3
-SETTINGS = f"""header_timeout_s = {HEADER_TIMEOUT_S}
-[limits]
+LISTEN = f"header_timeout_s = {HEADER_TIMEOUT_S}\n"
+SETTINGS = """[limits]
 running = 1
 waiting = 0
 load_wait_s = 300
 """
 HI = [{"role": "user", "content": "hi"}]
 WHOLE = {"ignore_eos": True}  # llama-server's own: as many tokens as asked, whatever is drawn
+FRESH: list[str] = []  # the models a fresh worker named while stopped, before any run
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +57,22 @@ def router(client: docker.DockerClient, base_image: str,
         write_llama(add_model(engine.models_dir, "Ready") / f"{name}.gguf",
                     TinyLlama(context=CONTEXT))
     engine.start_worker()
-    engine.wait_state(engine.request("stopped"), "stopped", timeout=60)
+    stopped = engine.wait_state(engine.request("stopped"), "stopped", timeout=60)
+    # a few heartbeats (2 s) later: what a fresh worker names while it never ran
+    FRESH.extend(engine.wait_status(
+        lambda s: _checked(s) - state_since(stopped) > 6, timeout=60, what="heartbeats")[
+            "models"])
+    # one run syncs the library into the preset; stopped again, the preset's models remain
+    engine.wait_state(engine.request("running"), "running", timeout=120)
+    engine.wait_state(engine.request("stopped"), "stopped", timeout=120)
     yield engine
     factory.close()
 
 
 @pytest.fixture(scope="module")
 def gateway(router: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    with running_gateway(tmp_path_factory.mktemp("gateway"), router.data_dir, SETTINGS) as gw:
+    with running_gateway(tmp_path_factory.mktemp("gateway"), router.data_dir, SETTINGS,
+                         LISTEN) as gw:
         yield gw
 
 
@@ -74,6 +83,10 @@ def expiring(gateway: Gateway) -> str:
     key = gateway.create_key("expiring", "--expires", when)
     wait_for(lambda: gateway.get("/v1/models", key)[0] == 200, 10, "the new key accepted")
     return key
+
+
+def _checked(status: dict[str, Any]) -> float:
+    return datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00")).timestamp()
 
 
 def _answered(gateway: Gateway, model: str = "alpha") -> None:
@@ -108,6 +121,13 @@ def _curl(gateway: Gateway, path: str, *args: str, key: str | None = None,
 # -- a start on demand, the models RPC, streams ----------------------------------------------
 
 
+@pytest.mark.xfail(strict=True, reason="a llama-router worker syncs its library only once the "
+                   "engine runs: before a first run, status.json names no model, and the "
+                   "gateway cannot route to it (404)")
+def test_a_fresh_worker_names_the_routers_models_before_any_run(router: Engine) -> None:
+    assert sorted(FRESH) == ["alpha", "zeta"]
+
+
 def test_a_request_starts_the_stopped_engine_and_is_answered(
         router: Engine, gateway: Gateway, expiring: str) -> None:
     stopped = router.status()
@@ -135,8 +155,8 @@ def test_models_lists_each_model_with_engine_state_and_build(
     for entry in listed.values():
         assert entry["engine"] == router.name and entry["state"] == "running"
         assert entry["build"]["image"] == router_images[0]
+        # what the worker recorded (its router engine reports no llama-server build: null)
         assert entry["build"]["engineVersion"] == status["engine"]["engineVersion"]
-        assert entry["build"]["engineVersion"], "llama-server's build"
         assert (entry["running"], entry["waiting"]) == (0, 0)
 
 
