@@ -141,9 +141,9 @@ def test_a_request_starts_the_stopped_engine_and_is_answered(
     assert status is not None and status["state"] == "running"
     desired = json.loads((router.dir / "desired.json").read_text())
     assert desired["desired"] == "running" and desired["generation"] > stopped["generation"]
-    text = gateway.metrics()
-    assert metric(text, "lucia_gateway_requests_total", model="alpha", engine=router.name,
-                  outcome="ok") == 1
+    # counted as the handler ends, just after the client has its answer: waited for
+    wait_for(lambda: metric(gateway.metrics(), "lucia_gateway_requests_total", model="alpha",
+                            engine=router.name, outcome="ok") == 1, 30, "the request counted")
 
 
 def test_models_lists_each_model_with_engine_state_and_build(
@@ -167,6 +167,8 @@ def test_a_stream_hides_the_usage_it_did_not_ask_for_and_counts_it(
         model="zeta", messages=HI, max_tokens=6, stream=True, extra_body=WHOLE))
     assert chunks and all(c.usage is None and c.choices for c in chunks), "no usage chunk"
     assert chunks[-1].choices[0].finish_reason is not None
+    wait_for(lambda: metric(gateway.metrics(), "lucia_gateway_requests_total", model="zeta")
+             == 1, 30, "the stream counted")
     counted = metric(gateway.metrics(), "lucia_gateway_completion_tokens_total", model="zeta")
     assert counted - before == 6  # max_tokens 6, from the engine's own usage
     asked = list(gateway.client().chat.completions.create(

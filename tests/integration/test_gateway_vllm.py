@@ -12,6 +12,7 @@ import pytest
 
 from tests.fixtures import Engine
 from tests.gateway_proc import metric, running_gateway
+from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.docker
 
@@ -34,9 +35,13 @@ def test_a_stream_starts_the_stopped_vllm_engine_and_its_usage_is_counted_not_sh
         assert text and chunks[-1].choices[0].finish_reason == "length"
         running = engine.status()
         assert running is not None and running["state"] == "running"
-        exposed = gateway.metrics()
         labels = {"model": "tiny", "engine": engine.name}
-        assert metric(exposed, "lucia_gateway_completion_tokens_total", **labels) == 6
+        # the request is counted as its handler ends, just after the client saw the stream end
+        wait_for(lambda: metric(gateway.metrics(), "lucia_gateway_requests_total",
+                                **labels) == 1, 30, "the request counted")
+        exposed = gateway.metrics()
+        shown = [line for line in exposed.splitlines() if "tiny" in line]
+        assert metric(exposed, "lucia_gateway_completion_tokens_total", **labels) == 6, shown
         assert metric(exposed, "lucia_gateway_prompt_tokens_total", **labels) > 0
         assert metric(exposed, "lucia_gateway_requests_total", outcome="ok", **labels) == 1
         for key in (gateway.owner, gateway.inference, gateway.issued):
