@@ -32,6 +32,7 @@ from xdist.scheduler import LoadScopeScheduling
 GROUPS = ("vllm", "lucia", "cold-build")
 PHASES = ("all", "shared", "alone")
 VLLM_MODULES = frozenset({
+    "tests/integration/test_gateway_vllm.py",
     "tests/integration/test_kv_tiers_shared_root.py",
     "tests/integration/test_kv_tiers_vllm.py",
     "tests/integration/test_kv_tiers_worker.py",
@@ -40,6 +41,7 @@ VLLM_MODULES = frozenset({
     "tests/integration/test_vllm_model_download.py",
 })
 LUCIA_MODULES = frozenset({
+    "tests/system/test_gateway_unit.py",
     "tests/system/test_installed_tiers.py",
     "tests/system/test_installed_vllm_tiers.py",
     "tests/system/test_systemd.py",

@@ -115,6 +115,45 @@ def test_tls_ready_watchdog_and_the_target(tmp_path: Path, notify_socket: socket
     asyncio.run(main())
 
 
+def test_a_slowloris_is_closed_while_others_are_served(tmp_path: Path) -> None:
+    """A client that trickles its headers a byte at a time and never ends them is closed at the
+    header timeout however often it sends; another client is answered meanwhile. aiohttp's own
+    bound is an hour: the 30 s bound below would run out first."""
+    data = tmp_path / "data"
+    data.mkdir()
+    settings = parse("[listen]\nport = 0\nheader_timeout_s = 0.5\n", "gw.toml")
+
+    async def main() -> None:
+        write_status(data, "small", "stopped")
+        service = Service(settings, data, KEYS)
+        running = asyncio.create_task(service.run())
+        await asyncio.wait_for(service.listening.wait(), 30)
+        reader, writer = await asyncio.open_connection("127.0.0.1", service.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Pad: ")
+        closed = False
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.get(f"http://127.0.0.1:{service.port}/v1/models") as r:
+                assert r.status == 200  # served while the slow one hangs on
+            async with asyncio.timeout(30):
+                sent = 0
+                while not closed:
+                    try:
+                        writer.write(b"a")  # a byte at a time: within every size limit
+                        await writer.drain()
+                        sent += 1
+                        closed = await asyncio.wait_for(reader.read(), 0.05) == b""
+                    except TimeoutError:
+                        continue
+                    except ConnectionError:
+                        closed = True
+        writer.close()
+        service.stop.set()
+        await running
+        assert closed and sent > 1
+
+    asyncio.run(main())
+
+
 def test_unusable_tls_files_name_the_setting(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     key.write_text("not a key\n")
@@ -154,6 +193,7 @@ def _keys(tmp_path: Path, owner: str, inference: str) -> str:
     [
         ("[limits]\nrunning = 0\n", OWNER_KEY, INFERENCE_KEY, "limits.running"),
         ("[listen]\nport = 99999\n", OWNER_KEY, INFERENCE_KEY, "listen.port"),
+        ("[listen]\nheader_timeout_s = 0\n", OWNER_KEY, INFERENCE_KEY, "listen.header_timeout_s"),
         ("", "short", INFERENCE_KEY, "a key has at least 32 and at most 1024 characters"),
         ("", OWNER_KEY, OWNER_KEY, "must differ"),
     ],

@@ -25,7 +25,7 @@ from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.idle import CHECK_S, IdleStop
 from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.settings import Settings
+from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
@@ -258,9 +258,22 @@ def create_app(
     return app
 
 
-def runner(app: web.Application, shutdown_s: float = 60.0) -> web.AppRunner:
+def runner(
+    app: web.Application,
+    shutdown_s: float = 60.0,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> web.AppRunner:
     """The runner the gateway serves with: a client that disconnects cancels its handler; at a
-    stop, requests in flight get `shutdown_s` to finish."""
+    stop, requests in flight get `shutdown_s` to finish.
+
+    aiohttp's keep-alive timer runs from a connection's start and from each answer, and closes
+    the connection if no whole request's headers came by then: with `header_timeout_s` it is
+    the bound of a client that sends its headers slowly or never finishes them (a slowloris),
+    and of an idle keep-alive connection. aiohttp's own default is an hour."""
     return web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_s,
+        keepalive_timeout=header_timeout_s,
     )

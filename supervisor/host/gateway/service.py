@@ -65,7 +65,8 @@ class Service:
         listen = self.settings.listen
         for warning in self.settings.warnings():
             log.warning(warning)
-        app_runner = runner(create_app(self.settings, self.data_dir, self.auth), SHUTDOWN_S)
+        app = create_app(self.settings, self.data_dir, self.auth)
+        app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()
         try:
             site = web.TCPSite(app_runner, listen.address, listen.port, ssl_context=self.context)

@@ -9,6 +9,8 @@ address = "127.0.0.1"          # loopback by default; a LAN address is opened on
 port = 8400
 tls_cert = "/etc/lucia/gateway.crt"   # both or neither
 tls_key = "/etc/lucia/gateway.key"
+header_timeout_s = 10          # a connection that has not sent a whole request's headers this
+                               # long after it opened, or after its last answer, is closed
 
 [keys]
 owner_file = "~/.config/lucia/owner.key"
@@ -56,6 +58,7 @@ from pydantic import (
 SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
 DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
+DEFAULT_HEADER_TIMEOUT_S: Final = 10.0  # a slowloris holds a connection no longer than this
 DEFAULT_RUNNING: Final = 4
 DEFAULT_WAITING: Final = 64
 DEFAULT_MAX_WAIT_S: Final = 30.0
@@ -103,6 +106,7 @@ class Listen(_Section):
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)  # 0: any free port
     tls_cert: FilePath | None = None
     tls_key: FilePath | None = None
+    header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
 
     @field_validator("address")
     @classmethod
