@@ -52,6 +52,22 @@ def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
 
 
 @pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model": "m", "stream": true, "messages": [{"role": "user", "content": "h\u00e9"}]}',
+        ' \n\t{"stream":true,"model":"m","messages":[{"role":"user","content":"été ✓"}]}',
+        '{"model": "m", "stream": true, "prompt": "' + "long " * 20000 + '"}',
+    ],
+)
+def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
+    prepared = body.prepare(body.CHAT, raw.encode(), 100)
+    document = json.loads(prepared.body)
+    assert document == {**json.loads(raw), "stream_options": {"include_usage": True}}
+    assert prepared.body.endswith(raw.lstrip()[1:].encode())  # not serialised again
+    assert prepared.hide_usage
+
+
+@pytest.mark.parametrize(
     ("raw", "status", "words"),
     [
         (b'{"model": 1}', 400, "model must be a non-empty string"),
