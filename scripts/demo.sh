@@ -168,8 +168,9 @@ say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
 say "lucia-supervisor request $name running --wait"
 "$as_user" "$cli" request "$name" running --wait --timeout 300
 
-say "lucia-supervisor status"
-"$as_user" "$cli" status
+# this engine only: on a run again, the engines not yet started say stale (exit 3)
+say "lucia-supervisor status $name"
+"$as_user" "$cli" status "$name"
 
 url=$("$as_user" "$cli" status "$name" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["url"])')
 say "the engine answers on the gateway address only: GET $url/v1/models"
