@@ -80,9 +80,18 @@ def body(tokens: int, upstream: str) -> bytes:
 async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[float, float, int]:
     """One stream: seconds to the first token, to the end, and the tokens received."""
     start = time.perf_counter()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {INFERENCE_KEY}"}
+    try:
+        return await _one(session, url, data, headers, start)
+    except aiohttp.ClientError as exc:
+        raise SystemExit(f"{url}: {type(exc).__name__}: {exc}") from None
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str], start: float
+) -> tuple[float, float, int]:
     first = 0.0
     parts: list[bytes] = []
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {INFERENCE_KEY}"}
     async with session.post(url + CHAT, data=data, headers=headers) as response:
         if response.status != 200:
             raise SystemExit(f"{url}: {response.status} {await response.text()}")
