@@ -7,6 +7,9 @@
 # pip), so no GPU, registry or model download is needed. Then the shipped
 # llama-router recipe on the real llama-server (Debian's llama.cpp-tools, built by machine.sh)
 # with a tiny llama model generated here, answering a chat completion on the gateway address.
+# Last, the lucia gateway (systemctl --user start lucia-gateway) on 127.0.0.1: an issued key,
+# and the official openai client gets a chat completion from the router's model after its engine
+# was stopped: the gateway starts it on demand.
 # Run as root; safe to run again (the running engines are adopted, not restarted).
 set -euo pipefail
 
@@ -165,8 +168,9 @@ say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
 say "lucia-supervisor request $name running --wait"
 "$as_user" "$cli" request "$name" running --wait --timeout 300
 
-say "lucia-supervisor status"
-"$as_user" "$cli" status
+# this engine only: on a run again, the engines not yet started say stale (exit 3)
+say "lucia-supervisor status $name"
+"$as_user" "$cli" status "$name"
 
 url=$("$as_user" "$cli" status "$name" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["url"])')
 say "the engine answers on the gateway address only: GET $url/v1/models"
@@ -231,4 +235,80 @@ with urllib.request.urlopen(sys.argv[1] + "/version", timeout=10) as response:
 PY
 echo "request to a completion: $(($(date +%s) - cpu_asked)) s"
 
-say "done. The demo engines keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router, $cpu)"
+config=$home/.config/lucia
+gateway_settings=$config/gateway.toml
+say "the lucia gateway: an issued key for the demo, the owner and inference key files and $gateway_settings (0600)"
+install -d -o "$user" -g "$(id -gn "$user")" -m 700 "$home/.config" "$config"
+# a run before left a key named demo: revoke it (it was shown once, then forgotten)
+"$as_user" "$cli" keys revoke demo >/dev/null 2>&1 || true
+# the key goes to this shell's variable only: never to an argument list, a file or the log
+demo_key=$("$as_user" "$cli" keys create demo --expires 1d)
+"$as_user" "$cli" keys list
+# the owner and inference keys: written by the user's own python, never shown
+"$as_user" python3 - "$config" <<'PY'
+import os
+import secrets
+import sys
+
+for name in ("owner.key", "inference.key"):
+    path = os.path.join(sys.argv[1], name)
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+        os.close(fd)
+PY
+if [ ! -e "$gateway_settings" ]; then
+    # written only when the user has none; the key files are at their default places
+    "$as_user" sh -c 'umask 077; cat >"$1"' gateway-settings "$gateway_settings" <<TOML
+# the demo's gateway: on loopback, every other setting at its default (see the README)
+[listen]
+address = "127.0.0.1"
+port = ${LUCIA_DEMO_GATEWAY_PORT:-18400}
+TOML
+fi
+ls -l "$config"
+# where it listens, as the gateway itself reads its settings
+gateway_url=$(PYTHONPATH=$root "$root/.venv/bin/python" -c 'import sys
+from supervisor.host.gateway.settings import load
+listen = load(sys.argv[1]).listen
+scheme = "https" if listen.tls else "http"
+print(f"{scheme}://{listen.address}:{listen.port}")' "$gateway_settings")
+
+say "systemctl --user restart lucia-gateway (Type=notify: returns once it listens on $gateway_url)"
+"$as_user" systemctl --user restart lucia-gateway
+"$as_user" systemctl --user --no-pager --lines=0 status lucia-gateway
+
+say "lucia-supervisor request $router stopped --wait: the model's engine is stopped"
+"$as_user" "$cli" request "$router" stopped --wait --timeout 120
+"$as_user" "$cli" status "$router"
+
+say "the official openai client, through the gateway on $gateway_url: a chat completion from tiny, whose engine is stopped"
+gateway_asked=$(date +%s)
+OPENAI_API_KEY=$demo_key "$root/.venv/bin/python" - "$gateway_url" <<'PY'
+import os
+import sys
+import time
+
+import openai
+
+client = openai.OpenAI(
+    base_url=sys.argv[1] + "/v1", api_key=os.environ["OPENAI_API_KEY"], timeout=600, max_retries=0
+)
+for model in client.models.list():
+    extra = model.model_extra or {}
+    print(f"model {model.id}: engine {extra.get('engine')}, state {extra.get('state')}")
+began = time.monotonic()
+answer = client.chat.completions.create(
+    model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+)
+print(f"answered in {time.monotonic() - began:.1f} s (the gateway started the engine and waited)")
+print(answer.model_dump_json(include={"model", "object", "usage"}))
+print("content:", repr(answer.choices[0].message.content), "(random weights)")
+PY
+unset demo_key
+echo "request to an answer through the gateway: $(($(date +%s) - gateway_asked)) s"
+say "the engine the gateway started: lucia-supervisor status $router"
+"$as_user" "$cli" status "$router"
+journalctl -t lucia-gateway -n 4 --no-pager -o cat
+
+say "done. The demo engines and the gateway keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router, $cpu); $as_user systemctl --user stop lucia-gateway"

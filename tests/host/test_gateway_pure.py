@@ -52,6 +52,22 @@ def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
 
 
 @pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model": "m", "stream": true, "messages": [{"role": "user", "content": "h\u00e9"}]}',
+        ' \n\t{"stream":true,"model":"m","messages":[{"role":"user","content":"été ✓"}]}',
+        '{"model": "m", "stream": true, "prompt": "' + "long " * 20000 + '"}',
+    ],
+)
+def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
+    prepared = body.prepare(body.CHAT, raw.encode(), 100)
+    document = json.loads(prepared.body)
+    assert document == {**json.loads(raw), "stream_options": {"include_usage": True}}
+    assert prepared.body.endswith(raw.lstrip()[1:].encode())  # not serialised again
+    assert prepared.hide_usage
+
+
+@pytest.mark.parametrize(
     ("raw", "status", "words"),
     [
         (b'{"model": 1}', 400, "model must be a non-empty string"),
@@ -154,6 +170,45 @@ def test_the_usage_chunk_is_kept_from_a_client_that_did_not_ask(cut: int, hide: 
     assert out == (CONTENT + DONE if hide else stream)
     assert usage.usage == {"prompt_tokens": 1, "completion_tokens": 2}
     assert first == (CONTENT if cut >= len(CONTENT) else b"")  # finished events go on at once
+
+
+VLLM = b'data: {"choices":[{"delta":{"content":"b"}}],"usage":null}\n\n'
+CRLF_CONTENT = CONTENT.replace(b"\n", b"\r\n")
+CRLF_USAGE = USAGE.replace(b"\n", b"\r\n")
+TEXT = b'data: {"choices":[{"delta":{"content":"\\"usage\\" [] x"}}]}\n\n'
+NOT_ONLY = b'data: {"choices":[{"delta":{}}],"usage":{"prompt_tokens":9}}\n\n'
+COMMENT = b": keepalive\n\n"
+
+
+@pytest.mark.parametrize(
+    ("events", "usage_at"),
+    [
+        ([CONTENT, VLLM, VLLM, USAGE, DONE], 3),  # vLLM: "usage":null in every chunk
+        ([CRLF_CONTENT, CRLF_CONTENT, CRLF_USAGE, b"data: [DONE]\r\n\r\n"], 2),
+        ([COMMENT, CONTENT, COMMENT, USAGE, DONE], 3),  # comments (keepalives) around it
+        ([TEXT, TEXT, USAGE, DONE], 2),  # content that names "usage" and []
+        ([NOT_ONLY, CONTENT, DONE], None),  # usage beside choices: the client's
+        ([CONTENT, DONE], None),
+    ],
+)
+@pytest.mark.parametrize("split", ["whole", "bytes", "events"])
+@pytest.mark.parametrize("hide", [True, False])
+def test_only_the_usage_only_event_is_kept_back_however_the_stream_is_cut(
+    events: list[bytes], usage_at: int | None, split: str, hide: bool
+) -> None:
+    stream = b"".join(events)
+    pieces = {
+        "whole": [stream],
+        "bytes": [stream[i : i + 1] for i in range(len(stream))],
+        "events": events,
+    }[split]
+    usage = UsageFilter(hide)
+    out = b"".join(usage.feed(piece) for piece in pieces) + usage.close()
+    kept = [e for i, e in enumerate(events) if not (hide and i == usage_at)]
+    assert out == b"".join(kept)
+    assert usage.usage == (
+        None if usage_at is None else {"prompt_tokens": 1, "completion_tokens": 2}
+    )
 
 
 @pytest.mark.parametrize(

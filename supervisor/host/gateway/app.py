@@ -166,7 +166,7 @@ class Gateway:
         try:
             async with gate.slot(None if url else start) as admitted:
                 assert url is not None
-                self.metrics.wait.labels(engine=engine.name).observe(admitted.waited_s)
+                self.metrics.child(self.metrics.wait, engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
                     request, url=url, prepared=prepared, engine=engine.name, sse=sse,
                     deadline_s=gate.limits.deadline_s, trace=trace,
@@ -188,12 +188,12 @@ class Gateway:
         """The request in the metrics; a handler ended without an outcome lost its client."""
         m = self.metrics
         outcome = trace.outcome or "client_gone"
-        m.requests.labels(model=model, engine=engine, outcome=outcome).inc()
+        m.child(m.requests, model, engine, outcome).inc()
         now = asyncio.get_running_loop().time()
         if trace.first_byte is not None:
-            m.ttft.labels(engine=engine).observe(trace.first_byte - trace.arrived)
+            m.child(m.ttft, engine).observe(trace.first_byte - trace.arrived)
         if outcome != "refused":
-            m.duration.labels(engine=engine).observe(now - trace.arrived)
+            m.child(m.duration, engine).observe(now - trace.arrived)
         m.usage(model, engine, trace.usage)
 
     async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:

@@ -4,7 +4,9 @@ The bounds are the operators' guide's: 2 MiB on the text routes, 16 MiB on any r
 token bound between 1 and the configured maximum; JSON that parses, an object, with a model.
 A stream of chat or text completions gets `stream_options.include_usage` upstream when its
 client did not ask for it, so that the engine's own token counts are always seen; the extra
-usage chunk is then kept from that client (see usage.py).
+usage chunk is then kept from that client (see usage.py). When the body has no stream_options,
+the option is put before the client's own bytes, which go on as they came: a long prompt is
+not serialised again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ FORWARDED: Final = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 TEXT_ROUTES: Final = frozenset({CHAT, COMPLETIONS, RESPONSES})
 USAGE_ROUTES: Final = frozenset({CHAT, COMPLETIONS})  # those with stream_options
 TOKEN_BOUNDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_USAGE_FIRST: Final = b'{"stream_options":{"include_usage":true},'
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def prepare(path: str, raw: bytes, max_tokens: int) -> Prepared:
     asked = bool(options.get("include_usage")) if options else False
     if not (stream and path in USAGE_ROUTES) or asked:
         return Prepared(model, stream, hide_usage=False, body=raw)
+    if "stream_options" not in document:  # the client's own bytes, the option put first
+        return Prepared(model, stream, hide_usage=True, body=_USAGE_FIRST + raw.lstrip()[1:])
     document["stream_options"] = {**(options or {}), "include_usage": True}
     return Prepared(model, stream, hide_usage=True, body=json.dumps(document).encode())
 

@@ -62,25 +62,39 @@ class Catalog:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self._seen: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        self._names: dict[str, bool] = {}  # a directory entry's name: an engine's, or not
+
+    def _engine_name(self, name: str) -> bool:
+        known = self._names.get(name)
+        if known is None:
+            try:
+                known = check_name(name) == name
+            except BadName:
+                known = False
+            self._names[name] = known
+        return known
 
     def engines(self) -> list[Engine]:
+        """Every engine with a status file, by name; one stat each (every request asks)."""
         found: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        root = str(self.data_dir)
         try:
-            entries = list(os.scandir(self.data_dir))
+            names = sorted(os.listdir(root))
         except FileNotFoundError:
-            entries = []
-        for entry in sorted(entries, key=lambda e: e.name):
+            names = []
+        for name in names:
+            if not self._engine_name(name):
+                continue
             try:
-                check_name(entry.name)
-                info = os.stat(Path(entry.path) / STATUS)
-            except (BadName, OSError):
+                info = os.stat(os.path.join(root, name, STATUS))
+            except OSError:
                 continue
             stamp = (info.st_ino, info.st_mtime_ns, info.st_size)  # each write is a new inode
-            known = self._seen.get(entry.name)
+            known = self._seen.get(name)
             if known is not None and known[0] == stamp:
-                found[entry.name] = known
+                found[name] = known
             else:
-                found[entry.name] = (stamp, Engine(entry.name, load_status(Path(entry.path))))
+                found[name] = (stamp, Engine(name, load_status(self.data_dir / name)))
         self._seen = found
         return [engine for _, engine in found.values()]
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from supervisor.protocol.documents import FileSd, TargetGroup, dump
@@ -31,6 +32,7 @@ _WAIT_BUCKETS: Final = (0.001, 0.01, 0.05, 0.25, 1, 5, 15, 30, 60, 180, 600, 180
 _TIME_BUCKETS: Final = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600, 1800)
 
 Counts = Callable[[], Mapping[str, tuple[int, int]]]  # engine -> (running, waiting)
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class _Gates(Collector):
@@ -90,6 +92,16 @@ class Metrics:
             ["model", "engine"], registry=r,
         )  # fmt: skip
         r.register(_Gates(counts))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: M, *values: str) -> M:
+        """`metric.labels(*values)` (in the order of its label names), kept: a request's
+        metrics cost a dictionary lookup each, not the client's label checks."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason=reason).inc()
@@ -104,7 +116,7 @@ class Metrics:
         ):
             value = usage.get(key)
             if type(value) is int and value >= 0:
-                counter.labels(model=model, engine=engine).inc(value)
+                self.child(counter, model, engine).inc(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,258 @@
+"""Gateway overhead benchmark: `.venv/bin/python -m bench.gateway_bench [options]`.
+
+What the gateway adds over a direct call: both paths against the same upstream in the same
+run, interleaved round by round (the order flips each round), at 1, 16 and 64 concurrent
+streams. The gateway is the real service (`lucia-supervisor gateway`, bench/gateway_parts.py)
+in its own process, checking the key, routing by status.json, admitting, adding
+`stream_options.include_usage` upstream and keeping the usage chunk from the client, as it does
+for any streamed chat completion whose client did not ask for usage.
+
+Upstreams (`--upstream`):
+- `fast` (default): a local OpenAI-shaped upstream that streams `--tokens` SSE chunks, with no
+  pause (isolates the overhead) or `--token-ms` between tokens (a paced engine);
+- `llama`: the real llama-server with a tiny llama GGUF (needs docker and the image that
+  scripts/llama-server-image.sh builds), `ignore_eos` so every answer has `--tokens` tokens.
+
+The load generator is an aiohttp client in this process: every stream is a chat completion
+with `stream: true`; the time to first token (TTFT) is to the first chunk that carries content,
+the total to the end of the stream. Tokens a second: content tokens the client received over
+the wall time of each path's rounds. The gateway's CPU per request comes from /proc.
+
+Prints a table; asserts nothing about timings. The issue's goals: at 1 stream, p50 added under
+1 ms and p99 added under 5 ms; at 64 streams, at least 0.95x direct tokens a second.
+`--profile PATH` runs the gateway under cProfile and writes its figures to PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import secrets
+import sys
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import aiohttp
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_parts import (  # noqa: E402
+    INFERENCE_KEY,
+    MODEL,
+    fast_upstream,
+    floor_proxy,
+    gateway,
+    llama_upstream,
+)
+from bench.procfs import cpu_seconds, percentile  # noqa: E402
+
+CHAT: Final = "/v1/chat/completions"
+CONTENT: Final = re.compile(rb'"content":"[^"]')  # a chunk that carries a token
+
+
+@dataclass
+class Samples:
+    ttft: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0  # the gateway's CPU seconds over these rounds
+
+    def ms(self, values: list[float], q: float) -> float:
+        return percentile(values, q) * 1000
+
+
+def body(tokens: int, upstream: str) -> bytes:
+    extra = ', "ignore_eos": true' if upstream == "llama" else ""
+    return (
+        f'{{"model": "{MODEL}", "stream": true, "max_tokens": {tokens}, "temperature": 0, '
+        f'"messages": [{{"role": "user", "content": "hello"}}]{extra}}}'
+    ).encode()
+
+
+async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[float, float, int]:
+    """One stream: seconds to the first token, to the end, and the tokens received."""
+    start = time.perf_counter()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {INFERENCE_KEY}"}
+    try:
+        return await _one(session, url, data, headers, start)
+    except aiohttp.ClientError as exc:
+        raise SystemExit(f"{url}: {type(exc).__name__}: {exc}") from None
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str], start: float
+) -> tuple[float, float, int]:
+    first = 0.0
+    parts: list[bytes] = []
+    async with session.post(url + CHAT, data=data, headers=headers) as response:
+        if response.status != 200:
+            raise SystemExit(f"{url}: {response.status} {await response.text()}")
+        async for chunk in response.content.iter_any():
+            if not first and CONTENT.search(chunk):
+                first = time.perf_counter() - start
+            parts.append(chunk)
+    end = time.perf_counter() - start
+    return first or end, end, len(CONTENT.findall(b"".join(parts)))
+
+
+async def round_of(
+    session: aiohttp.ClientSession, url: str, data: bytes, *, streams: int, requests: int,
+    into: Samples, pid: int | None = None,
+) -> None:  # fmt: skip
+    queue = iter(range(requests))
+
+    async def lane() -> None:
+        for _ in queue:
+            ttft, total, tokens = await one(session, url, data)
+            into.ttft.append(ttft)
+            into.total.append(total)
+            into.tokens += tokens
+
+    cpu = cpu_seconds(pid) if pid else 0.0
+    start = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(streams)))
+    into.wall += time.perf_counter() - start
+    into.cpu += (cpu_seconds(pid) - cpu) if pid else 0.0
+
+
+async def measure(
+    urls: dict[str, str], pids: dict[str, int], data: bytes, *, levels: list[int], requests: int,
+    rounds: int,
+) -> dict[int, dict[str, Samples]]:  # fmt: skip
+    results: dict[int, dict[str, Samples]] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        for url in urls.values():  # warm both paths and their connection pools
+            await round_of(
+                session, url, data, streams=max(levels), requests=2 * max(levels), into=Samples()
+            )
+        for streams in levels:
+            got = {name: Samples() for name in urls}
+            per_round = max(requests // rounds, 4 * streams)
+            for index in range(rounds):
+                names = list(urls)
+                for name in names if index % 2 == 0 else names[::-1]:
+                    await round_of(
+                        session, urls[name], data, streams=streams, requests=per_round,
+                        into=got[name], pid=pids.get(name),
+                    )  # fmt: skip
+            results[streams] = got
+            print(table_of(streams, got), flush=True)
+    return results
+
+
+def table_of(streams: int, got: dict[str, Samples]) -> str:
+    direct = got["direct"]
+    rows = [
+        f"{streams} stream(s), {len(direct.total)} requests per path, ms:",
+        f"  {'path':<9}{'ttft p50':>10}{'ttft p99':>10}{'total p50':>11}{'total p99':>11}"
+        f"{'tokens/s':>11}{'vs direct':>11}",
+    ]
+    rate = {name: s.tokens / s.wall if s.wall else 0.0 for name, s in got.items()}
+    for name, s in got.items():
+        rows.append(
+            f"  {name:<9}{s.ms(s.ttft, 0.5):>10.3f}{s.ms(s.ttft, 0.99):>10.3f}"
+            f"{s.ms(s.total, 0.5):>11.3f}{s.ms(s.total, 0.99):>11.3f}{rate[name]:>11.0f}"
+            f"{rate[name] / rate['direct']:>10.3f}x"
+        )
+    for name, s in got.items():
+        if name == "direct":
+            continue
+        added = [s.ms(s.ttft, q) - direct.ms(direct.ttft, q) for q in (0.5, 0.99)]
+        added += [s.ms(s.total, q) - direct.ms(direct.total, q) for q in (0.5, 0.99)]
+        rows.append(
+            f"  {'+' + name:<9}{added[0]:>+10.3f}{added[1]:>+10.3f}{added[2]:>+11.3f}"
+            f"{added[3]:>+11.3f}"
+        )
+    for name, s in got.items():
+        if s.cpu:
+            rows.append(
+                f"  {name} CPU: {s.cpu / len(s.total) * 1e6:.0f} µs per request, "
+                f"{s.cpu / max(1, s.tokens) * 1e6:.1f} µs per token"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def goals(results: dict[int, dict[str, Samples]]) -> list[str]:
+    lines = []
+    if 1 in results:
+        d, g = results[1]["direct"], results[1]["gateway"]
+        for label, q, goal in (("p50", 0.5, 1.0), ("p99", 0.99, 5.0)):
+            ttft = g.ms(g.ttft, q) - d.ms(d.ttft, q)
+            total = g.ms(g.total, q) - d.ms(d.total, q)
+            met = "met" if max(ttft, total) < goal else "MISSED"
+            lines.append(
+                f"1 stream, {label} added: ttft {ttft:+.3f} ms, total {total:+.3f} ms "
+                f"(goal < {goal:g} ms): {met}"
+            )
+    if 64 in results:
+        d, g = results[64]["direct"], results[64]["gateway"]
+        ratio = (g.tokens / g.wall) / (d.tokens / d.wall)
+        lines.append(
+            f"64 streams: {ratio:.3f}x direct tokens/s (goal >= 0.95x): "
+            f"{'met' if ratio >= 0.95 else 'MISSED'}"
+        )
+    return lines
+
+
+def upstream_of(args: argparse.Namespace, run_id: str) -> AbstractContextManager[
+    tuple[str, int | None]
+]:  # fmt: skip
+    if args.upstream == "llama":
+        return llama_upstream(run_id, args.slots)
+    return fast_upstream(args.tokens, args.token_ms)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway_bench", description=__doc__)
+    parser.add_argument("--upstream", choices=("fast", "llama"), default="fast")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--token-ms", type=float, default=0.0, help="fast: ms between tokens")
+    parser.add_argument("--streams", default="1,16,64", help="concurrency levels")
+    parser.add_argument("--requests", type=int, default=400, help="per path and level")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per level")
+    parser.add_argument("--slots", type=int, default=8, help="llama: llama-server's --parallel")
+    parser.add_argument(
+        "--floor", action="store_true", help="a third path: a bare aiohttp pass-through proxy"
+    )
+    parser.add_argument("--profile", type=Path, help="run the gateway under cProfile, to PATH")
+    args = parser.parse_args(argv)
+    levels = [int(n) for n in args.streams.split(",")]
+    run_id = secrets.token_hex(3)
+    began = time.monotonic()
+    load = os.getloadavg()
+    with (
+        upstream_of(args, run_id) as (upstream, _),
+        gateway(upstream, max(levels) * 2, args.profile) as (through, pid),
+        floor_proxy(upstream, args.floor) as floor,
+    ):
+        print(
+            f"gateway bench {run_id}: upstream {args.upstream}, {args.tokens} tokens"
+            f"{f', {args.token_ms:g} ms apart' if args.upstream == 'fast' else ''}; "
+            f"python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+            f"{os.cpu_count()} cores; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n",
+            flush=True,
+        )
+        data = body(args.tokens, args.upstream)
+        urls = {"direct": upstream, "gateway": through} | ({"floor": floor[0]} if floor else {})
+        pids = {"gateway": pid} | ({"floor": floor[1]} if floor else {})
+        results = asyncio.run(
+            measure(urls, pids, data, levels=levels, requests=args.requests, rounds=args.rounds)
+        )
+    for line in goals(results):
+        print(line)
+    end = os.getloadavg()
+    print(f"whole run {time.monotonic() - began:.0f} s, load at end {end[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
