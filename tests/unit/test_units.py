@@ -18,10 +18,15 @@ def test_each_recipe_has_its_rendered_unit(recipe: Path) -> None:
     assert unit.read_text() == TEMPLATE.read_text().replace("@NAME@", recipe.stem)
 
 
-def test_the_unit_is_a_notify_service_with_a_watchdog() -> None:
+def _parsed(unit: Path) -> configparser.ConfigParser:
     parser = configparser.ConfigParser(strict=False, interpolation=None)
     parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read_string(TEMPLATE.read_text())
+    parser.read_string(unit.read_text())
+    return parser
+
+
+def test_the_unit_is_a_notify_service_with_a_watchdog() -> None:
+    parser = _parsed(TEMPLATE)
     service = parser["Service"]
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
@@ -40,9 +45,7 @@ INSTALL = ROOT / "install.sh"
 
 
 def test_the_gateway_unit_is_a_notify_service_with_a_watchdog_in_the_journal() -> None:
-    parser = configparser.ConfigParser(strict=False, interpolation=None)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read_string(GATEWAY.read_text())
+    parser = _parsed(GATEWAY)
     service = parser["Service"]
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
