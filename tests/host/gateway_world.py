@@ -88,6 +88,7 @@ class Upstream:
     status: int = 200
     url: str = ""
     answer_after: asyncio.Event | None = None  # a plain answer waits for it before its headers
+    linger: asyncio.Event | None = None  # a stream's end waits for it after [DONE]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         document = await request.json()
@@ -154,6 +155,8 @@ class Upstream:
                 }
                 await response.write(b"data: " + json.dumps(last).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
+            if self.linger is not None:  # as an engine may: the last event, then its end later
+                await self.linger.wait()
         except (asyncio.CancelledError, ConnectionError):
             self.ended.set()
             raise

@@ -112,6 +112,29 @@ def test_a_stream_passes_chunk_by_chunk_and_a_disconnect_ends_the_upstream(
     run(tmp_path, scenario, hold=hold)
 
 
+def test_a_client_that_goes_away_after_done_was_served(tmp_path: Path) -> None:
+    """An engine may end its stream a while after [DONE]; a client that closes at [DONE], as the
+    openai client does, had the whole answer: counted ok, not client_gone."""
+    linger = asyncio.Event()
+
+    async def scenario(w: World) -> None:
+        serving(w)
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            r = await s.post(f"{w.base}/chat/completions", json={**CHAT, "stream": True})
+            while not (await r.content.readuntil(b"\n\n")).startswith(b"data: [DONE]"):
+                pass
+            r.close()  # while the engine has not yet ended its stream
+        await asyncio.wait_for(w.upstream.ended.wait(), 30)
+        requests = w.app.metrics.requests
+        await until(lambda: w.app.gate("small").running == 0)
+        ok = requests.labels(model="tiny", engine="small", outcome="ok")
+        gone = requests.labels(model="tiny", engine="small", outcome="client_gone")
+        await until(lambda: ok._value.get() + gone._value.get() == 1)
+        assert (ok._value.get(), gone._value.get()) == (1, 0)
+
+    run(tmp_path, scenario, linger=linger)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "words"),
     [

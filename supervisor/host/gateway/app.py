@@ -172,7 +172,8 @@ class Gateway:
                     deadline_s=gate.limits.deadline_s, trace=trace,
                 )  # fmt: skip
         except (asyncio.CancelledError, ConnectionError):  # the client went away
-            trace.outcome = "client_gone"
+            if not trace.delivered:  # before the whole answer: else it was served
+                trace.outcome = "client_gone"
             raise
         except Refusal as refusal:
             trace.outcome = trace.outcome or "refused"

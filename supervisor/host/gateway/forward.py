@@ -26,6 +26,7 @@ from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.usage import UsageFilter
 
 SSE: Final = "text/event-stream"
+DONE: Final = b"data: [DONE]"  # an OpenAI stream's last event
 _CONNECT_S: Final = 10.0
 _BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
 _USAGE_COPY: Final = 4 * 1024 * 1024  # a plain answer up to this size is read for its usage
@@ -55,6 +56,9 @@ class Trace:
     first_byte: float | None = None
     usage: dict[str, Any] | None = None
     response: web.StreamResponse | None = field(default=None, repr=False)  # once begun
+    # the client has the whole answer: a stream's [DONE], or every byte of a plain answer; a
+    # client that goes away after it (as clients do at [DONE]) is served, not gone
+    delivered: bool = False
 
     def wrote(self) -> None:
         if self.first_byte is None:
@@ -142,6 +146,7 @@ class Forwarder:
                     raise unreachable(engine, exc) from None
                 trace.wrote()
                 await sse.write(b"data: " + content + b"\n\n")
+                trace.delivered = True
                 await sse.write_eof()
                 return sse
             if sse is None:
@@ -198,6 +203,7 @@ class Forwarder:
             await response.prepare(request)
         if copy is not None:
             trace.usage = usage_of(b"".join(copy))
+        trace.delivered = True
         await response.write_eof()
 
     async def _relay(
@@ -232,7 +238,10 @@ class Forwarder:
             out = usage.feed(data)
             if out:
                 trace.wrote()
+                trace.usage = usage.usage
                 await sse.write(out)  # waits while the client's buffer is full
+                trace.delivered = trace.delivered or out.rstrip().endswith(DONE)
         trace.usage = usage.usage
         await sse.write(usage.close())
+        trace.delivered = True
         await sse.write_eof()
