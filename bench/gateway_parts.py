@@ -34,6 +34,7 @@ from aiohttp import web
 ROOT: Final = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_stack import wait_listening  # noqa: E402
 from supervisor.protocol.documents import Status, dump, utc_now  # noqa: E402
 from supervisor.protocol.files import ensure_dir, write_atomic  # noqa: E402
 
@@ -209,17 +210,6 @@ def floor_proxy(upstream: str, wanted: bool) -> Iterator[tuple[str, int] | None]
     finally:
         child.send_signal(signal.SIGINT)
         child.wait(timeout=10)
-
-
-def wait_listening(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
 
 
 # -- the gateway -----------------------------------------------------------------------------

@@ -218,15 +218,16 @@ async def measure(paths: dict[str, str], requests: int, rounds: int) -> None:
                 )
 
 
-def wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 30
+def wait_listening(port: int, timeout: float = 30.0) -> None:
+    """Return once something accepts on 127.0.0.1:port (bench/gateway_parts.py's too)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return
         except OSError:
             time.sleep(0.05)
-    raise SystemExit(f"nothing listens on {port}")
+    raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
 
 
 def main() -> None:
