@@ -75,6 +75,29 @@ def usage_of(answer: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+@dataclass(frozen=True)
+class Broke:
+    """The engine broke off its answer: what it raised."""
+
+    error: BaseException
+
+
+async def from_engine(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes | Broke]:
+    """The engine's bytes as they come, then a Broke if it broke off. Only the engine's side
+    is caught here: an error of the client's (a write to a closed client) happens in the
+    caller's loop body and propagates."""
+    chunks = upstream.content.iter_any().__aiter__()
+    while True:
+        try:
+            data = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except _BROKEN as exc:
+            yield Broke(exc)
+            return
+        yield data
+
+
 class Forwarder:
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -174,16 +197,11 @@ class Forwarder:
         """A plain answer, chunk by chunk; its usage read from a copy kept up to a bound."""
         copy: list[bytes] | None = [] if upstream.status == 200 else None
         kept = 0
-        chunks = upstream.content.iter_any().__aiter__()
-        while True:
-            try:
-                data = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except _BROKEN as exc:
+        async for data in from_engine(upstream):
+            if isinstance(data, Broke):
                 trace.outcome = "engine_failed"
                 if trace.response is None:
-                    raise unreachable(engine, exc) from None
+                    raise unreachable(engine, data.error) from None
                 if request.transport is not None:
                     request.transport.close()  # cut off: a short body tells the client
                 return
@@ -220,17 +238,13 @@ class Forwarder:
             trace.response = sse
             await sse.prepare(request)
         usage = UsageFilter(prepared.hide_usage)
-        chunks = upstream.content.iter_any().__aiter__()
-        while True:
-            try:
-                data = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except _BROKEN as exc:  # the engine's side: the client's errors propagate
+        async for data in from_engine(upstream):
+            if isinstance(data, Broke):
                 trace.outcome = "engine_failed"
                 error = Refusal(
-                    502, "engine_failed", f"engine {engine} broke off the stream: {describe(exc)}"
-                )
+                    502, "engine_failed",
+                    f"engine {engine} broke off the stream: {describe(data.error)}",
+                )  # fmt: skip
                 await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
                 await sse.write_eof()
                 trace.usage = usage.usage
