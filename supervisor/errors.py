@@ -19,6 +19,11 @@ class Blocked(Permanent):
     engine's own check refused) is shown once and waits for a new request or a recipe reload."""
 
 
+class MemoryBlocked(Blocked):
+    """Blocked for memory: what other engines hold or use now leaves too little. status.json says
+    so (`waitingFor: memory`), so the host may free memory it holds (the gateway's swap)."""
+
+
 class Transient(SupervisorError):
     """The world was not ready (dockerd down, a network hiccup): retried after a back-off."""
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container
-from supervisor.errors import Blocked, Permanent
+from supervisor.errors import MemoryBlocked, Permanent
 from supervisor.memplan import probe, settings
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, check_now
 from supervisor.memplan.ledger import Ledger
@@ -107,7 +107,7 @@ class Guard:
         verdict = self.ledger.claim(self.name, running, decide)
         self.last = verdict
         if not verdict.fits:
-            raise (Blocked if verdict.waitable else Permanent)(verdict.message)
+            raise (MemoryBlocked if verdict.waitable else Permanent)(verdict.message)
         self.pending = True
         return verdict
 

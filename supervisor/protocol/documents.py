@@ -136,6 +136,12 @@ class Status(BaseModel):
         "back-off (a port, memory or an image held or missing for now); false: it waits for a "
         "new request or a recipe reload.",
     )
+    waiting_for: Literal["memory"] | None = Field(
+        default=None,
+        description="While retrying: `memory` when the step waits for memory that other engines "
+        "hold or use now (the host may free some); null otherwise, and in files from older "
+        "workers.",
+    )
     models: tuple[str, ...] = Field(
         default=(),
         max_length=MAX_MODELS,
@@ -158,6 +164,8 @@ class Status(BaseModel):
             raise ValueError("engine must be null unless state is running")
         if self.retrying and self.state != "failed":
             raise ValueError("retrying must be false unless state is failed")
+        if self.waiting_for is not None and not self.retrying:
+            raise ValueError("waitingFor must be null unless retrying")
         return self
 
 

@@ -75,6 +75,7 @@ class Heartbeat:
             answer.state,
         )
         running = answer.state == "running"
+        retrying = answer.retrying and answer.state == "failed"
         status = Status(
             generation=answer.generation,
             state=answer.state,
@@ -84,7 +85,8 @@ class Heartbeat:
             checked_at=now,
             refused=clean_message(redaction.redact(refused)) if refused else None,
             engine=answer.engine if running else None,
-            retrying=answer.retrying and answer.state == "failed",
+            retrying=retrying,
+            waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
             worker_version=version(),
         )
@@ -170,7 +172,9 @@ class Heartbeat:
 
 
 def _same_answer(a: Status, b: Status) -> bool:
-    fields = ("generation", "state", "url", "refused", "engine", "retrying", "models")
+    fields = (
+        "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models"
+    )
     return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 

@@ -22,7 +22,7 @@ from supervisor import logs
 from supervisor.docker.runtime import Runtime
 from supervisor.engines import registry
 from supervisor.engines.base import Engine
-from supervisor.errors import Blocked, Cancelled, Permanent, Transient
+from supervisor.errors import Blocked, Cancelled, MemoryBlocked, Permanent, Transient
 from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
@@ -328,9 +328,8 @@ class Worker:
         elif error is not None:
             log.error("step crashed", step=job.name, error=repr(error), exc_info=error)
             reason = f"internal error: {error!r}"
-        self.memory = conclude(
-            memory, step, reason, time.monotonic(), waitable=isinstance(error, Blocked)
-        )
+        self.memory = conclude(memory, step, reason, time.monotonic(), waitable=isinstance(
+            error, Blocked), for_memory=isinstance(error, MemoryBlocked))  # fmt: skip
         if reason is not None:
             wait = remembered.retry_in(self.memory, time.monotonic())
             log.error(

@@ -30,6 +30,7 @@ class Memory:
     retry_at: float | None = None  # when a step may be planned again despite the failure (the
     # loop's monotonic clock); None: never by waiting, only by a new request or a recipe reload
     failures: int = 0  # failures in a row, for the back-off; forgotten once the request is met
+    for_memory: bool = False  # the failure is memory that others hold or use now (MemoryBlocked)
     # the container the last status.json, written before this worker started, said served
     # this generation: its death while no worker looked is a death all the same
     served_before: str | None = None
@@ -101,7 +102,7 @@ def met(memory: Memory) -> Memory:
     """The request is met: whatever failed on the way is forgotten, and so is its back-off."""
     if memory.failure is None and memory.failures == 0:
         return memory
-    return replace(memory, failure=None, retry_at=None, failures=0)
+    return replace(memory, failure=None, retry_at=None, failures=0, for_memory=False)
 
 
 def means_to_start(memory: Memory | None) -> bool:
@@ -120,7 +121,13 @@ def means_to_start(memory: Memory | None) -> bool:
 
 
 def conclude(
-    memory: Memory, step: Step, error: str | None, now: float, waitable: bool = False
+    memory: Memory,
+    step: Step,
+    error: str | None,
+    now: float,
+    *,
+    waitable: bool = False,
+    for_memory: bool = False,
 ) -> Memory:
     """What this generation has now done: a container seen answering, a passed check, or a
     failure. A failure that may pass by waiting (waitable: a port, memory or an image held or
@@ -131,8 +138,14 @@ def conclude(
         retry_at = None
         if waitable or isinstance(step, Stop | Remove):
             retry_at = now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
-        return replace(memory, failure=error, retry_at=retry_at, failures=memory.failures + 1)
-    done = replace(memory, failure=None, retry_at=None)  # the failures in a row stay counted
+        return replace(
+            memory,
+            failure=error,
+            retry_at=retry_at,
+            failures=memory.failures + 1,
+            for_memory=for_memory and retry_at is not None,
+        )
+    done = replace(memory, failure=None, retry_at=None, for_memory=False)  # failures stay counted
     if isinstance(step, AwaitReady):
         return replace(done, ready=step.container_id)
     if isinstance(step, Check):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Final, Literal
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec, changed_settings
@@ -43,6 +43,7 @@ class Answer:
     url: str | None = None
     engine: RunningEngine | None = None
     retrying: bool = False  # failed, and its step is tried again after a back-off
+    waiting_for: Literal["memory"] | None = None  # retrying: what the step waits for
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,9 @@ def _still_failed(
         what = f"the replacement ({why}) was refused" if why else f"{describe(step)} failed"
         return _serving(memory, observed, container, f"serving at {observed.url}; {what}: {reason}")
     retrying = memory.retry_at is not None
-    return Decision(memory, Answer(memory.generation, "failed", reason, retrying=retrying))
+    waiting_for: Literal["memory"] | None = "memory" if retrying and memory.for_memory else None
+    answer = Answer(memory.generation, "failed", reason, retrying=retrying, waiting_for=waiting_for)
+    return Decision(memory, answer)
 
 
 def _serving_or_working(

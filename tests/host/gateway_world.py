@@ -55,6 +55,7 @@ def write_status(
     message: str = "",
     checked_at: datetime | None = None,
     retrying: bool = False,
+    waiting_for: str | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
@@ -66,6 +67,7 @@ def write_status(
         checked_at=checked_at or now,
         models=models,
         retrying=retrying,
+        waiting_for=waiting_for,  # type: ignore[arg-type]
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 

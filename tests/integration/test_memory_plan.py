@@ -73,6 +73,7 @@ def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client
         f"{MODEL}: needs 0.6 GiB, 0.4 GiB left (limit 1.0, reserves 0.0, held by {a.name} 0.6)."
         f" Lower CONTEXT or stop {a.name}; trying again in "  # a may stop: waiting may pass
     ), failed
+    assert failed["retrying"] and failed["waitingFor"] == "memory", failed  # the host may swap
     assert _none(client, b)  # nothing started
     # a replacement of a that needs more than there is: refused before a is stopped
     a.memory = {"weights_gib": 0.9, "kv_gib": 0.2}
@@ -84,6 +85,7 @@ def test_a_refused_start_leaves_the_running_engine_untouched(make_engine, client
         "was refused: "
         f"{MODEL}: needs 1.1 GiB, 1.0 GiB left (limit 1.0, reserves 0.0). Lower CONTEXT."
     ), refused
+    assert refused["waitingFor"] is None, refused
     after = client.containers.get(a.container)
     assert after.id == before.id and after.status == "running"
     assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]

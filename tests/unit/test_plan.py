@@ -258,6 +258,22 @@ def test_a_failed_answer_says_whether_it_is_retried(row: tuple[Any, ...]) -> Non
     assert decision.answer.retrying is RETRYING[row[0]]
 
 
+@pytest.mark.parametrize(
+    ("memory", "waiting_for"),
+    [
+        (replace(failing(RUN, TAKEN, 30), for_memory=True), "memory"),
+        (failing(RUN, TAKEN, 30), None),  # a port: stopping an engine would not help
+        (replace(failing(RUN, "refused", None), for_memory=True), None),  # not retried
+    ],
+)
+def test_a_failed_answer_says_when_it_waits_for_memory(
+    memory: Memory, waiting_for: str | None
+) -> None:
+    decision = plan(memory, seen(), NOW)
+    assert decision.answer.state == "failed"
+    assert decision.answer.waiting_for == waiting_for
+
+
 @pytest.mark.parametrize(("memory", "observed", "step", "state", "message", "targets",
                           "failure"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
 def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, message: str,
@@ -515,7 +531,7 @@ def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: 
 ])
 def test_conclude(memory: Memory, step: Any, error: str | None, waitable: bool,
                   expected: Memory) -> None:
-    assert conclude(memory, step, error, NOW, waitable) == expected
+    assert conclude(memory, step, error, NOW, waitable=waitable) == expected
 
 
 def test_the_back_off_grows_to_a_bound() -> None:

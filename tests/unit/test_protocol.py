@@ -184,7 +184,7 @@ def test_status_models_are_optional_and_kept_in_every_state() -> None:
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "retrying", "models", "workerVersion"}
+                         "engine", "retrying", "waitingFor", "models", "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
@@ -195,6 +195,16 @@ def test_status_retrying_only_while_failed(state: str) -> None:
     with pytest.raises(ValidationError, match="retrying must be false"):
         status(state=state, url=None, engine=None, retrying=True)
     assert status(state="failed", url=None, engine=None, retrying=True).retrying
+
+
+def test_status_waits_for_memory_only_while_retrying() -> None:
+    with pytest.raises(ValidationError, match="waitingFor must be null unless retrying"):
+        status(state="failed", url=None, engine=None, waiting_for="memory")
+    waiting = status(state="failed", url=None, engine=None, retrying=True, waiting_for="memory")
+    assert json.loads(dump(waiting))["waitingFor"] == "memory"
+    wire = json.loads(dump(waiting))
+    del wire["waitingFor"]  # a file from an older worker
+    assert parse_status(json.dumps(wire)).waiting_for is None
 
 
 @pytest.mark.parametrize("state", [s for s in STATES if s != "running"])

@@ -63,8 +63,9 @@ class Gateway:
         self.forwarder = Forwarder()
         self.metrics = Metrics(self.counts)
         self.idle = IdleStop(
-            data_dir, self.starter, self.gate, settings.idle.stop_after_s, timing.idle_check_s
-        )
+            data_dir, self.starter, self.gate, settings.idle.stop_after_s,
+            check_s=timing.idle_check_s, swap=settings.idle.swap,
+        )  # fmt: skip
         self.host_api = HostApi(data_dir, self.catalog, self.gates.get, self.idle)
 
     def counts(self) -> dict[str, tuple[int, int]]:

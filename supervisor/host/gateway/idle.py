@@ -1,16 +1,19 @@
-"""Idle stop (off by default): an engine the gateway started is stopped when nothing uses it.
+"""Idle stop and swap (both off by default): the gateway stops engines it started, unused.
 
-It is stopped once nothing has run or waited on it for the configured time. Never an engine an
-operator started: the gateway stops only while desired.json still holds the very generation of
-`running` it wrote itself.
-Requests in flight finish first: an engine with a request running or waiting is never idle.
+Idle stop: once nothing has run or waited on one for the configured time. Swap: when a start
+the gateway waits on is blocked for memory (the worker's `waitingFor: memory`), the engine it
+started that has been unused longest is stopped first, and the start is asked for again once
+that engine has stopped. Never an engine an operator started: the gateway stops only while
+desired.json still holds the very generation of `running` it wrote itself. Requests in flight
+finish first: an engine with a request running or waiting is never stopped, and the look and
+the write happen with no await between them, so nothing is admitted in between.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -36,20 +39,30 @@ class Look:
     status: Status | None
     busy: bool
     idle_s: float
+    engine: str = ""
 
 
-def should_stop(look: Look, stop_after_s: float) -> bool:
-    """Pure: stop it now? Only the gateway's own start, serving, unused for long enough."""
+def stoppable(look: Look) -> bool:
+    """Pure: the gateway's own start, serving, with nothing running or waiting on it."""
     desired, status = look.desired, look.status
     return (
-        stop_after_s > 0
-        and desired is not None
+        desired is not None
         and (desired.generation, desired.desired) == (look.ours, "running")
         and status is not None
         and status.state == "running"
         and not look.busy
-        and look.idle_s >= stop_after_s
     )
+
+
+def should_stop(look: Look, stop_after_s: float) -> bool:
+    """Pure: stop it now? Only the gateway's own start, serving, unused for long enough."""
+    return stop_after_s > 0 and stoppable(look) and look.idle_s >= stop_after_s
+
+
+def victim(looks: Iterable[Look], blocked: str) -> Look | None:
+    """Pure: the engine a swap stops for `blocked`: stoppable, unused longest; None: none."""
+    found = [look for look in looks if look.engine != blocked and stoppable(look)]
+    return max(found, key=lambda look: look.idle_s, default=None)
 
 
 def still_ours(ours: int, desired: DesiredFile | None) -> bool:
@@ -64,7 +77,9 @@ class IdleStop:
         starter: Starter,
         gate: Callable[[str], Gate],
         stop_after_s: float,
+        *,
         check_s: float = CHECK_S,
+        swap: bool = False,
     ) -> None:
         self.data_dir = data_dir
         self.starter = starter
@@ -73,7 +88,11 @@ class IdleStop:
         self.check_s = check_s
         self.stopping: set[str] = set()  # stopped here: its url is not used until a new start
         self.stopped = 0
+        self.swapped = 0
         self.checks = 0  # rounds of looks, for tests that wait on them
+        self._swapping = asyncio.Lock()  # one swap at a time: two blocked starts never trade
+        if swap:
+            starter.free = self.free
 
     async def task(self, _: web.Application) -> AsyncIterator[None]:
         """The app's cleanup context: the checks run while the app does (when enabled)."""
@@ -91,22 +110,53 @@ class IdleStop:
                 self.check(engine, ours)
             self.checks += 1
 
-    def check(self, engine: str, ours: int) -> None:
-        """One look, and the stop when it is due. Synchronous on the loop: no request is
-        admitted between the look and the write (both are small file operations)."""
+    def look(self, engine: str, ours: int) -> Look | None:
+        """What the engine is now; None (and forgotten) once someone else has asked since."""
         directory = engine_dir(self.data_dir, engine)
         desired = read_desired(directory)
         if not still_ours(ours, desired):
             self.starter.started.pop(engine, None)  # someone else asked since: not ours
-            return
+            return None
         gate = self.gate(engine)
-        look = Look(ours, desired, load_status(directory), gate.busy,
-                    time.monotonic() - gate.last_used)  # fmt: skip
-        if not should_stop(look, self.stop_after_s):
-            return
+        return Look(ours, desired, load_status(directory), gate.busy,
+                    time.monotonic() - gate.last_used, engine)  # fmt: skip
+
+    def check(self, engine: str, ours: int) -> None:
+        """One look, and the stop when it is due. Synchronous on the loop: no request is
+        admitted between the look and the write (both are small file operations)."""
+        look = self.look(engine, ours)
+        if look is not None and should_stop(look, self.stop_after_s):
+            generation = self._stop(engine)
+            log.info("idle engine stopped", engine=engine, generation=generation,
+                     idle_s=round(look.idle_s, 1))  # fmt: skip
+
+    def _stop(self, engine: str) -> int:
         generation = request(self.data_dir, engine, "stopped")
         self.starter.started.pop(engine, None)
         self.stopping.add(engine)
         self.stopped += 1
-        log.info("idle engine stopped", engine=engine, generation=generation,
-                 idle_s=round(look.idle_s, 1))  # fmt: skip
+        return generation
+
+    async def free(self, blocked: str, deadline: float) -> bool:
+        """Swap: stop the unused engine the gateway started for `blocked`, and wait until its
+        worker says it stopped (so its memory is free). False: there was none to stop, or it
+        did not stop before the deadline (the monotonic clock)."""
+        async with self._swapping:
+            looks = [self.look(engine, ours) for engine, ours in list(self.starter.started.items())]
+            chosen = victim([look for look in looks if look is not None], blocked)
+            if chosen is None:
+                return False
+            generation = self._stop(chosen.engine)
+            self.swapped += 1
+            log.info("engine stopped for a start waiting for memory", engine=chosen.engine,
+                     generation=generation, start=blocked)  # fmt: skip
+            directory = engine_dir(self.data_dir, chosen.engine)
+            while time.monotonic() < deadline:
+                status = load_status(directory)
+                if status is not None and status.generation >= generation:
+                    if status.state == "stopped":
+                        return True
+                    if status.state == "failed":
+                        return False
+                await asyncio.sleep(self.starter.poll_s)
+            return False

@@ -33,6 +33,8 @@ running = 1
 [idle]
 stop_after_s = 0               # 0: never; else an engine the gateway started is stopped
                                # after this long with nothing running or waiting on it
+swap = false                   # a start the worker says waits for memory may first stop an
+                               # engine the gateway started that nothing runs or waits on
 ```
 """
 
@@ -154,6 +156,7 @@ class Limits(_Section):
 
 class Idle(_Section):
     stop_after_s: float = Field(default=0, ge=0, le=30 * 86_400)
+    swap: bool = False
 
 
 @dataclass(frozen=True)

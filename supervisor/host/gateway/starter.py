@@ -4,13 +4,16 @@ The start is a task of its own: a caller that goes away (a client that disconnec
 waiting, never the start. The task reads status.json until it answers the generation it asked
 for; `failed` (which is also how the worker says a start waits for memory), `stopped`, or a
 worker whose heartbeat is older than 60 s end it with 503 `model_not_loaded` and the worker's
-message, and so does the load wait running out.
+message, and so does the load wait running out. With swap on (`free` set), a start the worker
+says waits for memory first has an unused engine the gateway started stopped, then is asked for
+again, so the worker tries at once rather than after its back-off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -68,6 +71,8 @@ class Starter:
         # engine -> the generation of `running` the gateway wrote: its own starts, which idle
         # stop may end; a later request by anyone else (a new generation) makes it not ours
         self.started: dict[str, int] = {}
+        # swap: stop an unused engine of the gateway's for this one, given the deadline
+        self.free: Callable[[str, float], Awaitable[bool]] | None = None
 
     async def ready(self, engine: str) -> str:
         """The engine's url once it serves; the caller may be cancelled, the start goes on."""
@@ -89,9 +94,7 @@ class Starter:
             return status.url
         generation = step.generation
         if step.step == "request":
-            generation = await asyncio.to_thread(request, self.data_dir, engine, "running")
-            self.requests_written += 1
-            self.started[engine] = generation
+            generation = await self._request(engine)
         while True:
             status = load_status(directory)
             reading = classify(status, generation, utc_now())
@@ -100,6 +103,13 @@ class Starter:
             if reading.answer == "current" and status is not None:
                 if status.state == "running" and status.url:
                     return status.url
+                if (
+                    status.waiting_for == "memory"
+                    and self.free is not None
+                    and await self.free(engine, deadline)
+                ):
+                    generation = await self._request(engine)
+                    continue
                 if status.state in ("failed", "stopped", "stopping"):
                     raise not_loaded(engine, f"{status.state}: {status.message}")
             if time.monotonic() >= deadline:
@@ -109,3 +119,9 @@ class Starter:
                     + (f"; the worker says: {status.message}" if status else ""),
                 )
             await asyncio.sleep(self.poll_s)
+
+    async def _request(self, engine: str) -> int:
+        generation = await asyncio.to_thread(request, self.data_dir, engine, "running")
+        self.requests_written += 1
+        self.started[engine] = generation
+        return generation
