@@ -50,11 +50,14 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
     now = utc_now()
     try:
         expires = keys.parse_expiry(args.expires, now) if args.expires else None
-        new = keys.create(paths.keys_file(paths.data_dir(args.data_dir)), args.name, now, expires)
+        budget = _tokens(args.budget) if args.budget is not None else None
+        new = keys.create(
+            paths.keys_file(paths.data_dir(args.data_dir)), args.name, now, expires, budget
+        )
     except keys.KeysFileInvalid as exc:
         print_err(str(exc))
         return EXIT_CONFIG
-    except (keys.KeyRefused, keys.BadExpiry) as exc:
+    except (keys.KeyRefused, keys.BadExpiry, argparse.ArgumentTypeError) as exc:
         print_err(str(exc))
         return EXIT_FAILED
     entry = new.entry
@@ -73,15 +76,42 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE")
+    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET")
     table = [header] + [
-        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never", str(r["state"]))
+        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never",
+         str(r["state"]), r["budget"] or "default")
         for r in rows
-    ]
+    ]  # fmt: skip
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     return EXIT_OK
+
+
+def _cmd_keys_budget(args: argparse.Namespace) -> int:
+    try:
+        budget = None if args.tokens == "default" else _tokens(args.tokens)
+        done = keys.set_budget(paths.keys_file(paths.data_dir(args.data_dir)), args.key, budget)
+    except keys.KeysFileInvalid as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    except (keys.KeyRefused, argparse.ArgumentTypeError) as exc:
+        print_err(str(exc))
+        return EXIT_FAILED
+    what = f"{done.budget} tokens a day" if done.budget else "the settings' default budget"
+    print(f"{done.id} ({done.name}) now has {what}; the gateway applies it within a second")
+    return EXIT_OK
+
+
+def _tokens(text: str) -> int:
+    """A daily token budget, or ArgumentTypeError saying what is wrong."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if not 1 <= value <= keys.MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"a budget is 1 to {keys.MAX_BUDGET} tokens a day")
+    return value
 
 
 def _cmd_keys_revoke(args: argparse.Namespace) -> int:
@@ -112,6 +142,10 @@ def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
         help="a duration (12h, 30d, 8w), an ISO date (2026-12-31: from that day's start, UTC) "
         "or an ISO time with its offset; default: never",
     )
+    kc.add_argument(
+        "--budget", metavar="TOKENS",
+        help="the key's own daily token budget; default: [budget] daily_tokens",
+    )  # fmt: skip
     kc.set_defaults(func=_cmd_keys_create)
     kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
     kl.add_argument("--json", action="store_true")
@@ -119,6 +153,10 @@ def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     kr = ksub.add_parser("revoke", parents=[common], help="revoke a key by its id or name")
     kr.add_argument("key", metavar="ID|NAME")
     kr.set_defaults(func=_cmd_keys_revoke)
+    kb = ksub.add_parser("budget", parents=[common], help="set a key's own daily token budget")
+    kb.add_argument("key", metavar="ID|NAME")
+    kb.add_argument("tokens", metavar="TOKENS|default", help="tokens a day, or `default`")
+    kb.set_defaults(func=_cmd_keys_budget)
 
 
 def add_gateway(sub: Subparsers, common: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ class Identity:
     key_id: str
     role: Role
     name: str
+    budget: int | None = None  # the key's own daily token budget; None: the settings' default
 
 
 OWNER: Final = Identity("owner", "owner", "owner")
@@ -128,7 +129,7 @@ class KeyRing:
         """Pure: this ring's fixed keys with another set of issued keys."""
         table = {
             bytes.fromhex(key.sha256): _Issued(
-                Identity(key.id, "inference", key.name),
+                Identity(key.id, "inference", key.name, key.budget),
                 key.expires.timestamp() if key.expires is not None else None,
             )
             for key in keys.unrevoked(issued)

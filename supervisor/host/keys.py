@@ -46,6 +46,8 @@ _UNITS: Final = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta
 KeyState = Literal["active", "expired", "revoked"]
 
 
+MAX_BUDGET: Final = 10**15  # daily tokens
+
 class KeyConfigError(ValueError):
     """What an operator must fix before the keys can be checked (the gateway exits 78)."""
 
@@ -73,6 +75,7 @@ class IssuedKey(BaseModel):
     created: UtcTime
     expires: UtcTime | None = None
     revoked: UtcTime | None = None
+    budget: int | None = Field(default=None, ge=1, le=MAX_BUDGET)  # daily tokens; None: the default
 
     def state(self, now: datetime) -> KeyState:
         if self.revoked is not None:
@@ -192,6 +195,7 @@ def describe(keys: Sequence[IssuedKey], now: datetime) -> list[dict[str, str | N
             "expires": _iso(key.expires) if key.expires else None,
             "revoked": _iso(key.revoked) if key.revoked else None,
             "state": key.state(now),
+            "budget": str(key.budget) if key.budget is not None else None,
         }
         for key in keys
     ]
@@ -232,7 +236,9 @@ def save(path: Path, keys: Sequence[IssuedKey]) -> None:
     write_atomic(path, data, FILE_MODE)
 
 
-def generate(name: str, now: datetime, expires: datetime | None) -> NewKey:
+def generate(
+    name: str, now: datetime, expires: datetime | None, budget: int | None = None
+) -> NewKey:
     """A fresh random key and its entry (not yet saved)."""
     secret = PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
     entry = IssuedKey(
@@ -241,16 +247,31 @@ def generate(name: str, now: datetime, expires: datetime | None) -> NewKey:
         sha256=digest(secret).hex(),
         created=now,
         expires=expires,
+        budget=budget,
     )
     return NewKey(secret, entry)
 
 
-def create(path: Path, name: str, now: datetime, expires: datetime | None = None) -> NewKey:
+def create(
+    path: Path, name: str, now: datetime, expires: datetime | None = None, budget: int | None = None
+) -> NewKey:
     """Issue a key and save its entry; the caller shows NewKey.secret once and keeps nothing."""
-    new = generate(name, now, expires)
+    new = generate(name, now, expires, budget)
     with _locked(path):
         save(path, add(load(path), new.entry))
     return new
+
+
+def set_budget(path: Path, ref: str, budget: int | None) -> IssuedKey:
+    """Give a key its own daily token budget, or (None) the settings' default again."""
+    if budget is not None and not 1 <= budget <= MAX_BUDGET:
+        raise KeyRefused(f"a budget is 1 to {MAX_BUDGET} tokens a day, not {budget}")
+    with _locked(path):
+        before = load(path)
+        target = find(before, ref)
+        done = target.model_copy(update={"budget": budget})
+        save(path, tuple(done if key.id == target.id else key for key in before))
+    return done
 
 
 def revoke_key(path: Path, ref: str, now: datetime) -> IssuedKey:

@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from supervisor.host.gateway.app import GATEWAY, Gateway, Timing, create_app
+from supervisor.host.gateway.budget import Spending
 from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.protocol import read_desired
@@ -198,7 +199,11 @@ class World:
 
 @asynccontextmanager
 async def world(
-    tmp_path: Path, settings: str = SETTINGS, upstream: Upstream | None = None
+    tmp_path: Path,
+    settings: str = SETTINGS,
+    upstream: Upstream | None = None,
+    keys: Any = None,
+    spending: Spending | None = None,
 ) -> AsyncIterator[World]:
     data = tmp_path / "data"
     data.mkdir()
@@ -212,8 +217,9 @@ async def world(
     app = create_app(
         parse(settings, "test"),
         data,
-        KEYS,
+        keys or KEYS,
         Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02),
+        spending,
     )
     gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()

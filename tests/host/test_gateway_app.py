@@ -300,6 +300,7 @@ def test_a_stopped_engine_is_started_once_for_every_waiting_caller(tmp_path: Pat
             ]
             streaming = await s.post(f"{w.base}/chat/completions", json={**CHAT, "stream": True})
             assert await streaming.content.readuntil(b"\n\n") == b": starting engine small\n\n"
+            await until(lambda: w.desired() is not None)  # written by a thread: may come later
             desired = w.desired()
             assert (desired.generation, desired.desired) == (1, "running")
             assert not any(task.done() for task in plain)

@@ -266,9 +266,9 @@ def test_the_key_is_printed_once_and_never_listed_or_logged(
         assert secret not in text and secret[len("lucia_inf_") :] not in text
     assert digest not in later.out + later.err + caplog.text
     listed = later.out.splitlines()
-    assert listed[0].split() == ["ID", "NAME", "CREATED", "EXPIRES", "STATE"]
-    assert listed[1].split()[1:2] + listed[1].split()[-1:] == ["laptop", "active"]
-    assert listed[-1].split()[-1] == "revoked"
+    assert listed[0].split() == ["ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET"]
+    assert listed[1].split()[1:2] + listed[1].split()[-2:] == ["laptop", "active", "default"]
+    assert listed[-1].split()[-2] == "revoked"
 
 
 COMMAND_CODES = [
@@ -276,6 +276,10 @@ COMMAND_CODES = [
     ("a past expiry", [], ["keys", "create", "a", "--expires", "2000-01-01"], 1, "not in the"),
     ("a bad name", [], ["keys", "create", "a b"], 1, "is not a key name"),
     ("an unknown key", [], ["keys", "revoke", "b"], 1, "no key has the id"),
+    ("a budget of none", [], ["keys", "create", "a", "--budget", "0"], 1, "1 to"),
+    ("a budget of words", [["keys", "create", "a"]], ["keys", "budget", "a", "lots"], 1,
+     "not a whole number"),
+    ("a budget for nobody", [], ["keys", "budget", "b", "5"], 1, "no key has the id"),
 ]
 
 
@@ -306,3 +310,21 @@ def test_an_invalid_keys_file_is_a_configuration_error(
     assert cli.main(["keys", *command, "--data-dir", str(tmp_path)]) == cli.EXIT_CONFIG
     assert str(path) in capsys.readouterr().err
     assert path.read_text() == "{"
+
+
+def test_a_keys_own_budget_is_kept_changed_and_given_back_to_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["--data-dir", str(tmp_path)]
+    assert cli.main(["keys", "create", "ci", "--budget", "5000", *data]) == cli.EXIT_OK
+    (entry,) = keys.load(paths.keys_file(tmp_path))
+    assert entry.budget == 5000
+    assert cli.main(["keys", "budget", "ci", "200", *data]) == cli.EXIT_OK
+    assert keys.load(paths.keys_file(tmp_path))[0].budget == 200
+    assert cli.main(["keys", "list", "--json", *data]) == cli.EXIT_OK
+    assert '"budget": "200"' in capsys.readouterr().out
+    assert cli.main(["keys", "budget", entry.id, "default", *data]) == cli.EXIT_OK
+    assert keys.load(paths.keys_file(tmp_path))[0].budget is None
+    # a keys.json from before budgets has none: every key the default
+    text = paths.keys_file(tmp_path).read_text().replace('"budget": null', '"x": 1')
+    assert keys.parse(text.replace(',\n      "x": 1', ""), Path("k"))[0].budget is None

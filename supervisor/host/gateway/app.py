@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.host.gateway import body
+from supervisor.host.gateway import budget as budgets
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.auth import Authenticator, Caller, allowed, presented_key
 from supervisor.host.gateway.catalog import Catalog, Engine, route
@@ -52,10 +53,16 @@ class Timing:
 
 class Gateway:
     def __init__(
-        self, settings: Settings, data_dir: Path, auth: Authenticator, timing: Timing
+        self,
+        settings: Settings,
+        data_dir: Path,
+        auth: Authenticator,
+        timing: Timing,
+        spending: budgets.Spending,
     ) -> None:
         self.settings = settings
         self.auth = auth
+        self.spending = spending
         self.timing = timing
         self.catalog = Catalog(data_dir)
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
@@ -103,6 +110,20 @@ class Gateway:
             )  # fmt: skip
         return caller
 
+    async def say_unrecorded(self, _: web.Request, response: web.StreamResponse) -> None:
+        """Every response says when nothing is recorded and no budget is enforced."""
+        if not self.spending.available:
+            response.headers[budgets.HEADER] = budgets.NOT_RECORDING
+
+    def standing(self, request: web.Request) -> budgets.Standing:
+        return budgets.standing(
+            request[CALLER], self.settings.budget.daily_tokens, self.spending, Catalog.now()
+        )
+
+    async def budget(self, request: web.Request) -> web.Response:
+        """`GET /v1/budget`: where the caller stands today (the RFC's budget RPC)."""
+        return web.json_response(self.standing(request).body())
+
     async def serve_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -148,6 +169,9 @@ class Gateway:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         trace = Trace(arrived=asyncio.get_running_loop().time())
         path = request.path
+        stand = self.standing(request)
+        if stand.over:  # a stream that crossed it finished; this one is refused
+            raise budgets.refusal(stand, Catalog.now())
         raw = await read_body(request, body.limit(path))
         prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
         engine, model = route(prepared.model, self.catalog.engines(), self.settings.tiers)
@@ -245,12 +269,20 @@ GATEWAY: Final = web.AppKey("gateway", Gateway)
 
 
 def create_app(
-    settings: Settings, data_dir: Path, auth: Authenticator, timing: Timing | None = None
+    settings: Settings,
+    data_dir: Path,
+    auth: Authenticator,
+    timing: Timing | None = None,
+    spending: budgets.Spending | None = None,
 ) -> web.Application:
-    gateway = Gateway(settings, data_dir, auth, timing or Timing())
+    gateway = Gateway(
+        settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord()
+    )
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
+    app.on_response_prepare.append(gateway.say_unrecorded)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/budget", gateway.budget)
     for path in body.FORWARDED:
         app.router.add_post(path, gateway.forward)
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)

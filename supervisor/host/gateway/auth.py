@@ -26,6 +26,12 @@ class Caller(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def key_id(self) -> str: ...
+
+    @property
+    def budget(self) -> int | None: ...
+
 
 class Authenticator(Protocol):
     def verify(self, presented: str) -> Caller | None:

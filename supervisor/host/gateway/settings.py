@@ -35,6 +35,11 @@ stop_after_s = 0               # 0: never; else an engine the gateway started is
                                # after this long with nothing running or waiting on it
 swap = false                   # a start the worker says waits for memory may first stop an
                                # engine the gateway started that nothing runs or waits on
+
+[budget]
+daily_tokens = 0               # per key and UTC day, prompt and completion tokens; 0: none
+                               # (a key's own: `keys create --budget`, `keys budget`); the
+                               # owner key has none
 ```
 """
 
@@ -159,6 +164,10 @@ class Idle(_Section):
     swap: bool = False
 
 
+class Budget(_Section):
+    daily_tokens: int = Field(default=0, ge=0, le=10**15)  # 0: no budget
+
+
 @dataclass(frozen=True)
 class Admission:
     """One engine's resolved admission limits."""
@@ -176,6 +185,7 @@ class Settings(_Section):
     limits: Limits = Field(default_factory=Limits)
     engines: dict[str, EngineLimits] = Field(default_factory=dict)
     idle: Idle = Field(default_factory=Idle)
+    budget: Budget = Field(default_factory=Budget)
 
     def admission(self, engine: str) -> Admission:
         own = self.engines.get(engine, EngineLimits())
