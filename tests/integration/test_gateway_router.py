@@ -121,9 +121,6 @@ def _curl(gateway: Gateway, path: str, *args: str, key: str | None = None,
 # -- a start on demand, the models RPC, streams ----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a llama-router worker syncs its library only once the "
-                   "engine runs: before a first run, status.json names no model, and the "
-                   "gateway cannot route to it (404)")
 def test_a_fresh_worker_names_the_routers_models_before_any_run(router: Engine) -> None:
     assert sorted(FRESH) == ["alpha", "zeta"]
 

@@ -50,6 +50,7 @@ class LlamaRouter(ContainerEngine):
         self.preset_path = self.syncer.preset_path
         self._applied = startup.Applied(state_dir / "startup.json")
         self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
+        self._named: tuple[str, ...] | None = None  # the last look at the library named
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -97,11 +98,12 @@ class LlamaRouter(ContainerEngine):
         return wanted, ()
 
     def prerequisites(self) -> Prerequisites:
-        current = self.syncer.current(library.scan(self.recipe.library.models_path))
+        seen = self.syncer.look(library.scan(self.recipe.library.models_path))
+        self._named = seen.names  # the observation's served_models, after this
         ref = self.recipe.router.image
         image = self.runtime.image(ref)
         missing = (() if image is not None else (PulledImage(ref),)) + (
-            () if current else (LibrarySync(),)
+            () if seen.current else (LibrarySync(),)
         )
         return Prerequisites(missing, EngineImage(ref, image) if image is not None else None)
 
@@ -209,8 +211,13 @@ class LlamaRouter(ContainerEngine):
         return router_memory.need(self.name, synced.startup_need) if synced is not None else None
 
     def served_models(self) -> tuple[str, ...]:
-        """The preset's models: those the last sync offered (none before a first sync)."""
-        return preset.models(self.syncer.preset_text())
+        """What the last look at the library named (each observation looks): the preset's
+        models while the last sync is current with it, else those the next sync would offer,
+        so a router that never ran names its models and a model Ready since is named at the
+        next look. Before any look, the preset's: the loop thread asks, and the library may be
+        a slow share."""
+        named = self._named
+        return named if named is not None else preset.models(self.syncer.preset_text())
 
     def failed_models(self) -> tuple[str, ...]:
         """The models of the last observation whose load failed (the worker's gauge)."""
