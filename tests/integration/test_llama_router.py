@@ -110,6 +110,23 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
     assert status["models"] == ["alpha", "beta", "zeta"], "the preset's, once synced"
 
 
+def test_the_router_reports_the_llama_server_build_its_props_state(make_engine) -> None:
+    """status.json's engineVersion is the build the running router states of itself in
+    GET /props (`build_info`; llama-server has no /version)."""
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    engine.up()
+    props = _get(engine, "/props")
+    assert props["role"] == "router"
+    assert isinstance(props["build_info"], str) and props["build_info"]
+    status = engine.wait_status(
+        lambda s: s["state"] == "running" and s["engine"]["engineVersion"] is not None,
+        timeout=30,
+        what="the engine's version",
+    )
+    assert status["engine"]["engineVersion"] == props["build_info"]
+
+
 def test_a_stopped_router_names_its_library_and_a_model_ready_since(make_engine) -> None:
     """A router that never ran names what its first sync would offer; a model that becomes
     Ready while the engine stays stopped is named at a later look (poll_seconds), no run."""

@@ -51,6 +51,7 @@ class LlamaRouter(ContainerEngine):
         self._applied = startup.Applied(state_dir / "startup.json")
         self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
         self._named: tuple[str, ...] | None = None  # the last look at the library named
+        self._build: tuple[str, str] | None = None  # (container id, the build its /props states)
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -185,6 +186,21 @@ class LlamaRouter(ContainerEngine):
                 raise Permanent(f"model {model.name} failed to load (exit code {code})")
         loaded = {model.name for model in models if model.value == router_api.LOADED}
         return wanted <= loaded
+
+    def version(self, container: Container | None) -> str | None:
+        """The llama-server build the running router states in `GET /props` (`build_info`),
+        read once per container: until it answers, each look asks again."""
+        if container is None or not container.running or not container.managed:
+            return None
+        if self._build is not None and self._build[0] == container.id:
+            return self._build[1]
+        try:
+            found = router_api.build(self._get("/props"))
+        except (OSError, ValueError):
+            return None
+        if found is not None:
+            self._build = (container.id, found)
+        return found
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         """One target per loaded model, from this observation's poll of /models."""
