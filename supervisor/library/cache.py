@@ -107,6 +107,24 @@ class SyncResult:
         return "; ".join(parts)
 
 
+def library_units(library: Library) -> tuple[dict[str, tuple[str, Unit]], list[Rejected]]:
+    """The units a sync would copy, by name, each with its library model's guid, and the files
+    refused by name alone (reads nothing): a name two library models give is the first's."""
+    units: dict[str, tuple[str, Unit]] = {}
+    rejected: list[Rejected] = []
+    for model in library.models:
+        grouping = ggufcheck.group(model.files)
+        rejected.extend(grouping.rejected)
+        for unit in grouping.units:
+            if unit.name in units:
+                owner = units[unit.name][0]
+                reason = f"model name {unit.name} is already used by library model {owner}"
+                rejected.extend(Rejected(path, reason) for path in unit.shards)
+            else:
+                units[unit.name] = (model.guid, unit)
+    return units, rejected
+
+
 @dataclass
 class _Plan:
     unit: Unit
@@ -132,17 +150,8 @@ def sync(
     bad: list[Rejected] = []
     _remove_partials(cache_dir)
 
-    units: dict[str, tuple[str, Unit]] = {}
-    for model in library.models:
-        grouping = ggufcheck.group(model.files)
-        bad.extend(grouping.rejected)
-        for unit in grouping.units:
-            if unit.name in units:
-                owner = units[unit.name][0]
-                reason = f"model name {unit.name} is already used by library model {owner}"
-                bad.extend(Rejected(path, reason) for path in unit.shards)
-            else:
-                units[unit.name] = (model.guid, unit)
+    units, rejected = library_units(library)
+    bad.extend(rejected)
 
     plans = []
     for name, (guid, unit) in sorted(units.items()):

@@ -59,12 +59,15 @@ def _library(engine: Engine) -> dict[str, Path]:
     return dirs
 
 
-def _models(engine: Engine) -> dict[str, Any]:
+def _get(engine: Engine, path: str) -> Any:
     status = engine.status()
     assert status and status["url"]
-    with urllib.request.urlopen(status["url"] + "/models", timeout=5) as response:
-        listing = json.loads(response.read())
-    return {entry["id"]: entry["status"]["value"] for entry in listing["data"]}
+    with urllib.request.urlopen(status["url"] + path, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def _models(engine: Engine) -> dict[str, Any]:
+    return {entry["id"]: entry["status"]["value"] for entry in _get(engine, "/models")["data"]}
 
 
 def _router(make_engine, **knobs: Any) -> Engine:
@@ -104,6 +107,46 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
     assert mounts["/models"]["Source"] == str(engine.cache_dir)
     assert _models(engine) == {"alpha": "loaded", "beta": "unloaded", "zeta": "unloaded"}
     assert "loaded: alpha; offered: alpha, beta, zeta" in status["message"]
+    assert status["models"] == ["alpha", "beta", "zeta"], "the preset's, once synced"
+
+
+def test_the_router_reports_the_llama_server_build_its_props_state(make_engine) -> None:
+    """status.json's engineVersion is the build the running router states of itself in
+    GET /props (`build_info`; llama-server has no /version)."""
+    engine = _router(make_engine, load_on_startup=("alpha",))
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    engine.up()
+    props = _get(engine, "/props")
+    assert props["role"] == "router"
+    assert isinstance(props["build_info"], str) and props["build_info"]
+    status = engine.wait_status(
+        lambda s: s["state"] == "running" and s["engine"]["engineVersion"] is not None,
+        timeout=30,
+        what="the engine's version",
+    )
+    assert status["engine"]["engineVersion"] == props["build_info"]
+
+
+def test_a_stopped_router_names_its_library_and_a_model_ready_since(make_engine) -> None:
+    """A router that never ran names what its first sync would offer; a model that becomes
+    Ready while the engine stays stopped is named at a later look (poll_seconds), no run."""
+    engine = _router(make_engine)
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
+    later = add_model(engine.models_dir, "Downloading")
+    write_llama(later / "zeta.gguf")
+    engine.start_worker()
+    stopped = engine.wait_state(engine.request("stopped"), "stopped", timeout=60)
+    assert stopped["models"] == ["alpha"], "named before any run; a Downloading model is not"
+    document = later.parent / "model.json"
+    ready = document.with_name("model.json.tmp")
+    ready.write_text(json.dumps({"state": "Ready"}))
+    ready.replace(document)  # as the host writes it: atomically
+    status = engine.wait_status(
+        lambda s: "zeta" in s["models"], timeout=60, what="the model Ready since named"
+    )
+    assert (status["generation"], status["state"]) == (stopped["generation"], "stopped")
+    assert status["models"] == ["alpha", "zeta"]
+    assert not (engine.cache_dir / "llama-models.ini").exists(), "named without a sync"
 
 
 def test_readiness_comes_from_models_not_health(make_engine, router_standin) -> None:

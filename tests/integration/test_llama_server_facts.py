@@ -258,3 +258,22 @@ def test_reload_of_a_new_global_section_unloads_all_and_loads_none(
     assert {n: s["value"] for n, s in router.models(reload=True).items()} == {
         "a": "unloaded", "b": "unloaded"}
     _stays_unloaded(router, "a")
+
+
+def test_the_router_states_its_build_in_props_as_its_version_flag_does(
+    llama_router, client, llama_server_image: str, tmp_path: Path
+) -> None:
+    """Router mode has no /version (vLLM's); GET /props answers at once, with no model loaded,
+    and its `build_info` is the build `llama-server --version` prints: the engineVersion."""
+    (tmp_path / "models").mkdir()
+    router = llama_router(tmp_path / "models", [])
+    assert router.get("/version").status == 404
+    props = router.get("/props")
+    assert props.status == 200
+    assert props.json()["role"] == "router"
+    printed = client.containers.run(
+        llama_server_image, ["--version"], remove=True, stdout=True, stderr=True
+    ).decode()
+    stated = re.search(r"^version: \S+ \(build (\d+), commit (\S+)\)$", printed, re.MULTILINE)
+    assert stated is not None, printed
+    assert props.json()["build_info"] == f"b{stated[1]}-{stated[2]}"

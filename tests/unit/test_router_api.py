@@ -1,4 +1,5 @@
-"""The router's /models as the worker reads it: parse, targets, note, startup-set changes."""
+"""The router's API as the worker reads it: /models (parse, targets, note, startup-set changes)
+and the build /props states."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from supervisor.engines.llama_router.api import (
     ModelState,
+    build,
     changes,
     failed,
     note,
@@ -134,3 +136,21 @@ def test_failed_models_and_their_gauge() -> None:
     assert (gauge("broken"), gauge("other")) == (1.0, None), "a model that loads is dropped"
     metrics.set_load_failed([])
     assert gauge("broken") is None
+
+
+@pytest.mark.parametrize(
+    ("props", "expected"),
+    [
+        ({"role": "router", "build_info": "b11669-Debian"}, "b11669-Debian"),  # the real one's
+        ({"build_info": "b6000-1a2b3c4d"}, "b6000-1a2b3c4d"),
+        ({"role": "router"}, None),
+        ({"build_info": ""}, None),
+        ({"build_info": 11669}, None),
+        ({"build_info": "b1 <script>"}, None),  # status.json carries a build, nothing else
+        ({"build_info": "b" + "1" * 64}, None),
+        ([], None),
+        (None, None),
+    ],
+)
+def test_the_build_is_what_props_states(props: Any, expected: str | None) -> None:
+    assert build(props) == expected

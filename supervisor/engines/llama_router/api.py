@@ -1,7 +1,7 @@
 """llama-server's router API as the worker reads it: `GET /models` (what is offered, loaded,
-failed), `POST /models/load|unload`, and what follows from a listing: one Prometheus target
-group per loaded model, the status note, and the loads and unloads a new load-on-startup set
-needs. Everything but `get` and `post` is pure.
+failed), `POST /models/load|unload`, the build `GET /props` states, and what follows from a
+listing: one Prometheus target group per loaded model, the status note, and the loads and
+unloads a new load-on-startup set needs. Everything but `get` and `post` is pure.
 
 A router answers `GET /metrics` only for a model named in the query, and a scrape of
 `?model=NAME` loads NAME unless `autoload=false` is given too; so every target names its model
@@ -11,6 +11,7 @@ and forbids the load, and only loaded models get a target.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,7 @@ from supervisor.protocol.documents import TargetGroup
 TIMEOUT: Final = 2.0  # /models answers at once, even while a child loads
 LOADED: Final = "loaded"
 LOADING: Final = "loading"
+_BUILD: Final = re.compile(r"[0-9A-Za-z.+_-]{1,64}")  # b11669-Debian
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,13 @@ def target_groups(
     )
 
 
+def build(props: Any) -> str | None:
+    """The build a `GET /props` answer states (`build_info`, as `b11669-Debian`), when it looks
+    like one: status.json carries a build, never whatever else the answer holds."""
+    found = props.get("build_info") if isinstance(props, dict) else None
+    return found if isinstance(found, str) and _BUILD.fullmatch(found) else None
+
+
 def failed(models: Iterable[ModelState]) -> tuple[ModelState, ...]:
     """Models whose last load failed and that are not loaded now."""
     return tuple(model for model in models if model.failed and model.value != LOADED)
@@ -123,9 +132,7 @@ def changes(
         if (name in due or name not in applied) and name in by_name and not by_name[name].active
     )
     unload = tuple(
-        name
-        for name in applied
-        if name not in wanted and name in by_name and by_name[name].active
+        name for name in applied if name not in wanted and name in by_name and by_name[name].active
     )
     return load, unload
 

@@ -50,6 +50,8 @@ class LlamaRouter(ContainerEngine):
         self.preset_path = self.syncer.preset_path
         self._applied = startup.Applied(state_dir / "startup.json")
         self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
+        self._named: tuple[str, ...] | None = None  # the last look at the library named
+        self._build: tuple[str, str] | None = None  # (container id, the build its /props states)
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -97,11 +99,12 @@ class LlamaRouter(ContainerEngine):
         return wanted, ()
 
     def prerequisites(self) -> Prerequisites:
-        current = self.syncer.current(library.scan(self.recipe.library.models_path))
+        seen = self.syncer.look(library.scan(self.recipe.library.models_path))
+        self._named = seen.names  # the observation's served_models, after this
         ref = self.recipe.router.image
         image = self.runtime.image(ref)
         missing = (() if image is not None else (PulledImage(ref),)) + (
-            () if current else (LibrarySync(),)
+            () if seen.current else (LibrarySync(),)
         )
         return Prerequisites(missing, EngineImage(ref, image) if image is not None else None)
 
@@ -184,6 +187,21 @@ class LlamaRouter(ContainerEngine):
         loaded = {model.name for model in models if model.value == router_api.LOADED}
         return wanted <= loaded
 
+    def version(self, container: Container | None) -> str | None:
+        """The llama-server build the running router states in `GET /props` (`build_info`),
+        read once per container: until it answers, each look asks again."""
+        if container is None or not container.running or not container.managed:
+            return None
+        if self._build is not None and self._build[0] == container.id:
+            return self._build[1]
+        try:
+            found = router_api.build(self._get("/props"))
+        except (OSError, ValueError):
+            return None
+        if found is not None:
+            self._build = (container.id, found)
+        return found
+
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
         """One target per loaded model, from this observation's poll of /models."""
         self._listing = self._models()
@@ -209,8 +227,13 @@ class LlamaRouter(ContainerEngine):
         return router_memory.need(self.name, synced.startup_need) if synced is not None else None
 
     def served_models(self) -> tuple[str, ...]:
-        """The preset's models: those the last sync offered (none before a first sync)."""
-        return preset.models(self.syncer.preset_text())
+        """What the last look at the library named (each observation looks): the preset's
+        models while the last sync is current with it, else those the next sync would offer,
+        so a router that never ran names its models and a model Ready since is named at the
+        next look. Before any look, the preset's: the loop thread asks, and the library may be
+        a slow share."""
+        named = self._named
+        return named if named is not None else preset.models(self.syncer.preset_text())
 
     def failed_models(self) -> tuple[str, ...]:
         """The models of the last observation whose load failed (the worker's gauge)."""

@@ -2,7 +2,9 @@
 
 A sync is due when the library as seen, the recipe's part of the preset or the machine settings
 the memory plan divides have changed since the last one, or when the preset on disk is not the
-one it wrote. What the last sync made is recorded in <state>/synced.json.
+one it wrote. What the last sync made is recorded in <state>/synced.json. The router serves
+the preset's models while the last sync is current; until a sync is, it names what that sync
+would offer (status.json names a router's models before it ever ran).
 """
 
 from __future__ import annotations
@@ -75,6 +77,28 @@ def library_fingerprint(found: library.Library) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class Look:
+    """One look at the library, against the last sync."""
+
+    current: bool  # the last sync is current with it: no sync is due
+    names: tuple[str, ...]  # the names the router serves (served_names)
+
+
+def offered_names(found: library.Library) -> tuple[str, ...]:
+    """The model names the next sync would offer from this library, by file names alone (reads
+    no GGUF file): a file whose header turns out bad, or a model the memory plan finds cannot
+    fit even alone, is named until that sync leaves it out of the preset."""
+    return tuple(sorted(gguf_cache.library_units(found)[0]))
+
+
+def served_names(found: library.Library, current: bool, preset_text: str | None) -> tuple[str, ...]:
+    """Pure: the names the router serves, in every state: the preset's while the last sync is
+    current with the library as found now, else those the next sync would offer (a router
+    that never ran, a model Ready since, one Ready no more)."""
+    return preset.models(preset_text) if current else offered_names(found)
+
+
 class Syncer:
     """One router's GGUF cache, preset and record of the last sync."""
 
@@ -88,14 +112,13 @@ class Syncer:
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self.stamp = state_dir / "synced.json"
 
-    def current(self, found: library.Library) -> bool:
-        """The last sync saw this library, recipe and machine, and its preset is on disk."""
+    def look(self, found: library.Library) -> Look:
+        """Whether the last sync saw this library, recipe and machine and its preset is on
+        disk, and the names the router serves with the library as found."""
         synced = self.synced()
-        return (
-            synced is not None
-            and synced.library == self.key(found)
-            and self.preset_text() == synced.preset
-        )
+        text = self.preset_text()
+        current = synced is not None and synced.library == self.key(found) and text == synced.preset
+        return Look(current, served_names(found, current, text))
 
     def key(self, found: library.Library) -> str:
         """The library as seen, the recipe's part of the preset and the machine settings the
