@@ -270,9 +270,7 @@ def create_app(
     timing: Timing | None = None,
     spending: budgets.Spending | None = None,
 ) -> web.Application:
-    gateway = Gateway(
-        settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord()
-    )
+    gateway = Gateway(settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord())
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
     app.on_response_prepare.append(gateway.say_unrecorded)
