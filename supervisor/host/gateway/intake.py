@@ -54,6 +54,9 @@ async def answer_and_close(request: web.Request, response: web.StreamResponse) -
     The transport sends what it holds before it closes. Nothing is awaited after the close, so
     the handler has returned before the connection's loss reaches it."""
     response.force_close()  # `Connection: close`
-    await response.prepare(request)
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left first: there is no one to answer
     request.protocol.force_close()
