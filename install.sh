@@ -126,7 +126,7 @@ install_all() {
         name=$(basename "$recipe" .toml)
         [[ "$name" =~ ^[a-z0-9][a-z0-9_.-]*$ ]] || die "recipe file name $name is not a valid engine name"
         [ "$name" != gateway ] || die "recipe file name gateway is taken by the lucia-gateway unit"
-        "$venv/bin/python" -c 'import sys; from pathlib import Path; from supervisor.recipe.loader import load; load(Path(sys.argv[1]))' "$recipe" \
+        "$venv/bin/python" -c 'import sys; from pathlib import Path; from supervisor.engines.loader import load; load(Path(sys.argv[1]))' "$recipe" \
             || die "recipe $recipe is invalid (see above)"
         place "$recipe" "$recipes/$name.toml" 0644
         render_unit "$name"

@@ -197,9 +197,9 @@ def _cmd_schemas(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from supervisor import logs
+    from supervisor.engines.loader import load
     from supervisor.errors import Transient
     from supervisor.protocol.files import LeaseHeld
-    from supervisor.recipe.loader import load
     from supervisor.recipe.schema import RecipeError
     from supervisor.worker.loop import Settings, Worker
 
@@ -232,9 +232,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Reads files only (a host has no Docker): recipes, machine settings, ledger, statuses."""
+    from supervisor.engines.loader import load
     from supervisor.engines.registry import plan_memory
     from supervisor.memplan import overview, probe, settings
-    from supervisor.recipe.loader import load
     from supervisor.recipe.schema import RecipeError
 
     try:

@@ -1,1 +1,1 @@
-"""Engines: the base and container engine, the registry, and one folder per kind of engine."""
+"""Engines: the base and container engine, the registry, recipe loading, one folder per kind."""

@@ -1,1 +1,1 @@
-"""Recipes: the common sections, secrets, and finding and loading a recipe file."""
+"""Recipes: the common sections and secrets every kind's schema builds on (no engine)."""

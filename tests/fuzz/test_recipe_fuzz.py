@@ -43,9 +43,9 @@ from hypothesis import currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
+from supervisor.engines.loader import load, parse
 from supervisor.engines.tensorfold.recipe import TensorFoldRecipe
 from supervisor.protocol import files
-from supervisor.recipe.loader import load, parse
 from supervisor.recipe.schema import RecipeError
 from tests.support import MINIMAL_RECIPE
 

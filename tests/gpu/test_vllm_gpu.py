@@ -80,8 +80,8 @@ def test_the_real_vllm_image_serves_on_this_gpu(
 
 
 def engine_choices(engine: Engine) -> pf.Choices:
+    from supervisor.engines.loader import load
     from supervisor.engines.vllm.recipe import VllmRecipe
-    from supervisor.recipe.loader import load
 
     recipe = load(engine.recipe_path)
     assert isinstance(recipe, VllmRecipe)

@@ -197,6 +197,17 @@ class World:
         return read_desired(self.data / engine)
 
 
+async def serve_upstream(up: Upstream) -> TestServer:
+    """The upstream listening on a port of its own (its url set); the caller closes it."""
+    engine_app = web.Application()
+    engine_app.router.add_post("/v1/chat/completions", up.handle)
+    engine_app.router.add_post("/v1/completions", up.handle)
+    engine = TestServer(engine_app, handler_cancellation=True)
+    await engine.start_server()
+    up.url = str(engine.make_url("")).rstrip("/")
+    return engine
+
+
 @asynccontextmanager
 async def world(
     tmp_path: Path,
@@ -208,12 +219,7 @@ async def world(
     data = tmp_path / "data"
     data.mkdir()
     up = upstream or Upstream()
-    engine_app = web.Application()
-    engine_app.router.add_post("/v1/chat/completions", up.handle)
-    engine_app.router.add_post("/v1/completions", up.handle)
-    engine = TestServer(engine_app, handler_cancellation=True)
-    await engine.start_server()
-    up.url = str(engine.make_url("")).rstrip("/")
+    engine = await serve_upstream(up)
     app = create_app(
         parse(settings, "test"),
         data,

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.docker
 
 CONTEXT = 32768  # a long answer: a slow reader holds its slot while the engine writes on
 HEADER_TIMEOUT_S = 3
-LISTEN = f"header_timeout_s = {HEADER_TIMEOUT_S}\n"
+BODY_TIMEOUT_S = 3
+LISTEN = f"header_timeout_s = {HEADER_TIMEOUT_S}\nbody_timeout_s = {BODY_TIMEOUT_S}\n"
 SETTINGS = """[limits]
 running = 1
 waiting = 0
@@ -283,6 +284,25 @@ def test_a_slowloris_is_closed_and_others_are_served_meanwhile(gateway: Gateway)
         slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Pad: ")
         _answered(gateway)  # served while the slow one holds its connection
         assert slow.recv(4096) == b"", "closed, without an answer"
+    _answered(gateway)
+
+
+def test_a_body_that_stops_coming_gets_408_and_the_engine_answers_on(gateway: Gateway) -> None:
+    """Whole headers, then a tenth of the body and nothing more: 408 and the connection closed
+    at listen.body_timeout_s (the socket's 60 s timeout is the bound; the gateway used to hold
+    it for ever), nothing forwarded, and the engine answers afterwards."""
+    port = int(gateway.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "alpha", "messages": HI, "max_tokens": 4}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nAuthorization: Bearer {gateway.issued}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
+        slow.sendall(head.encode() + body[: len(body) // 10])
+        answer = b""
+        while chunk := slow.recv(65536):  # until the gateway closes it
+            answer += chunk
+    top, _, error = answer.partition(b"\r\n\r\n")
+    assert top.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in top, top
+    assert json.loads(error)["error"]["code"] == "request_timeout"
     _answered(gateway)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
+from supervisor.engines.loader import parse
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.recipe import reference
-from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
 from tests.support import MINIMAL_RECIPE
 

@@ -14,6 +14,7 @@ from supervisor.docker import labels
 from supervisor.docker.spec import Container, Mount, RunSpec, changed_settings
 from supervisor.engines.base import Observed
 from supervisor.engines.container import Network
+from supervisor.engines.loader import parse
 from supervisor.engines.tensorfold.engine import (
     Checkout,
     GrammarImage,
@@ -23,7 +24,6 @@ from supervisor.engines.tensorfold.engine import (
 )
 from supervisor.engines.vllm.steps import TierImage
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
-from supervisor.recipe.loader import parse
 from supervisor.worker.memory import (
     BACKOFF,
     Memory,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.engines.loader import load, parse
 from supervisor.engines.tensorfold import grammar
 from supervisor.engines.tensorfold.recipe import Grammar
-from supervisor.recipe.loader import load, parse
 from supervisor.recipe.schema import RecipeError
 from tests.support import MINIMAL_RECIPE
 

@@ -11,9 +11,9 @@ import pytest
 
 from supervisor.engines import registry
 from supervisor.engines.kind import EngineKind
+from supervisor.engines.loader import parse
 from supervisor.memplan import overview, settings
 from supervisor.memplan.probe import Memory
-from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,12 +18,12 @@ from supervisor.engines.llama_router import preset
 from supervisor.engines.llama_router.engine import LlamaRouter
 from supervisor.engines.llama_router.library_sync import offered_names, served_names
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
+from supervisor.engines.loader import load, parse
 from supervisor.engines.tensorfold.recipe import TensorFoldRecipe
 from supervisor.engines.tensorfold.recipe import served_names as tensorfold_names
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.engines.vllm.recipe import served_names as vllm_names
 from supervisor.library.models import Library, LibraryUnavailable, ReadyModel
-from supervisor.recipe.loader import load, parse
 from tests.gguf_fixtures import add_model, break_magic, write_gguf, write_model
 from tests.support import MINIMAL_RECIPE
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.docker.runtime import Runtime
+from supervisor.engines.loader import parse
 from supervisor.engines.tensorfold.engine import TensorFold
-from supervisor.recipe.loader import parse
 from tests.unit.test_plan import PREPARE_MAKES_IMAGE
 
 

@@ -12,11 +12,11 @@ import pytest
 from supervisor.docker.spec import RunSpec, changed_settings
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage
+from supervisor.engines.loader import parse
 from supervisor.engines.vllm import account, tier_image
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe
-from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
 from tests.unit.test_vllm_engine import _downloaded, _hf_engine, _Images
 

@@ -14,13 +14,13 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image
 from supervisor.engines.base import Endpoint
 from supervisor.engines.container import EngineImage
+from supervisor.engines.loader import parse
 from supervisor.engines.vllm import memory
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.kind import KIND
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.engines.vllm.steps import MemoryFit, Preflight
 from supervisor.memplan.fit import Budget
-from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import plan
 

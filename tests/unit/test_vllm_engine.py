@@ -14,6 +14,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage
+from supervisor.engines.loader import parse
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
@@ -23,7 +24,6 @@ from supervisor.engines.vllm.steps import reclaimable_mib
 from supervisor.errors import Permanent
 from supervisor.hw import gpu
 from supervisor.protocol import files
-from supervisor.recipe.loader import parse
 from tests.gpu_recordings import fake_nvidia_smi
 
 CACHE_KEY = "c0ffee" + "0123456789abcdef" * 3 + "fedcba9876"  # 64 hex digits

@@ -16,12 +16,12 @@ from supervisor.docker.runtime import Progress, Runtime
 from supervisor.docker.spec import BuildRequest, Image
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage, PulledImage
+from supervisor.engines.loader import parse
 from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.engines.vllm.steps import TierDirectories, TierImage
 from supervisor.errors import BuildFailed, Permanent
-from supervisor.recipe.loader import parse
 from supervisor.recipe.schema import RecipeError
 
 BASE = "lucia-vllm-cpu:0.32.0-torch2.13.0"

@@ -24,6 +24,7 @@ from supervisor.host.gateway.catalog import Catalog, Engine, route
 from supervisor.host.gateway.forward import Forwarder, Trace
 from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.idle import CHECK_S, IdleStop
+from supervisor.host.gateway.intake import answer_and_close, read_body
 from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
@@ -73,7 +74,9 @@ class Gateway:
             data_dir, self.starter, self.gate, settings.idle.stop_after_s,
             check_s=timing.idle_check_s, swap=settings.idle.swap,
         )  # fmt: skip
-        self.host_api = HostApi(data_dir, self.catalog, self.gates.get, self.idle)
+        self.host_api = HostApi(
+            data_dir, self.catalog, self.gates.get, self.idle, settings.listen.body_timeout_s
+        )
 
     def counts(self) -> dict[str, tuple[int, int]]:
         return {name: (gate.running, gate.waiting) for name, gate in self.gates.items()}
@@ -94,7 +97,10 @@ class Gateway:
             return await handler(request)
         except Refusal as refusal:
             self.metrics.refused(refusal.code)
-            return refusal_response(refusal)
+            response = refusal_response(refusal)
+            if refusal.close:
+                await answer_and_close(request, response)
+            return response
 
     def caller(self, request: web.Request) -> Caller:
         """The verified caller, allowed this path: else 401 (no valid key) or 403 (its role)."""
@@ -172,7 +178,10 @@ class Gateway:
         stand = self.standing(request)
         if stand.over:  # a stream that crossed it finished; this one is refused
             raise budgets.refusal(stand, Catalog.now())
-        raw = await read_body(request, body.limit(path))
+        raw = await read_body(
+            request, body.limit(path), self.settings.listen.body_timeout_s,
+            lambda: body.too_large(path),
+        )  # fmt: skip
         prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
         engine, model = route(prepared.model, self.catalog.engines(), self.settings.tiers)
         if model != prepared.model:  # a tier alias: the engine knows the model's own name
@@ -235,20 +244,6 @@ class Gateway:
             waiting.cancel()  # only this caller's wait: the start is shielded
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes the route's limit."""
-    if request.content_length is not None and request.content_length > limit:
-        raise body.too_large(request.path)
-    chunks: list[bytes] = []
-    size = 0
-    async for data in request.content.iter_any():
-        size += len(data)
-        if size > limit:
-            raise body.too_large(request.path)
-        chunks.append(data)
-    return b"".join(chunks)
-
-
 async def open_sse(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -275,9 +270,7 @@ def create_app(
     timing: Timing | None = None,
     spending: budgets.Spending | None = None,
 ) -> web.Application:
-    gateway = Gateway(
-        settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord()
-    )
+    gateway = Gateway(settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord())
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
     app.on_response_prepare.append(gateway.say_unrecorded)

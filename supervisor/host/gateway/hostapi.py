@@ -20,6 +20,7 @@ from supervisor.host.gateway import body
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.catalog import Catalog, Engine
 from supervisor.host.gateway.idle import IdleStop
+from supervisor.host.gateway.intake import read_body
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.protocol import BadName, check_name, engine_dir, read_desired, request
 from supervisor.protocol.documents import dump
@@ -27,6 +28,10 @@ from supervisor.protocol.documents import dump
 ENGINES: Final = "/api/host/engines"
 _BODY_LIMIT: Final = 64 * 1024
 _DESIRED: Final = ("running", "stopped")
+
+
+def too_large() -> Refusal:
+    return Refusal(413, "request_too_large", "the body of the host API is limited to 64 KiB")
 
 
 def wanted(raw: bytes) -> str:
@@ -43,9 +48,15 @@ def wanted(raw: bytes) -> str:
 
 class HostApi:
     def __init__(
-        self, data_dir: Path, catalog: Catalog, gates: Callable[[str], Gate | None], idle: IdleStop
+        self,
+        data_dir: Path,
+        catalog: Catalog,
+        gates: Callable[[str], Gate | None],
+        idle: IdleStop,
+        body_timeout_s: float,
     ) -> None:
         self.data_dir = data_dir
+        self.body_timeout_s = body_timeout_s
         self.catalog = catalog
         self.gates = gates
         self.idle = idle
@@ -73,9 +84,7 @@ class HostApi:
         }
 
     async def set_desired(self, request: web.Request) -> web.Response:
-        raw = await request.content.read(_BODY_LIMIT + 1)
-        if len(raw) > _BODY_LIMIT:
-            raise Refusal(413, "request_too_large", "the body of the host API is limited to 64 KiB")
+        raw = await read_body(request, _BODY_LIMIT, self.body_timeout_s, too_large)
         desired = wanted(raw)
         name = request.match_info["name"]
         try:

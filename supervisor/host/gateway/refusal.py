@@ -18,6 +18,7 @@ class Refusal(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
         details: dict[str, Any] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
@@ -26,6 +27,7 @@ class Refusal(Exception):
         self.param = param
         self.headers = headers or {}
         self.details = details or {}  # beside `error` in the body, e.g. admission's counts
+        self.close = close  # the connection is closed once the answer is out
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

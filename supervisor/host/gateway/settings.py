@@ -11,6 +11,9 @@ tls_cert = "/etc/lucia/gateway.crt"   # both or neither
 tls_key = "/etc/lucia/gateway.key"
 header_timeout_s = 10          # a connection that has not sent a whole request's headers this
                                # long after it opened, or after its last answer, is closed
+body_timeout_s = 60            # a request whose whole body has not come this long after its
+                               # headers gets 408 and its connection is closed; the answer,
+                               # however long it streams, is not bounded by it
 
 [keys]
 owner_file = "~/.config/lucia/owner.key"
@@ -66,6 +69,7 @@ SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
 DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0  # a slowloris holds a connection no longer than this
+DEFAULT_BODY_TIMEOUT_S: Final = 60.0  # 16 MiB, the largest body, at 2.3 Mbit/s
 DEFAULT_RUNNING: Final = 4
 DEFAULT_WAITING: Final = 64
 DEFAULT_MAX_WAIT_S: Final = 30.0
@@ -114,6 +118,7 @@ class Listen(_Section):
     tls_cert: FilePath | None = None
     tls_key: FilePath | None = None
     header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
+    body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600)
 
     @field_validator("address")
     @classmethod

@@ -1,4 +1,4 @@
-"""Finding and loading recipe files (TOML), each by its kind's schema from the engine registry."""
+"""Finding and loading recipe files (TOML), each by its kind's schema from the registry."""
 
 from __future__ import annotations
 
@@ -80,4 +80,3 @@ def load(path: Path) -> RecipeBase:
         raise RecipeError(f"{path}: no such recipe file") from None
     except FileRefused as exc:
         raise RecipeError(str(exc)) from None
-

@@ -1,0 +1,62 @@
+"""Reading a request's body, within its size limit and within listen.body_timeout_s.
+
+A body past its limit is refused with 413 as soon as it passes it. A body not all come within
+body_timeout_s of its headers, whether the client stalls or sends a byte at a time, is refused
+with 408, and the connection is closed as soon as that answer is out: what the client sends on
+is not read (aiohttp would read and drop it for up to its lingering time). Only reading the
+body is bounded; the answer, however long it streams, is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+from supervisor.host.gateway.refusal import Refusal
+
+
+def too_slow(request: web.Request, timeout_s: float, came: int) -> Refusal:
+    expected = request.content_length
+    of = f" of {expected}" if expected is not None else ""
+    return Refusal(
+        408, "request_timeout",
+        f"the body of {request.path} did not all come within {timeout_s:g} s of its headers "
+        f"({came}{of} bytes came); the connection is closed",
+        close=True,
+    )  # fmt: skip
+
+
+async def read_body(
+    request: web.Request, limit: int, timeout_s: float, too_large: Callable[[], Refusal]
+) -> bytes:
+    """The whole body; `too_large()` once it passes `limit`, 408 past `timeout_s`."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large()
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for data in request.content.iter_any():
+                size += len(data)
+                if size > limit:
+                    raise too_large()
+                chunks.append(data)
+    except TimeoutError:
+        raise too_slow(request, timeout_s, size) from None
+    return b"".join(chunks)
+
+
+async def answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """Send the whole answer, then close the connection without reading what comes after.
+
+    The transport sends what it holds before it closes. Nothing is awaited after the close, so
+    the handler has returned before the connection's loss reaches it."""
+    response.force_close()  # `Connection: close`
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left first: there is no one to answer
+    request.protocol.force_close()
