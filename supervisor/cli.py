@@ -11,8 +11,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from supervisor import paths, waiting
-from supervisor.host import commands
+from supervisor import paths
+from supervisor.host import commands, waiting
 from supervisor.host import protocol as host
 from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic

@@ -13,8 +13,8 @@ from typing import TypeAlias
 
 from supervisor import paths
 from supervisor.host import keys
+from supervisor.host.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from supervisor.protocol.documents import utc_now
-from supervisor.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 

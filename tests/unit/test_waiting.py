@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.waiting import LINE_EVERY, Progress, elapsed
+from supervisor.host.waiting import LINE_EVERY, Progress, elapsed
 from tests.unit.test_cli import CLI, URL, write_status
 
 CLEAR = "\r\x1b[K"
