@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from supervisor import cli
-from supervisor.host import waiting
 from supervisor.host import protocol as host
+from supervisor.host import waiting
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.version import version
