@@ -1,0 +1,104 @@
+"""The record as the gateway uses it: open it, record rows, read a key's spending, close it.
+
+    store = Store.open(settings.record.target(data_dir), settings.record.retention_days)
+    store.record(row)                 # never blocks, never raises; False: dropped (counted)
+    store.spent(identity.key_id)      # today's Spent(tokens, requests), or None: not known
+    store.available, store.reason     # False and why: record nothing, enforce no budget
+    store.close()                     # commits what is queued (within Timing.stop_s)
+
+`open` waits for the first try to open the database (at most CONNECT_S and a margin) so that
+the gateway can say at its start whether it records; it never raises for a database that fails:
+the store is then unavailable and keeps trying by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, date, datetime
+from typing import Final
+
+from supervisor.host.record.database import CONNECT_S, Target
+from supervisor.host.record.ledger import Ledger, Spent
+from supervisor.host.record.row import Row
+from supervisor.host.record.writer import Health, Timing, Writer
+
+OPEN_WAIT_S: Final = CONNECT_S + 5.0
+
+
+class Store:
+    def __init__(
+        self,
+        target: Target,
+        retention_days: int,
+        timing: Timing | None = None,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.timing = timing or Timing()
+        self.target = target
+        self.now = now
+        self._ledger = Ledger(self.timing.queue_rows, self.timing.batch_rows)
+        self._writer = Writer(target, retention_days, self._ledger, self.timing, now)
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        target: Target,
+        retention_days: int,
+        timing: Timing | None = None,
+        wait_s: float = OPEN_WAIT_S,
+    ) -> Store:
+        """Start the writer and wait (up to wait_s) for its first try to open the database."""
+        store = cls(target, retention_days, timing)
+        store._writer.start()
+        store._writer.tried.wait(wait_s)
+        return store
+
+    def record(self, row: Row) -> bool:
+        """Queue a row for the writer; never blocks, never raises. False: dropped, counted
+        (the store is unavailable or closed, or its queue is full)."""
+        if self._closed:
+            self._ledger.drop("closed")
+            return False
+        if not self._writer.health.available:
+            self._ledger.drop("unavailable")
+            return False
+        return self._ledger.put(row)
+
+    def spent(self, key_id: str, day: date | None = None) -> Spent | None:
+        """What a key spent on a UTC day (today by default): committed plus queued. None when
+        the day's totals are not known (the store is unavailable, or has not read them yet):
+        no budget can be enforced then."""
+        return self._ledger.spent(key_id, day or self.now().date())
+
+    @property
+    def health(self) -> Health:
+        return self._writer.health
+
+    @property
+    def available(self) -> bool:
+        return self._writer.health.available
+
+    @property
+    def reason(self) -> str | None:
+        """Why the store is unavailable (one line, no secret), or None."""
+        return self._writer.health.reason
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Rows dropped so far, by reason: unavailable, queue_full, write_failed, closed."""
+        return self._ledger.dropped()
+
+    @property
+    def committed(self) -> int:
+        return self._writer.committed
+
+    @property
+    def queued(self) -> int:
+        return self._ledger.queued
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop taking rows, commit what is queued (within Timing.stop_s), close the database."""
+        self._closed = True
+        self._writer.stop()
+        self._writer.join(self.timing.stop_s + 5.0 if timeout_s is None else timeout_s)
