@@ -83,8 +83,11 @@ def safe_dsn(dsn: str) -> str:
 
 
 def one_line(exc: BaseException) -> str:
+    """Why a database call failed, in one line of at most 500 characters, no secret in it."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return redaction.redact(f"{type(exc).__name__}: {text}")[:500]
+    if not isinstance(exc, StoreFailed):  # its text is a reason already
+        text = f"{type(exc).__name__}: {text}"
+    return redaction.redact(text)[:500]
 
 
 class Database:
