@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,30 +100,40 @@ class Cluster:
         return self.dsn(name)
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[Cluster]:
+@contextmanager
+def cluster() -> Iterator[Cluster]:
+    """A new cluster, started; stopped and removed at the end. RuntimeError without
+    PostgreSQL's binaries."""
     found = bindir()
     if found is None:
-        pytest.fail("these tests need Debian's postgresql (scripts/machine.sh installs it)")
+        raise RuntimeError("no PostgreSQL here: Debian's postgresql (scripts/machine.sh)")
     root = Path(tempfile.mkdtemp(prefix="lucia-pg-"))
     user = None
     if os.geteuid() == 0:  # postgres refuses to run as root
         user = "postgres"
         account = pwd.getpwnam(user)
         os.chown(root, account.pw_uid, account.pw_gid)
-    cluster = Cluster(found, root, free_port(), user)
+    made = Cluster(found, root, free_port(), user)
     try:
-        cluster.initdb()
+        made.initdb()
         for attempt in range(5):  # the free port may be taken between the probe and the bind
             try:
-                cluster.start()
+                made.start()
                 break
             except RuntimeError:
                 if attempt == 4:
                     raise
-                cluster.port = free_port()
-        yield cluster
+                made.port = free_port()
+        yield made
     finally:
-        if cluster.data.exists() and cluster.running():
-            cluster.stop("immediate")
+        if made.data.exists() and made.running():
+            made.stop("immediate")
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Cluster]:
+    if bindir() is None:
+        pytest.fail("these tests need Debian's postgresql (scripts/machine.sh installs it)")
+    with cluster() as made:
+        yield made

@@ -20,10 +20,6 @@ COLUMNS: Final = (
     "outcome", "prompt_tokens", "completion_tokens", "cached_tokens", "wait_s", "ttft_s",
     "duration_s",
 )  # fmt: skip
-INSERT_ROW: Final = (
-    f"INSERT INTO generations ({', '.join(COLUMNS)}) "  # noqa: S608 - our own columns
-    f"VALUES ({', '.join('?' * len(COLUMNS))})"
-)
 ADD_TOTAL: Final = (
     "INSERT INTO daily_totals (day, key_id, tokens, requests) VALUES (?, ?, ?, ?) "
     "ON CONFLICT (day, key_id) DO UPDATE SET tokens = daily_totals.tokens + excluded.tokens, "
@@ -57,7 +53,7 @@ def write(db: Database, rows: Sequence[Row]) -> None:
     """The rows and their totals, committed together."""
     totals = totals_of(rows)
     with db.transaction():
-        db.executemany(INSERT_ROW, [values(row) for row in rows])
+        db.bulk("generations", COLUMNS, [values(row) for row in rows])
         db.executemany(ADD_TOTAL, [(*key, *added) for key, added in totals.items()])
 
 

@@ -111,6 +111,21 @@ class Database:
         else:
             self._conn.executemany(text, rows)
 
+    def bulk(self, table: str, columns: Sequence[str], rows: Sequence[Params]) -> None:
+        """Insert many rows: COPY on PostgreSQL (a stream, not a statement a row), an
+        executemany of one INSERT on SQLite."""
+        names = ", ".join(columns)
+        if self.kind == "postgresql":
+            with (
+                self._conn.cursor() as cursor,
+                cursor.copy(f"COPY {table} ({names}) FROM STDIN") as copy,
+            ):
+                for row in rows:
+                    copy.write_row(row)
+            return
+        marks = ", ".join("?" * len(columns))
+        self._conn.executemany(f"INSERT INTO {table} ({names}) VALUES ({marks})", rows)  # noqa: S608 - our names
+
     def query(self, text: str, params: Params = ()) -> list[tuple[Any, ...]]:
         return list(self._conn.execute(self.sql(text), params).fetchall())
 
