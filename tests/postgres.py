@@ -12,12 +12,13 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ class Cluster:
     root: Path
     port: int
     user: str | None  # the system user it runs as (root cannot), or None: this one
+    frozen: list[int] = field(default_factory=list)
 
     @property
     def data(self) -> Path:
@@ -77,6 +79,32 @@ class Cluster:
     def stop(self, mode: str = "fast") -> None:
         """fast: sessions ended, a clean shutdown; immediate: no checkpoint (the end)."""
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def _postmaster(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
+
+    def _processes(self) -> list[int]:
+        """The postmaster and its children (each of which is a session of its own)."""
+        postmaster = self._postmaster()
+        found = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == postmaster:  # the parent's pid, after the state
+                found.append(int(stat.parent.name))
+        return found
+
+    def freeze(self) -> None:
+        """SIGSTOP the server and every backend: a server that neither fails nor answers."""
+        self.frozen = self._processes()
+        for pid in self.frozen:
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.frozen:
+            os.kill(pid, signal.SIGCONT)
 
     def running(self) -> bool:
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0

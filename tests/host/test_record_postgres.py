@@ -22,13 +22,13 @@ from supervisor.host.record.database import Target, open_postgres, open_sqlite
 from supervisor.host.record.ledger import Spent
 from supervisor.host.record.row import Build, refused
 from supervisor.host.record.store import Store
-from supervisor.host.record.writer import COMMITTED_WITHIN_S, Timing
+from supervisor.host.record.writer import COMMITTED_WITHIN_S, UNAVAILABLE, Timing
 from tests.postgres import Cluster
 from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
 from tests.standin import free_port
+from tests.support import within
 
 FAST = Timing(backoff_s=0.05, backoff_max_s=0.5)
-UNAVAILABLE = "record unavailable: rows are not recorded and budgets not enforced"
 
 
 @pytest.fixture
@@ -176,6 +176,37 @@ def test_postgresql_stopped_mid_load_loses_nothing_promised_and_recovers(
     events = [e["event"] for e in logs]
     assert events.count(UNAVAILABLE) == 1
     assert events.count("record available again") == 1
+
+
+def test_a_frozen_postgresql_never_blocks_a_caller(postgres: Cluster, stores: Any) -> None:
+    """A server that neither fails nor answers (SIGSTOP): the writer's call hangs, the callers
+    do not; after stall_s the store is unavailable, until the call returns."""
+    dsn = postgres.database()
+    timing = Timing(stall_s=1.0, queue_rows=200, backoff_s=0.05, backoff_max_s=0.5)
+    with structlog.testing.capture_logs() as logs:
+        store = stores(dsn, timing=timing)
+        until(lambda: store.spent(KEY) is not None, what="today's totals read")
+        postgres.freeze()
+        try:
+            until(
+                lambda: (
+                    within(10, lambda: [store.record(row()) for _ in range(20)])
+                    and not store.available
+                ),
+                what="the stall seen",
+            )
+            assert "not answered" in str(store.reason)
+            assert store.spent(KEY) is None
+            assert within(10, lambda: [store.record(row()) for _ in range(500)]) == [False] * 500
+        finally:
+            postgres.thaw()
+        until(lambda: store.available, what="the answer after the thaw")
+        assert store.record(row())
+        until(lambda: store.committed > 0 and store.queued == 0, what="the commits after it")
+    events = [e["event"] for e in logs]
+    assert events.count(UNAVAILABLE) == 1
+    assert events.count("record available again") == 1
+    assert store.dropped["unavailable"] >= 500
 
 
 @pytest.mark.alone  # a bound in time on a machine of two cores: nothing runs beside it

@@ -13,14 +13,17 @@ the store is then unavailable and keeps trying by itself.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
-from typing import Final
+from typing import Any, Final
 
+from supervisor import logs
 from supervisor.host.record.database import CONNECT_S, Target
 from supervisor.host.record.ledger import Ledger, Spent
 from supervisor.host.record.row import Row
-from supervisor.host.record.writer import Health, Timing, Writer
+from supervisor.host.record.writer import UNAVAILABLE, Health, Timing, Writer
 
 OPEN_WAIT_S: Final = CONNECT_S + 5.0
 
@@ -39,6 +42,9 @@ class Store:
         self._ledger = Ledger(self.timing.queue_rows, self.timing.batch_rows)
         self._writer = Writer(target, retention_days, self._ledger, self.timing, now)
         self._closed = False
+        self._lock = threading.Lock()
+        self._log: Any = logs.get("record")
+        self._where = {"backend": target.kind, "where": target.describe()}
 
     @classmethod
     def open(
@@ -60,7 +66,7 @@ class Store:
         if self._closed:
             self._ledger.drop("closed")
             return False
-        if not self._writer.health.available:
+        if not self.health.available:
             self._ledger.drop("unavailable")
             return False
         return self._ledger.put(row)
@@ -69,20 +75,37 @@ class Store:
         """What a key spent on a UTC day (today by default): committed plus queued. None when
         the day's totals are not known (the store is unavailable, or has not read them yet):
         no budget can be enforced then."""
+        if not self.health.available:
+            return None
         return self._ledger.spent(key_id, day or self.now().date())
 
     @property
     def health(self) -> Health:
-        return self._writer.health
+        """The writer's word, unless a database call of its has gone unanswered for
+        Timing.stall_s: then unavailable (said once in the log), until the call returns."""
+        writer = self._writer
+        health, began = writer.health, writer.busy_since
+        if not (
+            health.available
+            and began is not None
+            and time.monotonic() - began > self.timing.stall_s
+        ):
+            return health
+        reason = f"the database has not answered for {self.timing.stall_s:g} s"
+        with self._lock:
+            said, writer.stall_said = writer.stall_said, True
+        if not said:
+            self._log.warning(UNAVAILABLE, reason=reason, **self._where)
+        return Health(False, reason)
 
     @property
     def available(self) -> bool:
-        return self._writer.health.available
+        return self.health.available
 
     @property
     def reason(self) -> str | None:
         """Why the store is unavailable (one line, no secret), or None."""
-        return self._writer.health.reason
+        return self.health.reason
 
     @property
     def dropped(self) -> dict[str, int]:

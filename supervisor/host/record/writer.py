@@ -7,6 +7,9 @@ is the bound promised and tested. Between commits it re-reads
 today's per-key totals (every refresh_s: what other gateways on one PostgreSQL spent) and
 prunes rows past the retention, a batch at a time, while nothing waits.
 
+A database call that has not returned after stall_s (a frozen server: nothing fails, nothing
+answers) makes the store unavailable too, said once, until the call returns.
+
 When the database cannot be opened or written, the writer says so once (`record unavailable`,
 with the reason), drops what is queued (counted), and tries again after a back-off that doubles
 from backoff_s to backoff_max_s; a stop interrupts the wait. Once a connection, the migration
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -29,6 +33,7 @@ from supervisor.host.record.ledger import Ledger
 from supervisor.host.record.row import epoch_us
 
 NOT_YET: Final = "not opened yet"
+UNAVAILABLE: Final = "record unavailable: rows are not recorded and budgets not enforced"
 # The promise, tested by killing a writer mid-load: a row recorded this long ago is committed
 # (while the database is available and keeps up): flush_s, a commit, and room for a busy machine.
 COMMITTED_WITHIN_S: Final = 1.0
@@ -45,6 +50,7 @@ class Timing:
     backoff_s: float = 0.5  # the first retry of a database that failed
     backoff_max_s: float = 15.0
     stop_s: float = 10.0  # what is queued at a stop is committed within this long, if it can be
+    stall_s: float = 10.0  # a database call unanswered this long: the store is unavailable
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Writer(threading.Thread):
         self.committed = 0  # rows committed by this writer
         self.tried = threading.Event()  # set once the first open was tried
         self._stopping = threading.Event()
+        self.busy_since: float | None = None  # when the database call under way began
+        self.stall_said = False  # the store said the call under way made it unavailable
         self._failures = failures()
         self._db: Database | None = None
         self._last_commit = float("-inf")
@@ -150,7 +158,8 @@ class Writer(threading.Thread):
         assert self._db is not None
         rows = self.ledger.take(self.timing.batch_rows)
         try:
-            batch.write(self._db, rows)
+            with self._busy():
+                batch.write(self._db, rows)
         except BaseException:
             self.ledger.settle(rows, committed=False)
             raise
@@ -161,15 +170,18 @@ class Writer(threading.Thread):
     def _refresh(self, now: float) -> None:
         assert self._db is not None
         today = self.now().date()
-        self.ledger.load_day(today, batch.day_totals(self._db, today))
+        with self._busy():
+            totals = batch.day_totals(self._db, today)
+        self.ledger.load_day(today, totals)
         self._next_refresh = now + self.timing.refresh_s
 
     def _prune(self) -> None:
         assert self._db is not None
         cutoff = self.now() - timedelta(days=self.retention_days)
-        deleted, done = batch.prune_step(
-            self._db, epoch_us(cutoff), cutoff.date(), self.timing.prune_rows
-        )
+        with self._busy():
+            deleted, done = batch.prune_step(
+                self._db, epoch_us(cutoff), cutoff.date(), self.timing.prune_rows
+            )
         if done:
             self._pruning = False
         if deleted:
@@ -192,6 +204,23 @@ class Writer(threading.Thread):
         )
 
     # -- availability, said once per change ---------------------------------------------------
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        """A database call: the store reads `busy_since` to tell a database that stopped
+        answering (a frozen server, a lost network) from one that is slow."""
+        began = self.busy_since = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self.busy_since = None
+            self.stall_said = False  # the failure is said as such
+            raise
+        self.busy_since = None
+        if self.stall_said:
+            self.stall_said = False
+            took = round(time.monotonic() - began, 1)
+            self._log.info("record available again", stalled_s=took, **self._where)
 
     def _up(self, before: int) -> None:
         was = self.health
@@ -218,10 +247,7 @@ class Writer(threading.Thread):
         if was.available or was.reason == NOT_YET:
             self._dropped_at_down = sum(self.ledger.dropped().values())
             self._down_since = time.monotonic()
-            self._log.warning(
-                "record unavailable: rows are not recorded and budgets not enforced",
-                reason=reason, **self._where,
-            )  # fmt: skip
+            self._log.warning(UNAVAILABLE, reason=reason, **self._where)
 
     def _lose(self, reason: str) -> None:
         if self._db is not None:
