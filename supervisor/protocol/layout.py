@@ -17,6 +17,7 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 # record): never an engine's name
 SHARED_DIRS: Final = frozenset({"telemetry", "memory", "record"})
 
+
 class BadName(ValueError):
     pass
 

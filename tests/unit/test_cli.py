@@ -509,9 +509,8 @@ def test_bad_usage_exit_code_of_the_console_script(tmp_path: Path) -> None:
 
 
 def test_status_lists_engines_not_the_shared_directories(tmp_path: Path) -> None:
-    """telemetry/ (file_sd), memory/ (the memory plan's claims) and record/ (the gateway's
-    record) are no engines."""
-    for shared in ("telemetry", "memory", "record"):
+    """telemetry/ (file_sd) and memory/ (the memory plan's claims) are no engines."""
+    for shared in ("telemetry", "memory"):
         (tmp_path / shared).mkdir()
     (tmp_path / "tf").mkdir()
     assert cli._engine_names(tmp_path) == ["tf"]
