@@ -86,6 +86,7 @@ class Writer(threading.Thread):
         self._next_refresh = 0.0
         self._next_prune = 0.0
         self._pruning = False
+        self._pruned = (0, 0)  # rows deleted and transactions, in the pruning under way
         self._full_since: float | None = None  # the queue overflowed since then
         self._dropped_at_down = 0
         self._down_since = 0.0
@@ -176,16 +177,23 @@ class Writer(threading.Thread):
         self._next_refresh = now + self.timing.refresh_s
 
     def _prune(self) -> None:
+        """One batch of the pruning under way; said once, when it is done."""
         assert self._db is not None
         cutoff = self.now() - timedelta(days=self.retention_days)
         with self._busy():
             deleted, done = batch.prune_step(
                 self._db, epoch_us(cutoff), cutoff.date(), self.timing.prune_rows
             )
+        self._pruned = (self._pruned[0] + deleted, self._pruned[1] + 1)
         if done:
             self._pruning = False
-        if deleted:
-            self._log.info("record pruned", rows=deleted, before=cutoff.date().isoformat())
+            rows, batches = self._pruned
+            self._pruned = (0, 0)
+            if rows:
+                self._log.info(
+                    "record pruned", rows=rows, batches=batches,
+                    before=cutoff.date().isoformat(),
+                )  # fmt: skip
 
     def _finish(self) -> None:
         """At a stop: commit what is queued while the database takes it, then close."""
