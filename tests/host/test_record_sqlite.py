@@ -3,6 +3,7 @@ read-only place, a SIGKILL mid-load, the usage command, and no text anywhere."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sqlite3
@@ -240,6 +241,24 @@ def test_a_stop_interrupts_the_back_off(tmp_path: Path) -> None:
     assert not store.available and "FileExistsError" in str(store.reason)
     store.close(timeout_s=30)
     assert not store._writer.is_alive()
+
+
+def test_an_unexpected_error_in_the_writer_is_said_and_survived(tmp_path: Path) -> None:
+    calls = itertools.count()
+
+    def now() -> datetime:  # the writer asks at each refresh of today's totals
+        if next(calls) == 3:
+            raise RuntimeError("an error nobody expected")
+        return datetime.now(UTC)
+
+    timing = Timing(refresh_s=0.01, backoff_s=0.05)
+    with structlog.testing.capture_logs() as logs:
+        store = Store.open(Target(path=tmp_path / "r.sqlite3"), 0, timing, now=now)
+        until(lambda: any(e["event"] == "record writer: an unexpected error" for e in logs))
+        until(lambda: store.available, what="the writer going on")
+        assert store.record(row())
+        until(lambda: store.committed == 1, what="the row committed")
+        store.close()
 
 
 @pytest.mark.alone  # a bound in time on a machine of two cores: nothing runs beside it

@@ -53,9 +53,10 @@ class Store:
         retention_days: int,
         timing: Timing | None = None,
         wait_s: float = OPEN_WAIT_S,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> Store:
         """Start the writer and wait (up to wait_s) for its first try to open the database."""
-        store = cls(target, retention_days, timing)
+        store = cls(target, retention_days, timing, now)
         store._writer.start()
         store._writer.tried.wait(wait_s)
         return store

@@ -113,7 +113,9 @@ class Writer(threading.Thread):
                 backoff = self.timing.backoff_s
             try:
                 self._turn()
-            except self._failures as exc:
+            except Exception as exc:  # a writer that dies would leave rows queued for ever
+                if not isinstance(exc, self._failures):
+                    self._log.exception("record writer: an unexpected error", **self._where)
                 self._lose(one_line(exc))
                 self._stopping.wait(backoff)
         self._finish()
