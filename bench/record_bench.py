@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.standalone import filesystem, machine, table  # noqa: E402
+from supervisor import logs  # noqa: E402
 from supervisor.host.record import batch, schema  # noqa: E402
 from supervisor.host.record.database import Database, Target, connect  # noqa: E402
 from supervisor.host.record.row import Build, Row, epoch_us  # noqa: E402
@@ -221,6 +222,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200_000, help="calls per caller-cost row")
     parser.add_argument("--no-postgres", action="store_true")
     args = parser.parse_args()
+    logs.configure(stream=sys.stderr)  # the store's log lines, apart from the tables
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, \
             databases(Path(tmp), not args.no_postgres) as dbs:  # fmt: skip
