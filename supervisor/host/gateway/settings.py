@@ -47,7 +47,7 @@ daily_tokens = 0               # per key and UTC day, prompt and completion toke
 [record]                       # one row per generation, no text; each key's daily spending
 enabled = true                 # false: nothing is recorded and no budget can be enforced
 path = "<data>/record/record.sqlite3"   # the SQLite file (the default: the host's data dir)
-dsn = "postgresql://lucia@db.example/lucia"   # instead of path: PostgreSQL, which several
+# dsn = "postgresql://lucia@db.example/lucia"   # instead of path: PostgreSQL, which several
                                # gateways share; put a password in ~/.pgpass, not here
 retention_days = 90            # rows (and daily totals) older are pruned; 0: kept for ever
 ```
