@@ -255,6 +255,8 @@ def test_an_unexpected_error_in_the_writer_is_said_and_survived(tmp_path: Path) 
     with structlog.testing.capture_logs() as logs:
         store = Store.open(Target(path=tmp_path / "r.sqlite3"), 0, timing, now=now)
         until(lambda: any(e["event"] == "record writer: an unexpected error" for e in logs))
+        # a row recorded between the error and its handling would be dropped with the queue
+        until(lambda: any(e["event"] == "record available again" for e in logs))
         until(lambda: store.available, what="the writer going on")
         assert store.record(row())
         until(lambda: store.committed == 1, what="the row committed")
