@@ -196,11 +196,9 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
             for made in batch_:
                 store.record(made)  # never raises, whatever the disk says
             until(lambda: store.queued == 0 or not store.available, what="a commit or a failure")
-        assert "full" in str(store.reason)
+        assert any(word in str(store.reason) for word in ("full", "No space", "I/O")), store.reason
         assert not store.record(row())
-        dropped = sum(store.dropped.values())
-        assert dropped > 0
-        committed = store.committed
+        assert sum(store.dropped.values()) > 0
         _remount(tmpfs, "size=16m")
         until(lambda: store.available, what="the recovery")
         assert store.record(row(prompt=10**9))
@@ -211,7 +209,8 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
     db = open_sqlite(path)
     assert db.query("PRAGMA integrity_check") == [("ok",)]
     found = facts(db)
-    assert found.totals_match and len(found.ids) == committed + 1 and 10**9 in found.ids
+    # what the writer committed is there, and nothing else
+    assert found.totals_match and len(found.ids) == store.committed and 10**9 in found.ids
     db.close()
 
 

@@ -249,10 +249,10 @@ class Writer(threading.Thread):
             )  # fmt: skip
 
     def _down(self, reason: str) -> None:
+        was = self.health
+        self.health = Health(False, reason)  # first: no row is queued after the discard below
         self.ledger.forget()
         self.ledger.discard("unavailable")
-        was = self.health
-        self.health = Health(False, reason)
         self.tried.set()
         if was.available or was.reason == NOT_YET:
             self._dropped_at_down = sum(self.ledger.dropped().values())
