@@ -107,8 +107,8 @@ def test_two_gateways_share_one_record_and_one_budget(postgres: Cluster, stores:
     for _ in range(2):
         two.record(row(prompt=10, completion=0))
     both = Spent(320, 5)
-    until(lambda: one.spent(KEY) == both, what="the first gateway seeing the second's rows")
-    until(lambda: two.spent(KEY) == both, what="the second gateway seeing the first's rows")
+    until(lambda: one.spending(KEY) == both, what="the first gateway seeing the second's rows")
+    until(lambda: two.spending(KEY) == both, what="the second gateway seeing the first's rows")
     db = open_postgres(dsn)
     assert facts(db).totals_match
     db.close()
@@ -121,7 +121,7 @@ def test_a_bad_dsn_is_unavailable_and_shows_no_password(stores: Any) -> None:
         assert not store.available
         assert "Connection refused" in str(store.reason) or "connection" in str(store.reason)
         assert not store.record(row())
-        assert store.spent(KEY) is None
+        assert store.spending(KEY) is None
     assert "hunter2" not in str(store.reason) and "hunter2" not in repr(logs)
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == [UNAVAILABLE]
 
@@ -153,7 +153,7 @@ def test_postgresql_stopped_mid_load_loses_nothing_promised_and_recovers(
             postgres.stop()
             until(lambda: not store.available, what="the store seeing PostgreSQL gone")
             assert not store.record(row())
-            assert store.spent(KEY) is None
+            assert store.spending(KEY) is None
             postgres.start()
             until(lambda: store.available, what="the recovery")
             after = len(answered)
@@ -185,7 +185,7 @@ def test_a_frozen_postgresql_never_blocks_a_caller(postgres: Cluster, stores: An
     timing = Timing(stall_s=1.0, queue_rows=200, backoff_s=0.05, backoff_max_s=0.5)
     with structlog.testing.capture_logs() as logs:
         store = stores(dsn, timing=timing)
-        until(lambda: store.spent(KEY) is not None, what="today's totals read")
+        until(lambda: store.spending(KEY) is not None, what="today's totals read")
         postgres.freeze()
         try:
             until(
@@ -196,7 +196,7 @@ def test_a_frozen_postgresql_never_blocks_a_caller(postgres: Cluster, stores: An
                 what="the stall seen",
             )
             assert "not answered" in str(store.reason)
-            assert store.spent(KEY) is None
+            assert store.spending(KEY) is None
             assert within(10, lambda: [store.record(row()) for _ in range(500)]) == [False] * 500
         finally:
             postgres.thaw()

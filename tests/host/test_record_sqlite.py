@@ -117,13 +117,32 @@ def test_rows_and_totals_are_committed_together(tmp_path: Path, store_at: Any) -
 def test_spent_counts_what_is_queued_before_it_is_committed(store_at: Any) -> None:
     slow = Timing(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05)
     store = store_at(timing=slow)
-    until(lambda: store.spent(KEY) is not None, what="today's totals read")
-    assert store.spent(KEY) == Spent(0, 0)
+    until(lambda: store.spending(KEY) is not None, what="today's totals read")
+    assert store.spending(KEY) == Spent(0, 0)
     for _ in range(3):
         store.record(row(prompt=100, completion=50))
-    assert store.spent(KEY) == Spent(450, 3)
+    assert store.spending(KEY) == Spent(450, 3)
     assert store.committed == 0  # nothing committed yet: the burst is counted all the same
-    assert store.spent(OTHER) == Spent(0, 0)
+    assert store.spending(OTHER) == Spent(0, 0)
+
+
+def test_the_gateways_budget_reads_the_store(store_at: Any) -> None:
+    """gateway.budget's standing and refusal, with the store as its Spending."""
+    from supervisor.host.gateway import budget as budgets
+    from supervisor.host.keycheck import Identity
+
+    caller = Identity(KEY, "inference", "laptop", budget=1000)
+    store = store_at(timing=Timing(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05))
+    spending: budgets.Spending = store
+    now = datetime.now(UTC)
+    assert budgets.standing(caller, 0, spending, now).spent == 0
+    for _ in range(3):
+        store.record(row(prompt=300, completion=40))  # queued: none committed yet
+    stand = budgets.standing(caller, 0, spending, now)
+    assert (stand.spent, stand.enforced, stand.over) == (1020, True, True)
+    assert budgets.refusal(stand, now).status == 429
+    store.close()
+    assert not budgets.standing(caller, 0, spending, now).enforced  # closed: nothing enforced
 
 
 def test_spent_includes_what_another_writer_committed(tmp_path: Path, store_at: Any) -> None:
@@ -132,11 +151,11 @@ def test_spent_includes_what_another_writer_committed(tmp_path: Path, store_at: 
     other.record(row(prompt=7, completion=3))
     other.close()
     store = store_at(path)
-    assert until(lambda: store.spent(KEY)) == Spent(10, 1)
+    assert until(lambda: store.spending(KEY)) == Spent(10, 1)
     store.record(row(prompt=1, completion=1))
-    assert store.spent(KEY) == Spent(12, 2)
+    assert store.spending(KEY) == Spent(12, 2)
     until(lambda: store.committed == 1)
-    assert store.spent(KEY) == Spent(12, 2)
+    assert store.spending(KEY) == Spent(12, 2)
 
 
 def test_old_rows_and_their_days_totals_are_pruned_in_batches(
@@ -224,7 +243,7 @@ def test_a_read_only_place_makes_the_store_unavailable_until_it_is_writable(
         for _ in range(5):
             assert store.record(row()) is False
         assert store.dropped == {"unavailable": 5}
-        assert store.spent(KEY) is None  # no budget is known, so none can be enforced
+        assert store.spending(KEY) is None  # no budget is known, so none can be enforced
         _remount(tmpfs, "rw")
         until(lambda: store.available, what="the recovery")
         assert store.record(row())

@@ -2,7 +2,9 @@
 
     store = Store.open(settings.record.target(data_dir), settings.record.retention_days)
     store.record(row)                 # never blocks, never raises; False: dropped (counted)
-    store.spent(identity.key_id)      # today's Spent(tokens, requests), or None: not known
+    store.spent(identity.key_id, day) # tokens today: committed plus queued (gateway.budget's
+                                      # Spending); store.spending(...): Spent(tokens, requests)
+                                      # or None when not known
     store.available, store.reason     # False and why: record nothing, enforce no budget
     store.close()                     # commits what is queued (within Timing.stop_s)
 
@@ -72,18 +74,26 @@ class Store:
             return False
         return self._ledger.put(row)
 
-    def spent(self, key_id: str, day: date | None = None) -> Spent | None:
-        """What a key spent on a UTC day (today by default): committed plus queued. None when
-        the day's totals are not known (the store is unavailable, or has not read them yet):
-        no budget can be enforced then."""
+    def spending(self, key_id: str, day: date | None = None) -> Spent | None:
+        """What a key spent on a UTC day (today by default), tokens and requests: committed
+        plus queued. None when the day's totals are not known (the store is unavailable, or
+        the day began less than Timing.refresh_s ago): no budget can be enforced then."""
         if not self.health.available:
             return None
         return self._ledger.spent(key_id, day or self.now().date())
+
+    def spent(self, key_id: str, day: date | None = None) -> int:
+        """The gateway's budget reading (gateway.budget.Spending): the tokens of `spending`,
+        0 when they are not known. Memory only: never a database call."""
+        found = self.spending(key_id, day)
+        return found.tokens if found is not None else 0
 
     @property
     def health(self) -> Health:
         """The writer's word, unless a database call of its has gone unanswered for
         Timing.stall_s: then unavailable (said once in the log), until the call returns."""
+        if self._closed:
+            return Health(False, "the record is closed")
         writer = self._writer
         health, began = writer.health, writer.busy_since
         if not (
