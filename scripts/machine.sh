@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prepare this machine for lucia-supervisor and its tests, as root: Debian packages, a running
-# dockerd, journald and a systemd user manager for the user `lucia` (scripts/systemd-user.sh),
+# Prepare this machine for lucia-supervisor and its tests, as root: Debian packages (PostgreSQL
+# among them, for the record's tests), a running dockerd, journald and a systemd user manager
+# for the user `lucia` (scripts/systemd-user.sh),
 # the real llama-server image from Debian sid (scripts/llama-server-image.sh) and the project's
 # virtual environment in .venv. Safe to run again: it only does what is missing.
 set -euo pipefail
@@ -37,6 +38,8 @@ install_packages() {
     command -v prometheus >/dev/null || missing+=(prometheus)
     command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     command -v docker-registry >/dev/null || missing+=(docker-registry)
+    # the record's PostgreSQL: the tests start their own cluster (initdb, pg_ctl) on 127.0.0.1
+    compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]} (log: $log_dir/apt.log)"

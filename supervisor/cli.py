@@ -351,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     commands.add_keys(sub, common)
+    commands.add_usage(sub, common)
 
     sch = sub.add_parser("schemas", help="write the protocol's JSON Schemas")
     sch.add_argument("--out", required=True, metavar="DIR")

@@ -1,7 +1,7 @@
 """Shared fixtures: real dockerd engines (tests/fixtures.py), the real llama-server
 (tests/llama_server.py), the real vLLM CPU server (tests/vllm_cpu.py), the systemd user manager
-(tests/system/harness.py), a registry (tests/registry.py), the conformance
-suite's engine relay (tests/conformance/relay.py)."""
+(tests/system/harness.py), a registry (tests/registry.py), a PostgreSQL cluster
+(tests/postgres.py), the conformance suite's engine relay (tests/conformance/relay.py)."""
 
 import importlib.util
 
@@ -14,6 +14,7 @@ pytest_plugins = (
         "tests.vllm_cpu",
         "tests.system.harness",
         "tests.registry",
+        "tests.postgres",
         "tests.conformance.relay",
         "tests.schedule",
         "pytester",

@@ -1,4 +1,4 @@
-"""The host's own commands: the gateway, and the inference keys it checks.
+"""The host's own commands: the gateway, the inference keys it checks, and its record's usage.
 
 They read and write the host's files only (the data directory, keys.json); none touches Docker,
 an engine or a worker.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
+from pathlib import Path
 from typing import TypeAlias
 
 from supervisor import paths
@@ -127,6 +129,74 @@ def _cmd_keys_revoke(args: argparse.Namespace) -> int:
     when = "now" if done.revoked == now else f"already, at {done.revoked}"
     print(f"revoked {done.id} ({done.name}) {when}; the gateway refuses it within a second")
     return EXIT_OK
+
+
+def _since(text: str) -> datetime:
+    from supervisor.host.record.report import BadSince, parse_since
+
+    try:
+        return parse_since(text, utc_now())
+    except BadSince as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _key_names(data: Path) -> dict[str, str]:
+    try:
+        issued = keys.load(paths.keys_file(data))
+    except keys.KeysFileInvalid:
+        return {}
+    return {"owner": "owner", "inference": "inference"} | {key.id: key.name for key in issued}
+
+
+def _cmd_usage(args: argparse.Namespace) -> int:
+    from supervisor.host.gateway import settings as gateway_settings
+    from supervisor.host.record import database, queries, report, schema
+
+    try:
+        settings = gateway_settings.load(args.settings)
+    except gateway_settings.SettingsError as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    data = paths.data_dir(args.data_dir)
+    target = settings.record.target(data)
+    try:
+        db = database.open_reader(target)
+        try:
+            schema.check(db)
+            lines = queries.usage(db, args.since, args.by)
+        finally:
+            db.close()
+    except database.failures() as exc:
+        reason = str(exc) if isinstance(exc, database.StoreFailed) else database.one_line(exc)
+        print_err(f"the record ({target.describe()}): {reason}")
+        return EXIT_FAILED
+    names = _key_names(data) if args.by == "key" else None
+    if args.json:
+        print(json.dumps(report.as_json(lines, args.by, args.since, names), indent=2))
+        return EXIT_OK
+    if not lines:
+        print_err(f"nothing recorded since {args.since:%Y-%m-%dT%H:%M:%SZ}")
+        return EXIT_OK
+    print(report.table(lines, args.by, names))
+    return EXIT_OK
+
+
+def add_usage(sub: Subparsers, common: argparse.ArgumentParser) -> None:
+    us = sub.add_parser(
+        "usage", parents=[common], help="what the record says: requests, tokens, ttft, refusals"
+    )
+    us.add_argument(
+        "--since", type=_since, default="1d", metavar="WHEN",
+        help="a span back from now (30m, 12h, 1d, 2w), an ISO date (UTC) or an ISO time with "
+        "its offset; default 1d",
+    )  # fmt: skip
+    us.add_argument("--by", choices=("key", "model", "engine", "build"), default="key")
+    us.add_argument("--json", action="store_true")
+    us.add_argument(
+        "--settings", metavar="PATH",
+        help="the gateway's settings file, whose [record] says where the record is",
+    )  # fmt: skip
+    us.set_defaults(func=_cmd_usage)
 
 
 def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:

@@ -13,8 +13,10 @@ from typing import Final
 DESIRED: Final = "desired.json"
 STATUS: Final = "status.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
-# directories of the data directory that every worker shares: never an engine's name
-SHARED_DIRS: Final = frozenset({"telemetry", "memory"})
+# directories of the data directory that every worker shares, or the host keeps (the gateway's
+# record): never an engine's name
+SHARED_DIRS: Final = frozenset({"telemetry", "memory", "record"})
+
 
 class BadName(ValueError):
     pass

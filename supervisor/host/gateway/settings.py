@@ -43,6 +43,13 @@ swap = false                   # a start the worker says waits for memory may fi
 daily_tokens = 0               # per key and UTC day, prompt and completion tokens; 0: none
                                # (a key's own: `keys create --budget`, `keys budget`); the
                                # owner key has none
+
+[record]                       # one row per generation, no text; each key's daily spending
+enabled = true                 # false: nothing is recorded and no budget can be enforced
+path = "<data>/record/record.sqlite3"   # the SQLite file (the default: the host's data dir)
+# dsn = "postgresql://lucia@db.example/lucia"   # instead of path: PostgreSQL, which several
+                               # gateways share; put a password in ~/.pgpass, not here
+retention_days = 90            # rows (and daily totals) older are pruned; 0: kept for ever
 ```
 """
 
@@ -65,6 +72,8 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.host.record.database import SQLITE_FILE, Target
+
 SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
 DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
@@ -76,6 +85,9 @@ DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
 DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
 DEFAULT_MAX_TOKENS: Final = 32768
+DEFAULT_RETENTION_DAYS: Final = 90
+RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
+_DSN_SCHEMES: Final = ("postgresql://", "postgres://")
 _MAX_FILE: Final = 1024 * 1024
 
 
@@ -173,6 +185,32 @@ class Budget(_Section):
     daily_tokens: int = Field(default=0, ge=0, le=10**15)  # 0: no budget
 
 
+class Record(_Section):
+    enabled: bool = True
+    path: FilePath | None = None  # None: <data>/record/record.sqlite3
+    dsn: str | None = None
+    retention_days: int = Field(default=DEFAULT_RETENTION_DAYS, ge=0, le=36_500)
+
+    @field_validator("dsn")
+    @classmethod
+    def _a_dsn(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(_DSN_SCHEMES):
+            raise ValueError("a PostgreSQL URI: postgresql://[user@]host[:port]/database")
+        return value
+
+    @model_validator(mode="after")
+    def _one_place(self) -> Self:
+        if self.path is not None and self.dsn is not None:
+            raise ValueError("path (SQLite) and dsn (PostgreSQL) name two records: set one")
+        return self
+
+    def target(self, data_dir: Path) -> Target:
+        """Where the record is: the DSN, the path, or the SQLite file in the data directory."""
+        if self.dsn is not None:
+            return Target(dsn=self.dsn)
+        return Target(path=self.path or data_dir / RECORD_DIR / SQLITE_FILE)
+
+
 @dataclass(frozen=True)
 class Admission:
     """One engine's resolved admission limits."""
@@ -191,6 +229,7 @@ class Settings(_Section):
     engines: dict[str, EngineLimits] = Field(default_factory=dict)
     idle: Idle = Field(default_factory=Idle)
     budget: Budget = Field(default_factory=Budget)
+    record: Record = Field(default_factory=Record)
 
     def admission(self, engine: str) -> Admission:
         own = self.engines.get(engine, EngineLimits())
