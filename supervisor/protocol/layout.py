@@ -14,8 +14,8 @@ DESIRED: Final = "desired.json"
 STATUS: Final = "status.json"
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 # directories of the data directory that every worker shares, or the host keeps (the gateway's
-# record): never an engine's name
-SHARED_DIRS: Final = frozenset({"telemetry", "memory", "record"})
+# record, the issued keys): never an engine's name
+SHARED_DIRS: Final = frozenset({"telemetry", "memory", "record", "inference-keys"})
 
 
 class BadName(ValueError):

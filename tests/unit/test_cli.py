@@ -509,8 +509,9 @@ def test_bad_usage_exit_code_of_the_console_script(tmp_path: Path) -> None:
 
 
 def test_status_lists_engines_not_the_shared_directories(tmp_path: Path) -> None:
-    """telemetry/ (file_sd) and memory/ (the memory plan's claims) are no engines."""
-    for shared in ("telemetry", "memory"):
+    """telemetry/ (file_sd), memory/ (the memory plan's claims), the gateway's record/ and
+    the issued keys' inference-keys/ are no engines."""
+    for shared in ("telemetry", "memory", "record", "inference-keys"):
         (tmp_path / shared).mkdir()
     (tmp_path / "tf").mkdir()
     assert cli._engine_names(tmp_path) == ["tf"]
