@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from supervisor.host.gateway.app import GATEWAY, Gateway, Timing, create_app
 from supervisor.host.gateway.budget import Spending
+from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.protocol import read_desired
@@ -215,6 +216,7 @@ async def world(
     upstream: Upstream | None = None,
     keys: Any = None,
     spending: Spending | None = None,
+    recorder: Recorder | None = None,
 ) -> AsyncIterator[World]:
     data = tmp_path / "data"
     data.mkdir()
@@ -225,7 +227,8 @@ async def world(
         data,
         keys or KEYS,
         Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02),
-        spending,
+        spending=spending,
+        recorder=recorder,
     )
     gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()

@@ -16,7 +16,7 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
-from supervisor.host.gateway import body
+from supervisor.host.gateway import body, recording
 from supervisor.host.gateway import budget as budgets
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.auth import Authenticator, Caller, allowed, presented_key
@@ -59,11 +59,14 @@ class Gateway:
         data_dir: Path,
         auth: Authenticator,
         timing: Timing,
+        *,
         spending: budgets.Spending,
+        recorder: recording.Recorder | None = None,
     ) -> None:
         self.settings = settings
         self.auth = auth
         self.spending = spending
+        self.recorder = recorder
         self.timing = timing
         self.catalog = Catalog(data_dir)
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
@@ -176,17 +179,17 @@ class Gateway:
         trace = Trace(arrived=asyncio.get_running_loop().time())
         path = request.path
         stand = self.standing(request)
-        if stand.over:  # a stream that crossed it finished; this one is refused
-            raise budgets.refusal(stand, Catalog.now())
         raw = await read_body(
             request, body.limit(path), self.settings.listen.body_timeout_s,
             lambda: body.too_large(path),
         )  # fmt: skip
         prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
-        engine, model = route(prepared.model, self.catalog.engines(), self.settings.tiers)
-        if model != prepared.model:  # a tier alias: the engine knows the model's own name
+        asked = prepared.model
+        engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
+        if model != asked:  # a tier alias: the engine knows the model's own name
             prepared = body.with_model(prepared, model)
         url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
+        trace.served_by = engine.status
         sse: web.StreamResponse | None = None
 
         async def start() -> None:
@@ -195,11 +198,15 @@ class Gateway:
                 sse = await open_sse(request)
             url = await self._wait_start(engine.name, sse)
             self.idle.stopping.discard(engine.name)
+            trace.served_by = self.catalog.engine(engine.name).status  # as it is now
 
         gate = self.gate(engine.name)
         try:
+            if stand.over:  # a stream that crossed it finished; this one is refused
+                raise budgets.refusal(stand, Catalog.now())
             async with gate.slot(None if url else start) as admitted:
                 assert url is not None
+                trace.admitted = asyncio.get_running_loop().time()
                 self.metrics.child(self.metrics.wait, engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
                     request, url=url, prepared=prepared, engine=engine.name, sse=sse,
@@ -211,6 +218,7 @@ class Gateway:
             raise
         except Refusal as refusal:
             trace.outcome = trace.outcome or "refused"
+            trace.code = refusal.code
             if sse is None:
                 raise
             self.metrics.refused(refusal.code)
@@ -218,6 +226,9 @@ class Gateway:
             return sse
         finally:
             self._record(trace, model, engine.name)
+            now = asyncio.get_running_loop().time()
+            recording.record(self.recorder, trace, recording.Request(
+                request[CALLER].key_id, asked, model, engine.name), now)  # fmt: skip
 
     def _record(self, trace: Trace, model: str, engine: str) -> None:
         """The request in the metrics; a handler ended without an outcome lost its client."""
@@ -268,9 +279,16 @@ def create_app(
     data_dir: Path,
     auth: Authenticator,
     timing: Timing | None = None,
+    *,
     spending: budgets.Spending | None = None,
+    recorder: recording.Recorder | None = None,
 ) -> web.Application:
-    gateway = Gateway(settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord())
+    """The application; `spending` and `recorder` are the record (record.store.Store), or
+    None: nothing is recorded and no budget is enforced."""
+    gateway = Gateway(
+        settings, data_dir, auth, timing or Timing(),
+        spending=spending or budgets.NoRecord(), recorder=recorder,
+    )  # fmt: skip
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
     app.on_response_prepare.append(gateway.say_unrecorded)

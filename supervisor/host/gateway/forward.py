@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
 import aiohttp
@@ -24,6 +25,7 @@ from supervisor.host.gateway.body import Prepared
 from supervisor.host.gateway.metrics import Outcome
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.usage import UsageFilter
+from supervisor.protocol.documents import Status, utc_now
 
 SSE: Final = "text/event-stream"
 DONE: Final = b"data: [DONE]"  # an OpenAI stream's last event
@@ -52,7 +54,11 @@ class Trace:
     """What one request did, for the metrics: filled in as it goes."""
 
     arrived: float  # the loop's clock
+    at: datetime = field(default_factory=utc_now)  # the wall clock, for the record
     outcome: Outcome | None = None
+    code: str | None = None  # a refusal's code
+    admitted: float | None = None  # the loop's clock, once admitted (after a start, if any)
+    served_by: Status | None = field(default=None, repr=False)  # the engine's, when admitted
     first_byte: float | None = None
     usage: dict[str, Any] | None = None
     response: web.StreamResponse | None = field(default=None, repr=False)  # once begun

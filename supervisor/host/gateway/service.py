@@ -1,7 +1,9 @@
 """The gateway as a service: listening, sd_notify, its file_sd target, and the stop.
 
-It listens (TLS from the configured files), says READY and pings the watchdog as a Type=notify
-unit, publishes its file_sd target, and stops on SIGTERM.
+It opens the record (which never fails the start: without it the gateway serves, records
+nothing and enforces no budget, and says so), listens (TLS from the configured files), says
+READY and pings the watchdog as a Type=notify unit, publishes its file_sd target, and stops on
+SIGTERM, committing what the record still holds.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from supervisor import logs
 from supervisor.host.gateway.app import create_app, runner
 from supervisor.host.gateway.auth import Authenticator
 from supervisor.host.gateway.metrics import publish_target, target
-from supervisor.host.gateway.settings import Listen, Settings, SettingsError
+from supervisor.host.gateway.settings import Listen, Record, Settings, SettingsError
+from supervisor.host.record.store import Store
 from supervisor.notify import Notifier
 
 WATCHDOG_IDLE_S: Final = 5.0  # how often the loop looks when there is no watchdog
+UNRECORDED: Final = "not recording: no row is kept and no budget is enforced"
 SHUTDOWN_S: Final = 20.0  # streams in flight get this long at a stop (the unit allows 30)
 log = logs.get("gateway")
 
@@ -65,7 +69,8 @@ class Service:
         listen = self.settings.listen
         for warning in self.settings.warnings():
             log.warning(warning)
-        app = create_app(self.settings, self.data_dir, self.auth)
+        store = await asyncio.to_thread(open_record, self.settings.record, self.data_dir)
+        app = create_app(self.settings, self.data_dir, self.auth, spending=store, recorder=store)
         app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()
         try:
@@ -77,13 +82,16 @@ class Service:
             where = f"{scheme}://{listen.address}:{self.port}"
             log.info("gateway listening", url=where, file_sd=str(path))
             self.notifier.ready()
-            self.notifier.status(f"serving on {where}")
+            recording = "recording" if store is not None and store.available else "NOT recording"
+            self.notifier.status(f"serving on {where}; {recording}")
             self.listening.set()
             await self._watch()
         finally:
             self.notifier.stopping()
             log.info("gateway stopping")
             await app_runner.cleanup()
+            if store is not None:
+                await asyncio.to_thread(store.close)  # what is queued is committed
 
     async def _watch(self) -> None:
         interval = self.notifier.watchdog_interval
@@ -92,6 +100,20 @@ class Service:
             self.notifier.watchdog()  # from the loop: a blocked loop misses its pings
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), every)
+
+
+def open_record(settings: Record, data_dir: Path) -> Store | None:
+    """The record, as its settings say; None when disabled. Said in the journal either way."""
+    if not settings.enabled:
+        log.warning(UNRECORDED, reason="record.enabled is false")
+        return None
+    store = Store.open(settings.target(data_dir), settings.retention_days)
+    where = {"backend": store.target.kind, "where": store.target.describe()}
+    if store.available:
+        log.info("recording every generation", retention_days=settings.retention_days, **where)
+    else:
+        log.warning(UNRECORDED, reason=store.reason, **where)
+    return store
 
 
 def bound_port(app_runner: web.AppRunner, configured: int) -> int:

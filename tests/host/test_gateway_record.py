@@ -1,0 +1,150 @@
+"""The gateway and its record: a row per generation with the build that answered, budgets read
+from the real SQLite record, no text anywhere, and a record that cannot be opened said on every
+response. The engine is the fast local upstream; its status.json is written by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import structlog
+
+from supervisor.host.gateway.budget import HEADER, NOT_RECORDING
+from supervisor.host.gateway.service import UNRECORDED, Service
+from supervisor.host.gateway.settings import parse
+from supervisor.host.record.database import Target
+from supervisor.host.record.store import Store
+from supervisor.protocol.documents import RunningEngine, Status, dump, utc_now
+from supervisor.protocol.files import ensure_dir, write_atomic
+from tests.host.gateway_world import AUTH, INFERENCE_KEY, KEYS, SETTINGS, Upstream, World, world
+
+BUDGETED = SETTINGS + "[budget]\ndaily_tokens = 10\n"
+BUILD = RunningEngine(image="lucia-llama-server:1", image_id="sha256:" + "ab" * 32,
+                      container_id="c1", model="tiny", model_revision="rev-1",
+                      engine_version="b11669-Debian")  # fmt: skip
+
+
+def serving(data: Path, url: str) -> None:
+    now = utc_now()
+    status = Status(generation=1, state="running", since=now, message="serving", url=url,
+                    checked_at=now, engine=BUILD, models=("tiny",))  # fmt: skip
+    write_atomic(ensure_dir(data / "small") / "status.json", dump(status))
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    with sqlite3.connect(path) as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT * FROM generations ORDER BY at_us")]
+
+
+def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], settings: str) -> Path:
+    """The scenario against a gateway recording into a real SQLite file; its path."""
+    path = tmp_path / "record.sqlite3"
+
+    async def main() -> None:
+        store = await asyncio.to_thread(Store.open, Target(path=path), 30)
+        assert store.available, store.reason
+        try:
+            async with world(tmp_path, settings, Upstream(), spending=store, recorder=store) as w:
+                serving(w.data, w.upstream.url)
+                await scenario(w, store)
+        finally:
+            await asyncio.to_thread(store.close)
+
+    asyncio.run(main())
+    return path
+
+
+def test_every_generation_is_a_row_naming_the_build_and_no_text(tmp_path: Path) -> None:
+    secret = f"prompt-{uuid.uuid4().hex}"
+
+    async def scenario(w: World, _: Store) -> None:
+        client = openai.AsyncOpenAI(base_url=w.base, api_key=INFERENCE_KEY)
+        messages: Any = [{"role": "user", "content": secret}]
+        await client.chat.completions.create(model="fast", messages=messages)  # a tier
+        stream = await client.chat.completions.create(model="tiny", messages=messages,
+                                                      stream=True)  # fmt: skip
+        async for _chunk in stream:
+            pass
+        async with aiohttp.ClientSession(headers=AUTH) as s:  # a refusal of the body's
+            body = {"model": "tiny", "messages": messages, "max_tokens": 10**9}
+            async with s.post(f"{w.base}/chat/completions", json=body) as r:
+                assert r.status == 400 and HEADER not in r.headers  # recorded: nothing said
+
+    with structlog.testing.capture_logs() as logs:
+        path = run(tmp_path, scenario, SETTINGS)
+    found = rows(path)
+    assert [(r["model"], r["engine"], r["outcome"]) for r in found] == [
+        ("fast", "small", "ok"), ("tiny", "small", "ok")]  # a body refused names no model
+    for row in found:
+        assert row["key_id"] == "inference"
+        assert (row["engine_version"], row["image_id"], row["weights_revision"]) == (
+            "b11669-Debian", BUILD.image_id, "rev-1")
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (5, 3)  # the engine's usage
+        assert row["ttft_s"] is not None and 0 <= row["ttft_s"] <= row["duration_s"]
+        assert row["wait_s"] >= 0
+    for file in path.parent.glob(path.name + "*"):  # the database, its WAL and shared memory
+        assert secret.encode() not in file.read_bytes(), file
+    assert secret not in repr(logs)
+
+
+def test_a_budget_read_from_the_record_lets_a_stream_cross_it_then_refuses(
+    tmp_path: Path,
+) -> None:
+    async def scenario(w: World, store: Store) -> None:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.post(f"{w.base}/chat/completions", json=chat) as r:
+                assert r.status == 200  # 8 tokens: under 10
+            async with s.post(f"{w.base}/chat/completions", json={**chat, "stream": True}) as r:
+                assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+            assert store.spent("inference") == 16  # crossed by the stream, which finished
+            async with s.post(f"{w.base}/chat/completions", json=chat) as r:
+                assert r.status == 429
+                refused = await r.json()
+            async with s.get(f"{w.base}/budget") as r:
+                standing = await r.json()
+        assert refused["error"]["code"] == "budget_exceeded"
+        assert refused["budget"]["spent_tokens"] == 16 and refused["budget"]["budget_tokens"] == 10
+        assert standing["spent_tokens"] == 16 and standing["remaining_tokens"] == 0
+        assert len(w.upstream.bodies) == 2, "the refused request never reached the engine"
+
+    path = run(tmp_path, scenario, BUDGETED)
+    assert [r["outcome"] for r in rows(path)] == ["ok", "ok", "refused:budget_exceeded"]
+
+
+def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(
+    tmp_path: Path,
+) -> None:
+    data = ensure_dir(tmp_path / "served")
+    (tmp_path / "a-file").write_text("")
+    settings = parse(f'[listen]\nport = 0\n[record]\npath = "{tmp_path}/a-file/record.db"\n',
+                     "gw.toml")  # fmt: skip
+
+    async def main() -> None:
+        up = Upstream()
+        async with world(tmp_path, SETTINGS, up):  # for its upstream
+            serving(data, up.url)
+            service = Service(settings, data, KEYS)
+            running = asyncio.create_task(service.run())
+            await asyncio.wait_for(service.listening.wait(), 60)
+            base = f"http://127.0.0.1:{service.port}/v1"
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(f"{base}/chat/completions", json=chat) as r:
+                    assert r.status == 200 and r.headers[HEADER] == NOT_RECORDING
+                async with s.get(f"{base}/models") as r:
+                    assert r.headers[HEADER] == NOT_RECORDING
+            service.stop.set()
+            await running
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(main())
+    said = [e for e in logs if e["event"] == UNRECORDED]
+    assert said and "a-file" in said[0]["where"], logs
