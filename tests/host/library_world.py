@@ -92,7 +92,8 @@ def cli(*args: str, env: dict[str, str], check: bool = False) -> subprocess.Comp
 def cli_env(root: Path, hub: Hub, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(PYTHONPATH=str(ROOT), LUCIA_MODELS_DIR=str(root), HF_ENDPOINT=hub.url,
-               LUCIA_HF_TOKEN_FILE=str(root.parent / "no-token"), **extra)  # fmt: skip
+               LUCIA_HF_TOKEN_FILE=str(root.parent / "no-token"))  # fmt: skip
+    env.update(extra)
     return env
 
 
