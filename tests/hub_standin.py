@@ -41,6 +41,7 @@ class Hub:
     directory: Path
     host: str
     slow: bool = False
+    chunk: int = 4096  # bytes a slow hub sends every half second
     branches: dict[str, str] = field(default_factory=dict)
     stall_after: int | None = None
     corrupt: frozenset[str] = frozenset()

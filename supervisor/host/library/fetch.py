@@ -149,8 +149,10 @@ def run(
     poll: float,
     cancel: threading.Event,
     progress: Callable[[Sample, int], None],
+    space: Callable[[int], str | None] = lambda done: None,
 ) -> Outcome:
-    """Run hf until it exits, is canceled or stalls; progress(sample, pid) about every poll."""
+    """Run hf until it exits, is canceled, stalls or the disk cannot hold the rest (space(done)
+    says why); progress(sample, pid) about every poll."""
     child = subprocess.Popen(
         argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
@@ -172,6 +174,10 @@ def run(
             if cancel.is_set():
                 _end(child)
                 return Outcome(False, "canceled", canceled=True)
+            problem = space(done)
+            if problem:
+                _end(child)
+                return Outcome(False, f"the disk filled during the download: {problem}")
             if at - last_change >= stall_after:
                 _end(child)
                 return Outcome(False, f"stalled: no bytes arrived for {stall_after:g} s")

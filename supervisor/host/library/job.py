@@ -110,7 +110,9 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
 
     try:
         outcome = fetch.run(argv, env, local, model.bytes_total, stall_after=settings.stall_after,
-                            poll=settings.poll, cancel=job.cancel, progress=progress)  # fmt: skip
+                            poll=settings.poll, cancel=job.cancel, progress=progress,
+                            space=lambda done: space_problem(model.bytes_total - done,
+                                                             free_bytes(local)))  # fmt: skip
     finally:
         if token_file is not None:
             token_file.unlink(missing_ok=True)
