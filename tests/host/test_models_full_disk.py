@@ -1,5 +1,5 @@
-"""A small disk (a 1 MiB tmpfs, mounted by the test as root): a model that cannot fit is refused at
-once naming the bytes; a disk that fills during the download fails it, and nothing else is harmed."""
+"""A small disk (a 1 MiB tmpfs the test mounts as root): a model that cannot fit is refused at
+once, naming the bytes; a disk that fills during the download fails it, harming nothing else."""
 
 from __future__ import annotations
 
@@ -38,9 +38,8 @@ def test_a_model_that_cannot_fit_is_refused_at_once(small: Path, tmp_path: Path)
     write_gguf(tmp_path / "repo" / GGUF, elements=400_000)  # 1.6 MB
     needed = (tmp_path / "repo" / GGUF).stat().st_size
     root = small / "models"
-    with _hub(tmp_path / "repo") as hub:
-        with pytest.raises(Refused) as refused:
-            queue(root, hub)
+    with _hub(tmp_path / "repo") as hub, pytest.raises(Refused) as refused:
+        queue(root, hub)
     free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
     assert str(refused.value) == (
         f"{REPO}: not enough disk space: it needs {needed} bytes more and {free} bytes are free"
