@@ -4,6 +4,7 @@ ending in a clear state and message with nothing else harmed."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,51 @@ def test_a_ready_gguf_that_no_longer_passes_fails_at_startup(
         f"startup check: {GGUF}: GGUF header check failed: "
         "not a GGUF file (does not start with GGUF)"
     )
+
+
+def _hf_repo(directory: Path) -> Path:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "max_position_embeddings": 512}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({"w": np.ones((4, 4), dtype=np.float32)}, str(directory / "model.safetensors"))
+    (directory / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("damage", "state", "message"),
+    [
+        (None, "Ready", "ready: hf LlamaForCausalLM, context 512"),
+        ("model.safetensors", "Failed",
+         "model.safetensors: safetensors header check failed: tensors end at byte 136, "
+         "the file has 132"),
+        ("tokenizer.json", "Failed",
+         "HF layout check failed: no tokenizer.json or tokenizer.model"),
+        ("config.json", "Failed", "config.json: JSON check failed: not an object"),
+    ],
+)  # fmt: skip
+def test_an_hf_layout_model_gets_the_checks_that_fit_it(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch, damage: str | None, state: str,
+    message: str,
+) -> None:  # fmt: skip
+    repo = _hf_repo(tmp_path / "hf")
+    if damage == "model.safetensors":
+        data = (repo / damage).read_bytes()
+        (repo / damage).write_bytes(data[:-4])  # the hub's LFS id is of the cut file
+    elif damage == "tokenizer.json":
+        (repo / damage).unlink()
+    elif damage == "config.json":
+        (repo / damage).write_text("[1]")
+    with _hub(repo) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        queued = queue(root, hub, include=["*.json", "*.safetensors"])
+        with running(root):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert (model.state, model.message) == (state, message)
+    if state == "Ready":
+        assert model.inspection is not None and model.inspection.format == "hf"
+        assert model.inspection.size_bytes == sum(f.stat().st_size for f in repo.iterdir())

@@ -141,7 +141,8 @@ def test_bad_repo_ids(repo: str) -> None:
 @pytest.mark.parametrize(
     ("repo", "include", "name"),
     [("o/Qwen3-8B-GGUF", ["*Q4_K_M*"], "Qwen3-8B-GGUF:Q4_K_M"),
-     ("o/r", [], "r"), ("o/r", ["*.gguf"], "r"), ("o/r", ["Q8_0/"], "r:Q8_0")],
+     ("o/r", [], "r"), ("o/r", ["*.gguf"], "r"), ("o/r", ["Q8_0/"], "r:Q8_0"),
+     ("o/r", ["*.json", "*.safetensors"], "r")],
 )  # fmt: skip
 def test_default_names(repo: str, include: list[str], name: str) -> None:
     assert default_name(repo, include) == name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Final, Literal, get_args
@@ -54,7 +55,8 @@ def queue_problem(models: list[mf.Manifest], limit: int = MAX_QUEUE) -> str | No
 def default_name(repo: str, include: list[str]) -> str:
     """The repository's name, with the include globs' words when they pick one file set."""
     base = repo.rsplit("/", 1)[-1]
-    words = [p.strip("*?/").removesuffix(".gguf").strip("*?-_.") for p in include]
+    picked = [p for p in include if not re.fullmatch(r"\*\.[A-Za-z0-9]+", p)]  # not "*.json"
+    words = [p.strip("*?/").removesuffix(".gguf").strip("*?-_.") for p in picked]
     words = [w for w in words if w]
     return f"{base}:{'+'.join(words)}" if words else base
 
