@@ -81,7 +81,11 @@ def test_killed_mid_download_then_restarted_is_interrupted_and_a_retry_finishes_
     write_gguf(repo / GGUF, elements=200_000)
     hub.slow = True
     env = cli_env(root, hub)
-    guid = _added(cli("models", "add", REPO, "--revision", "main", "--include", GGUF, env=env))
+    added = cli("models", "add", REPO, "--revision", "main", "--include", GGUF, env=env)
+    assert "the library's service is not running: systemctl --user start lucia-models" in (
+        added.stderr
+    )
+    guid = _added(added)
     first = serve(env)
     pid = wait_for("the hf child", lambda: mf.load(root, guid).pid)
     first.send_signal(signal.SIGKILL)
@@ -172,3 +176,24 @@ def test_add_wait_follows_the_download_and_list_shows_it(root: Path, hub: Hub) -
     finally:
         _stop(service)
     assert [name for name in os.listdir(root) if not name.startswith(".")] == []
+
+
+def test_a_stopped_service_interrupts_its_downloads_and_ends_their_children(
+    root: Path, repo: Path, hub: Hub
+) -> None:
+    write_gguf(repo / GGUF, elements=200_000)
+    hub.slow = True
+    env = cli_env(root, hub)
+    service = serve(env)
+    try:
+        guid = _added(cli("models", "add", REPO, "--revision", "main", "--include", GGUF, env=env))
+        pid = wait_for("the hf child", lambda: mf.load(root, guid).pid)
+    finally:
+        out = _stop(service)
+    assert service.returncode == 0, out
+    model = mf.load(root, guid)
+    assert model.state == "Interrupted"
+    assert model.message == (
+        "interrupted: the library's service stopped; partial files are kept, retry to continue"
+    )
+    assert not alive(pid)

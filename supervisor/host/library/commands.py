@@ -21,14 +21,16 @@ from supervisor.host.library import control
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.hub import Hub, HubRefused
 from supervisor.host.library.job import Settings, read_token
-from supervisor.host.library.lease import CatalogHeld
+from supervisor.host.library.lease import CatalogHeld, CatalogLease
 from supervisor.host.library.runner import Runner
 from supervisor.notify import Notifier
-from supervisor.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, Progress
+from supervisor.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_UNANSWERED, Progress
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 ENDED: Final = frozenset({"Ready", "Failed", "Canceled", "Interrupted"})
 ANSWER_WAIT: Final = 10.0
+LEASE_WAIT: Final = 5.0  # a CLI holds the lease for a moment to apply a request itself
+NO_SERVICE: Final = 60.0  # add --wait gives up after this long with no service running
 
 
 def _err(message: str) -> None:
@@ -70,6 +72,8 @@ def _cmd_add(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(f"{model.id} {model.name}: queued {model.source.repo} at {model.source.commit} "
           f"({len(model.hub_files)} files, {size(model.bytes_total)})")  # fmt: skip
+    if CatalogLease(root).holder() is None:
+        _err("the library's service is not running: systemctl --user start lucia-models")
     if not args.wait:
         return EXIT_OK
     return _follow(root, model.id)
@@ -78,7 +82,15 @@ def _cmd_add(args: argparse.Namespace) -> int:
 def _follow(root: Path, guid: str) -> int:
     """Show one progress line until the download ends; 0 when it is Ready."""
     shown = Progress(guid[:8], sys.stderr.isatty(), time.monotonic())
+    serviced = time.monotonic()
     while True:
+        if CatalogLease(root).holder() is not None:
+            serviced = time.monotonic()
+        elif time.monotonic() - serviced > NO_SERVICE:
+            sys.stderr.write(shown.finish())
+            _err(f"no library service ran for {NO_SERVICE:g} s; the download waits Queued: "
+                 "systemctl --user start lucia-models")  # fmt: skip
+            return EXIT_UNANSWERED
         model = mf.load(root, guid)
         sys.stderr.write(
             shown.update(time.monotonic(), f"{model.state} {progress_text(model)} {model.message}")
@@ -155,7 +167,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         token_file=paths.hf_token_file(args.token_file))  # fmt: skip
     runner = Runner(_root(args), settings)
     try:
-        changes = runner.start()
+        changes = runner.start(wait=LEASE_WAIT)
     except CatalogHeld as exc:
         log.error("the model library refused to start", error=str(exc))
         _err(str(exc))

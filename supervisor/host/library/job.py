@@ -126,10 +126,10 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
         return _end(root, model, "Canceled", "canceled; finished files are kept", log)
     if not outcome.ok:
         return _end(root, model, "Failed", outcome.reason, log)
-    return _check(root, model, log)
+    return _check(root, model, job, log)
 
 
-def _check(root: Path, model: mf.Manifest, log: Any) -> mf.Manifest:
+def _check(root: Path, model: mf.Manifest, job: Job, log: Any) -> mf.Manifest:
     local = mf.files_dir(root, model.id)
     model = model.model_copy(update={"bytes_done": model.bytes_total, "pid": None,
                                      "message": "checking SHA-256 and headers"})  # fmt: skip
@@ -138,6 +138,12 @@ def _check(root: Path, model: mf.Manifest, log: Any) -> mf.Manifest:
     for index, file in enumerate(files):
         if file.verified:
             continue
+        if job.cancel.is_set():  # between files: a stop or a cancel does not wait for them all
+            model = model.model_copy(update={"hub_files": files})
+            if job.interrupted:
+                return _end(root, model, "Interrupted", "interrupted while checking; the files "
+                            "are kept, retry to check them", log)  # fmt: skip
+            return _end(root, model, "Canceled", "canceled; finished files are kept", log)
         try:
             check_file(local, file)
         except CheckFailed as exc:

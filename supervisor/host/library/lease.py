@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import Final, Self
 
@@ -33,17 +34,24 @@ class CatalogLease:
         self.root = root
         self._fd: int | None = None
 
-    def acquire(self) -> Self:
-        """Take the lease, or raise CatalogHeld naming the holder."""
+    def acquire(self, wait: float = 0.0) -> Self:
+        """Take the lease, trying for up to wait seconds (a CLI holds it for a moment when no
+        service runs), or raise CatalogHeld naming the holder."""
         self.root.mkdir(mode=0o750, parents=True, exist_ok=True)
         path = self.root / LEASE_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise CatalogHeld(self.root, int(text) if text.isdigit() else None) from None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise CatalogHeld(self.root, int(text) if text.isdigit() else None) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -62,6 +70,17 @@ class CatalogLease:
             os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
+
+    def holder(self) -> int | None:
+        """The pid of the process that holds the lease now, as far as it can be told without
+        taking it (its pid file, and that process alive); None when nobody seems to."""
+        try:
+            text = (self.root / LEASE_NAME).read_text().strip()
+        except OSError:
+            return None
+        if not text.isdigit() or not os.path.exists(f"/proc/{text}"):
+            return None
+        return int(text)
 
     def __enter__(self) -> Self:
         return self.acquire()

@@ -35,9 +35,9 @@ class Runner:
         self.jobs: dict[str, Job] = {}
         self.log = logs.get("models")
 
-    def start(self) -> list[str]:
+    def start(self, wait: float = 0.0) -> list[str]:
         """Take the lease (CatalogHeld when another holds it); apply the startup rules."""
-        self.lease.acquire()
+        self.lease.acquire(wait)
         return self.recover()
 
     def recover(self) -> list[str]:
