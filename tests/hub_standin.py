@@ -50,6 +50,10 @@ class Hub:
     paths: list[str] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _signature: tuple[tuple[str, int, int], ...] | None = None
+    _files: dict[str, bytes] = field(default_factory=dict)
+    _listing: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -57,15 +61,24 @@ class Hub:
         return f"http://{self.host}:{self._server.server_address[1]}"
 
     def files(self) -> dict[str, bytes]:
-        return {
-            str(p.relative_to(self.directory)): p.read_bytes()
-            for p in sorted(self.directory.rglob("*"))
-            if p.is_file()
-        }
+        """The repo's files by path, read again only when a file's size or mtime changed."""
+        paths = sorted(p for p in self.directory.rglob("*") if p.is_file())
+        signature = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths)
+        with self._lock:
+            if signature != self._signature:
+                self._files = {str(p.relative_to(self.directory)): p.read_bytes() for p in paths}
+                self._listing = self._tree(self._files)
+                self._signature = signature
+            return self._files
 
     def tree(self) -> list[dict[str, object]]:
+        self.files()
+        return self._listing
+
+    @staticmethod
+    def _tree(files: dict[str, bytes]) -> list[dict[str, object]]:
         listing: list[dict[str, object]] = []
-        for name, data in self.files().items():
+        for name, data in files.items():
             entry: dict[str, object] = {
                 "type": "file",
                 "path": name,

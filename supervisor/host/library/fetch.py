@@ -150,6 +150,7 @@ def run(
     cancel: threading.Event,
     progress: Callable[[Sample, int], None],
     space: Callable[[int], str | None] = lambda done: None,
+    tick: Callable[[], None] = lambda: None,
 ) -> Outcome:
     """Run hf until it exits, is canceled, stalls or the disk cannot hold the rest (space(done)
     says why); progress(sample, pid) about every poll."""
@@ -181,7 +182,9 @@ def run(
             if at - last_change >= stall_after:
                 _end(child)
                 return Outcome(False, f"stalled: no bytes arrived for {stall_after:g} s")
-            cancel.wait(poll)
+            tick()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(poll)  # returns as soon as hf exits; a cancel waits at most poll
     finally:
         _end(child)
         reader.join(timeout=2)

@@ -18,6 +18,7 @@ from supervisor import logs
 from supervisor.host.library import fetch
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import forget, free_bytes, space_problem, sweep_partials
+from supervisor.host.library.streamhash import StreamHasher
 from supervisor.host.library.verify import CheckFailed, check_file, inspect
 from supervisor.library.models import ModelState
 
@@ -81,12 +82,14 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
     log = logs.get("models").bind(model=model.id, name=model.name)
     local = mf.files_dir(root, model.id)
     local.mkdir(mode=0o750, parents=True, exist_ok=True)
+    model = model.transition("Downloading", "checking the files already there")
+    mf.save(root, model)
     model = _prepare(root, model)
     missing = sum(f.size for f in model.hub_files if not f.verified)
     problem = space_problem(missing, free_bytes(local))
     if problem:
         return _end(root, model, "Failed", problem, log)
-    model = model.transition("Downloading", "starting hf download")
+    model = model.model_copy(update={"message": "starting hf download"})
     mf.save(root, model)
     log.info("download started", commit=model.source.commit, missing=missing)
     token = read_token(settings.token_file)
@@ -108,14 +111,23 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
                                          "message": "downloading"})  # fmt: skip
         mf.save(root, model)
 
+    hasher = StreamHasher(local, model.hub_files)
     try:
         outcome = fetch.run(argv, env, local, model.bytes_total, stall_after=settings.stall_after,
                             poll=settings.poll, cancel=job.cancel, progress=progress,
                             space=lambda done: space_problem(model.bytes_total - done,
-                                                             free_bytes(local)))  # fmt: skip
+                                                             free_bytes(local)),
+                            tick=hasher.poll)  # fmt: skip
+        proven = hasher.finish() if outcome.ok else set()
     finally:
+        hasher.close()
         if token_file is not None:
             token_file.unlink(missing_ok=True)
+    if proven:
+        log.info("hashed while downloading", files=len(proven))
+    model = model.model_copy(update={"hub_files": [
+        f.model_copy(update={"verified": True}) if f.path in proven else f
+        for f in model.hub_files]})  # fmt: skip
     if outcome.canceled and job.interrupted:  # partials kept, as at startup; a retry sweeps them
         return _end(root, model, "Interrupted",
                     "interrupted: the library's service stopped; partial files are kept, "
