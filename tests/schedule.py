@@ -36,6 +36,7 @@ VLLM_MODULES = frozenset({
     "tests/integration/test_kv_tiers_shared_root.py",
     "tests/integration/test_kv_tiers_vllm.py",
     "tests/integration/test_kv_tiers_worker.py",
+    "tests/integration/test_models_vllm_e2e.py",
     "tests/integration/test_vllm_cpu_engine.py",
     "tests/integration/test_vllm_cpu_image.py",
     "tests/integration/test_vllm_model_download.py",
