@@ -45,6 +45,7 @@ LUCIA_MODULES = frozenset({
     "tests/system/test_gateway_unit.py",
     "tests/system/test_installed_tiers.py",
     "tests/system/test_installed_vllm_tiers.py",
+    "tests/system/test_models_unit.py",
     "tests/system/test_systemd.py",
 })
 COLD_BUILD = "tests/integration/test_vllm_cpu_image.py::test_a_cold_build_under_a_private_tag"
