@@ -242,3 +242,31 @@ def test_an_hf_layout_model_gets_the_checks_that_fit_it(
     if state == "Ready":
         assert model.inspection is not None and model.inspection.format == "hf"
         assert model.inspection.size_bytes == sum(f.stat().st_size for f in repo.iterdir())
+
+
+def test_retry_keeps_the_verified_files_and_fetches_only_the_one_that_fails_its_check(
+    repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _hub(repo) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        queued = queue(root, hub, include=["*.gguf"])
+        with running(root):
+            wait_state(root, queued.id, "Ready")
+        files = root / queued.id / "files"
+        damaged = files / "tiny-Q8_0.gguf"
+        with damaged.open("r+b") as f:  # a bit flipped on disk since
+            f.seek(20)
+            f.write(b"\xff")
+        kept = (files / GGUF).stat()
+        model = mf.load(root, queued.id)
+        hub_files = [f.model_copy(update={"verified": f.path == GGUF}) for f in model.hub_files]
+        mf.save(root, model.model_copy(update={"hub_files": hub_files}).transition("Failed", "x"))
+        hub.paths.clear()
+        assert request(root, queued.id, "retry") is True  # no queue runs: applied at once
+        with running(root):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert model.state == "Ready", model.message
+    assert damaged.read_bytes() == (repo / "tiny-Q8_0.gguf").read_bytes()
+    fetched = [p for p in hub.paths if p.startswith("GET") and "/resolve/" in p]
+    assert fetched == [f"GET /{REPO}/resolve/{COMMIT}/tiny-Q8_0.gguf"]
+    assert (files / GGUF).stat().st_ino == kept.st_ino  # the verified file was left alone

@@ -28,7 +28,8 @@ from supervisor.redaction import redact
 
 STRIPPED: Final = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HOME"})
 STRIPPED_PREFIXES: Final = ("HF_OIDC_",)
-KILL_GRACE: Final = 0.5
+KILL_GRACE: Final = 0.3
+WAKE: Final = 0.1  # how often a cancel and hf's exit are looked at between polls
 _PR_SET_PDEATHSIG: Final = 1
 
 
@@ -183,8 +184,7 @@ def run(
                 _end(child)
                 return Outcome(False, f"stalled: no bytes arrived for {stall_after:g} s")
             tick()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(poll)  # returns as soon as hf exits; a cancel waits at most poll
+            _wait(child, cancel, at + poll)
     finally:
         _end(child)
         reader.join(timeout=2)
@@ -192,6 +192,14 @@ def run(
         return Outcome(True)
     last = next((line for line in reversed(tail) if line.strip()), "")
     return Outcome(False, redact(f"hf download exited {child.returncode}: {last}".strip()))
+
+
+def _wait(child: subprocess.Popen[bytes], cancel: threading.Event, until: float) -> None:
+    """Until the next poll, hf's exit, or a cancel, whichever comes first (within WAKE)."""
+    while not cancel.is_set() and time.monotonic() < until:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(min(WAKE, max(until - time.monotonic(), 0)))
+            return
 
 
 def _read_lines(child: subprocess.Popen[bytes], tail: deque[str]) -> None:
