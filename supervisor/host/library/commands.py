@@ -23,8 +23,8 @@ from supervisor.host.library.hub import Hub, HubRefused
 from supervisor.host.library.job import Settings, read_token
 from supervisor.host.library.lease import CatalogHeld, CatalogLease
 from supervisor.host.library.runner import Runner
+from supervisor.host.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_UNANSWERED, Progress
 from supervisor.notify import Notifier
-from supervisor.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_UNANSWERED, Progress
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 ENDED: Final = frozenset({"Ready", "Failed", "Canceled", "Interrupted"})
