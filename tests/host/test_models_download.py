@@ -270,3 +270,26 @@ def test_retry_keeps_the_verified_files_and_fetches_only_the_one_that_fails_its_
     fetched = [p for p in hub.paths if p.startswith("GET") and "/resolve/" in p]
     assert fetched == [f"GET /{REPO}/resolve/{COMMIT}/tiny-Q8_0.gguf"]
     assert (files / GGUF).stat().st_ino == kept.st_ino  # the verified file was left alone
+
+
+def test_a_split_gguf_in_a_sub_folder_is_linked_where_the_router_reads_it(
+    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.gguf_fixtures import write_split
+
+    repo = tmp_path / "split"
+    write_split(repo / "Q4_K_M", "tiny-Q4_K_M", 2)
+    write_gguf(repo / "Q8_0" / "tiny-Q8_0.gguf")
+    with _hub(repo) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        queued = queue(root, hub, include=["Q4_K_M/"])
+        with running(root):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert model.state == "Ready", model.message
+    assert model.inspection is not None and model.inspection.units == ["tiny-Q4_K_M"]
+    shards = ["tiny-Q4_K_M-00001-of-00002.gguf", "tiny-Q4_K_M-00002-of-00002.gguf"]
+    assert [f.name for f in model.files] == shards
+    files = root / model.id / "files"
+    assert all((files / s).samefile(files / "Q4_K_M" / s) for s in shards)
+    (ready,) = scan(root).models
+    assert [p.name for p in ready.files] == shards

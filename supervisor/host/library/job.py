@@ -168,7 +168,9 @@ def _check(root: Path, model: mf.Manifest, job: Job, log: Any) -> mf.Manifest:
         inspection = inspect(local, files)
     except CheckFailed as exc:
         return _end(root, model, "Failed", str(exc), log)
-    model = model.model_copy(update={"inspection": inspection, "files": mf.plain_names(files)})
+    model = model.model_copy(
+        update={"inspection": inspection, "files": mf.link_nested(local, files)}
+    )
     context = f", context {inspection.context}" if inspection.context else ""
     return _end(root, model, "Ready",
                 f"ready: {inspection.format} {inspection.architecture}{context}", log)  # fmt: skip

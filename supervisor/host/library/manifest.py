@@ -1,13 +1,15 @@
 """A download's model.json: its source, state, progress and inspection, written atomically.
 
 The document is a superset of what supervisor.library.models reads (`state`, and `files` as
-plain names inside files/), so a Ready model written here is what the router syncs. Files the
-hub keeps in sub-folders are listed in `hubFiles` only (the reader takes plain names).
+plain names inside files/), so a Ready model written here is what the router syncs. The reader
+takes plain names only: a GGUF the hub keeps in a sub-folder is hard-linked into files/ when
+Ready.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from datetime import UTC, datetime
@@ -103,6 +105,26 @@ def new_guid() -> str:
 def plain_names(files: list[HubFile]) -> list[FileName]:
     """The files directly inside files/: what supervisor.library.models accepts as `files`."""
     return [FileName(name=f.path) for f in files if "/" not in f.path]
+
+
+def link_nested(local_dir: Path, files: list[HubFile]) -> list[FileName]:
+    """The names the router reads: every top-level file, and each GGUF the hub keeps in a
+    sub-folder hard-linked into files/ under its own name (same inode, no space), unless that
+    name is taken by another file."""
+    names = plain_names(files)
+    taken = {n.name for n in names}
+    for file in files:
+        if "/" not in file.path or not file.path.endswith(".gguf"):
+            continue
+        name = file.path.rsplit("/", 1)[1]
+        link, source = local_dir / name, local_dir / file.path
+        if name in taken and not (link.exists() and link.samefile(source)):
+            continue
+        if not link.exists():
+            os.link(source, link, follow_symlinks=False)
+        taken.add(name)
+        names.append(FileName(name=name))
+    return names
 
 
 def model_dir(root: Path, guid: str) -> Path:
