@@ -126,6 +126,7 @@ install_all() {
         name=$(basename "$recipe" .toml)
         [[ "$name" =~ ^[a-z0-9][a-z0-9_.-]*$ ]] || die "recipe file name $name is not a valid engine name"
         [ "$name" != gateway ] || die "recipe file name gateway is taken by the lucia-gateway unit"
+        [ "$name" != models ] || die "recipe file name models is taken by the lucia-models unit"
         "$venv/bin/python" -c 'import sys; from pathlib import Path; from supervisor.engines.loader import load; load(Path(sys.argv[1]))' "$recipe" \
             || die "recipe $recipe is invalid (see above)"
         place "$recipe" "$recipes/$name.toml" 0644
@@ -133,6 +134,8 @@ install_all() {
     done
     # the gateway: installed, never started or enabled here (it needs its key files first)
     place "$src/units/lucia-gateway.service" "$units/lucia-gateway.service" 0644
+    # the model library's download queue: installed, never started or enabled here
+    place "$src/units/lucia-models.service" "$units/lucia-models.service" 0644
     if [ "$changed" -gt 0 ]; then
         systemctl_user daemon-reload
         say "$changed change(s); systemd reloaded"
@@ -146,6 +149,7 @@ install_all() {
         done
     fi
     say "the gateway is installed stopped: write its key files, then systemctl --user enable --now lucia-gateway"
+    say "the model library's downloads are installed stopped: systemctl --user enable --now lucia-models"
     say "services: $(cd "$units" && ls lucia-*.service | tr '\n' ' ')"
     say "start one with: systemctl --user start lucia-NAME; request it with: $venv/bin/lucia-supervisor request NAME running --wait"
 }

@@ -14,6 +14,7 @@ from typing import Final
 from supervisor import paths
 from supervisor.host import commands, waiting
 from supervisor.host import protocol as host
+from supervisor.host.library import commands as library_commands
 from supervisor.protocol.documents import STATES, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.schemas import checked_in
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_keys(sub, common)
     commands.add_usage(sub, common)
+    library_commands.add_models(sub)
 
     sch = sub.add_parser("schemas", help="write the protocol's JSON Schemas")
     sch.add_argument("--out", required=True, metavar="DIR")

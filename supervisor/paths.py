@@ -77,3 +77,21 @@ def state_dir(value: str | None, name: str) -> Path:
     if raw:
         return (Path(raw).expanduser() / name).absolute()
     return (_xdg("XDG_STATE_HOME", "~/.local/state") / "lucia" / name).absolute()
+
+
+MODELS_ENV: Final = "LUCIA_MODELS_DIR"
+HF_TOKEN_ENV: Final = "LUCIA_HF_TOKEN_FILE"  # noqa: S105
+
+
+def models_dir(value: str | None = None) -> Path:
+    """The host's model library: the argument, LUCIA_MODELS_DIR, then install.sh's."""
+    raw = value or os.environ.get(MODELS_ENV)
+    return (Path(raw).expanduser() if raw else lucia_share() / "models").absolute()
+
+
+def hf_token_file(value: str | None = None) -> Path:
+    """The hub token's file: the argument, LUCIA_HF_TOKEN_FILE, then ~/.config/lucia/hf-token."""
+    raw = value or os.environ.get(HF_TOKEN_ENV)
+    if raw:
+        return Path(raw).expanduser().absolute()
+    return _xdg("XDG_CONFIG_HOME", "~/.config") / "lucia" / "hf-token"

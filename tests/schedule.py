@@ -36,6 +36,7 @@ VLLM_MODULES = frozenset({
     "tests/integration/test_kv_tiers_shared_root.py",
     "tests/integration/test_kv_tiers_vllm.py",
     "tests/integration/test_kv_tiers_worker.py",
+    "tests/integration/test_models_vllm_e2e.py",
     "tests/integration/test_vllm_cpu_engine.py",
     "tests/integration/test_vllm_cpu_image.py",
     "tests/integration/test_vllm_model_download.py",
@@ -44,6 +45,7 @@ LUCIA_MODULES = frozenset({
     "tests/system/test_gateway_unit.py",
     "tests/system/test_installed_tiers.py",
     "tests/system/test_installed_vllm_tiers.py",
+    "tests/system/test_models_unit.py",
     "tests/system/test_systemd.py",
 })
 COLD_BUILD = "tests/integration/test_vllm_cpu_image.py::test_a_cold_build_under_a_private_tag"

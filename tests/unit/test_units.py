@@ -66,3 +66,20 @@ def test_install_sh_installs_the_gateway_unit_but_never_starts_or_enables_it() -
     commands = [line for line in script.splitlines() if "systemctl_user" in line]
     assert commands and not any("gateway" in line for line in commands)
     assert "recipe file name gateway is taken" in script  # no engine unit may replace it
+
+
+MODELS = ROOT / "units" / "lucia-models.service"
+
+
+def test_the_models_unit_runs_the_queue_as_a_notify_service_installed_stopped() -> None:
+    service = _parsed(MODELS)["Service"]
+    assert service["Type"] == "notify"
+    assert service["ExecStart"].endswith("/lucia-supervisor models serve")
+    assert service["RestartPreventExitStatus"] == "78"  # the lease is held by another
+    assert "Environment=LUCIA_MODELS_DIR=" in MODELS.read_text()
+    assert service["SyslogIdentifier"] == "lucia-models"
+    script = INSTALL.read_text()
+    assert 'place "$src/units/lucia-models.service" "$units/lucia-models.service" 0644' in script
+    commands = [line for line in script.splitlines() if "systemctl_user" in line]
+    assert not any("models" in line for line in commands)
+    assert "recipe file name models is taken" in script

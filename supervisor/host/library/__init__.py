@@ -1,0 +1,1 @@
+"""The model library's downloads: the manifest, the hub, the hf child, the checks, the queue."""

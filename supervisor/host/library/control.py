@@ -1,0 +1,191 @@
+"""What the CLI asks of the library: add a download, retry, cancel, remove; partials swept.
+
+`add` resolves the revision, lists the commit's files and checks the free space itself, so that
+a refusal is immediate, then writes a Queued model.json into a new <guid>/. Retry, cancel and
+remove are applied at once when no queue runs (the CLI takes the lease for that moment);
+otherwise they are left as <guid>/control.json for the running queue, which owns every
+model.json it has taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Final, Literal, get_args
+
+from supervisor.host.library import manifest as mf
+from supervisor.host.library.hub import Hub, HubRefused, check_repo, select
+from supervisor.host.library.lease import CatalogLease
+from supervisor.protocol.files import FileLock, read_text, write_atomic
+
+MAX_QUEUE: Final = 16
+CONTROL: Final = "control.json"
+ADD_LOCK: Final = ".lucia-model-catalog.lock"
+HF_CACHE: Final = ".cache"
+Action = Literal["retry", "cancel", "remove"]
+ACTIONS: Final[tuple[Action, ...]] = get_args(Action)
+
+
+class Refused(Exception):
+    """A request the library will not take; str() says why, for the operator."""
+
+
+def free_bytes(path: Path) -> int:
+    info = os.statvfs(path)
+    return info.f_bavail * info.f_frsize
+
+
+def space_problem(needed: int, free: int) -> str | None:
+    """Why a download of needed more bytes cannot fit in free bytes, or None (pure)."""
+    if needed <= free:
+        return None
+    return f"not enough disk space: it needs {needed} bytes more and {free} bytes are free"
+
+
+def queue_problem(models: list[mf.Manifest], limit: int = MAX_QUEUE) -> str | None:
+    active = sum(1 for m in models if m.state in mf.ACTIVE)
+    if active >= limit:
+        return f"the queue holds {active} downloads (at most {limit}); wait or cancel one"
+    return None
+
+
+def default_name(repo: str, include: list[str]) -> str:
+    """The repository's name, with the include globs' words when they pick one file set."""
+    base = repo.rsplit("/", 1)[-1]
+    picked = [p for p in include if not re.fullmatch(r"\*\.[A-Za-z0-9]+", p)]  # not "*.json"
+    words = [p.strip("*?/").removesuffix(".gguf").strip("*?-_.") for p in picked]
+    words = [w for w in words if w]
+    return f"{base}:{'+'.join(words)}" if words else base
+
+
+def add(
+    root: Path,
+    hub: Hub,
+    repo: str,
+    revision: str,
+    *,
+    include: list[str],
+    name: str | None,
+) -> mf.Manifest:
+    """Check and queue one download; Refused (or HubRefused) says why not."""
+    check_repo(repo)
+    commit = hub.resolve(repo, revision)
+    files = select(hub.tree(repo, commit), include)
+    if not files:
+        shown = " ".join(include) or "(everything)"
+        raise HubRefused(f"no file of {repo} at {commit} matches --include {shown}")
+    root.mkdir(mode=0o750, parents=True, exist_ok=True)
+    total = sum(f.size for f in files)
+    problem = space_problem(total, free_bytes(root))
+    if problem:
+        raise Refused(f"{repo}: {problem}")
+    name = name or default_name(repo, include)
+    with FileLock(root / ADD_LOCK):
+        models = mf.load_all(root)
+        problem = queue_problem(models)
+        if problem:
+            raise Refused(problem)
+        if any(m.name == name for m in models):
+            raise Refused(f"a model named {name!r} is already in the library; give --name")
+        stamp = mf.now()
+        model = mf.Manifest(
+            id=mf.new_guid(), name=name, state="Queued", since=stamp, created=stamp,
+            source=mf.Source(repo=repo, revision=revision, commit=commit, include=include),
+            bytesTotal=total, hubFiles=files, files=mf.plain_names(files),
+            message=f"queued: {len(files)} files, {total} bytes",
+        )  # fmt: skip
+        mf.save(root, model)
+    return model
+
+
+def request(root: Path, guid: str, action: Action) -> bool:
+    """Apply action now when no queue runs (True), else leave it for the queue (False)."""
+    lease = CatalogLease(root)
+    if lease.try_acquire():
+        try:
+            apply(root, guid, action, limit_queue=True)
+        finally:
+            lease.release()
+        return True
+    write_atomic(mf.model_dir(root, guid) / CONTROL, json.dumps({"action": action}).encode())
+    return False
+
+
+def take_request(root: Path, guid: str) -> Action | None:
+    """The queue's side: the pending action for guid, consumed; None when there is none."""
+    path = mf.model_dir(root, guid) / CONTROL
+    try:
+        text = read_text(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    path.unlink(missing_ok=True)
+    try:
+        action = json.loads(text).get("action")
+    except (ValueError, AttributeError):
+        return None
+    return action if action in ACTIONS else None
+
+
+def apply(root: Path, guid: str, action: Action, *, limit_queue: bool) -> None:
+    """An action on a model no download is running for (the caller holds the lease)."""
+    if action == "remove":
+        remove(root, guid)
+        return
+    model = mf.load(root, guid)
+    if action == "cancel":
+        if model.state not in mf.ACTIVE:
+            raise Refused(f"{model.name} is {model.state}: only a queued or running download "
+                          "can be canceled")  # fmt: skip
+        sweep_partials(mf.files_dir(root, guid))
+        mf.save(root, model.transition("Canceled", "canceled; finished files are kept"))
+        return
+    if model.state not in mf.RETRYABLE:
+        raise Refused(f"{model.name} is {model.state}: only a Failed, Canceled or Interrupted "
+                      "download can be retried")  # fmt: skip
+    if limit_queue:
+        problem = queue_problem(mf.load_all(root))
+        if problem:
+            raise Refused(problem)
+    sweep_partials(mf.files_dir(root, guid))
+    queued = model.transition("Queued", "queued again; verified files are kept")
+    mf.save(root, queued.model_copy(update={"accepted": False}))
+
+
+def sweep_partials(local_dir: Path) -> list[Path]:
+    """Remove hf's partial and lock files under local_dir; finished files and their metadata
+    stay (so hf skips a finished file instead of hashing it again)."""
+    swept: list[Path] = []
+    cache = local_dir / HF_CACHE
+    if not cache.is_dir() or cache.is_symlink():
+        return swept
+    for base, _dirs, names in os.walk(cache):
+        for name in names:
+            if name.endswith((".incomplete", ".lock")):
+                path = Path(base) / name
+                path.unlink(missing_ok=True)
+                swept.append(path)
+    return swept
+
+
+def forget(local_dir: Path, path: str) -> None:
+    """Remove one downloaded file and hf's record of it, so the next run fetches it again."""
+    (local_dir / path).unlink(missing_ok=True)
+    metadata = local_dir / HF_CACHE / "huggingface" / "download" / f"{path}.metadata"
+    metadata.unlink(missing_ok=True)
+
+
+def remove(root: Path, guid: str) -> None:
+    """Delete <root>/<guid> and nothing outside it (a symlink there is removed, not followed)."""
+    directory = mf.model_dir(root, guid)
+    if directory.is_symlink():
+        directory.unlink()
+        return
+    if not directory.is_dir():
+        raise Refused(f"no model {guid} in {root}")
+    shutil.rmtree(directory)
