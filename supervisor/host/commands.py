@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 from datetime import datetime
-from pathlib import Path
 from typing import TypeAlias
 
 from supervisor import paths
@@ -140,17 +139,9 @@ def _since(text: str) -> datetime:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _key_names(data: Path) -> dict[str, str]:
-    try:
-        issued = keys.load(paths.keys_file(data))
-    except keys.KeysFileInvalid:
-        return {}
-    return {"owner": "owner", "inference": "inference"} | {key.id: key.name for key in issued}
-
-
 def _cmd_usage(args: argparse.Namespace) -> int:
     from supervisor.host.gateway import settings as gateway_settings
-    from supervisor.host.record import database, queries, report, schema
+    from supervisor.host.record import database, queries, report
 
     try:
         settings = gateway_settings.load(args.settings)
@@ -160,17 +151,12 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     data = paths.data_dir(args.data_dir)
     target = settings.record.target(data)
     try:
-        db = database.open_reader(target)
-        try:
-            schema.check(db)
-            lines = queries.usage(db, args.since, args.by)
-        finally:
-            db.close()
+        lines = queries.read(target, args.since, args.by)
     except database.failures() as exc:
         reason = str(exc) if isinstance(exc, database.StoreFailed) else database.one_line(exc)
         print_err(f"the record ({target.describe()}): {reason}")
         return EXIT_FAILED
-    names = _key_names(data) if args.by == "key" else None
+    names = keys.names(paths.keys_file(data)) if args.by == "key" else None
     if args.json:
         print(json.dumps(report.as_json(lines, args.by, args.since, names), indent=2))
         return EXIT_OK

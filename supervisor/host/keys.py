@@ -262,6 +262,16 @@ def create(
     return new
 
 
+def names(path: Path) -> dict[str, str]:
+    """Each key id's name (the fixed keys' too), for figures by key; none readable: the
+    fixed keys only."""
+    try:
+        issued = load(path)
+    except KeysFileInvalid:
+        issued = ()
+    return {"owner": "owner", "inference": "inference"} | {key.id: key.name for key in issued}
+
+
 def set_budget(path: Path, ref: str, budget: int | None) -> IssuedKey:
     """Give a key its own daily token budget, or (None) the settings' default again."""
     if budget is not None and not 1 <= budget <= MAX_BUDGET:

@@ -22,7 +22,16 @@ from supervisor.host.record.database import Target
 from supervisor.host.record.store import Store
 from supervisor.protocol.documents import RunningEngine, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
-from tests.host.gateway_world import AUTH, INFERENCE_KEY, KEYS, SETTINGS, Upstream, World, world
+from tests.host.gateway_world import (
+    AUTH,
+    INFERENCE_KEY,
+    KEYS,
+    OWNER,
+    SETTINGS,
+    Upstream,
+    World,
+    world,
+)
 
 BUDGETED = SETTINGS + "[budget]\ndaily_tokens = 10\n"
 BUILD = RunningEngine(image="lucia-llama-server:1", image_id="sha256:" + "ab" * 32,
@@ -51,7 +60,8 @@ def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], set
         store = await asyncio.to_thread(Store.open, Target(path=path), 30)
         assert store.available, store.reason
         try:
-            async with world(tmp_path, settings, Upstream(), spending=store, recorder=store) as w:
+            where = settings + f'[record]\npath = "{path}"\n'  # the owner API reads it
+            async with world(tmp_path, where, Upstream(), spending=store, recorder=store) as w:
                 serving(w.data, w.upstream.url)
                 await scenario(w, store)
         finally:
@@ -92,6 +102,34 @@ def test_every_generation_is_a_row_naming_the_build_and_no_text(tmp_path: Path) 
     for file in path.parent.glob(path.name + "*"):  # the database, its WAL and shared memory
         assert secret.encode() not in file.read_bytes(), file
     assert secret not in repr(logs)
+
+
+def test_the_owner_api_gives_the_usage_figures_by_build(tmp_path: Path) -> None:
+    async def scenario(w: World, store: Store) -> None:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        url = str(w.gateway.make_url("/api/host/usage"))
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            for _ in range(3):
+                async with s.post(f"{w.base}/chat/completions", json=chat) as r:
+                    assert r.status == 200
+            async with asyncio.timeout(30):
+                while store.committed < 3:
+                    await asyncio.sleep(0.02)
+            async with s.get(url, params={"by": "build"}, headers=OWNER) as r:
+                assert r.status == 200
+                figures = await r.json()
+            async with s.get(url, params={"by": "build"}) as r:
+                assert r.status == 403  # the inference key: /v1 only
+            async with s.get(url, params={"by": "colour"}, headers=OWNER) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "by"
+            async with s.get(url, params={"since": "yesterday"}, headers=OWNER) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "since"
+        (group,) = figures["groups"]
+        assert (group["engine"], group["engineVersion"], group["imageId"],
+                group["weightsRevision"]) == ("small", "b11669-Debian", BUILD.image_id, "rev-1")
+        assert group["requests"] == 3 and group["promptTokens"] == 15  # fmt: skip
+
+    run(tmp_path, scenario, SETTINGS)
 
 
 def test_a_budget_read_from_the_record_lets_a_stream_cross_it_then_refuses(

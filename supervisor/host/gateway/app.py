@@ -29,6 +29,7 @@ from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
+from supervisor.host.gateway.usageapi import UsageApi
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 CALLER: Final = web.RequestKey("caller", Caller)
@@ -80,6 +81,7 @@ class Gateway:
         self.host_api = HostApi(
             data_dir, self.catalog, self.gates.get, self.idle, settings.listen.body_timeout_s
         )
+        self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
 
     def counts(self) -> dict[str, tuple[int, int]]:
         return {name: (gate.running, gate.waiting) for name, gate in self.gates.items()}
@@ -298,6 +300,7 @@ def create_app(
         app.router.add_post(path, gateway.forward)
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
+    gateway.usage_api.routes(app)
     app.cleanup_ctx.append(gateway.forwarder.session)
     app.cleanup_ctx.append(gateway.idle.task)
     return app

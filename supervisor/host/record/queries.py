@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, Literal
 
-from supervisor.host.record.database import Database
+from supervisor.host.record import schema
+from supervisor.host.record.database import Database, Target, open_reader
 from supervisor.host.record.row import REFUSED, epoch_us
 
 By = Literal["key", "model", "engine", "build"]
@@ -142,3 +143,14 @@ def usage(db: Database, since: datetime, by: By) -> list[Line]:
         )
         pick(ordered, lines)
     return sorted(lines.values(), key=lambda line: (-line.requests, line.group))
+
+
+def read(target: Target, since: datetime, by: By) -> list[Line]:
+    """`usage` of the record at target, opened for this one reading (the command's and the
+    owner API's); raises one of database.failures() when it cannot be read."""
+    db = open_reader(target)
+    try:
+        schema.check(db)
+        return usage(db, since, by)
+    finally:
+        db.close()
