@@ -3,7 +3,7 @@ process, with the official `openai` client and curl from loopback.
 
 One worker and one gateway for the module, in this order: a start on demand from `stopped`, the
 models RPC, streams with and without usage, admission refusals while a slow stream holds the one
-slot, bad input (each refused with its status, the engine answering afterwards), a slowloris,
+slot, the record's rows naming the build that answered, bad input (each refused with its status, the engine answering afterwards), a slowloris,
 Prometheus scraping the gateway's file_sd target, and last the engine killed mid-stream.
 """
 
@@ -213,6 +213,35 @@ def test_a_full_engine_refuses_at_once_with_429_naming_its_counts(
     wait_for(lambda: metric(gateway.metrics(), "lucia_gateway_running",
                             engine=router.name) == 0, 30, "the slot free")
     _answered(gateway)
+
+
+def test_the_record_names_the_build_that_answered_each_row(
+        router: Engine, gateway: Gateway) -> None:
+    """The rows of the cases so far, as `usage --by build` and the owner API read them: the
+    llama-server build the router's status named, the refusals by their codes."""
+    status = router.status()
+    assert status is not None and status["state"] == "running"
+    version = status["engine"]["engineVersion"]
+    assert version, "the router names its build (/props)"
+
+    def figures() -> dict[str, Any]:
+        done = gateway.cli("usage", "--since", "1h", "--by", "build", "--json", "--settings",
+                           str(gateway.log.parent / "gateway.toml"))
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def served(found: dict[str, Any]) -> list[dict[str, Any]]:
+        return [g for g in found["groups"] if g["engine"] == router.name and g["ok"] >= 3]
+
+    wait_for(lambda: served(figures()), 30, "the answered rows committed")
+    (group,) = served(figures())
+    assert (group["engineVersion"], group["imageId"]) == (version, status["engine"]["imageId"])
+    assert group["weightsRevision"] == "unknown"  # the router names no revision: never a guess
+    assert group["refusals"].get("engine_busy") == 2, group
+    assert group["completionTokens"] >= 3 * 4  # the engine's own usage
+    code, body = gateway.get("/api/host/usage?by=build&since=1h", gateway.owner)
+    assert code == 200 and any(g["engineVersion"] == version for g in body["groups"])
+    assert gateway.get("/api/host/usage", gateway.issued)[0] == 403
 
 
 # -- bad input ---------------------------------------------------------------------------------
