@@ -37,6 +37,8 @@ install_packages() {
     command -v prometheus >/dev/null || missing+=(prometheus)
     command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     command -v docker-registry >/dev/null || missing+=(docker-registry)
+    command -v chromium >/dev/null || missing+=(chromium)  # the operator's page is tested in it
+    command -v chromedriver >/dev/null || missing+=(chromium-driver)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]} (log: $log_dir/apt.log)"

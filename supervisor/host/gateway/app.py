@@ -29,6 +29,10 @@ from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
+from supervisor.host.page.memory import LedgerMemory
+from supervisor.host.page.routes import PREFIX as PAGE
+from supervisor.host.page.routes import Page, to_page
+from supervisor.host.page.sources import Sources
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 CALLER: Final = web.RequestKey("caller", Caller)
@@ -261,6 +265,7 @@ async def send_error_event(response: web.StreamResponse, error: dict[str, Any]) 
 
 
 GATEWAY: Final = web.AppKey("gateway", Gateway)
+PAGE_OF: Final = web.AppKey("page", Page)
 
 
 def create_app(
@@ -269,7 +274,10 @@ def create_app(
     auth: Authenticator,
     timing: Timing | None = None,
     spending: budgets.Spending | None = None,
+    *,
+    sources: Sources | None = None,
 ) -> web.Application:
+    """The application; `sources` feed the operator's page (memory from the ledger if none)."""
     gateway = Gateway(settings, data_dir, auth, timing or Timing(), spending or budgets.NoRecord())
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
@@ -280,6 +288,10 @@ def create_app(
         app.router.add_post(path, gateway.forward)
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
+    page = Page(auth, gateway.host_api, data_dir, sources or Sources(LedgerMemory(data_dir)))
+    app[PAGE_OF] = page
+    app.router.add_get(PAGE, to_page)
+    app.add_subapp(PAGE, page.app())
     app.cleanup_ctx.append(gateway.forwarder.session)
     app.cleanup_ctx.append(gateway.idle.task)
     return app
