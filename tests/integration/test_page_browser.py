@@ -41,16 +41,21 @@ START_S = 180  # a router start: the model cache, the container, /models
 
 
 def shots() -> Path:
-    where = Path(os.environ.get("LUCIA_PAGE_SCREENSHOTS")
-                 or Path(tempfile.gettempdir()) / "lucia-page-screenshots")
+    where = Path(
+        os.environ.get("LUCIA_PAGE_SCREENSHOTS")
+        or Path(tempfile.gettempdir()) / "lucia-page-screenshots"
+    )
     where.mkdir(parents=True, exist_ok=True)
     return where
 
 
 @pytest.fixture(scope="module")
-def router(client: docker.DockerClient, base_image: str,
-           tmp_path_factory: pytest.TempPathFactory,
-           request: pytest.FixtureRequest) -> Iterator[Engine]:
+def router(
+    client: docker.DockerClient,
+    base_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Engine]:
     """A llama-router engine with one tiny model, its worker running and the engine stopped."""
     directory = tmp_path_factory.mktemp("page-router")
     recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
@@ -75,11 +80,17 @@ def gateway(router: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def browser() -> Iterator[WebDriver]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1280,1600"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1600",
+    ):
         options.add_argument(argument)
-    driver = webdriver.Chrome(options=options,
-                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    driver = webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    )
     try:
         yield driver
     finally:
@@ -93,8 +104,7 @@ def shot(driver: WebDriver, name: str) -> Path:
 
 
 def until(driver: WebDriver, check: Any, timeout: float = WAIT_S, what: str = "") -> Any:
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(
-        check, message=what)
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(check, message=what)
 
 
 def visible(driver: WebDriver, element_id: str) -> bool:
@@ -117,11 +127,16 @@ def sign_in(driver: WebDriver, gateway: Gateway, key: str) -> None:
 
 def post_without_csrf(driver: WebDriver, path: str, body: str) -> int:
     """A same-origin POST from the page, with the session cookie and no CSRF token."""
-    return int(driver.execute_async_script(
-        "const done = arguments[arguments.length - 1];"
-        "fetch(arguments[0], {method: 'POST', credentials: 'same-origin',"
-        " headers: {'Content-Type': 'application/json'}, body: arguments[1]})"
-        ".then(r => done(r.status), e => done(0));", path, body))
+    return int(
+        driver.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "fetch(arguments[0], {method: 'POST', credentials: 'same-origin',"
+            " headers: {'Content-Type': 'application/json'}, body: arguments[1]})"
+            ".then(r => done(r.status), e => done(0));",
+            path,
+            body,
+        )
+    )
 
 
 def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gateway) -> None:
@@ -134,7 +149,8 @@ def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gate
 
 
 def test_the_owner_signs_in_and_sees_the_engine_stopped(
-        browser: WebDriver, gateway: Gateway, router: Engine) -> None:
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
     sign_in(browser, gateway, gateway.owner)
     until(browser, lambda d: engine_state(d, router.name) == "stopped", what="the engine")
     assert not visible(browser, "signin-view")
@@ -147,7 +163,8 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
 
 
 def test_markup_in_a_message_shows_as_text(
-        browser: WebDriver, gateway: Gateway, router: Engine) -> None:
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
     write_status(router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",))
     until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
     item = browser.find_element(By.CSS_SELECTOR, '.engine[data-engine="hostile"]')
@@ -160,32 +177,39 @@ def test_markup_in_a_message_shows_as_text(
 
 
 def test_start_reaches_running_and_memory_shows_its_claim(
-        browser: WebDriver, gateway: Gateway, router: Engine) -> None:
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
     item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
     item.find_element(By.CSS_SELECTOR, "button.act-running").click()
-    until(browser, lambda d: engine_state(d, router.name) == "running", START_S,
-          what="the engine running")
+    until(
+        browser,
+        lambda d: engine_state(d, router.name) == "running",
+        START_S,
+        what="the engine running",
+    )
     item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
     assert "http://" in item.text  # its url
     shot(browser, "4-engine-running")
-    until(browser, lambda d: router.name in d.find_element(By.ID, "memory-body").text,
-          what="the engine's claim in the memory bars")
+    until(
+        browser,
+        lambda d: router.name in d.find_element(By.ID, "memory-body").text,
+        what="the engine's claim in the memory bars",
+    )
     browser.execute_script("document.getElementById('memory').scrollIntoView()")
     shot(browser, "5-memory")
 
 
 def test_a_change_without_the_csrf_token_is_refused(
-        browser: WebDriver, gateway: Gateway, router: Engine) -> None:
-    assert post_without_csrf(browser, f"api/engines/{router.name}",
-                             '{"desired": "stopped"}') == 403
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    assert post_without_csrf(browser, f"api/engines/{router.name}", '{"desired": "stopped"}') == 403
     assert post_without_csrf(browser, "api/keys", '{"name": "sneaky"}') == 403
     desired = (router.data_dir / router.name / "desired.json").read_text()
     assert '"running"' in desired
     assert "sneaky" not in browser.find_element(By.ID, "key-rows").text
 
 
-def test_a_key_is_created_shown_once_used_and_revoked(
-        browser: WebDriver, gateway: Gateway) -> None:
+def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gateway: Gateway) -> None:
     browser.find_element(By.ID, "key-name").send_keys("laptop")
     browser.find_element(By.CSS_SELECTOR, "#key-create button").click()
     until(browser, lambda d: visible(d, "key-new"), what="the new key")
@@ -201,8 +225,11 @@ def test_a_key_is_created_shown_once_used_and_revoked(
     assert secret not in browser.page_source
     row = browser.find_element(By.XPATH, "//tr[td[@class='key-name' and text()='laptop']]")
     row.find_element(By.CSS_SELECTOR, "button.revoke").click()
-    until(browser, lambda d: "laptop" not in d.find_element(By.ID, "key-rows").text,
-          what="the revoked key gone")
+    until(
+        browser,
+        lambda d: "laptop" not in d.find_element(By.ID, "key-rows").text,
+        what="the revoked key gone",
+    )
     wait_for(lambda: gateway.get("/v1/models", secret)[0] == 401, 10, "the key refused")
     shot(browser, "7-key-revoked")
 
@@ -219,11 +246,16 @@ def test_the_phone_width(browser: WebDriver, router: Engine) -> None:
 
 
 def test_stop_and_a_signed_out_session_opens_nothing(
-        browser: WebDriver, gateway: Gateway, router: Engine) -> None:
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
     item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
     item.find_element(By.CSS_SELECTOR, "button.act-stopped").click()
-    until(browser, lambda d: engine_state(d, router.name) == "stopped", START_S,
-          what="the engine stopped")
+    until(
+        browser,
+        lambda d: engine_state(d, router.name) == "stopped",
+        START_S,
+        what="the engine stopped",
+    )
     old = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
     browser.find_element(By.ID, "signout").click()
     until(browser, lambda d: visible(d, "signin-view"), what="signed out")
@@ -233,6 +265,7 @@ def test_stop_and_a_signed_out_session_opens_nothing(
     assert not visible(browser, "main-view")
     status = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
-        "fetch('api/overview').then(r => done(r.status));")
+        "fetch('api/overview').then(r => done(r.status));"
+    )
     assert status == 401
     shot(browser, "9-signed-out")
