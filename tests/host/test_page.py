@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,14 @@ import pytest
 
 from supervisor.host.gateway.app import PAGE_OF
 from supervisor.host.gateway.auth import allowed
+from supervisor.host.gateway.service import Service
+from supervisor.host.gateway.settings import parse
 from supervisor.host.page import memory
 from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.host.page.sessions import Sessions, SignInLimit
 from tests.host.gateway_world import (
     INFERENCE_KEY,
+    KEYS,
     OWNER,
     OWNER_KEY,
     SETTINGS,
@@ -26,6 +30,7 @@ from tests.host.gateway_world import (
     world,
     write_status,
 )
+from tests.host.test_gateway_service import self_signed
 
 
 class Clock:
@@ -256,3 +261,28 @@ def test_memory_shows_the_claims_of_engines_that_hold(tmp_path: Path) -> None:
     assert shown is not None
     assert shown["claims"] == [{"name": "small", "bytes": 1024}]
     assert (shown["limit"], shown["availableNow"], shown["unclaimed"]) == (4096, 2048, 3072)
+
+
+def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    settings = parse(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
+
+    async def main() -> None:
+        service = Service(settings, data, KEYS)
+        running = asyncio.create_task(service.run())
+        await asyncio.wait_for(service.listening.wait(), 30)
+        trusted = ssl.create_default_context(cafile=str(cert))
+        try:
+            async with aiohttp.ClientSession() as http:
+                address = f"https://127.0.0.1:{service.port}/page/api/signin"
+                async with http.post(address, json={"key": OWNER_KEY}, ssl=trusted) as answer:
+                    assert answer.status == 200
+                    cookie = answer.headers["Set-Cookie"]
+            assert "Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        finally:
+            service.stop.set()
+            await running
+
+    asyncio.run(main())

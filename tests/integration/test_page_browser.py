@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -38,6 +40,8 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = "<img src=x onerror=document.title='owned'>"
 WAIT_S = 30  # the page polls every 2 s
 START_S = 180  # a router start: the model cache, the container, /models
+# the page redraws a section whose data changed: an element found before may be gone
+RETRY = (NoSuchElementException, StaleElementReferenceException)
 
 
 def shots() -> Path:
@@ -104,7 +108,17 @@ def shot(driver: WebDriver, name: str) -> Path:
 
 
 def until(driver: WebDriver, check: Any, timeout: float = WAIT_S, what: str = "") -> Any:
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(check, message=what)
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=RETRY)
+    return wait.until(check, message=what)
+
+
+def press(driver: WebDriver, css: str) -> None:
+    """Click the element now matching css (found again if a redraw replaced it)."""
+    until(driver, lambda d: d.find_element(By.CSS_SELECTOR, css).click() or True, what=css)
+
+
+def text(driver: WebDriver, css: str) -> str:
+    return str(until(driver, lambda d: [d.find_element(By.CSS_SELECTOR, css).text], what=css)[0])
 
 
 def visible(driver: WebDriver, element_id: str) -> bool:
@@ -112,8 +126,14 @@ def visible(driver: WebDriver, element_id: str) -> bool:
 
 
 def engine_state(driver: WebDriver, name: str) -> str | None:
-    found = driver.find_elements(By.CSS_SELECTOR, f'.engine[data-engine="{name}"] .state')
-    return found[0].text if found else None
+    try:
+        return driver.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{name}"] .state').text
+    except RETRY:
+        return None
+
+
+def engine(name: str) -> str:
+    return f'.engine[data-engine="{name}"]'
 
 
 def sign_in(driver: WebDriver, gateway: Gateway, key: str) -> None:
@@ -165,10 +185,19 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
 def test_markup_in_a_message_shows_as_text(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
-    write_status(router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",))
+    old = datetime.now(UTC) - timedelta(seconds=120)
+    write_status(
+        router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",), checked_at=old
+    )
     until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
-    item = browser.find_element(By.CSS_SELECTOR, '.engine[data-engine="hostile"]')
-    assert item.find_element(By.CSS_SELECTOR, ".message").text == HOSTILE
+    assert text(browser, engine("hostile") + " .message") == HOSTILE
+    until(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, engine("hostile") + " .stale").is_displayed(),
+        what="the old heartbeat marked",
+    )
+    assert "s old" in text(browser, engine("hostile") + " .stale")
+    assert not browser.find_element(By.CSS_SELECTOR, engine(router.name) + " .stale").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "#engine-list img, #engine-list b") == []
     assert browser.title != "owned"
     shot(browser, "3-markup-as-text")
@@ -179,16 +208,14 @@ def test_markup_in_a_message_shows_as_text(
 def test_start_reaches_running_and_memory_shows_its_claim(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
-    item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
-    item.find_element(By.CSS_SELECTOR, "button.act-running").click()
+    press(browser, engine(router.name) + " button.act-running")
     until(
         browser,
         lambda d: engine_state(d, router.name) == "running",
         START_S,
         what="the engine running",
     )
-    item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
-    assert "http://" in item.text  # its url
+    assert "http://" in text(browser, engine(router.name))  # its url
     shot(browser, "4-engine-running")
     until(
         browser,
@@ -223,8 +250,8 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     browser.refresh()
     until(browser, lambda d: "laptop" in d.find_element(By.ID, "key-rows").text, what="listed")
     assert secret not in browser.page_source
-    row = browser.find_element(By.XPATH, "//tr[td[@class='key-name' and text()='laptop']]")
-    row.find_element(By.CSS_SELECTOR, "button.revoke").click()
+    revoke = "//tr[td[@class='key-name' and text()='laptop']]//button[@class='revoke']"
+    until(browser, lambda d: d.find_element(By.XPATH, revoke).click() or True, what="revoke")
     until(
         browser,
         lambda d: "laptop" not in d.find_element(By.ID, "key-rows").text,
@@ -248,8 +275,7 @@ def test_the_phone_width(browser: WebDriver, router: Engine) -> None:
 def test_stop_and_a_signed_out_session_opens_nothing(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
-    item = browser.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{router.name}"]')
-    item.find_element(By.CSS_SELECTOR, "button.act-stopped").click()
+    press(browser, engine(router.name) + " button.act-stopped")
     until(
         browser,
         lambda d: engine_state(d, router.name) == "stopped",

@@ -7,6 +7,20 @@ const POLL_MS = 2000;
 const STALE_S = 60;
 let csrf = null;
 let timer = null;
+const drawn = {};  // section -> the JSON it was last drawn from: unchanged, it is not redrawn
+
+function changed(name, data) {
+  const text = JSON.stringify(data);
+  if (drawn[name] === text) return false;
+  drawn[name] = text;
+  return true;
+}
+
+function engineShape(engines) {
+  // what the engines section shows, less what moves with every heartbeat (updated in place)
+  return engines.map((row) => ({ ...row, heartbeatAge: null,
+    status: row.status ? { ...row.status, checkedAt: null } : null }));
+}
 
 function $(id) { return document.getElementById(id); }
 
@@ -53,6 +67,7 @@ async function call(method, path, body) {
 
 function signedOut() {
   csrf = null;
+  for (const name of Object.keys(drawn)) delete drawn[name];
   if (timer) { clearInterval(timer); timer = null; }
   $("main-view").hidden = true;
   $("signout").hidden = true;
@@ -74,11 +89,12 @@ async function refresh() {
   try {
     const data = await call("GET", "overview");
     showProblem("");
-    drawEngines(data.engines);
-    drawMemory(data.memory);
-    drawKeys(data.keys);
-    drawUnwired($("models-body"), data.models, "the model library");
-    drawUnwired($("traffic-body"), data.traffic, "the record");
+    if (changed("engines", engineShape(data.engines))) drawEngines(data.engines);
+    drawAges(data.engines);
+    if (changed("memory", data.memory)) drawMemory(data.memory);
+    if (changed("keys", data.keys)) drawKeys(data.keys);
+    if (changed("models", data.models)) drawUnwired($("models-body"), data.models, "the model library");
+    if (changed("traffic", data.traffic)) drawUnwired($("traffic-body"), data.traffic, "the record");
     $("updated").textContent = "updated " + data.now;
   } catch (error) {
     if (csrf) showProblem("cannot update: " + error.message);
@@ -88,6 +104,19 @@ async function refresh() {
 function field(list, name, value) {
   list.appendChild(el("dt", null, name));
   list.appendChild(el("dd", null, value === null || value === undefined || value === "" ? "-" : value));
+}
+
+function drawAges(engines) {
+  for (const row of engines) {
+    const item = document.querySelector('.engine[data-engine="' + CSS.escape(row.name) + '"]');
+    if (!item || row.heartbeatAge === null) continue;
+    const age = Math.round(row.heartbeatAge);
+    const shown = item.querySelector(".age");
+    if (shown) shown.textContent = age + " s ago";
+    const stale = item.querySelector(".stale");
+    if (stale) stale.textContent = "heartbeat " + age + " s old";
+    if (stale) stale.hidden = row.heartbeatAge <= STALE_S;
+  }
 }
 
 function drawEngines(engines) {
@@ -102,14 +131,15 @@ function drawEngines(engines) {
     title.appendChild(el("span", "name", row.name));
     const state = status ? status.state : "unknown";
     title.appendChild(el("span", "state state-" + state, state));
-    if (row.heartbeatAge !== null && row.heartbeatAge > STALE_S) {
-      title.appendChild(el("span", "stale", "heartbeat " + Math.round(row.heartbeatAge) + " s old"));
-    }
+    const stale = el("span", "stale");
+    stale.hidden = true;
+    title.appendChild(stale);
     item.appendChild(title);
     const list = el("dl");
     if (status) {
       field(list, "since", status.since);
-      field(list, "heartbeat", Math.round(row.heartbeatAge) + " s ago");
+      field(list, "heartbeat", "");
+      list.lastChild.className = "age";
       field(list, "url", status.url);
       const engine = status.engine;
       field(list, "build", engine ? [engine.engineVersion, engine.image].filter(Boolean).join(" · ") : null);
