@@ -286,3 +286,20 @@ def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
             await running
 
     asyncio.run(main())
+
+
+def test_the_pages_files_ship_in_the_package() -> None:
+    """install.sh installs the package, not the tree: package data must name every file."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["supervisor"]
+    static = root / "supervisor" / "host" / "page" / "static"
+    names = sorted(p.relative_to(root / "supervisor").as_posix() for p in static.iterdir())
+    assert names == ["host/page/static/index.html", "host/page/static/page.css",
+                     "host/page/static/page.js"]  # fmt: skip
+    for name in names:
+        assert any(fnmatch.fnmatch(name, glob) for glob in globs), name
