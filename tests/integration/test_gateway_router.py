@@ -3,8 +3,9 @@ process, with the official `openai` client and curl from loopback.
 
 One worker and one gateway for the module, in this order: a start on demand from `stopped`, the
 models RPC, streams with and without usage, admission refusals while a slow stream holds the one
-slot, the record's rows naming the build that answered, bad input (each refused with its status, the engine answering afterwards), a slowloris,
-Prometheus scraping the gateway's file_sd target, and last the engine killed mid-stream.
+slot, the record's rows naming the build that answered, bad input (each refused with its status,
+the engine answering afterwards), a slowloris, Prometheus scraping the gateway's file_sd target,
+and last the engine killed mid-stream.
 """
 
 from __future__ import annotations

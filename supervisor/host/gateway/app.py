@@ -30,6 +30,10 @@ from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
 from supervisor.host.gateway.usageapi import UsageApi
+from supervisor.host.page.memory import LedgerMemory
+from supervisor.host.page.routes import PREFIX as PAGE
+from supervisor.host.page.routes import Page, to_page
+from supervisor.host.page.sources import Sources
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 CALLER: Final = web.RequestKey("caller", Caller)
@@ -274,6 +278,7 @@ async def send_error_event(response: web.StreamResponse, error: dict[str, Any]) 
 
 
 GATEWAY: Final = web.AppKey("gateway", Gateway)
+PAGE_OF: Final = web.AppKey("page", Page)
 
 
 def create_app(
@@ -284,9 +289,11 @@ def create_app(
     *,
     spending: budgets.Spending | None = None,
     recorder: recording.Recorder | None = None,
+    sources: Sources | None = None,
 ) -> web.Application:
     """The application; `spending` and `recorder` are the record (record.store.Store), or
-    None: nothing is recorded and no budget is enforced."""
+    None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
+    (memory from the ledger if none)."""
     gateway = Gateway(
         settings, data_dir, auth, timing or Timing(),
         spending=spending or budgets.NoRecord(), recorder=recorder,
@@ -301,6 +308,10 @@ def create_app(
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)
+    page = Page(auth, gateway.host_api, data_dir, sources or Sources(LedgerMemory(data_dir)))
+    app[PAGE_OF] = page
+    app.router.add_get(PAGE, to_page)
+    app.add_subapp(PAGE, page.app())
     app.cleanup_ctx.append(gateway.forwarder.session)
     app.cleanup_ctx.append(gateway.idle.task)
     return app

@@ -3,6 +3,7 @@
 The gateway asks an Authenticator (supervisor.host.keycheck.Verifier) for the caller of a
 presented key; `allowed` decides by role: the inference role may call /v1 only, the owner also
 the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text.
+The operator's page (/page/) takes no bearer key: its own sign-in and session guard it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ Role = Literal["owner", "inference"]
 BEARER: Final = "bearer "
 V1: Final = "/v1/"
 HOST_API: Final = "/api/host/"
+PAGE: Final = "/page"
 
 
 class Caller(Protocol):
@@ -44,7 +46,7 @@ Access = Literal["open", "allowed", "forbidden"]
 
 def allowed(path: str, role: Role | None) -> Access:
     """Pure: whether a caller of this role (None: no valid key yet) may call this path."""
-    if path == METRICS_PATH:
+    if path in {METRICS_PATH, PAGE} or path.startswith(PAGE + "/"):
         return "open"
     if role == "owner":
         return "allowed"

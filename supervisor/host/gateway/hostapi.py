@@ -67,10 +67,10 @@ class HostApi:
 
     async def engines(self, _: web.Request) -> web.Response:
         now = Catalog.now()
-        rows = [self._row(engine, now) for engine in self.catalog.engines()]
+        rows = [self.row(engine, now) for engine in self.catalog.engines()]
         return web.json_response({"engines": rows})
 
-    def _row(self, engine: Engine, now: Any) -> dict[str, Any]:
+    def row(self, engine: Engine, now: Any) -> dict[str, Any]:
         desired = read_desired(engine_dir(self.data_dir, engine.name))
         gate = self.gates(engine.name)
         return {

@@ -1,0 +1,239 @@
+"""The page's sub-application under /page/: its files, the sign-in, and the JSON API it polls.
+
+Every response carries the page's Content-Security-Policy (nothing inline, nothing from
+elsewhere, no framing) and nosniff. Under /page/api/ everything but the sign-in needs the
+session cookie (401 without it); every POST but the sign-in also needs the session's CSRF
+token in X-CSRF-Token (403 without it). The bearer-key host API (/api/host/) is untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final
+
+from aiohttp import web
+
+from supervisor import paths
+from supervisor.host import keys
+from supervisor.host.gateway.auth import Authenticator
+from supervisor.host.gateway.hostapi import HostApi
+from supervisor.host.gateway.intake import read_body
+from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
+from supervisor.host.page.sources import Sources, section
+from supervisor.protocol.documents import utc_now
+
+PREFIX: Final = "/page"
+COOKIE: Final = "lucia_page"
+CSRF_HEADER: Final = "X-CSRF-Token"
+SIGN_IN: Final = "/api/signin"
+_BODY_LIMIT: Final = 16 * 1024
+_BODY_TIMEOUT_S: Final = 10.0
+HEADERS: Final = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+    "img-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+FILES: Final = {
+    "/": ("index.html", "text/html"),
+    "/page.js": ("page.js", "text/javascript"),
+    "/page.css": ("page.css", "text/css"),
+}
+SESSION: Final = web.RequestKey("page_session", Session)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _static(name: str) -> bytes:
+    return (resources.files("supervisor.host.page") / "static" / name).read_bytes()
+
+
+def _refused(refusal: Refusal) -> web.Response:
+    return web.Response(
+        status=refusal.status, body=refusal.encoded(), content_type="application/json",
+        headers=refusal.headers,
+    )  # fmt: skip
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    raw = await read_body(
+        request, _BODY_LIMIT, _BODY_TIMEOUT_S,
+        lambda: Refusal(413, "request_too_large", "the page's requests are limited to 16 KiB"),
+    )  # fmt: skip
+    try:
+        document = json.loads(raw or b"{}")
+    except ValueError:
+        raise Refusal(400, "invalid_request", "the body must be a JSON object") from None
+    if not isinstance(document, dict):
+        raise Refusal(400, "invalid_request", "the body must be a JSON object")
+    return document
+
+
+class Page:
+    """The page of one gateway: its sessions, and what it reads and asks through."""
+
+    def __init__(
+        self,
+        auth: Authenticator,
+        host_api: HostApi,
+        data_dir: Path,
+        sources: Sources,
+        *,
+        sessions: Sessions | None = None,
+        limit: SignInLimit | None = None,
+    ) -> None:
+        self.auth = auth
+        self.host_api = host_api
+        self.keys_file = paths.keys_file(data_dir)
+        self.sources = sources
+        self.sessions = sessions or Sessions()
+        self.limit = limit or SignInLimit()
+        self.files = {path: (_static(name), kind) for path, (name, kind) in FILES.items()}
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.guard])
+        for path in FILES:
+            app.router.add_get(path, self.serve_file)
+        app.router.add_post(SIGN_IN, self.sign_in)
+        app.router.add_post("/api/signout", self.sign_out)
+        app.router.add_get("/api/session", self.session)
+        app.router.add_get("/api/overview", self.overview)
+        app.router.add_post("/api/engines/{name}", self.host_api.set_desired)
+        app.router.add_post("/api/keys", self.create_key)
+        app.router.add_post("/api/keys/{id}/revoke", self.revoke_key)
+        return app
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            self._check(request)
+            response = await handler(request)
+        except Refusal as refusal:
+            response = _refused(refusal)
+        except web.HTTPException as exc:
+            response = web.Response(status=exc.status, text=exc.text or exc.reason)
+        response.headers.update(HEADERS)
+        return response
+
+    def _check(self, request: web.Request) -> None:
+        """The session of an API request (401 without), and a POST's CSRF token (403)."""
+        path = request.path[len(PREFIX) :]
+        if not path.startswith("/api/") or path == SIGN_IN:
+            return
+        session = self.sessions.find(request.cookies.get(COOKIE))
+        if session is None:
+            raise Refusal(401, "signed_out", "sign in with the owner key (the session is over)")
+        if request.method == "POST" and not csrf_matches(session, request.headers.get(CSRF_HEADER)):
+            raise Refusal(403, "csrf_refused", f"a change needs this session's {CSRF_HEADER}")
+        request[SESSION] = session
+
+    async def serve_file(self, request: web.Request) -> web.Response:
+        body, kind = self.files[request.path[len(PREFIX) :]]
+        return web.Response(body=body, content_type=kind, charset="utf-8")
+
+    async def sign_in(self, request: web.Request) -> web.Response:
+        wait = self.limit.blocked()
+        if wait > 0:
+            raise Refusal(
+                429, "too_many_sign_ins", f"too many failed sign-ins: try again in {wait:.0f} s",
+                headers={"Retry-After": str(max(1, round(wait)))},
+            )  # fmt: skip
+        key = (await _json(request)).get("key")
+        caller = self.auth.verify(key.strip()) if isinstance(key, str) and key.strip() else None
+        if caller is None:
+            self.limit.failed()
+            raise Refusal(401, "invalid_api_key", "that is not a valid key")
+        if caller.role != "owner":
+            raise Refusal(
+                403, "permission_denied",
+                f"the page is the owner's: this key's role is {caller.role}, which may call "
+                "/v1 only",
+            )  # fmt: skip
+        token, session = self.sessions.open()
+        response = web.json_response({"csrf": session.csrf})
+        response.set_cookie(
+            COOKIE, token, max_age=int(self.sessions.lifetime_s), path="/", httponly=True,
+            samesite="Strict", secure=request.secure,
+        )  # fmt: skip
+        return response
+
+    async def sign_out(self, request: web.Request) -> web.Response:
+        self.sessions.close(request.cookies.get(COOKIE))
+        response = web.json_response({"signedOut": True})
+        response.del_cookie(COOKIE, path="/")
+        return response
+
+    async def session(self, request: web.Request) -> web.Response:
+        return web.json_response({"csrf": request[SESSION].csrf})
+
+    async def overview(self, _: web.Request) -> web.Response:
+        now = utc_now()
+        engines = [self.host_api.row(engine, now) for engine in self.host_api.catalog.engines()]
+        for row in engines:
+            status = row["status"]
+            row["heartbeatAge"] = _age(status["checkedAt"], now) if status else None
+        rest = await asyncio.to_thread(self._files, now)
+        return web.json_response({"now": _iso(now), "engines": engines, **rest})
+
+    def _files(self, now: datetime) -> dict[str, Any]:
+        """The sections read from files and sources, off the loop."""
+        return {
+            "memory": section(self.sources.memory),
+            "keys": self._keys(now),
+            "models": section(self.sources.models),
+            "traffic": section(self.sources.traffic),
+        }
+
+    def _keys(self, now: datetime) -> dict[str, Any]:
+        try:
+            rows = keys.describe(keys.load(self.keys_file), now)
+        except keys.KeysFileInvalid as exc:
+            return {"problem": str(exc), "keys": []}
+        use = section(self.sources.key_use)
+        return {"keys": [row for row in rows if row["state"] != "revoked"], "use": use}
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        document = await _json(request)
+        name, expires = document.get("name"), document.get("expires") or None
+        if not isinstance(name, str) or not (expires is None or isinstance(expires, str)):
+            raise Refusal(400, "invalid_request", "a key needs a name (and may have an expiry)")
+        try:
+            now = utc_now()
+            when = keys.parse_expiry(expires, now) if expires else None
+            new = await asyncio.to_thread(keys.create, self.keys_file, name, now, when)
+        except (keys.KeyRefused, keys.BadExpiry, keys.KeysFileInvalid) as exc:
+            raise Refusal(400, "invalid_request", str(exc)) from None
+        shown = keys.describe([new.entry], now)[0]
+        return web.json_response({**shown, "secret": new.secret}, status=201)
+
+    async def revoke_key(self, request: web.Request) -> web.Response:
+        ref = request.match_info["id"]
+        if keys.ID_PATTERN.fullmatch(ref) is None:
+            raise Refusal(400, "invalid_request", "revoke takes a key id (key_ and 12 hex digits)")
+        try:
+            done = await asyncio.to_thread(keys.revoke_key, self.keys_file, ref, utc_now())
+        except (keys.KeyRefused, keys.KeysFileInvalid) as exc:
+            raise Refusal(404, "key_not_found", str(exc)) from None
+        return web.json_response(keys.describe([done], utc_now())[0])
+
+
+async def to_page(_: web.Request) -> web.Response:
+    """`GET /page`: the page is at /page/ (its files are relative to it)."""
+    raise web.HTTPFound(PREFIX + "/")
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _age(checked_at: str, now: datetime) -> float:
+    return (now - datetime.fromisoformat(checked_at.replace("Z", "+00:00"))).total_seconds()

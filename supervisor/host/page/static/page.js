@@ -1,0 +1,275 @@
+// The operator's page: polls /page/api/overview and draws it. Everything that came from an
+// engine, a worker or the hub is set as text (textContent), never as markup.
+"use strict";
+
+const API = "api/";
+const POLL_MS = 2000;
+const STALE_S = 60;
+let csrf = null;
+let timer = null;
+const drawn = {};  // section -> the JSON it was last drawn from: unchanged, it is not redrawn
+
+function changed(name, data) {
+  const text = JSON.stringify(data);
+  if (drawn[name] === text) return false;
+  drawn[name] = text;
+  return true;
+}
+
+function engineShape(engines) {
+  // what the engines section shows, less what moves with every heartbeat (updated in place)
+  return engines.map((row) => ({ ...row, heartbeatAge: null,
+    status: row.status ? { ...row.status, checkedAt: null } : null }));
+}
+
+function $(id) { return document.getElementById(id); }
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+
+function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
+
+function size(bytes) {
+  if (bytes === null || bytes === undefined) return "-";
+  const gib = bytes / 1024 ** 3;
+  return gib >= 1 ? gib.toFixed(1) + " GiB" : (bytes / 1024 ** 2).toFixed(0) + " MiB";
+}
+
+function showProblem(text) {
+  const p = $("problem");
+  p.textContent = text || "";
+  p.hidden = !text;
+}
+
+async function call(method, path, body) {
+  const headers = { "Accept": "application/json" };
+  if (method === "POST") {
+    headers["Content-Type"] = "application/json";
+    if (csrf) headers["X-CSRF-Token"] = csrf;
+  }
+  const answer = await fetch(API + path, {
+    method, headers, credentials: "same-origin",
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  let data = null;
+  try { data = await answer.json(); } catch (e) { data = null; }
+  if (answer.status === 401 && path !== "signin") { signedOut(); }
+  if (!answer.ok) {
+    const message = data && data.error ? data.error.message : answer.status + " " + answer.statusText;
+    throw new Error(message);
+  }
+  return data;
+}
+
+function signedOut() {
+  csrf = null;
+  for (const name of Object.keys(drawn)) delete drawn[name];
+  if (timer) { clearInterval(timer); timer = null; }
+  $("main-view").hidden = true;
+  $("signout").hidden = true;
+  $("signin-view").hidden = false;
+  $("updated").textContent = "";
+}
+
+function signedIn(token) {
+  csrf = token;
+  $("signin-view").hidden = true;
+  $("signin-problem").hidden = true;
+  $("main-view").hidden = false;
+  $("signout").hidden = false;
+  refresh();
+  if (!timer) timer = setInterval(refresh, POLL_MS);
+}
+
+async function refresh() {
+  try {
+    const data = await call("GET", "overview");
+    showProblem("");
+    if (changed("engines", engineShape(data.engines))) drawEngines(data.engines);
+    drawAges(data.engines);
+    if (changed("memory", data.memory)) drawMemory(data.memory);
+    if (changed("keys", data.keys)) drawKeys(data.keys);
+    if (changed("models", data.models)) drawUnwired($("models-body"), data.models, "the model library");
+    if (changed("traffic", data.traffic)) drawUnwired($("traffic-body"), data.traffic, "the record");
+    $("updated").textContent = "updated " + data.now;
+  } catch (error) {
+    if (csrf) showProblem("cannot update: " + error.message);
+  }
+}
+
+function field(list, name, value) {
+  list.appendChild(el("dt", null, name));
+  list.appendChild(el("dd", null, value === null || value === undefined || value === "" ? "-" : value));
+}
+
+function drawAges(engines) {
+  for (const row of engines) {
+    const item = document.querySelector('.engine[data-engine="' + CSS.escape(row.name) + '"]');
+    if (!item || row.heartbeatAge === null) continue;
+    const age = Math.round(row.heartbeatAge);
+    const shown = item.querySelector(".age");
+    if (shown) shown.textContent = age + " s ago";
+    const stale = item.querySelector(".stale");
+    if (stale) stale.textContent = "heartbeat " + age + " s old";
+    if (stale) stale.hidden = row.heartbeatAge <= STALE_S;
+  }
+}
+
+function drawEngines(engines) {
+  const box = $("engine-list");
+  clear(box);
+  if (!engines.length) { box.appendChild(el("p", "muted", "No engine has a worker here.")); return; }
+  for (const row of engines) {
+    const status = row.status;
+    const item = el("div", "engine");
+    item.dataset.engine = row.name;
+    const title = el("h3");
+    title.appendChild(el("span", "name", row.name));
+    const state = status ? status.state : "unknown";
+    title.appendChild(el("span", "state state-" + state, state));
+    const stale = el("span", "stale");
+    stale.hidden = true;
+    title.appendChild(stale);
+    item.appendChild(title);
+    const list = el("dl");
+    if (status) {
+      field(list, "since", status.since);
+      field(list, "heartbeat", "");
+      list.lastChild.className = "age";
+      field(list, "url", status.url);
+      const engine = status.engine;
+      field(list, "build", engine ? [engine.engineVersion, engine.image].filter(Boolean).join(" · ") : null);
+      field(list, "weights", engine ? [engine.model, engine.modelRevision].filter(Boolean).join(" @ ") : null);
+      field(list, "models", (status.models || []).join(", "));
+      field(list, "asked", row.desired ? row.desired.desired + " (generation " + row.desired.generation + ")" : null);
+    }
+    item.appendChild(list);
+    if (status && status.message) item.appendChild(el("p", "message", status.message));
+    for (const desired of ["running", "stopped"]) {
+      const button = el("button", "act-" + desired, desired === "running" ? "Start" : "Stop");
+      button.type = "button";
+      button.addEventListener("click", () => ask(row.name, desired));
+      item.appendChild(button);
+    }
+    box.appendChild(item);
+  }
+}
+
+async function ask(name, desired) {
+  try {
+    await call("POST", "engines/" + encodeURIComponent(name), { desired });
+    refresh();
+  } catch (error) { showProblem(name + ": " + error.message); }
+}
+
+function drawMemory(memory) {
+  const box = $("memory-body");
+  clear(box);
+  if (!memory.available) { box.appendChild(el("p", "muted", "not available")); return; }
+  const data = memory.data;
+  const bar = el("div", "bar");
+  const legend = el("ul", "legend");
+  const part = (cls, name, bytes) => {
+    const seg = el("span", cls);
+    seg.style.width = (100 * bytes / data.limit).toFixed(2) + "%";
+    seg.title = name + " " + size(bytes);
+    bar.appendChild(seg);
+    const li = el("li");
+    li.appendChild(el("span", "swatch " + cls));
+    li.appendChild(el("span", null, name + ": " + size(bytes)));
+    legend.appendChild(li);
+  };
+  data.claims.forEach((claim, i) => part("seg-" + (i % 4), claim.name, claim.bytes));
+  part("seg-free", "not claimed", data.unclaimed);
+  box.appendChild(el("p", null, "limit " + size(data.limit) + " (" + data.limitSource + "); available now " + size(data.availableNow)));
+  box.appendChild(bar);
+  box.appendChild(legend);
+  if (!data.reserves) box.appendChild(el("p", "muted", "reserves: see lucia-supervisor plan"));
+}
+
+function drawKeys(keys) {
+  const rows = $("key-rows");
+  clear(rows);
+  if (keys.problem) showProblem(keys.problem);
+  const use = keys.use && keys.use.available ? keys.use.data : null;
+  for (const key of keys.keys) {
+    const tr = el("tr");
+    tr.dataset.key = key.id;
+    tr.appendChild(el("td", "key-name", key.name));
+    tr.appendChild(el("td", null, key.id));
+    tr.appendChild(el("td", null, key.created));
+    tr.appendChild(el("td", null, key.expires || "never"));
+    tr.appendChild(el("td", null, use && use[key.id] ? use[key.id].lastUse : "not available"));
+    const cell = el("td");
+    const button = el("button", "revoke", "Revoke");
+    button.type = "button";
+    button.addEventListener("click", () => revoke(key.id));
+    cell.appendChild(button);
+    tr.appendChild(cell);
+    rows.appendChild(tr);
+  }
+}
+
+async function revoke(id) {
+  try { await call("POST", "keys/" + encodeURIComponent(id) + "/revoke", {}); refresh(); }
+  catch (error) { showProblem("revoke: " + error.message); }
+}
+
+function drawUnwired(box, source, what) {
+  clear(box);
+  if (!source.available) { box.appendChild(el("p", "muted", "not available (" + what + " is not connected)")); return; }
+  box.appendChild(el("pre", "message", JSON.stringify(source.data, null, 2)));
+}
+
+async function signIn(event) {
+  event.preventDefault();
+  const input = $("owner-key");
+  try {
+    const answer = await call("POST", "signin", { key: input.value });
+    input.value = "";
+    signedIn(answer.csrf);
+  } catch (error) {
+    const p = $("signin-problem");
+    p.textContent = error.message;
+    p.hidden = false;
+  }
+}
+
+async function signOut() {
+  try { await call("POST", "signout", {}); } catch (error) { /* signed out either way */ }
+  signedOut();
+}
+
+async function createKey(event) {
+  event.preventDefault();
+  try {
+    const answer = await call("POST", "keys", { name: $("key-name").value, expires: $("key-expires").value });
+    $("key-secret").textContent = answer.secret;
+    $("key-new").hidden = false;
+    $("key-name").value = "";
+    $("key-expires").value = "";
+    refresh();
+  } catch (error) { showProblem("create: " + error.message); }
+}
+
+function keyDone() {
+  $("key-secret").textContent = "";
+  $("key-new").hidden = true;
+}
+
+async function start() {
+  $("signin").addEventListener("submit", signIn);
+  $("signout").addEventListener("click", signOut);
+  $("key-create").addEventListener("submit", createKey);
+  $("key-done").addEventListener("click", keyDone);
+  try {
+    const answer = await call("GET", "session");
+    signedIn(answer.csrf);
+  } catch (error) { signedOut(); }
+}
+
+document.addEventListener("DOMContentLoaded", start);

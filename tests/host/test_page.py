@@ -1,0 +1,305 @@
+"""The operator's page in process: sign-in, sessions, CSRF, its headers and its JSON API (the
+browser drives the real gateway in tests/integration/test_page_browser.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from supervisor.host.gateway.app import PAGE_OF
+from supervisor.host.gateway.auth import allowed
+from supervisor.host.gateway.service import Service
+from supervisor.host.gateway.settings import parse
+from supervisor.host.page import memory
+from supervisor.host.page.routes import COOKIE, CSRF_HEADER
+from supervisor.host.page.sessions import Sessions, SignInLimit
+from tests.host.gateway_world import (
+    INFERENCE_KEY,
+    KEYS,
+    OWNER,
+    OWNER_KEY,
+    SETTINGS,
+    World,
+    world,
+    write_status,
+)
+from tests.host.test_gateway_service import self_signed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(
+    tmp_path: Path,
+    scenario: Callable[[World, aiohttp.ClientSession], Awaitable[None]],
+) -> None:
+    async def main() -> None:
+        async with (
+            world(tmp_path, SETTINGS) as w,
+            aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http,
+        ):
+            await scenario(w, http)
+
+    asyncio.run(main())
+
+
+def url(w: World, path: str) -> str:
+    return str(w.gateway.make_url("/page" + path))
+
+
+async def sign_in(
+    w: World,
+    http: aiohttp.ClientSession,
+    key: str = OWNER_KEY,
+) -> tuple[int, dict[str, Any]]:
+    async with http.post(url(w, "/api/signin"), json={"key": key}) as answer:
+        return answer.status, await answer.json()
+
+
+def test_the_page_path_takes_no_bearer_key() -> None:
+    assert allowed("/page/", None) == "open"
+    assert allowed("/page/api/overview", "inference") == "open"
+    assert allowed("/pages", None) == "forbidden"
+    assert allowed("/api/host/engines", "inference") == "forbidden"
+
+
+def test_the_page_and_its_files_carry_the_policy(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        for path, kind in (
+            ("/", "text/html"),
+            ("/page.js", "text/javascript"),
+            ("/page.css", "text/css"),
+        ):
+            async with http.get(url(w, path)) as answer:
+                assert answer.status == 200 and answer.content_type == kind
+                policy = answer.headers["Content-Security-Policy"]
+                assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy
+                assert "unsafe-inline" not in policy
+                assert answer.headers["X-Content-Type-Options"] == "nosniff"
+                text = await answer.text()
+                if kind == "text/html":
+                    assert "<script>" not in text and "<style" not in text
+                    assert re.search(r"\son[a-z]+=", text) is None and "style=" not in text
+        async with http.get(url(w, ""), allow_redirects=False) as answer:
+            assert answer.status == 302 and answer.headers["Location"] == "/page/"
+
+    run(tmp_path, scenario)
+
+
+def test_the_owner_signs_in_polls_and_signs_out(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        write_status(w.data, "small", "stopped", message="<img src=x onerror=alert(1)>")
+        async with http.post(url(w, "/api/signin"), json={"key": OWNER_KEY}) as answer:
+            assert answer.status == 200
+            body = await answer.json()
+            cookie = answer.headers["Set-Cookie"]
+        assert len(body["csrf"]) >= 40
+        assert cookie.startswith(COOKIE + "=") and OWNER_KEY not in cookie
+        for part in ("HttpOnly", "SameSite=Strict", "Path=/"):
+            assert part in cookie
+        assert "Secure" not in cookie, "Secure only over TLS"
+        async with http.get(url(w, "/api/overview")) as answer:
+            assert answer.status == 200
+            data = await answer.json()
+        engine = data["engines"][0]
+        assert engine["name"] == "small" and engine["status"]["state"] == "stopped"
+        assert engine["status"]["message"] == "<img src=x onerror=alert(1)>"
+        assert data["models"] == {"available": False} and data["traffic"] == {"available": False}
+        headers = {CSRF_HEADER: body["csrf"]}
+        async with http.post(url(w, "/api/signout"), json={}, headers=headers) as answer:
+            assert answer.status == 200
+        async with http.get(url(w, "/api/overview")) as answer:
+            assert answer.status == 401
+
+    run(tmp_path, scenario)
+
+
+def test_a_change_without_the_csrf_token_is_refused(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        write_status(w.data, "small", "stopped")
+        _, body = await sign_in(w, http)
+        for headers in ({}, {CSRF_HEADER: "x" * len(body["csrf"])}):
+            async with http.post(
+                url(w, "/api/engines/small"), json={"desired": "running"}, headers=headers
+            ) as answer:
+                assert answer.status == 403
+                assert (await answer.json())["error"]["code"] == "csrf_refused"
+        assert not (w.data / "small" / "desired.json").exists()
+        async with http.post(
+            url(w, "/api/engines/small"),
+            json={"desired": "running"},
+            headers={CSRF_HEADER: body["csrf"]},
+        ) as answer:
+            assert answer.status == 202
+        assert (w.data / "small" / "desired.json").exists()
+
+    run(tmp_path, scenario)
+
+
+def test_an_inference_key_cannot_open_the_page(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        status, body = await sign_in(w, http, INFERENCE_KEY)
+        assert status == 403 and "the page is the owner's" in body["error"]["message"]
+        assert COOKIE not in http.cookie_jar.filter_cookies(w.gateway.make_url("/page/"))
+        async with http.get(
+            url(w, "/api/overview"), headers={"Authorization": f"Bearer {INFERENCE_KEY}"}
+        ) as answer:
+            assert answer.status == 401
+        async with http.get(url(w, "/api/overview"), headers=OWNER) as answer:
+            assert answer.status == 401, "the page takes its session, never a bearer key"
+
+    run(tmp_path, scenario)
+
+
+def test_an_expired_session_is_signed_out(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        clock = Clock()
+        w.gateway.app[PAGE_OF].sessions = Sessions(lifetime_s=3600, clock=clock)
+        _, body = await sign_in(w, http)
+        async with http.get(url(w, "/api/session")) as answer:
+            assert answer.status == 200 and (await answer.json())["csrf"] == body["csrf"]
+        clock.now += 3600
+        async with http.get(url(w, "/api/overview")) as answer:
+            assert answer.status == 401
+            assert (await answer.json())["error"]["code"] == "signed_out"
+
+    run(tmp_path, scenario)
+
+
+def test_failed_sign_ins_are_limited(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        clock = Clock()
+        w.gateway.app[PAGE_OF].limit = SignInLimit(allowed=3, window_s=60, clock=clock)
+        for _ in range(3):
+            assert (await sign_in(w, http, "wrong" * 10))[0] == 401
+        status, body = await sign_in(w, http)
+        assert status == 429 and body["error"]["code"] == "too_many_sign_ins"
+        clock.now += 61
+        assert (await sign_in(w, http))[0] == 200
+
+    run(tmp_path, scenario)
+
+
+def test_a_key_is_created_shown_once_and_revoked(tmp_path: Path) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        _, body = await sign_in(w, http)
+        headers = {CSRF_HEADER: body["csrf"]}
+        async with http.post(
+            url(w, "/api/keys"), json={"name": "laptop"}, headers=headers
+        ) as answer:
+            assert answer.status == 201
+            made = await answer.json()
+        assert made["secret"].startswith("lucia_inf_")
+        async with http.get(url(w, "/api/overview")) as answer:
+            text = await answer.text()
+        assert made["id"] in text and made["secret"] not in text
+        async with http.post(
+            url(w, "/api/keys"), json={"name": "laptop"}, headers=headers
+        ) as answer:
+            assert answer.status == 400, "a name in use"
+        async with http.post(
+            url(w, f"/api/keys/{made['id']}/revoke"), json={}, headers=headers
+        ) as answer:
+            assert answer.status == 200 and (await answer.json())["state"] == "revoked"
+        async with http.get(url(w, "/api/overview")) as answer:
+            assert made["id"] not in await answer.text()
+
+    run(tmp_path, scenario)
+
+
+def test_sessions_keep_no_token_and_drop_the_oldest() -> None:
+    clock = Clock()
+    sessions = Sessions(lifetime_s=10, clock=clock, limit=2)
+    first, _ = sessions.open()
+    clock.now += 1
+    second, _ = sessions.open()
+    third, _ = sessions.open()
+    assert sessions.find(first) is None and sessions.find(second) and sessions.find(third)
+    assert first not in repr(sessions.__dict__) and second not in repr(sessions.__dict__)
+    clock.now += 10
+    assert sessions.find(third) is None and sessions.find(None) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        (
+            '{"claims": [{"name": "a", "bytes": 5}, {"name": 3}, {"bytes": true, "name": "b"}]}',
+            [("a", 5)],
+        ),
+        ("not json", []),
+        ('{"claims": {}}', []),
+    ],
+)
+def test_the_ledger_is_read_loosely(text: str, found: list[tuple[str, int]]) -> None:
+    assert memory.parse_claims(text) == found
+
+
+def test_memory_shows_the_claims_of_engines_that_hold(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "memory").mkdir(parents=True)
+    (data / "memory" / "claims.json").write_text(
+        '{"claims": [{"name": "small", "bytes": 1024}, {"name": "gone", "bytes": 2048}]}'
+    )
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 4 kB\nMemFree: 1 kB\nMemAvailable: 2 kB\n")
+    write_status(data, "small", "running", url="http://127.0.0.1:1")
+    write_status(data, "gone", "stopped")
+    shown = memory.LedgerMemory(data, meminfo).read()
+    assert shown is not None
+    assert shown["claims"] == [{"name": "small", "bytes": 1024}]
+    assert (shown["limit"], shown["availableNow"], shown["unclaimed"]) == (4096, 2048, 3072)
+
+
+def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    settings = parse(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
+
+    async def main() -> None:
+        service = Service(settings, data, KEYS)
+        running = asyncio.create_task(service.run())
+        await asyncio.wait_for(service.listening.wait(), 30)
+        trusted = ssl.create_default_context(cafile=str(cert))
+        try:
+            async with aiohttp.ClientSession() as http:
+                address = f"https://127.0.0.1:{service.port}/page/api/signin"
+                async with http.post(address, json={"key": OWNER_KEY}, ssl=trusted) as answer:
+                    assert answer.status == 200
+                    cookie = answer.headers["Set-Cookie"]
+            assert "Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        finally:
+            service.stop.set()
+            await running
+
+    asyncio.run(main())
+
+
+def test_the_pages_files_ship_in_the_package() -> None:
+    """install.sh installs the package, not the tree: package data must name every file."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["supervisor"]
+    static = root / "supervisor" / "host" / "page" / "static"
+    names = sorted(p.relative_to(root / "supervisor").as_posix() for p in static.iterdir())
+    assert names == ["host/page/static/index.html", "host/page/static/page.css",
+                     "host/page/static/page.js"]  # fmt: skip
+    for name in names:
+        assert any(fnmatch.fnmatch(name, glob) for glob in globs), name

@@ -1,0 +1,297 @@
+"""The operator's page in a real browser (Debian's chromium, driven by selenium through
+chromium-driver, headless, nothing downloaded) against the real gateway process and a real
+worker on the real llama-server router.
+
+In order, as an operator would: an inference key is refused; the owner signs in and sees the
+engine stopped; markup in a worker's message shows as text; start, and the engine reaches
+running; a change without the CSRF token is refused; a key is created, shown once, used and
+revoked; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
+written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
+from tests.gateway_proc import Gateway, running_gateway
+from tests.gguf_fixtures import TinyLlama, add_model, write_llama
+from tests.host.gateway_world import write_status
+from tests.standin import recipe_repository
+from tests.system.harness import wait_for
+
+pytestmark = pytest.mark.docker
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+HOSTILE = "<img src=x onerror=document.title='owned'>"
+WAIT_S = 30  # the page polls every 2 s
+START_S = 180  # a router start: the model cache, the container, /models
+# the page redraws a section whose data changed: an element found before may be gone
+RETRY = (NoSuchElementException, StaleElementReferenceException)
+
+
+def shots() -> Path:
+    where = Path(
+        os.environ.get("LUCIA_PAGE_SCREENSHOTS")
+        or Path(tempfile.gettempdir()) / "lucia-page-screenshots"
+    )
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+@pytest.fixture(scope="module")
+def router(
+    client: docker.DockerClient,
+    base_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Engine]:
+    """A llama-router engine with one tiny model, its worker running and the engine stopped."""
+    directory = tmp_path_factory.mktemp("page-router")
+    recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
+    repo = RecipeRepo(directory / "recipe-repo")
+    factory = EngineFactory(client, base_image, directory, lambda: repo, request)
+    engine = factory(kind="llama-router", models_max=1)
+    engine.models_dir.mkdir(exist_ok=True)
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf", TinyLlama())
+    engine.start_worker()
+    engine.wait_state(engine.request("stopped"), "stopped", timeout=60)
+    yield engine
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(router: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with running_gateway(tmp_path_factory.mktemp("page-gateway"), router.data_dir) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1600",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    )
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shot(driver: WebDriver, name: str) -> Path:
+    path = shots() / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path
+
+
+def until(driver: WebDriver, check: Any, timeout: float = WAIT_S, what: str = "") -> Any:
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=RETRY)
+    return wait.until(check, message=what)
+
+
+def press(driver: WebDriver, css: str) -> None:
+    """Click the element now matching css (found again if a redraw replaced it)."""
+    until(driver, lambda d: d.find_element(By.CSS_SELECTOR, css).click() or True, what=css)
+
+
+def text(driver: WebDriver, css: str) -> str:
+    return str(until(driver, lambda d: [d.find_element(By.CSS_SELECTOR, css).text], what=css)[0])
+
+
+def visible(driver: WebDriver, element_id: str) -> bool:
+    return driver.find_element(By.ID, element_id).is_displayed()
+
+
+def engine_state(driver: WebDriver, name: str) -> str | None:
+    try:
+        return driver.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{name}"] .state').text
+    except RETRY:
+        return None
+
+
+def engine(name: str) -> str:
+    return f'.engine[data-engine="{name}"]'
+
+
+def sign_in(driver: WebDriver, gateway: Gateway, key: str) -> None:
+    driver.get(gateway.url + "/page/")
+    until(driver, lambda d: visible(d, "signin-view"), what="the sign-in form")
+    field = driver.find_element(By.ID, "owner-key")
+    field.clear()
+    field.send_keys(key)
+    driver.find_element(By.CSS_SELECTOR, "#signin button").click()
+
+
+def post_without_csrf(driver: WebDriver, path: str, body: str) -> int:
+    """A same-origin POST from the page, with the session cookie and no CSRF token."""
+    return int(
+        driver.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "fetch(arguments[0], {method: 'POST', credentials: 'same-origin',"
+            " headers: {'Content-Type': 'application/json'}, body: arguments[1]})"
+            ".then(r => done(r.status), e => done(0));",
+            path,
+            body,
+        )
+    )
+
+
+def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gateway) -> None:
+    sign_in(browser, gateway, gateway.inference)
+    until(browser, lambda d: visible(d, "signin-problem"), what="the refusal")
+    assert "the page is the owner's" in browser.find_element(By.ID, "signin-problem").text
+    assert not visible(browser, "main-view")
+    assert browser.get_cookies() == []
+    shot(browser, "1-inference-key-refused")
+
+
+def test_the_owner_signs_in_and_sees_the_engine_stopped(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    sign_in(browser, gateway, gateway.owner)
+    until(browser, lambda d: engine_state(d, router.name) == "stopped", what="the engine")
+    assert not visible(browser, "signin-view")
+    cookie = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert gateway.owner not in cookie["value"]
+    assert "not available" in browser.find_element(By.ID, "models-body").text
+    assert "not available" in browser.find_element(By.ID, "traffic-body").text
+    shot(browser, "2-engines-stopped")
+
+
+def test_markup_in_a_message_shows_as_text(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    old = datetime.now(UTC) - timedelta(seconds=120)
+    write_status(
+        router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",), checked_at=old
+    )
+    until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
+    assert text(browser, engine("hostile") + " .message") == HOSTILE
+    until(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, engine("hostile") + " .stale").is_displayed(),
+        what="the old heartbeat marked",
+    )
+    assert "s old" in text(browser, engine("hostile") + " .stale")
+    assert not browser.find_element(By.CSS_SELECTOR, engine(router.name) + " .stale").is_displayed()
+    assert browser.find_elements(By.CSS_SELECTOR, "#engine-list img, #engine-list b") == []
+    assert browser.title != "owned"
+    shot(browser, "3-markup-as-text")
+    (router.data_dir / "hostile" / "status.json").unlink()
+    until(browser, lambda d: engine_state(d, "hostile") is None, what="the hostile engine gone")
+
+
+def test_start_reaches_running_and_memory_shows_its_claim(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    press(browser, engine(router.name) + " button.act-running")
+    until(
+        browser,
+        lambda d: engine_state(d, router.name) == "running",
+        START_S,
+        what="the engine running",
+    )
+    assert "http://" in text(browser, engine(router.name))  # its url
+    shot(browser, "4-engine-running")
+    until(
+        browser,
+        lambda d: router.name in d.find_element(By.ID, "memory-body").text,
+        what="the engine's claim in the memory bars",
+    )
+    browser.execute_script("document.getElementById('memory').scrollIntoView()")
+    shot(browser, "5-memory")
+
+
+def test_a_change_without_the_csrf_token_is_refused(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    assert post_without_csrf(browser, f"api/engines/{router.name}", '{"desired": "stopped"}') == 403
+    assert post_without_csrf(browser, "api/keys", '{"name": "sneaky"}') == 403
+    desired = (router.data_dir / router.name / "desired.json").read_text()
+    assert '"running"' in desired
+    assert "sneaky" not in browser.find_element(By.ID, "key-rows").text
+
+
+def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gateway: Gateway) -> None:
+    browser.find_element(By.ID, "key-name").send_keys("laptop")
+    browser.find_element(By.CSS_SELECTOR, "#key-create button").click()
+    until(browser, lambda d: visible(d, "key-new"), what="the new key")
+    secret = browser.find_element(By.ID, "key-secret").text
+    assert secret.startswith("lucia_inf_")
+    browser.execute_script("document.getElementById('keys').scrollIntoView()")
+    shot(browser, "6-key-created")
+    wait_for(lambda: gateway.get("/v1/models", secret)[0] == 200, 10, "the new key accepted")
+    browser.find_element(By.ID, "key-done").click()
+    assert secret not in browser.page_source, "shown once"
+    browser.refresh()
+    until(browser, lambda d: "laptop" in d.find_element(By.ID, "key-rows").text, what="listed")
+    assert secret not in browser.page_source
+    revoke = "//tr[td[@class='key-name' and text()='laptop']]//button[@class='revoke']"
+    until(browser, lambda d: d.find_element(By.XPATH, revoke).click() or True, what="revoke")
+    until(
+        browser,
+        lambda d: "laptop" not in d.find_element(By.ID, "key-rows").text,
+        what="the revoked key gone",
+    )
+    wait_for(lambda: gateway.get("/v1/models", secret)[0] == 401, 10, "the key refused")
+    shot(browser, "7-key-revoked")
+
+
+def test_the_phone_width(browser: WebDriver, router: Engine) -> None:
+    browser.set_window_size(390, 1400)
+    try:
+        until(browser, lambda d: engine_state(d, router.name) == "running", what="the engine")
+        width = browser.execute_script("return document.documentElement.scrollWidth")
+        assert width <= 400, "nothing wider than the phone"
+        shot(browser, "8-phone")
+    finally:
+        browser.set_window_size(1280, 1600)
+
+
+def test_stop_and_a_signed_out_session_opens_nothing(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    press(browser, engine(router.name) + " button.act-stopped")
+    until(
+        browser,
+        lambda d: engine_state(d, router.name) == "stopped",
+        START_S,
+        what="the engine stopped",
+    )
+    old = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
+    browser.find_element(By.ID, "signout").click()
+    until(browser, lambda d: visible(d, "signin-view"), what="signed out")
+    browser.add_cookie({"name": old["name"], "value": old["value"], "path": "/"})
+    browser.get(gateway.url + "/page/")
+    until(browser, lambda d: visible(d, "signin-view"), what="the sign-in form again")
+    assert not visible(browser, "main-view")
+    status = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch('api/overview').then(r => done(r.status));"
+    )
+    assert status == 401
+    shot(browser, "9-signed-out")
