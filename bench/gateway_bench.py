@@ -20,7 +20,8 @@ its end, no error event, no finish other than `length`; any other is counted as 
 its reason, and left out of the times. Tokens a second: `--tokens` per whole answer over the
 wall time of each path's rounds (llama-server sends a token that ends inside a UTF-8 character
 with the next one, so its chunks are fewer than its tokens; `ignore_eos` makes it generate all
-of them). The gateway's CPU per request comes from /proc.
+of them). The gateway's CPU per request comes from /proc; the load generator's own (this process's,
+per path) shows when it, on the same cores, is what limits a path.
 
 Client connections (`--client-connections`): each path has its own client pool. llama-server
 closes the connection after every streamed answer, yet announces keep-alive (no `Connection:
@@ -82,6 +83,7 @@ class Samples:
     tokens: int = 0
     wall: float = 0.0
     cpu: float = 0.0  # the gateway's CPU seconds over these rounds
+    client: float = 0.0  # the load generator's own CPU seconds over these rounds
     failed: Counter[str] = field(default_factory=Counter)  # reason -> answers not whole
 
     @property
@@ -164,10 +166,12 @@ async def round_of(
             into.tokens += tokens
 
     cpu = cpu_seconds(pid) if pid else 0.0
+    client = time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(streams)))
     into.wall += time.perf_counter() - start
     into.cpu += (cpu_seconds(pid) - cpu) if pid else 0.0
+    into.client += time.process_time() - client
 
 
 def session_for(new_connections: bool) -> aiohttp.ClientSession:
@@ -237,6 +241,10 @@ def table_of(streams: int, got: dict[str, Samples]) -> str:
                 f"  {name} CPU: {s.cpu / s.attempted * 1e6:.0f} µs per request, "
                 f"{s.cpu / max(1, s.tokens) * 1e6:.1f} µs per token"
             )
+    rows.append(
+        "  client CPU per request: "
+        + ", ".join(f"{name} {s.client / s.attempted * 1e6:.0f} µs" for name, s in got.items())
+    )
     for name, s in got.items():
         for reason, count in s.failed.most_common():
             rows.append(f"  {name} failed {count} of {s.attempted}: {reason}")
