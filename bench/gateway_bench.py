@@ -15,8 +15,21 @@ Upstreams (`--upstream`):
 
 The load generator is an aiohttp client in this process: every stream is a chat completion
 with `stream: true`; the time to first token (TTFT) is to the first chunk that carries content,
-the total to the end of the stream. Tokens a second: content tokens the client received over
-the wall time of each path's rounds. The gateway's CPU per request comes from /proc.
+the total to the end of the stream. An answer counts when it is whole: status 200, `[DONE]` at
+its end, no error event, no finish other than `length`; any other is counted as failed, with
+its reason, and left out of the times. Tokens a second: `--tokens` per whole answer over the
+wall time of each path's rounds (llama-server sends a token that ends inside a UTF-8 character
+with the next one, so its chunks are fewer than its tokens; `ignore_eos` makes it generate all
+of them). The gateway's CPU per request comes from /proc; the load generator's own (this process's,
+per path) shows when it, on the same cores, is what limits a path.
+
+Client connections (`--client-connections`): each path has its own client pool. llama-server
+closes the connection after every streamed answer, yet announces keep-alive (no `Connection:
+close`), so a client that reuses it sends its next request into a closed socket ("Server
+disconnected", "Can not write request body"). `auto` (default) opens a new connection per
+request on the direct path to llama-server, as any client of it must, and keeps connections
+elsewhere (the gateway serves keep-alive); `new` opens one per request on every path; `keep`
+reuses on every path (it shows the failures).
 
 Prints a table; asserts nothing about timings. The issue's goals: at 1 stream, p50 added under
 1 ms and p99 added under 5 ms; at 64 streams, at least 0.95x direct tokens a second.
@@ -27,12 +40,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
 import secrets
 import sys
 import time
+from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +70,10 @@ from bench.procfs import cpu_seconds, percentile  # noqa: E402
 
 CHAT: Final = "/v1/chat/completions"
 CONTENT: Final = re.compile(rb'"content":"[^"]')  # a chunk that carries a token
+DONE: Final = b"data: [DONE]"
+ERROR_EVENT: Final = re.compile(rb'^data: (\{"error".*)$', re.MULTILINE)
+FINISH: Final = re.compile(rb'"finish_reason":"([^"]*)"')
+URL_IN_MESSAGE: Final = re.compile(r" for https?://\S+")
 
 
 @dataclass
@@ -64,6 +83,16 @@ class Samples:
     tokens: int = 0
     wall: float = 0.0
     cpu: float = 0.0  # the gateway's CPU seconds over these rounds
+    client: float = 0.0  # the load generator's own CPU seconds over these rounds
+    failed: Counter[str] = field(default_factory=Counter)  # reason -> answers not whole
+
+    @property
+    def attempted(self) -> int:
+        return len(self.total) + self.failures
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failed.values())
 
     def ms(self, values: list[float], q: float) -> float:
         return percentile(values, q) * 1000
@@ -77,63 +106,93 @@ def body(tokens: int, upstream: str) -> bytes:
     ).encode()
 
 
-async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[float, float, int]:
-    """One stream: seconds to the first token, to the end, and the tokens received."""
+def error_of(document: bytes) -> str:
+    """Pure: an OpenAI-shaped error document as `code: message`, short (the document itself
+    when it is not one)."""
+    try:
+        error = json.loads(document)["error"]
+        text = f"{error.get('code')}: {error.get('message')}"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        text = document.decode(errors="replace")
+    return URL_IN_MESSAGE.sub("", text)[:160]
+
+
+def verdict(answer: bytes) -> str | None:
+    """Pure: why a streamed answer is not whole, or None when it is: `[DONE]` at its end, no
+    error event, and no finish other than `length` (its tokens all generated)."""
+    error = ERROR_EVENT.search(answer)
+    if error:
+        return "error event: " + error_of(error.group(1))
+    if not answer.rstrip().endswith(DONE):
+        return "ended before [DONE]"
+    finishes = sorted({reason.decode() for reason in FINISH.findall(answer)} - {"length"})
+    return f"finished: {', '.join(finishes)}" if finishes else None
+
+
+async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[float, float] | str:
+    """One stream: seconds to the first token and to the end, or why it is not whole."""
     start = time.perf_counter()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {INFERENCE_KEY}"}
-    try:
-        return await _one(session, url, data, headers, start)
-    except aiohttp.ClientError as exc:
-        raise SystemExit(f"{url}: {type(exc).__name__}: {exc}") from None
-
-
-async def _one(
-    session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str], start: float
-) -> tuple[float, float, int]:
     first = 0.0
     parts: list[bytes] = []
-    async with session.post(url + CHAT, data=data, headers=headers) as response:
-        if response.status != 200:
-            raise SystemExit(f"{url}: {response.status} {await response.text()}")
-        async for chunk in response.content.iter_any():
-            if not first and CONTENT.search(chunk):
-                first = time.perf_counter() - start
-            parts.append(chunk)
+    try:
+        async with session.post(url + CHAT, data=data, headers=headers) as response:
+            if response.status != 200:
+                return f"status {response.status}: {error_of(await response.read())}"
+            async for chunk in response.content.iter_any():
+                if not first and CONTENT.search(chunk):
+                    first = time.perf_counter() - start
+                parts.append(chunk)
+    except aiohttp.ClientError as exc:
+        return URL_IN_MESSAGE.sub("", f"{type(exc).__name__}: {exc}")
     end = time.perf_counter() - start
-    return first or end, end, len(CONTENT.findall(b"".join(parts)))
+    return verdict(b"".join(parts)) or (first or end, end)
 
 
 async def round_of(
     session: aiohttp.ClientSession, url: str, data: bytes, *, streams: int, requests: int,
-    into: Samples, pid: int | None = None,
+    tokens: int, into: Samples, pid: int | None = None,
 ) -> None:  # fmt: skip
     queue = iter(range(requests))
 
     async def lane() -> None:
         for _ in queue:
-            ttft, total, tokens = await one(session, url, data)
-            into.ttft.append(ttft)
-            into.total.append(total)
+            got = await one(session, url, data)
+            if isinstance(got, str):
+                into.failed[got] += 1
+                continue
+            into.ttft.append(got[0])
+            into.total.append(got[1])
             into.tokens += tokens
 
     cpu = cpu_seconds(pid) if pid else 0.0
+    client = time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(streams)))
     into.wall += time.perf_counter() - start
     into.cpu += (cpu_seconds(pid) - cpu) if pid else 0.0
+    into.client += time.process_time() - client
+
+
+def session_for(new_connections: bool) -> aiohttp.ClientSession:
+    """A client pool of its own: connections kept and reused, or a new one per request."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=new_connections)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
 
 
 async def measure(
     urls: dict[str, str], pids: dict[str, int], data: bytes, *, levels: list[int], requests: int,
-    rounds: int,
+    rounds: int, tokens: int, fresh: frozenset[str] = frozenset(),
 ) -> dict[int, dict[str, Samples]]:  # fmt: skip
+    """Every level's samples by path; the paths named in `fresh` open a connection per request."""
     results: dict[int, dict[str, Samples]] = {}
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        for url in urls.values():  # warm both paths and their connection pools
+    sessions = {name: session_for(name in fresh) for name in urls}
+    try:
+        for name, url in urls.items():  # warm every path and its connection pool
             await round_of(
-                session, url, data, streams=max(levels), requests=2 * max(levels), into=Samples()
-            )
+                sessions[name], url, data, streams=max(levels), requests=2 * max(levels),
+                tokens=tokens, into=Samples(),
+            )  # fmt: skip
         for streams in levels:
             got = {name: Samples() for name in urls}
             per_round = max(requests // rounds, 4 * streams)
@@ -141,27 +200,31 @@ async def measure(
                 names = list(urls)
                 for name in names if index % 2 == 0 else names[::-1]:
                     await round_of(
-                        session, urls[name], data, streams=streams, requests=per_round,
-                        into=got[name], pid=pids.get(name),
+                        sessions[name], urls[name], data, streams=streams, requests=per_round,
+                        tokens=tokens, into=got[name], pid=pids.get(name),
                     )  # fmt: skip
             results[streams] = got
             print(table_of(streams, got), flush=True)
+    finally:
+        for session in sessions.values():
+            await session.close()
     return results
 
 
 def table_of(streams: int, got: dict[str, Samples]) -> str:
     direct = got["direct"]
     rows = [
-        f"{streams} stream(s), {len(direct.total)} requests per path, ms:",
+        f"{streams} stream(s), {direct.attempted} requests per path, ms:",
         f"  {'path':<9}{'ttft p50':>10}{'ttft p99':>10}{'total p50':>11}{'total p99':>11}"
-        f"{'tokens/s':>11}{'vs direct':>11}",
+        f"{'tokens/s':>11}{'vs direct':>11}{'failed':>8}",
     ]
     rate = {name: s.tokens / s.wall if s.wall else 0.0 for name, s in got.items()}
     for name, s in got.items():
+        versus = rate[name] / rate["direct"] if rate["direct"] else float("nan")
         rows.append(
             f"  {name:<9}{s.ms(s.ttft, 0.5):>10.3f}{s.ms(s.ttft, 0.99):>10.3f}"
             f"{s.ms(s.total, 0.5):>11.3f}{s.ms(s.total, 0.99):>11.3f}{rate[name]:>11.0f}"
-            f"{rate[name] / rate['direct']:>10.3f}x"
+            f"{versus:>10.3f}x{s.failures:>8}"
         )
     for name, s in got.items():
         if name == "direct":
@@ -175,9 +238,16 @@ def table_of(streams: int, got: dict[str, Samples]) -> str:
     for name, s in got.items():
         if s.cpu:
             rows.append(
-                f"  {name} CPU: {s.cpu / len(s.total) * 1e6:.0f} µs per request, "
+                f"  {name} CPU: {s.cpu / s.attempted * 1e6:.0f} µs per request, "
                 f"{s.cpu / max(1, s.tokens) * 1e6:.1f} µs per token"
             )
+    rows.append(
+        "  client CPU per request: "
+        + ", ".join(f"{name} {s.client / s.attempted * 1e6:.0f} µs" for name, s in got.items())
+    )
+    for name, s in got.items():
+        for reason, count in s.failed.most_common():
+            rows.append(f"  {name} failed {count} of {s.attempted}: {reason}")
     return "\n".join(rows) + "\n"
 
 
@@ -195,12 +265,28 @@ def goals(results: dict[int, dict[str, Samples]]) -> list[str]:
             )
     if 64 in results:
         d, g = results[64]["direct"], results[64]["gateway"]
-        ratio = (g.tokens / g.wall) / (d.tokens / d.wall)
+        ratio = (g.tokens / g.wall) / (d.tokens / d.wall) if d.tokens else float("nan")
         lines.append(
             f"64 streams: {ratio:.3f}x direct tokens/s (goal >= 0.95x): "
             f"{'met' if ratio >= 0.95 else 'MISSED'}"
         )
+    for streams, got in results.items():
+        for name, s in got.items():
+            if s.failures:
+                lines.append(
+                    f"{streams} stream(s): {name} failed {s.failures} of {s.attempted} requests "
+                    f"({s.failures / s.attempted:.1%}), left out of its times"
+                )
     return lines
+
+
+def fresh_paths(policy: str, upstream: str, urls: dict[str, str]) -> frozenset[str]:
+    """Pure: the paths whose client opens a new connection per request (`--client-connections`)."""
+    if policy == "new":
+        return frozenset(urls)
+    if policy == "auto" and upstream == "llama":
+        return frozenset({"direct"})
+    return frozenset()
 
 
 def upstream_of(args: argparse.Namespace, run_id: str) -> AbstractContextManager[
@@ -221,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per level")
     parser.add_argument("--slots", type=int, default=8, help="llama: llama-server's --parallel")
     parser.add_argument(
+        "--client-connections", choices=("auto", "new", "keep"), default="auto",
+        help="a new connection per request: auto, on the direct path to llama-server; new, on "
+        "every path; keep, on none",
+    )  # fmt: skip
+    parser.add_argument(
         "--floor", action="store_true", help="a third path: a bare aiohttp pass-through proxy"
     )
     parser.add_argument("--profile", type=Path, help="run the gateway under cProfile, to PATH")
@@ -234,19 +325,24 @@ def main(argv: list[str] | None = None) -> int:
         gateway(upstream, max(levels) * 2, args.profile) as (through, pid),
         floor_proxy(upstream, args.floor) as floor,
     ):
+        urls = {"direct": upstream, "gateway": through} | ({"floor": floor[0]} if floor else {})
+        fresh = fresh_paths(args.client_connections, args.upstream, urls)
+        pace = f", {args.token_ms:g} ms apart" if args.upstream == "fast" else ""
+        slots = f", --parallel {args.slots}" if args.upstream == "llama" else ""
         print(
-            f"gateway bench {run_id}: upstream {args.upstream}, {args.tokens} tokens"
-            f"{f', {args.token_ms:g} ms apart' if args.upstream == 'fast' else ''}; "
+            f"gateway bench {run_id}: upstream {args.upstream}{slots}, {args.tokens} tokens{pace}; "
+            f"a new connection per request on: {', '.join(sorted(fresh)) or 'none'}; "
             f"python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
             f"{os.cpu_count()} cores; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n",
             flush=True,
         )
         data = body(args.tokens, args.upstream)
-        urls = {"direct": upstream, "gateway": through} | ({"floor": floor[0]} if floor else {})
         pids = {"gateway": pid} | ({"floor": floor[1]} if floor else {})
-        results = asyncio.run(
-            measure(urls, pids, data, levels=levels, requests=args.requests, rounds=args.rounds)
-        )
+        run = measure(
+            urls, pids, data, levels=levels, requests=args.requests, rounds=args.rounds,
+            tokens=args.tokens, fresh=fresh,
+        )  # fmt: skip
+        results = asyncio.run(run)
     for line in goals(results):
         print(line)
     end = os.getloadavg()

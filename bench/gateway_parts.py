@@ -154,12 +154,14 @@ def llama_image() -> str:
 
 
 @contextmanager
-def llama_upstream(run_id: str, slots: int) -> Iterator[tuple[str, int | None]]:
+def llama_upstream(
+    run_id: str, slots: int, image: str | None = None
+) -> Iterator[tuple[str, int | None]]:
     """The real llama-server with a tiny llama model, on 127.0.0.1; its url (no pid: it runs
-    in its container)."""
+    in its container). `image`: scripts/llama-server-image.sh's unless given."""
     from tests.gguf_fixtures import write_llama
 
-    image = llama_image()
+    image = image or llama_image()
     port = free_port()
     name = f"lucia-bench-{run_id}-llama"
     with tempfile.TemporaryDirectory(prefix=f"lucia-bench-{run_id}-") as tmp:
@@ -178,6 +180,7 @@ def llama_upstream(run_id: str, slots: int) -> Iterator[tuple[str, int | None]]:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_answering(url + "/health", timeout=120)
+            print(f"llama-server: {image}, {' '.join(args[args.index(image) + 1 :])}", flush=True)
             yield url, None
         finally:
             subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
