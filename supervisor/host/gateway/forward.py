@@ -31,6 +31,8 @@ SSE: Final = "text/event-stream"
 DONE: Final = b"data: [DONE]"  # an OpenAI stream's last event
 _CONNECT_S: Final = 10.0
 _BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
+# a pooled connection the engine had closed: the request was not written, or no answer began
+_STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _USAGE_COPY: Final = 4 * 1024 * 1024  # a plain answer up to this size is read for its usage
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
 
@@ -104,21 +106,43 @@ async def from_engine(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes |
         yield data
 
 
+def _client(force_close: bool) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=force_close),
+        auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S),
+    )
+
+
 class Forwarder:
+    """Requests go on pooled connections. An engine may close one it announced it would keep
+    (llama-server does so after every streamed answer, though its head says keep-alive), and
+    the pool then hands out a closed connection: a request that fails so, before any answer
+    came, is sent once more on a new connection of its own (`retried` counts them)."""
+
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self.retried = 0
 
     async def session(self, _: web.Application) -> AsyncIterator[None]:
-        """The app's cleanup context: one client session, one pool of connections."""
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S),
-        )
+        """The app's cleanup context: one client session, one pool of connections, and one
+        that opens a connection per request for the retries."""
+        self._session, self._fresh = _client(force_close=False), _client(force_close=True)
         try:
             yield
         finally:
             await self._session.close()
+            await self._fresh.close()
+
+    async def _post(self, url: str, data: bytes) -> aiohttp.ClientResponse:
+        assert self._session is not None and self._fresh is not None
+        headers = {"Content-Type": "application/json"}
+        try:
+            return await self._session.post(url, data=data, headers=headers)
+        except _STALE:  # closed under us before any answer: never reached the engine's handler
+            self.retried += 1
+        return await self._fresh.post(url, data=data, headers=headers)
 
     async def send(
         self,
@@ -152,13 +176,8 @@ class Forwarder:
     async def _send(
         self, request: web.Request, url: str, prepared: Prepared, engine: str, trace: Trace
     ) -> web.StreamResponse:
-        assert self._session is not None
         try:
-            upstream = await self._session.post(
-                url + request.path,
-                data=prepared.body,
-                headers={"Content-Type": "application/json"},
-            )
+            upstream = await self._post(url + request.path, prepared.body)
         except _BROKEN as exc:
             trace.outcome = "engine_failed"
             raise unreachable(engine, exc) from None
