@@ -233,6 +233,61 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
     db.close()
 
 
+@pytest.fixture
+def loop_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A small ext4 file system on a loop device, almost filled by one file: (its mount point,
+    the filler, whose removal is the operator freeing space)."""
+    if os.geteuid() != 0:
+        pytest.skip("a loop device needs root (CI runs as root)")
+    image, where = tmp_path / "disk.img", tmp_path / "disk"
+    with image.open("wb") as handle:
+        handle.truncate(8 * 2**20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    device = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True,
+                            text=True, check=True).stdout.strip()  # fmt: skip
+    where.mkdir()
+    try:
+        subprocess.run(["mount", device, str(where)], check=True)
+        filler = where / "filler"
+        free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
+        subprocess.run(["fallocate", "-l", str(free - 384 * 1024), str(filler)], check=True)
+        yield where, filler
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+        subprocess.run(["losetup", "-d", device], check=False)
+
+
+def test_a_full_loop_device_makes_the_store_unavailable_until_space_is_freed(
+    loop_disk: tuple[Path, Path], store_at: Any
+) -> None:
+    where, filler = loop_disk
+    path = where / "record.sqlite3"
+    with structlog.testing.capture_logs() as logs:
+        store = store_at(path)
+        assert store.available
+        number = 0
+        while store.available:
+            for n in range(200):
+                store.record(row(prompt=number + n))  # never raises, whatever the disk says
+            number += 200
+            until(lambda: store.queued == 0 or not store.available, what="a commit or a failure")
+        assert "No space" in str(store.reason) or "full" in str(store.reason), store.reason
+        committed = store.committed
+        filler.unlink()  # the operator frees space
+        until(lambda: store.available, what="the recovery")
+        assert store.record(row(prompt=10**9))
+        store.close()
+    events = [e["event"] for e in logs if e["event"].startswith("record ")]
+    assert events.count("record available again") == 1
+    db = open_sqlite(path)
+    assert db.query("PRAGMA integrity_check") == [("ok",)]
+    found = facts(db)
+    db.close()
+    # every row committed before the disk filled is there, and the one after recovery
+    assert len(found.ids) == store.committed and committed <= len(found.ids)
+    assert 10**9 in found.ids and found.totals_match
+
+
 def test_a_read_only_place_makes_the_store_unavailable_until_it_is_writable(
     tmpfs: Path, store_at: Any
 ) -> None:
