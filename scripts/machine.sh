@@ -38,13 +38,10 @@ install_packages() {
     command -v prometheus >/dev/null || missing+=(prometheus)
     command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     command -v docker-registry >/dev/null || missing+=(docker-registry)
-<<<<<<< HEAD
     # the record's PostgreSQL: the tests start their own cluster (initdb, pg_ctl) on 127.0.0.1
     compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
-=======
     command -v chromium >/dev/null || missing+=(chromium)  # the operator's page is tested in it
     command -v chromedriver >/dev/null || missing+=(chromium-driver)
->>>>>>> page
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]} (log: $log_dir/apt.log)"

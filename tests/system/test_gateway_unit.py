@@ -104,7 +104,8 @@ def test_start_is_active_only_once_it_listens(installation: Installation,
     assert show(UNIT, "ActiveState") == "active"
     # READY came after the bind: the port answers at once, with no wait
     assert _get(configured.url + "/metrics") == 200
-    assert show(UNIT, "StatusText") == f"serving on {configured.url}"
+    # the service user's record: SQLite in its data directory, written as it serves
+    assert show(UNIT, "StatusText") == f"serving on {configured.url}; recording"
     assert show(UNIT, "WatchdogUSec") == "30s"
     assert _get(configured.url + "/v1/models", configured.inference) == 200
     assert _get(configured.url + "/v1/models", "lucia_inf_" + "0" * 40) == 401
