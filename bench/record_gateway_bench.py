@@ -9,7 +9,8 @@ gateway, 64 at a time (each of the 64 client lanes takes the next request when i
 ended), the three in an order that rotates round by round. Per configuration: the median of the
 rounds' requests a second, their spread (min-max), the ratio of the medians to the record off,
 and the median of the rounds' own ratios (each round's figure over the record off's in that
-round); the gateway's CPU per request from /proc.
+round); the gateway's CPU per request from /proc, and PostgreSQL's (the server and its
+backends, which run on the same cores).
 
 After the last round the gateways stop (SIGTERM: the store commits what is queued) and the
 record is counted: every answered request (the warm-up too) must have its row, on SQLite (its
@@ -61,6 +62,8 @@ class Config:
     answered: int = 0  # whole answers, the warm-up included
     rates: list[float] = field(default_factory=list)  # requests a second, one per round
     cpu: float = 0.0  # the gateway's CPU seconds over the measured rounds
+    server: int = 0  # the database server's pid (PostgreSQL's postmaster), or 0: none
+    server_cpu: float = 0.0  # its CPU seconds, its backends' too, over the measured rounds
     measured: int = 0  # requests in the measured rounds
 
 
@@ -112,8 +115,11 @@ async def measure(
             figures = []
             for config in configs[shift:] + configs[:shift]:
                 cpu = cpu_seconds(config.pid)
+                server = cpu_seconds(config.server) if config.server else 0.0
                 wall = await round_of(session, config, data, streams, requests)
                 config.cpu += cpu_seconds(config.pid) - cpu
+                if config.server:
+                    config.server_cpu += cpu_seconds(config.server) - server
                 config.measured += requests
                 config.rates.append(requests / wall)
                 figures.append(f"{config.name} {requests / wall:.0f}")
@@ -135,21 +141,22 @@ def rows_in_postgres(dsn: str) -> int:
 
 
 @contextmanager
-def postgres(wanted: bool) -> Iterator[str | None]:
-    """A new database in a cluster of the bench's own: its DSN; None when not wanted."""
+def postgres(wanted: bool) -> Iterator[tuple[str, int] | None]:
+    """A new database in a cluster of the bench's own: its DSN and the postmaster's pid; None
+    when not wanted."""
     if not wanted:
         yield None
         return
     from tests.postgres import cluster
 
     with cluster() as pg:
-        yield pg.database()
+        yield pg.database(), int((pg.data / "postmaster.pid").read_text().split()[0])
 
 
 def results(configs: list[Config], tokens: int) -> list[tuple[str, ...]]:
     off = configs[0]
     base = statistics.median(off.rates)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for config in configs:
         median = statistics.median(config.rates)
         paired = statistics.median(r / o for r, o in zip(config.rates, off.rates, strict=True))
@@ -162,6 +169,7 @@ def results(configs: list[Config], tokens: int) -> list[tuple[str, ...]]:
                 f"x{paired:.3f}",
                 f"{config.cpu / config.measured * 1e6:.0f}",
                 f"{config.cpu / config.measured / tokens * 1e6:.1f}",
+                f"{config.server_cpu / config.measured * 1e6:.0f}" if config.server else "-",
             )
         )
     return rows
@@ -169,7 +177,7 @@ def results(configs: list[Config], tokens: int) -> list[tuple[str, ...]]:
 
 def committed(configs: list[Config], counted: dict[str, int]) -> list[tuple[str, ...]]:
     """Each record's rows against the answers its gateway gave."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for config in configs:
         if config.name in counted:
             rows_in = counted[config.name]
@@ -188,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     began, load = time.monotonic(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lucia-bench-record-") as tmp, \
-            postgres(not args.no_postgres) as dsn:  # fmt: skip
+            postgres(not args.no_postgres) as pg:  # fmt: skip
         sqlite = Path(tmp) / "record.sqlite3"
         configs = [
             Config("off", "[record]\nenabled = false\n"),
             Config("SQLite", f'[record]\npath = "{sqlite}"\n'),
         ]
-        if dsn is not None:
-            configs.append(Config("PostgreSQL", f'[record]\ndsn = "{dsn}"\n'))
+        if pg is not None:
+            dsn = pg[0]
+            configs.append(Config("PostgreSQL", f'[record]\ndsn = "{dsn}"\n', server=pg[1]))
         print(
             f"{machine()}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; SQLite on "
             f"{filesystem(Path(tmp))}; {args.streams} streams, {args.tokens} tokens an answer, "
@@ -214,14 +223,23 @@ def main(argv: list[str] | None = None) -> int:
             )
         # the gateways have stopped: their stores committed what was queued
         counted = {"SQLite": rows_in_sqlite(sqlite)}
-        if dsn is not None:
-            counted["PostgreSQL"] = rows_in_postgres(dsn)
+        if pg is not None:
+            counted["PostgreSQL"] = rows_in_postgres(pg[0])
     end = os.getloadavg()
     print()
     print(f"Requests a second at {args.streams} streams ({args.rounds} rounds):")
     table(
         results(configs, args.tokens),
-        ("record", "median", "min-max", "vs off", "paired", "CPU µs/req", "CPU µs/token"),
+        (
+            "record",
+            "median",
+            "min-max",
+            "vs off",
+            "paired",
+            "CPU µs/req",
+            "CPU µs/token",
+            "server µs/req",
+        ),
     )
     print("Rows committed after the gateways stopped:")
     table(committed(configs, counted), ("record", "answered", "rows", "check"))
