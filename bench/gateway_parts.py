@@ -228,7 +228,7 @@ def write_status(data: Path, url: str) -> None:
     write_atomic(ensure_dir(data / ENGINE) / "status.json", dump(status))
 
 
-def settings_text(port: int, owner: Path, inference: Path, running: int) -> str:
+def settings_text(port: int, owner: Path, inference: Path, running: int, extra: str = "") -> str:
     return f"""
 [listen]
 address = "127.0.0.1"
@@ -241,13 +241,16 @@ inference_file = "{inference}"
 [limits]
 running = {running}
 waiting = {running}
-"""
+{extra}"""
 
 
 @contextmanager
-def gateway(upstream: str, running: int, profile: Path | None) -> Iterator[tuple[str, int]]:
+def gateway(
+    upstream: str, running: int, profile: Path | None, extra: str = ""
+) -> Iterator[tuple[str, int]]:
     """The real gateway service in its own process, in front of `upstream`; its url and pid.
-    With `profile`, it runs under cProfile, whose figures are written there at its stop."""
+    With `profile`, it runs under cProfile, whose figures are written there at its stop.
+    `extra` is appended to its settings (a `[record]` section, say)."""
     with tempfile.TemporaryDirectory(prefix="lucia-bench-gateway-") as tmp:
         home = Path(tmp)
         data = home / "data"
@@ -257,7 +260,7 @@ def gateway(upstream: str, running: int, profile: Path | None) -> Iterator[tuple
             path.chmod(0o600)
         port = free_port()
         settings = home / "gateway.toml"
-        settings.write_text(settings_text(port, owner, inference, running))
+        settings.write_text(settings_text(port, owner, inference, running, extra))
         write_status(data, upstream)
         stop = threading.Event()
 
