@@ -5,7 +5,8 @@ worker on the real llama-server router.
 In order, as an operator would: an inference key is refused; the owner signs in and sees the
 engine stopped; markup in a worker's message shows as text; start, and the engine reaches
 running; a change without the CSRF token is refused; a key is created, shown once, used and
-revoked; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
+revoked, and between, a chat made with it shows as the key's last use and spending and in the
+traffic; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
 written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
 """
 
@@ -178,7 +179,8 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert gateway.owner not in cookie["value"]
     assert "not available" in browser.find_element(By.ID, "models-body").text
-    assert "not available" in browser.find_element(By.ID, "traffic-body").text
+    until(browser, lambda d: "0 requests" in d.find_element(By.ID, "traffic-body").text,
+          what="the record's traffic, nothing yet")  # fmt: skip
     shot(browser, "2-engines-stopped")
 
 
@@ -250,6 +252,23 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     browser.refresh()
     until(browser, lambda d: "laptop" in d.find_element(By.ID, "key-rows").text, what="listed")
     assert secret not in browser.page_source
+    answer = gateway.client(secret).chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+    )
+    used = answer.usage.total_tokens if answer.usage else 0
+    laptop = "//tr[td[@class='key-name' and text()='laptop']]"
+    until(browser, lambda d: "T" in d.find_element(By.XPATH, laptop + "/td[@class='last-use']")
+          .text, what="the key's last use")  # fmt: skip
+    spent = browser.find_element(By.XPATH, laptop + "/td[@class='spent']").text
+    assert spent.startswith(f"{used} tokens, 1 requests"), spent
+    shot(browser, "6b-key-used")
+    until(browser, lambda d: "1 requests" in d.find_element(By.CSS_SELECTOR, ".span-hour").text,
+          what="the chat in the traffic")  # fmt: skip
+    hour = browser.find_element(By.CSS_SELECTOR, ".span-hour .by-model").text
+    assert "alpha" in hour
+    assert browser.find_elements(By.CSS_SELECTOR, "#traffic svg polyline.series")
+    browser.execute_script("document.getElementById('traffic').scrollIntoView()")
+    shot(browser, "6c-traffic")
     revoke = "//tr[td[@class='key-name' and text()='laptop']]//button[@class='revoke']"
     until(browser, lambda d: d.find_element(By.XPATH, revoke).click() or True, what="revoke")
     until(

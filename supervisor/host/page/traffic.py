@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol
 from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.page.memory import LedgerMemory
+from supervisor.host.page.models import Library
 from supervisor.host.page.sources import Sources
 from supervisor.host.record import queries, report, schema
 from supervisor.host.record.database import Target, failures, one_line, open_reader
@@ -179,15 +180,21 @@ class KeyUse:
 
 
 def record_sources(
-    data_dir: Path, target: Target | None, spending: Spending | None, default_budget: int
+    data_dir: Path,
+    target: Target | None,
+    spending: Spending | None,
+    default_budget: int,
+    models_dir: Path | None = None,
 ) -> Sources:
-    """The page's sources with the record's sections; without a record (target None), those
-    say "not available"."""
+    """The page's sources: the model library at models_dir (paths.models_dir's), and the
+    record's sections; without a record (target None), those say "not available"."""
     memory = LedgerMemory(data_dir)
+    library = Library(models_dir or paths.models_dir())
     if target is None:
-        return Sources(memory)
+        return Sources(memory, models=library)
     return Sources(
         memory,
+        models=library,
         traffic=Traffic(target),
         key_use=KeyUse(target, spending, paths.keys_file(data_dir), default_budget),
     )
