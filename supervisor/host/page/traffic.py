@@ -1,5 +1,7 @@
-"""The record on the page: traffic (requests, refusals, times to first token) and each key's
-last use and spending against its budget.
+"""The record's sections of the page: the traffic, and each key's last use and spending.
+
+The traffic is requests, refusals and times to first token; a key's spending is against its
+budget.
 
 Reading the record is a database query, so each source keeps its answer a few seconds: the
 page polls every 2 s, the database is asked at most once per `max_age_s`. Reads run off the

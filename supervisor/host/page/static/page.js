@@ -292,6 +292,97 @@ async function addModel(event) {
   } catch (error) { showProblem("add: " + error.message); }
 }
 
+function seconds(value) { return value === null || value === undefined ? "-" : value.toFixed(3) + " s"; }
+
+function table(cls, header, rows) {
+  const t = el("table", cls);
+  const head = el("tr");
+  for (const name of header) head.appendChild(el("th", null, name));
+  t.appendChild(el("thead")).appendChild(head);
+  const body = el("tbody");
+  for (const cells of rows) {
+    const tr = el("tr");
+    for (const cell of cells) tr.appendChild(el("td", null, cell));
+    body.appendChild(tr);
+  }
+  t.appendChild(body);
+  return t;
+}
+
+function buildName(b) {
+  return [b.engine, b.engineVersion, (b.imageId || "").replace("sha256:", "").slice(0, 12), b.weightsRevision].join(" · ");
+}
+
+function drawTraffic(traffic) {
+  const box = $("traffic-body");
+  clear(box);
+  if (!traffic.available) { box.appendChild(el("p", "muted", "not available (the record is off)")); return; }
+  const data = traffic.data;
+  if (data.problem) { box.appendChild(el("p", "problem", data.problem)); return; }
+  for (const [span, title] of [["hour", "Last hour"], ["day", "Last day"]]) {
+    const part = data[span];
+    const div = el("div", "span span-" + span);
+    div.appendChild(el("h3", null, title));
+    const refused = Object.entries(part.refusals).map(([code, n]) => code + " " + n).join(", ");
+    div.appendChild(el("p", "totals", part.requests + " requests; refused: " + (refused || "none")));
+    if (part.byModel.length) {
+      div.appendChild(table("by-model", ["Model", "Requests", "OK", "TTFT p50", "TTFT p95"],
+        part.byModel.map((g) => [g.model, g.requests, g.ok, seconds(g.ttftSeconds.p50), seconds(g.ttftSeconds.p95)])));
+      div.appendChild(table("by-build", ["Build", "Requests", "TTFT p50", "TTFT p95"],
+        part.byBuild.map((g) => [buildName(g), g.requests, seconds(g.ttftSeconds.p50), seconds(g.ttftSeconds.p95)])));
+    }
+    box.appendChild(div);
+  }
+  box.appendChild(el("h3", null, "TTFT p50 per hour and build, last day"));
+  box.appendChild(chart(data.chart));
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+function chart(data) {
+  const W = 640, H = 180, L = 48, R = 8, T = 8, B = 22;
+  const wrap = el("div", "chart");
+  const from = Date.parse(data.since), to = Date.parse(data.until);
+  const points = data.builds.flatMap((b) => b.points);
+  if (!points.length) { wrap.appendChild(el("p", "muted", "no time to first token in the last day")); return wrap; }
+  const top = Math.max(...points.map((p) => p.p50)) * 1.1 || 1;
+  const x = (at) => L + (W - L - R) * (Date.parse(at) + 1800000 - from) / (to - from);
+  const y = (v) => T + (H - T - B) * (1 - v / top);
+  const pic = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", class: "ttft-chart" });
+  pic.appendChild(svg("title", {}, "time to first token, median per hour, per build"));
+  pic.appendChild(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }));
+  pic.appendChild(svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
+  pic.appendChild(svg("text", { x: L - 4, y: T + 10, class: "tick end" }, top.toFixed(2) + " s"));
+  pic.appendChild(svg("text", { x: L - 4, y: H - B, class: "tick end" }, "0"));
+  pic.appendChild(svg("text", { x: L, y: H - 6, class: "tick" }, data.since.slice(11, 16) + " (-24 h)"));
+  pic.appendChild(svg("text", { x: W - R, y: H - 6, class: "tick end" }, data.until.slice(11, 16) + " UTC"));
+  const legend = el("ul", "legend");
+  data.builds.forEach((build, i) => {
+    const cls = "series-" + (i % 4);
+    const line = build.points.map((p) => x(p.at).toFixed(1) + "," + y(p.p50).toFixed(1)).join(" ");
+    pic.appendChild(svg("polyline", { points: line, class: "series " + cls }));
+    for (const p of build.points) {
+      const dot = svg("circle", { cx: x(p.at).toFixed(1), cy: y(p.p50).toFixed(1), r: 3, class: "dot " + cls });
+      dot.appendChild(svg("title", {}, p.at + ": " + seconds(p.p50) + " (" + p.n + " requests)"));
+      pic.appendChild(dot);
+    }
+    const li = el("li");
+    li.appendChild(el("span", "swatch " + cls));
+    li.appendChild(el("span", "build-name", buildName(build)));
+    legend.appendChild(li);
+  });
+  wrap.appendChild(pic);
+  wrap.appendChild(legend);
+  return wrap;
+}
+
 async function signIn(event) {
   event.preventDefault();
   const input = $("owner-key");
