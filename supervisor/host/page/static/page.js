@@ -35,8 +35,9 @@ function clear(node) { while (node.firstChild) node.removeChild(node.firstChild)
 
 function size(bytes) {
   if (bytes === null || bytes === undefined) return "-";
-  const gib = bytes / 1024 ** 3;
-  return gib >= 1 ? gib.toFixed(1) + " GiB" : (bytes / 1024 ** 2).toFixed(0) + " MiB";
+  if (bytes >= 1024 ** 3) return (bytes / 1024 ** 3).toFixed(1) + " GiB";
+  if (bytes >= 1024 ** 2) return (bytes / 1024 ** 2).toFixed(0) + " MiB";
+  return bytes >= 1024 ? (bytes / 1024).toFixed(0) + " KiB" : Math.round(bytes) + " B";
 }
 
 function showProblem(text) {
@@ -258,6 +259,7 @@ function drawModels(models) {
     done.style.width = (100 * fraction).toFixed(2) + "%";
     bar.appendChild(done);
     bar.dataset.done = String(model.bytesDone);
+    bar.dataset.total = String(model.bytesTotal);
     item.appendChild(bar);
     const figures = [size(model.bytesDone) + " / " + size(model.bytesTotal) + " (" + (100 * fraction).toFixed(1) + "%)"];
     if (model.speed !== null) figures.push(rate(model.speed));
