@@ -355,7 +355,8 @@ function chart(data) {
   const points = data.builds.flatMap((b) => b.points);
   if (!points.length) { wrap.appendChild(el("p", "muted", "no time to first token in the last day")); return wrap; }
   const top = Math.max(...points.map((p) => p.p50)) * 1.1 || 1;
-  const x = (at) => L + (W - L - R) * (Date.parse(at) + 1800000 - from) / (to - from);
+  // each hour at its middle; the hour under way at most at now
+  const x = (at) => L + (W - L - R) * (Math.min(Date.parse(at) + 1800000, to) - from) / (to - from);
   const y = (v) => T + (H - T - B) * (1 - v / top);
   const pic = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", class: "ttft-chart" });
   pic.appendChild(svg("title", {}, "time to first token, median per hour, per build"));
