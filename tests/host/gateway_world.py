@@ -22,6 +22,7 @@ from supervisor.host.gateway.budget import Spending
 from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
+from supervisor.host.page.sources import Sources
 from supervisor.host.protocol import read_desired
 from supervisor.protocol.documents import Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
@@ -217,6 +218,7 @@ async def world(
     keys: Any = None,
     spending: Spending | None = None,
     recorder: Recorder | None = None,
+    sources: Sources | None = None,
 ) -> AsyncIterator[World]:
     data = tmp_path / "data"
     data.mkdir()
@@ -229,6 +231,7 @@ async def world(
         Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02),
         spending=spending,
         recorder=recorder,
+        sources=sources,
     )
     gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()

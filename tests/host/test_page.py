@@ -20,6 +20,8 @@ from supervisor.host.gateway.settings import parse
 from supervisor.host.page import memory
 from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.host.page.sessions import Sessions, SignInLimit
+from supervisor.host.record import batch
+from supervisor.host.record.database import open_sqlite
 from tests.host.gateway_world import (
     INFERENCE_KEY,
     KEYS,
@@ -31,6 +33,7 @@ from tests.host.gateway_world import (
     write_status,
 )
 from tests.host.test_gateway_service import self_signed
+from tests.record_world import row
 
 
 class Clock:
@@ -303,3 +306,40 @@ def test_the_pages_files_ship_in_the_package() -> None:
                      "host/page/static/page.js"]  # fmt: skip
     for name in names:
         assert any(fnmatch.fnmatch(name, glob) for glob in globs), name
+
+
+def test_traffic_and_key_use_come_from_the_record(tmp_path: Path) -> None:
+    """The service gives the page the record: the traffic section and each key's use."""
+    data = tmp_path / "data"
+    data.mkdir()
+    settings = parse("[listen]\nport = 0\n[budget]\ndaily_tokens = 1000\n", "gw.toml")
+
+    async def main() -> None:
+        service = Service(settings, data, KEYS)
+        running = asyncio.create_task(service.run())
+        await asyncio.wait_for(service.listening.wait(), 30)
+        base = f"http://127.0.0.1:{service.port}/page/api/"
+        try:
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+                async with http.post(base + "signin", json={"key": OWNER_KEY}) as answer:
+                    headers = {CSRF_HEADER: (await answer.json())["csrf"]}
+                async with http.post(base + "keys", json={"name": "alice"}, headers=headers) as a:
+                    alice = (await a.json())["id"]
+                db = open_sqlite(settings.record.target(data).path)  # type: ignore[arg-type]
+                batch.write(db, [row(key_id=alice, ttft_s=0.25), row(key_id=alice, ttft_s=None,
+                                 outcome="refused:rate_limited")])  # fmt: skip
+                db.close()
+                async with http.get(base + "overview") as answer:
+                    found = await answer.json()
+        finally:
+            service.stop.set()
+            await running
+        traffic = found["traffic"]["data"]
+        assert traffic["hour"]["requests"] == 2 and traffic["day"]["requests"] == 2
+        assert traffic["hour"]["refusals"] == {"rate_limited": 1}
+        assert traffic["hour"]["byModel"][0]["ttftSeconds"]["p50"] == 0.25
+        assert [len(b["points"]) for b in traffic["chart"]["builds"]] == [1]
+        use = found["keys"]["use"]["data"][alice]
+        assert use["lastUse"] is not None and use["lastUseKnown"] and use["budget"] == 1000
+
+    asyncio.run(main())

@@ -5,13 +5,16 @@ worker on the real llama-server router.
 In order, as an operator would: an inference key is refused; the owner signs in and sees the
 engine stopped; markup in a worker's message shows as text; start, and the engine reaches
 running; a change without the CSRF token is refused; a key is created, shown once, used and
-revoked; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
+revoked, and between, a chat made with it shows as the key's last use and spending and in the
+traffic; a model is added from the tests' (slow) hub, its progress bar moves, it is Ready and
+removed; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
 written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -30,6 +33,8 @@ from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
 from tests.host.gateway_world import write_status
+from tests.host.library_world import COMMIT, GGUF, REPO, cli_env, make_repo, serve
+from tests.hub_standin import Hub
 from tests.standin import recipe_repository
 from tests.system.harness import wait_for
 
@@ -40,6 +45,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = "<img src=x onerror=document.title='owned'>"
 WAIT_S = 30  # the page polls every 2 s
 START_S = 180  # a router start: the model cache, the container, /models
+GGUF_ELEMENTS = 32_768  # 128 KiB of tensor: some 16 s from the slow hub
 # the page redraws a section whose data changed: an element found before may be gone
 RETRY = (NoSuchElementException, StaleElementReferenceException)
 
@@ -75,9 +81,34 @@ def router(
 
 
 @pytest.fixture(scope="module")
-def gateway(router: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    with running_gateway(tmp_path_factory.mktemp("page-gateway"), router.data_dir) as gw:
-        yield gw
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """The tests' hub, slow: a download lasts long enough to see its bar move."""
+    repo = make_repo(tmp_path_factory.mktemp("page-hub"), elements=GGUF_ELEMENTS)
+    with Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}, slow=True) as standin:
+        yield standin
+
+
+@pytest.fixture(scope="module")
+def library(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The model library's environment (its folder, the hub), and its service running on it."""
+    env = cli_env(tmp_path_factory.mktemp("page-library") / "models", hub)
+    service = serve(env)
+    try:
+        yield env
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.communicate(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    router: Engine, library: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    with pytest.MonkeyPatch.context() as patch:  # the gateway's page adds to that library
+        for name in ("LUCIA_MODELS_DIR", "HF_ENDPOINT", "LUCIA_HF_TOKEN_FILE"):
+            patch.setenv(name, library[name])
+        with running_gateway(tmp_path_factory.mktemp("page-gateway"), router.data_dir) as gw:
+            yield gw
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +208,9 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
     cookie = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert gateway.owner not in cookie["value"]
-    assert "not available" in browser.find_element(By.ID, "models-body").text
-    assert "not available" in browser.find_element(By.ID, "traffic-body").text
+    assert "No model in the library" in text(browser, "#models-body")
+    until(browser, lambda d: "0 requests" in d.find_element(By.ID, "traffic-body").text,
+          what="the record's traffic, nothing yet")  # fmt: skip
     shot(browser, "2-engines-stopped")
 
 
@@ -250,6 +282,23 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     browser.refresh()
     until(browser, lambda d: "laptop" in d.find_element(By.ID, "key-rows").text, what="listed")
     assert secret not in browser.page_source
+    answer = gateway.client(secret).chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+    )
+    used = answer.usage.total_tokens if answer.usage else 0
+    laptop = "//tr[td[@class='key-name' and text()='laptop']]"
+    until(browser, lambda d: "T" in d.find_element(By.XPATH, laptop + "/td[@class='last-use']")
+          .text, what="the key's last use")  # fmt: skip
+    spent = browser.find_element(By.XPATH, laptop + "/td[@class='spent']").text
+    assert spent.startswith(f"{used} tokens, 1 requests"), spent
+    shot(browser, "6b-key-used")
+    until(browser, lambda d: "1 requests" in d.find_element(By.CSS_SELECTOR, ".span-hour").text,
+          what="the chat in the traffic")  # fmt: skip
+    hour = browser.find_element(By.CSS_SELECTOR, ".span-hour .by-model").text
+    assert "alpha" in hour
+    assert browser.find_elements(By.CSS_SELECTOR, "#traffic svg polyline.series")
+    browser.execute_script("document.getElementById('traffic').scrollIntoView()")
+    shot(browser, "6c-traffic")
     revoke = "//tr[td[@class='key-name' and text()='laptop']]//button[@class='revoke']"
     until(browser, lambda d: d.find_element(By.XPATH, revoke).click() or True, what="revoke")
     until(
@@ -259,6 +308,42 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     )
     wait_for(lambda: gateway.get("/v1/models", secret)[0] == 401, 10, "the key refused")
     shot(browser, "7-key-revoked")
+
+
+def bar(driver: WebDriver) -> tuple[str, int, int] | None:
+    """The model's state and the bytes done and total its progress bar shows."""
+    try:
+        model = driver.find_element(By.CSS_SELECTOR, ".model")
+        shown = model.find_element(By.CSS_SELECTOR, ".bar")
+        return (model.find_element(By.CSS_SELECTOR, ".state").text,
+                int(shown.get_attribute("data-done") or 0),
+                int(shown.get_attribute("data-total") or 0))  # fmt: skip
+    except RETRY:
+        return None
+
+
+def test_a_model_is_added_and_its_progress_bar_moves(browser: WebDriver, library: Any) -> None:
+    for field, value in (("model-repo", REPO), ("model-revision", "main"),
+                         ("model-include", GGUF), ("model-name", "tiny")):  # fmt: skip
+        browser.find_element(By.ID, field).send_keys(value)
+    browser.find_element(By.CSS_SELECTOR, "#model-add button").click()
+    # the hf CLI writes a file in large blocks: the bar shows the bytes that came so far
+    first = until(browser, lambda d: (b := bar(d)) and b[0] == "Downloading" and b[1] > 0 and b,
+                  START_S, what="the download under way")  # fmt: skip
+    assert first[1] < first[2], "under way, not done"
+    assert text(browser, ".model .name") == "tiny"
+    assert text(browser, ".model .source").startswith(f"{REPO} @ main")
+    browser.execute_script("document.getElementById('models').scrollIntoView()")
+    shot(browser, "7a-model-downloading")
+    done = until(browser, lambda d: (b := bar(d)) and b[1] > first[1] and b, START_S,
+                 what="the bar moving")  # fmt: skip
+    assert done[2] == first[2]
+    until(browser, lambda d: text(d, ".model .state") == "Ready", START_S, what="Ready")
+    assert "100.0%" in text(browser, ".model .figures")
+    shot(browser, "7b-model-ready")
+    press(browser, ".model button.act-remove")
+    browser.switch_to.alert.accept()
+    until(browser, lambda d: not d.find_elements(By.CSS_SELECTOR, ".model"), what="removed")
 
 
 def test_the_phone_width(browser: WebDriver, router: Engine) -> None:

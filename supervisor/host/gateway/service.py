@@ -22,6 +22,7 @@ from supervisor.host.gateway.app import create_app, runner
 from supervisor.host.gateway.auth import Authenticator
 from supervisor.host.gateway.metrics import publish_target, target
 from supervisor.host.gateway.settings import Listen, Record, Settings, SettingsError
+from supervisor.host.page.traffic import record_sources
 from supervisor.host.record.store import Store
 from supervisor.notify import Notifier
 
@@ -70,7 +71,15 @@ class Service:
         for warning in self.settings.warnings():
             log.warning(warning)
         store = await asyncio.to_thread(open_record, self.settings.record, self.data_dir)
-        app = create_app(self.settings, self.data_dir, self.auth, spending=store, recorder=store)
+        record = self.settings.record
+        sources = record_sources(
+            self.data_dir, record.target(self.data_dir) if record.enabled else None, store,
+            self.settings.budget.daily_tokens,
+        )  # fmt: skip
+        app = create_app(
+            self.settings, self.data_dir, self.auth, spending=store, recorder=store,
+            sources=sources,
+        )  # fmt: skip
         app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()
         try:

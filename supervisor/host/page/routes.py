@@ -24,6 +24,8 @@ from supervisor.host.gateway.auth import Authenticator
 from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.intake import read_body
 from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.library.control import ACTIONS
+from supervisor.host.page.models import Library, LibraryRefused
 from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
 from supervisor.host.page.sources import Sources, section
 from supervisor.protocol.documents import utc_now
@@ -110,6 +112,8 @@ class Page:
         app.router.add_post("/api/engines/{name}", self.host_api.set_desired)
         app.router.add_post("/api/keys", self.create_key)
         app.router.add_post("/api/keys/{id}/revoke", self.revoke_key)
+        app.router.add_post("/api/models", self.add_model)
+        app.router.add_post("/api/models/{id}/{action}", self.model_action)
         return app
 
     @web.middleware
@@ -224,6 +228,41 @@ class Page:
         except (keys.KeyRefused, keys.KeysFileInvalid) as exc:
             raise Refusal(404, "key_not_found", str(exc)) from None
         return web.json_response(keys.describe([done], utc_now())[0])
+
+    def _library(self) -> Library:
+        if not isinstance(self.sources.models, Library):
+            raise Refusal(404, "not_found", "the model library is not connected to this page")
+        return self.sources.models
+
+    async def add_model(self, request: web.Request) -> web.Response:
+        library, document = self._library(), await _json(request)
+        repo, revision = document.get("repo"), document.get("revision") or "main"
+        include, name = document.get("include") or [], document.get("name") or None
+        if isinstance(include, str):
+            include = include.split()
+        if (
+            not isinstance(repo, str) or not isinstance(revision, str)
+            or not isinstance(include, list) or not all(isinstance(i, str) for i in include)
+            or not (name is None or isinstance(name, str))
+        ):  # fmt: skip
+            raise Refusal(400, "invalid_request", "a model needs a repo (and may have a "
+                          "revision, include globs and a name)")  # fmt: skip
+        try:
+            added = await asyncio.to_thread(library.add, repo.strip(), revision.strip(),
+                                            include, name)  # fmt: skip
+        except LibraryRefused as exc:
+            raise Refusal(400, "model_refused", str(exc)) from None
+        return web.json_response(added, status=201)
+
+    async def model_action(self, request: web.Request) -> web.Response:
+        library, action = self._library(), request.match_info["action"]
+        if action not in ACTIONS:
+            raise Refusal(404, "not_found", f"a model's actions are {', '.join(ACTIONS)}")
+        try:
+            applied = await asyncio.to_thread(library.request, request.match_info["id"], action)
+        except LibraryRefused as exc:
+            raise Refusal(400, "model_refused", str(exc)) from None
+        return web.json_response({"action": action, "applied": applied})
 
 
 async def to_page(_: web.Request) -> web.Response:

@@ -1,8 +1,9 @@
 """What the page shows besides the engines and the keys, each from a source given to it.
 
 A source answers a JSON-ready dict, or None when it has nothing to say: the page then shows
-the section as "not available". The record (traffic, and each key's last use and spending)
-and the model library (its downloads) plug in here; until they do, their sections say so.
+the section as "not available". The record (traffic, and each key's last use and spending:
+traffic.py) and the model library (its downloads: models.py) plug in here; the service gives
+them (traffic.record_sources), a source left out says "not available".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Final, Literal
 
 from supervisor.host.record import schema
@@ -27,6 +27,7 @@ GROUPS: Final[dict[By, tuple[str, ...]]] = {
     "build": ("engine", "engine_version", "image_id", "weights_revision"),
 }
 PERCENTILES: Final = (0.5, 0.95)
+HOUR_US: Final = 3_600_000_000
 
 
 def ranks(count: int, p: float) -> tuple[int, int, float]:
@@ -74,14 +75,18 @@ def _int(value: object) -> int:
 
 def count(db: Database, since: datetime, by: By) -> dict[tuple[str, ...], Line]:
     """The first scan: requests, outcomes and tokens per group."""
-    columns = ", ".join(GROUPS[by])
+    return _count(db, since, GROUPS[by])
+
+
+def _count(db: Database, since: datetime, grouped: Sequence[str]) -> dict[tuple[str, ...], Line]:
+    columns = ", ".join(grouped)
     found = db.query(
         f"SELECT {columns}, outcome, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "  # noqa: S608 - the columns are ours
         f"SUM(cached_tokens), COUNT(ttft_s) FROM generations WHERE at_us >= ? "
         f"GROUP BY {columns}, outcome",
         (epoch_us(since),),
     )
-    width = len(GROUPS[by])
+    width = len(grouped)
     lines: dict[tuple[str, ...], Line] = {}
     for record in found:
         group = tuple(str(value) for value in record[:width])
@@ -130,9 +135,13 @@ def pick(
 def usage(db: Database, since: datetime, by: By) -> list[Line]:
     """Every group's figures since a time, largest by requests first; both scans read one
     snapshot, so the ranks the first counted are the rows the second reads."""
-    columns = ", ".join(GROUPS[by])
+    return _usage(db, since, GROUPS[by])
+
+
+def _usage(db: Database, since: datetime, grouped: Sequence[str]) -> list[Line]:
+    columns = ", ".join(grouped)
     with db.snapshot():
-        lines = count(db, since, by)
+        lines = _count(db, since, grouped)
         ordered = (
             (tuple(str(value) for value in record[:-1]), float(record[-1]))
             for record in db.stream(
@@ -143,6 +152,32 @@ def usage(db: Database, since: datetime, by: By) -> list[Line]:
         )
         pick(ordered, lines)
     return sorted(lines.values(), key=lambda line: (-line.requests, line.group))
+
+
+def hourly(db: Database, since: datetime, by: By) -> list[tuple[datetime, Line]]:
+    """`usage` per group and UTC hour: each line with the start of its hour, oldest first
+    (the page's chart of the time to first token, where a change of build shows)."""
+    lines = _usage(db, since, (*GROUPS[by], f"at_us / {HOUR_US}"))
+    found = []
+    for line in lines:
+        start = datetime.fromtimestamp(int(line.group[-1]) * HOUR_US // 1_000_000, UTC)
+        line.group = line.group[:-1]
+        found.append((start, line))
+    return sorted(found, key=lambda item: (item[0], item[1].group))
+
+
+def last_use(db: Database, since: datetime) -> dict[str, datetime]:
+    """Per key id, the time of its latest row since a time."""
+    found = db.query(
+        "SELECT key_id, MAX(at_us) FROM generations WHERE at_us >= ? GROUP BY key_id",
+        (epoch_us(since),),
+    )
+    return {
+        str(key): datetime.fromtimestamp(_int(at) // 1_000_000, UTC).replace(
+            microsecond=_int(at) % 1_000_000
+        )
+        for key, at in found
+    }
 
 
 def read(target: Target, since: datetime, by: By) -> list[Line]:

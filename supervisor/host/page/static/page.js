@@ -35,8 +35,9 @@ function clear(node) { while (node.firstChild) node.removeChild(node.firstChild)
 
 function size(bytes) {
   if (bytes === null || bytes === undefined) return "-";
-  const gib = bytes / 1024 ** 3;
-  return gib >= 1 ? gib.toFixed(1) + " GiB" : (bytes / 1024 ** 2).toFixed(0) + " MiB";
+  if (bytes >= 1024 ** 3) return (bytes / 1024 ** 3).toFixed(1) + " GiB";
+  if (bytes >= 1024 ** 2) return (bytes / 1024 ** 2).toFixed(0) + " MiB";
+  return bytes >= 1024 ? (bytes / 1024).toFixed(0) + " KiB" : Math.round(bytes) + " B";
 }
 
 function showProblem(text) {
@@ -93,8 +94,8 @@ async function refresh() {
     drawAges(data.engines);
     if (changed("memory", data.memory)) drawMemory(data.memory);
     if (changed("keys", data.keys)) drawKeys(data.keys);
-    if (changed("models", data.models)) drawUnwired($("models-body"), data.models, "the model library");
-    if (changed("traffic", data.traffic)) drawUnwired($("traffic-body"), data.traffic, "the record");
+    if (changed("models", data.models)) drawModels(data.models);
+    if (changed("traffic", data.traffic)) drawTraffic(data.traffic);
     $("updated").textContent = "updated " + data.now;
   } catch (error) {
     if (csrf) showProblem("cannot update: " + error.message);
@@ -203,7 +204,9 @@ function drawKeys(keys) {
     tr.appendChild(el("td", null, key.id));
     tr.appendChild(el("td", null, key.created));
     tr.appendChild(el("td", null, key.expires || "never"));
-    tr.appendChild(el("td", null, use && use[key.id] ? use[key.id].lastUse : "not available"));
+    const mine = use ? use[key.id] : null;
+    tr.appendChild(el("td", "last-use", !mine || !mine.lastUseKnown ? "not available" : mine.lastUse || "not in 7 days"));
+    tr.appendChild(el("td", "spent", spentText(mine)));
     const cell = el("td");
     const button = el("button", "revoke", "Revoke");
     button.type = "button";
@@ -214,15 +217,173 @@ function drawKeys(keys) {
   }
 }
 
+function spentText(mine) {
+  if (!mine || mine.spentTokens === null) return "not available";
+  const spent = mine.spentTokens + " tokens, " + mine.spentRequests + " requests";
+  if (mine.budget === null) return spent + " (no budget)";
+  return spent + " of " + mine.budget + " (" + Math.round(100 * mine.spentTokens / mine.budget) + "%)";
+}
+
 async function revoke(id) {
   try { await call("POST", "keys/" + encodeURIComponent(id) + "/revoke", {}); refresh(); }
   catch (error) { showProblem("revoke: " + error.message); }
 }
 
-function drawUnwired(box, source, what) {
+function rate(bytes) { return bytes === null || bytes === undefined ? "-" : size(bytes) + "/s"; }
+
+function left(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  return seconds >= 3600 ? (seconds / 3600).toFixed(1) + " h left" : seconds >= 60 ? Math.round(seconds / 60) + " min left" : Math.round(seconds) + " s left";
+}
+
+const MODEL_ACTIONS = { retry: ["Failed", "Canceled", "Interrupted"], cancel: ["Queued", "Downloading"], remove: null };
+
+function drawModels(models) {
+  const box = $("models-body");
   clear(box);
-  if (!source.available) { box.appendChild(el("p", "muted", "not available (" + what + " is not connected)")); return; }
-  box.appendChild(el("pre", "message", JSON.stringify(source.data, null, 2)));
+  if (!models.available) { box.appendChild(el("p", "muted", "not available (the model library is not connected)")); return; }
+  const data = models.data;
+  if (!data.queueRunning) box.appendChild(el("p", "muted", "the library's service is not running: downloads wait for lucia-models"));
+  if (!data.models.length) box.appendChild(el("p", "muted", "No model in the library."));
+  for (const model of data.models) {
+    const item = el("div", "model");
+    item.dataset.model = model.id;
+    const title = el("h3");
+    title.appendChild(el("span", "name", model.name));
+    title.appendChild(el("span", "state state-" + model.state.toLowerCase(), model.state));
+    item.appendChild(title);
+    item.appendChild(el("p", "source", model.repo + " @ " + model.revision + (model.commit && model.commit !== model.revision ? " (" + model.commit.slice(0, 12) + ")" : "")));
+    const bar = el("div", "bar progress");
+    const done = el("span", "seg-0");
+    const fraction = model.bytesTotal ? model.bytesDone / model.bytesTotal : 0;
+    done.style.width = (100 * fraction).toFixed(2) + "%";
+    bar.appendChild(done);
+    bar.dataset.done = String(model.bytesDone);
+    bar.dataset.total = String(model.bytesTotal);
+    item.appendChild(bar);
+    const figures = [size(model.bytesDone) + " / " + size(model.bytesTotal) + " (" + (100 * fraction).toFixed(1) + "%)"];
+    if (model.speed !== null) figures.push(rate(model.speed));
+    if (model.secondsLeft !== null) figures.push(left(model.secondsLeft));
+    item.appendChild(el("p", "figures", figures.join(" · ")));
+    if (model.message) item.appendChild(el("p", "message", model.message));
+    for (const [action, states] of Object.entries(MODEL_ACTIONS)) {
+      if (states && !states.includes(model.state)) continue;
+      const button = el("button", "act-" + action, action[0].toUpperCase() + action.slice(1));
+      button.type = "button";
+      button.addEventListener("click", () => modelAction(model, action));
+      item.appendChild(button);
+    }
+    box.appendChild(item);
+  }
+}
+
+async function modelAction(model, action) {
+  if (action === "remove" && !window.confirm("Remove " + model.name + " and its files?")) return;
+  try { await call("POST", "models/" + encodeURIComponent(model.id) + "/" + action, {}); refresh(); }
+  catch (error) { showProblem(model.name + ": " + error.message); }
+}
+
+async function addModel(event) {
+  event.preventDefault();
+  const body = { repo: $("model-repo").value, revision: $("model-revision").value || "main",
+    include: $("model-include").value.split(/\s+/).filter(Boolean), name: $("model-name").value || null };
+  try {
+    await call("POST", "models", body);
+    for (const id of ["model-repo", "model-revision", "model-include", "model-name"]) $(id).value = "";
+    refresh();
+  } catch (error) { showProblem("add: " + error.message); }
+}
+
+function seconds(value) { return value === null || value === undefined ? "-" : value.toFixed(3) + " s"; }
+
+function table(cls, header, rows) {
+  const t = el("table", cls);
+  const head = el("tr");
+  for (const name of header) head.appendChild(el("th", null, name));
+  t.appendChild(el("thead")).appendChild(head);
+  const body = el("tbody");
+  for (const cells of rows) {
+    const tr = el("tr");
+    for (const cell of cells) tr.appendChild(el("td", null, cell));
+    body.appendChild(tr);
+  }
+  t.appendChild(body);
+  return t;
+}
+
+function buildName(b) {
+  return [b.engine, b.engineVersion, (b.imageId || "").replace("sha256:", "").slice(0, 12), b.weightsRevision].join(" · ");
+}
+
+function drawTraffic(traffic) {
+  const box = $("traffic-body");
+  clear(box);
+  if (!traffic.available) { box.appendChild(el("p", "muted", "not available (the record is off)")); return; }
+  const data = traffic.data;
+  if (data.problem) { box.appendChild(el("p", "problem", data.problem)); return; }
+  for (const [span, title] of [["hour", "Last hour"], ["day", "Last day"]]) {
+    const part = data[span];
+    const div = el("div", "span span-" + span);
+    div.appendChild(el("h3", null, title));
+    const refused = Object.entries(part.refusals).map(([code, n]) => code + " " + n).join(", ");
+    div.appendChild(el("p", "totals", part.requests + " requests; refused: " + (refused || "none")));
+    if (part.byModel.length) {
+      div.appendChild(table("by-model", ["Model", "Requests", "OK", "TTFT p50", "TTFT p95"],
+        part.byModel.map((g) => [g.model, g.requests, g.ok, seconds(g.ttftSeconds.p50), seconds(g.ttftSeconds.p95)])));
+      div.appendChild(table("by-build", ["Build", "Requests", "TTFT p50", "TTFT p95"],
+        part.byBuild.map((g) => [buildName(g), g.requests, seconds(g.ttftSeconds.p50), seconds(g.ttftSeconds.p95)])));
+    }
+    box.appendChild(div);
+  }
+  box.appendChild(el("h3", null, "TTFT p50 per hour and build, last day"));
+  box.appendChild(chart(data.chart));
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+function chart(data) {
+  const W = 640, H = 180, L = 48, R = 8, T = 8, B = 22;
+  const wrap = el("div", "chart");
+  const from = Date.parse(data.since), to = Date.parse(data.until);
+  const points = data.builds.flatMap((b) => b.points);
+  if (!points.length) { wrap.appendChild(el("p", "muted", "no time to first token in the last day")); return wrap; }
+  const top = Math.max(...points.map((p) => p.p50)) * 1.1 || 1;
+  // each hour at its middle; the hour under way at most at now
+  const x = (at) => L + (W - L - R) * (Math.min(Date.parse(at) + 1800000, to) - from) / (to - from);
+  const y = (v) => T + (H - T - B) * (1 - v / top);
+  const pic = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", class: "ttft-chart" });
+  pic.appendChild(svg("title", {}, "time to first token, median per hour, per build"));
+  pic.appendChild(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }));
+  pic.appendChild(svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
+  pic.appendChild(svg("text", { x: L - 4, y: T + 10, class: "tick end" }, top.toFixed(2) + " s"));
+  pic.appendChild(svg("text", { x: L - 4, y: H - B, class: "tick end" }, "0"));
+  pic.appendChild(svg("text", { x: L, y: H - 6, class: "tick" }, data.since.slice(11, 16) + " (-24 h)"));
+  pic.appendChild(svg("text", { x: W - R, y: H - 6, class: "tick end" }, data.until.slice(11, 16) + " UTC"));
+  const legend = el("ul", "legend");
+  data.builds.forEach((build, i) => {
+    const cls = "series-" + (i % 4);
+    const line = build.points.map((p) => x(p.at).toFixed(1) + "," + y(p.p50).toFixed(1)).join(" ");
+    pic.appendChild(svg("polyline", { points: line, class: "series " + cls }));
+    for (const p of build.points) {
+      const dot = svg("circle", { cx: x(p.at).toFixed(1), cy: y(p.p50).toFixed(1), r: 3, class: "dot " + cls });
+      dot.appendChild(svg("title", {}, p.at + ": " + seconds(p.p50) + " (" + p.n + " requests)"));
+      pic.appendChild(dot);
+    }
+    const li = el("li");
+    li.appendChild(el("span", "swatch " + cls));
+    li.appendChild(el("span", "build-name", buildName(build)));
+    legend.appendChild(li);
+  });
+  wrap.appendChild(pic);
+  wrap.appendChild(legend);
+  return wrap;
 }
 
 async function signIn(event) {
@@ -266,6 +427,7 @@ async function start() {
   $("signout").addEventListener("click", signOut);
   $("key-create").addEventListener("submit", createKey);
   $("key-done").addEventListener("click", keyDone);
+  $("model-add").addEventListener("submit", addModel);
   try {
     const answer = await call("GET", "session");
     signedIn(answer.csrf);
