@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -102,6 +103,18 @@ def serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "supervisor.cli", "models", "serve", *args], env=env, cwd=ROOT,
         text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+def add_served(root: Path, hub: Hub, *args: str) -> subprocess.CompletedProcess[str]:
+    """`models add REPO --revision main ARGS --wait` while the library's service runs (stopped
+    after)."""
+    env = cli_env(root, hub)
+    service = serve(env)
+    try:
+        return cli("models", "add", REPO, "--revision", "main", *args, "--wait", env=env)
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.communicate(timeout=60)
 
 
 def alive(pid: int) -> bool:

@@ -4,7 +4,6 @@ routes a chat completion to it by name (the official openai client)."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import docker
@@ -14,7 +13,7 @@ from supervisor.host.library import manifest as mf
 from tests.fixtures import REPO_TEMPLATE, EngineFactory, RecipeRepo
 from tests.gateway_proc import running_gateway
 from tests.gguf_fixtures import TinyLlama, write_llama
-from tests.host.library_world import COMMIT, REPO, cli, cli_env, serve
+from tests.host.library_world import COMMIT, REPO, add_served
 from tests.hub_standin import Hub
 from tests.standin import recipe_repository
 
@@ -36,14 +35,7 @@ def test_a_model_added_from_the_hub_is_served_by_the_router_and_the_gateway(
         write_llama(tmp_path / "hub" / f"{MODEL}.gguf", TinyLlama(context=256))
         (tmp_path / "hub" / "README.md").write_text("a tiny chat model\n")
         with Hub(REPO, COMMIT, tmp_path / "hub", "127.0.0.1", branches={"main": COMMIT}) as hub:
-            env = cli_env(engine.models_dir, hub)
-            service = serve(env)
-            try:
-                added = cli("models", "add", REPO, "--revision", "main", "--include", "*.gguf",
-                            "--wait", env=env)  # fmt: skip
-            finally:
-                service.send_signal(signal.SIGTERM)
-                service.communicate(timeout=60)
+            added = add_served(engine.models_dir, hub, "--include", "*.gguf")
         assert added.returncode == 0, added.stderr
         (model,) = mf.load_all(engine.models_dir)
         assert model.state == "Ready" and model.inspection is not None

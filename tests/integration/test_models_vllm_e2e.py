@@ -5,7 +5,6 @@ engine, under its worker, serves that library model; the gateway routes a comple
 from __future__ import annotations
 
 import shutil
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from supervisor.host.library import manifest as mf
 from tests.fixtures import Engine
 from tests.gateway_proc import running_gateway
-from tests.host.library_world import COMMIT, REPO, cli, cli_env, serve
+from tests.host.library_world import COMMIT, REPO, add_served
 from tests.hub_standin import Hub
 from tests.vllm_cpu import library_revision
 from tests.vllm_model import write_tiny_llama
@@ -31,14 +30,7 @@ def test_an_hf_model_added_from_the_hub_is_served_by_vllm_and_the_gateway(
     shutil.rmtree(engine.models_dir / engine.vllm_guid)  # the fixture's copy: ours replaces it
     write_tiny_llama(tmp_path / "hub")
     with Hub(REPO, COMMIT, tmp_path / "hub", "127.0.0.1", branches={"main": COMMIT}) as hub:
-        env = cli_env(engine.models_dir, hub)
-        service = serve(env)
-        try:
-            added = cli("models", "add", REPO, "--revision", "main", "--name", "tiny-hf",
-                        "--wait", env=env)  # fmt: skip
-        finally:
-            service.send_signal(signal.SIGTERM)
-            service.communicate(timeout=60)
+        added = add_served(engine.models_dir, hub, "--name", "tiny-hf")
     assert added.returncode == 0, added.stderr
     (model,) = mf.load_all(engine.models_dir)
     assert model.state == "Ready" and model.inspection is not None
