@@ -1,5 +1,6 @@
-"""A small disk (a 1 MiB tmpfs the test mounts as root): a model that cannot fit is refused at
-once, naming the bytes; a disk that fills during the download fails it, harming nothing else."""
+"""A small disk (a 1 MiB tmpfs, or a 2 MiB ext4 on a loop device, mounted as root): a model
+that cannot fit is refused at once, naming the bytes; a disk that fills during the download
+fails it, harming nothing else."""
 
 from __future__ import annotations
 
@@ -16,18 +17,31 @@ from tests.gguf_fixtures import write_gguf
 from tests.host.library_world import COMMIT, GGUF, REPO, queue, running, wait_for, wait_state
 from tests.hub_standin import Hub
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small disk needs root")
 
 
-@pytest.fixture
-def small(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(params=["tmpfs", "loop"])
+def small(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A small file system: a 1 MiB tmpfs, or a 2 MiB ext4 on a loop device."""
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    device = None
+    if request.param == "tmpfs":
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    else:
+        image = tmp_path / "disk.img"
+        with image.open("wb") as handle:
+            handle.truncate(2 * 2**20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+        device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
+                                capture_output=True, text=True).stdout.strip()  # fmt: skip
+        subprocess.run(["mount", device, str(mount)], check=True)
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+        if device is not None:
+            subprocess.run(["losetup", "-d", device], check=False)
 
 
 def _hub(repo: Path, **options: object) -> Hub:
