@@ -105,6 +105,11 @@ def serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def hub_of(repo: Path, **faults: object) -> Hub:
+    """The tests' hub serving `repo` as REPO at COMMIT, with the branch main on it."""
+    return Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}, **faults)  # type: ignore[arg-type]
+
+
 def add_served(root: Path, hub: Hub, *args: str) -> subprocess.CompletedProcess[str]:
     """`models add REPO --revision main ARGS --wait` while the library's service runs (stopped
     after)."""

@@ -19,13 +19,13 @@ from tests.host.library_world import (
     GGUF,
     REPO,
     alive,
+    hub_of,
     make_repo,
     queue,
     running,
     wait_for,
     wait_state,
 )  # fmt: skip
-from tests.hub_standin import Hub
 
 
 @pytest.fixture
@@ -38,14 +38,11 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "models"
 
 
-def _hub(repo: Path, **faults: object) -> Hub:
-    return Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}, **faults)  # type: ignore[arg-type]
-
 
 def test_a_branch_is_resolved_and_the_gguf_becomes_ready_with_its_inspection(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         assert queued.source.commit == COMMIT and queued.source.revision == "main"
@@ -72,7 +69,7 @@ def test_a_branch_is_resolved_and_the_gguf_becomes_ready_with_its_inspection(
 def test_a_file_whose_bytes_differ_from_the_lfs_id_fails_naming_it(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _hub(repo, corrupt=frozenset({GGUF})) as hub:
+    with hub_of(repo, corrupt=frozenset({GGUF})) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root):
@@ -89,7 +86,7 @@ def test_a_truncated_gguf_fails_its_header_check(
 ) -> None:
     data = (repo / GGUF).read_bytes()
     (repo / GGUF).write_bytes(data[:40])  # the hub's LFS id is of these 40 bytes: hashes pass
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root):
@@ -101,7 +98,7 @@ def test_a_truncated_gguf_fails_its_header_check(
 def test_a_stalled_hub_fails_the_download_with_that_reason_and_ends_the_child(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _hub(repo, stall_after=64) as hub:
+    with hub_of(repo, stall_after=64) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root, stall_after=2.0):
@@ -120,7 +117,7 @@ def state_of_pid(root: Path, guid: str) -> int | None:
 def test_a_revision_the_hub_does_not_have_is_refused_before_anything_is_queued(
     repo: Path, root: Path
 ) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         with pytest.raises(HubRefused, match="the hub has no such revision"):
             queue(root, hub, revision="no-such-branch")
         with pytest.raises(HubRefused, match="the hub has no such revision"):
@@ -131,7 +128,7 @@ def test_a_revision_the_hub_does_not_have_is_refused_before_anything_is_queued(
 
 
 def test_the_queue_holds_at_most_sixteen(repo: Path, root: Path) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         for index in range(16):
             model = queue(root, hub)
             mf.save(root, model.model_copy(update={"name": f"m{index}"}))
@@ -143,7 +140,7 @@ def test_cancel_ends_the_child_and_leaves_no_partial_then_retry_finishes_it(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_big(repo)
-    with _hub(repo, slow=True) as hub:
+    with hub_of(repo, slow=True) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root):
@@ -164,7 +161,7 @@ def write_big(repo: Path) -> None:
 
 
 def test_remove_deletes_the_model_directory_and_nothing_else(repo: Path, root: Path) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         first, second = queue(root, hub), queue(root, hub, include=["tiny-Q8_0.gguf"])
     outside = root / "keep.txt"
     outside.write_text("mine")
@@ -179,7 +176,7 @@ def test_remove_deletes_the_model_directory_and_nothing_else(repo: Path, root: P
 def test_a_ready_gguf_that_no_longer_passes_fails_at_startup(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root):
@@ -233,7 +230,7 @@ def test_an_hf_layout_model_gets_the_checks_that_fit_it(
         (repo / damage).unlink()
     elif damage == "config.json":
         (repo / damage).write_text("[1]")
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub, include=["*.json", "*.safetensors"])
         with running(root):
@@ -247,7 +244,7 @@ def test_an_hf_layout_model_gets_the_checks_that_fit_it(
 def test_retry_keeps_the_verified_files_and_fetches_only_the_one_that_fails_its_check(
     repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub, include=["*.gguf"])
         with running(root):
@@ -280,7 +277,7 @@ def test_a_split_gguf_in_a_sub_folder_is_linked_where_the_router_reads_it(
     repo = tmp_path / "split"
     write_split(repo / "Q4_K_M", "tiny-Q4_K_M", 2)
     write_gguf(repo / "Q8_0" / "tiny-Q8_0.gguf")
-    with _hub(repo) as hub:
+    with hub_of(repo) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub, include=["Q4_K_M/"])
         with running(root):

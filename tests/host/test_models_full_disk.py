@@ -14,8 +14,15 @@ import pytest
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import Refused
 from tests.gguf_fixtures import write_gguf
-from tests.host.library_world import COMMIT, GGUF, REPO, queue, running, wait_for, wait_state
-from tests.hub_standin import Hub
+from tests.host.library_world import (
+    GGUF,
+    REPO,
+    hub_of,
+    queue,
+    running,
+    wait_for,
+    wait_state,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small disk needs root")
 
@@ -44,15 +51,12 @@ def small(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
             subprocess.run(["losetup", "-d", device], check=False)
 
 
-def _hub(repo: Path, **options: object) -> Hub:
-    return Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}, **options)  # type: ignore[arg-type]
-
 
 def test_a_model_that_cannot_fit_is_refused_at_once(small: Path, tmp_path: Path) -> None:
     write_gguf(tmp_path / "repo" / GGUF, elements=400_000)  # 1.6 MB
     needed = (tmp_path / "repo" / GGUF).stat().st_size
     root = small / "models"
-    with _hub(tmp_path / "repo") as hub, pytest.raises(Refused) as refused:
+    with hub_of(tmp_path / "repo") as hub, pytest.raises(Refused) as refused:
         queue(root, hub)
     free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
     assert str(refused.value) == (
@@ -67,7 +71,7 @@ def test_a_disk_filled_during_the_download_fails_it_and_harms_nothing_else(
     write_gguf(tmp_path / "repo" / GGUF, elements=150_000)  # 600 kB
     root = small / "models"
     other = small / "other.bin"
-    with _hub(tmp_path / "repo", slow=True, chunk=65536) as hub:
+    with hub_of(tmp_path / "repo", slow=True, chunk=65536) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         queued = queue(root, hub)
         with running(root):

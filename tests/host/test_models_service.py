@@ -22,6 +22,7 @@ from tests.host.library_world import (
     alive,
     cli,
     cli_env,
+    hub_of,
     make_repo,
     serve,
     wait_for,
@@ -44,7 +45,7 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def hub(repo: Path) -> Iterator[Hub]:
-    with Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}) as running:
+    with hub_of(repo) as running:
         yield running
 
 

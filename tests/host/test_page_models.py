@@ -16,7 +16,7 @@ from supervisor.host.page.models import Library
 from supervisor.host.page.routes import CSRF_HEADER
 from supervisor.host.page.sources import Sources
 from tests.host.gateway_world import OWNER_KEY, SETTINGS, World, world
-from tests.host.library_world import COMMIT, GGUF, REPO, make_repo
+from tests.host.library_world import COMMIT, GGUF, REPO, hub_of, make_repo
 from tests.hub_standin import Hub
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -70,7 +70,7 @@ def test_a_model_is_added_canceled_retried_and_removed(tmp_path: Path) -> None:
         assert await models() == [] and not (root / guid).exists()
 
     async def main() -> None:
-        with Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}) as hub:
+        with hub_of(repo) as hub:
             library = Library(root, lambda: HubClient(hub.url, None))
             sources = Sources(LedgerMemory(tmp_path), models=library)
             async with (

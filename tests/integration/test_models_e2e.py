@@ -13,8 +13,7 @@ from supervisor.host.library import manifest as mf
 from tests.fixtures import REPO_TEMPLATE, EngineFactory, RecipeRepo
 from tests.gateway_proc import running_gateway
 from tests.gguf_fixtures import TinyLlama, write_llama
-from tests.host.library_world import COMMIT, REPO, add_served
-from tests.hub_standin import Hub
+from tests.host.library_world import add_served, hub_of
 from tests.standin import recipe_repository
 
 pytestmark = pytest.mark.docker
@@ -34,7 +33,7 @@ def test_a_model_added_from_the_hub_is_served_by_the_router_and_the_gateway(
         engine.models_dir.mkdir(exist_ok=True)
         write_llama(tmp_path / "hub" / f"{MODEL}.gguf", TinyLlama(context=256))
         (tmp_path / "hub" / "README.md").write_text("a tiny chat model\n")
-        with Hub(REPO, COMMIT, tmp_path / "hub", "127.0.0.1", branches={"main": COMMIT}) as hub:
+        with hub_of(tmp_path / "hub") as hub:
             added = add_served(engine.models_dir, hub, "--include", "*.gguf")
         assert added.returncode == 0, added.stderr
         (model,) = mf.load_all(engine.models_dir)

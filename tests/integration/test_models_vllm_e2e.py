@@ -13,8 +13,7 @@ import pytest
 from supervisor.host.library import manifest as mf
 from tests.fixtures import Engine
 from tests.gateway_proc import running_gateway
-from tests.host.library_world import COMMIT, REPO, add_served
-from tests.hub_standin import Hub
+from tests.host.library_world import add_served, hub_of
 from tests.vllm_cpu import library_revision
 from tests.vllm_model import write_tiny_llama
 
@@ -29,7 +28,7 @@ def test_an_hf_model_added_from_the_hub_is_served_by_vllm_and_the_gateway(
     engine = make_engine(kind="vllm", vllm_device="cpu")
     shutil.rmtree(engine.models_dir / engine.vllm_guid)  # the fixture's copy: ours replaces it
     write_tiny_llama(tmp_path / "hub")
-    with Hub(REPO, COMMIT, tmp_path / "hub", "127.0.0.1", branches={"main": COMMIT}) as hub:
+    with hub_of(tmp_path / "hub") as hub:
         added = add_served(engine.models_dir, hub, "--name", "tiny-hf")
     assert added.returncode == 0, added.stderr
     (model,) = mf.load_all(engine.models_dir)

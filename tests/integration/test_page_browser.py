@@ -33,7 +33,7 @@ from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
 from tests.host.gateway_world import write_status
-from tests.host.library_world import COMMIT, GGUF, REPO, cli_env, make_repo, serve
+from tests.host.library_world import GGUF, REPO, cli_env, hub_of, make_repo, serve
 from tests.hub_standin import Hub
 from tests.standin import recipe_repository
 from tests.system.harness import wait_for
@@ -84,7 +84,7 @@ def router(
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """The tests' hub, slow: a download lasts long enough to see its bar move."""
     repo = make_repo(tmp_path_factory.mktemp("page-hub"), elements=GGUF_ELEMENTS)
-    with Hub(REPO, COMMIT, repo, "127.0.0.1", branches={"main": COMMIT}, slow=True) as standin:
+    with hub_of(repo, slow=True) as standin:
         yield standin
 
 
