@@ -109,6 +109,41 @@ class RunningEngine(BaseModel):
     )
 
 
+class Reserves(BaseModel):
+    """The memory plan's four reserves, in bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    os: int = Field(ge=0)
+    services: int = Field(ge=0)
+    voice: int = Field(ge=0)
+    runtime: int = Field(ge=0)
+
+
+class MemoryPlan(BaseModel):
+    """The memory plan of the engine's recipe as the worker made it last: what a start needs
+    against the machine's limit, its reserves and what other engines hold now. The host shows it
+    and never plans itself (it reads no recipe, GGUF header or GPU)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="ignore", alias_generator=to_camel, populate_by_name=True
+    )
+
+    need: int | None = Field(
+        ge=0, description="bytes a start needs by the plan; null when it could not be planned"
+    )
+    fits: bool = Field(description="whether a start fits the plan now, beside what others hold")
+    message: str = Field(
+        max_length=MAX_MESSAGE, description="the plan's refusal, or why it could not plan; '' fits"
+    )
+    limit: int = Field(ge=0, description="the machine's memory limit the plan divides, bytes")
+    limit_source: Literal["host", "gpu", "fixed"] = Field(
+        description="host: MemTotal; gpu: the GPUs' memory; fixed: the machine settings' number"
+    )
+    reserves: Reserves
+    planned_at: UtcTime
+
+
 class Status(BaseModel):
     """status.json: the worker's heartbeat and its answer to one generation."""
 
@@ -148,6 +183,11 @@ class Status(BaseModel):
         description="The model names the engine serves, as its recipe's preset names them, in "
         "every state (the host routes by them and never reads a recipe); absent in files from "
         "older workers.",
+    )
+    memory: MemoryPlan | None = Field(
+        default=None,
+        description="The memory plan of the engine's recipe, refreshed while the worker runs; "
+        "null before its first plan and in files from older workers.",
     )
     worker_version: str | None = Field(
         default=None,

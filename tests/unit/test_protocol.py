@@ -181,10 +181,30 @@ def test_status_models_are_optional_and_kept_in_every_state() -> None:
     assert parse_status(json.dumps(wire)).models == ("fast-1b", "deep-8b")
 
 
+def test_status_memory_plan_is_optional_and_camel_case() -> None:
+    wire = json.loads(dump(status()))
+    assert wire["memory"] is None  # before the first plan, and in files from older workers
+    del wire["memory"]
+    assert parse_status(json.dumps(wire)).memory is None
+    wire["memory"] = {
+        "need": 5 * 2**30, "fits": False, "message": "does not fit", "limit": 16 * 2**30,
+        "limitSource": "host", "reserves": {"os": 1, "services": 2, "voice": 3, "runtime": 4},
+        "plannedAt": "2026-12-02T10:00:00.000Z",
+    }
+    plan = parse_status(json.dumps(wire)).memory
+    assert plan is not None
+    assert (plan.need, plan.fits, plan.limit_source) == (5 * 2**30, False, "host")
+    assert json.loads(dump(parse_status(json.dumps(wire))))["memory"] == wire["memory"]
+    wire["memory"]["need"] = -1
+    with pytest.raises(InvalidDocument, match="need"):
+        parse_status(json.dumps(wire))
+
+
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "retrying", "waitingFor", "models", "workerVersion"}
+                         "engine", "retrying", "waitingFor", "models", "memory",
+                         "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
