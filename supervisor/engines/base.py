@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from supervisor.docker.spec import Container, RunSpec
-from supervisor.protocol.documents import TargetGroup
+from supervisor.protocol.documents import MemoryPlan, TargetGroup
 
 # the log lines read of a container that exited: a failed start's whole log, since its root
 # cause is often far above its last line (worker/exits.py finds it)
@@ -37,6 +37,7 @@ class Observed:
     log: tuple[str, ...] = ()  # the last log lines of a container that has exited
     version: str | None = None  # the version the running engine reports (vLLM's /version)
     models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
+    memory: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from supervisor.engines.base import (
 from supervisor.errors import Blocked, Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import EngineNeed
-from supervisor.protocol.documents import TargetGroup
+from supervisor.memplan.preview import preview
+from supervisor.protocol.documents import MemoryPlan, TargetGroup
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
 log = logs.get("engine")
@@ -142,6 +143,10 @@ class ContainerEngine:
         if need is not None:
             self.memory.claim(need, replacing)
 
+    def memory_plan(self) -> MemoryPlan | None:
+        """The plan of a start now, claiming nothing (status.json's memory); None unplanned."""
+        return preview(self.memory, self.memory_need) if self.memory is not None else None
+
     def planned_memory(self) -> tuple[int, int] | None:
         guard = self.memory
         if guard is None or guard.last is None or guard.limit is None:
@@ -191,6 +196,7 @@ class ContainerEngine:
             log=self._log(container),
             version=self.version(container),
             models=self.served_models(),
+            memory=self.memory_plan(),
         )
 
     def version(self, container: Container | None) -> str | None:

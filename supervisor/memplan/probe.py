@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from supervisor.hw import gpu
 from supervisor.memplan.settings import MachineSettings
@@ -29,7 +29,7 @@ class ProbeFailed(RuntimeError):
 class Memory:
     """The limit the plan divides, and what is free now (MemAvailable, or the GPUs' free)."""
 
-    source: str  # "host", "gpu" or "fixed"
+    source: Literal["host", "gpu", "fixed"]
     limit: int
     available: int
 

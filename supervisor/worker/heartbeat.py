@@ -19,6 +19,7 @@ from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
     InvalidDocument,
+    MemoryPlan,
     Status,
     TargetGroup,
     clean_message,
@@ -54,6 +55,7 @@ class Heartbeat:
         self._clock = clock
         self.status: Status | None = None
         self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
+        self.memory: MemoryPlan | None = None  # the last observation's plan of a start
         self._written_at = float("-inf")
         self._dirty = False
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
@@ -88,6 +90,7 @@ class Heartbeat:
             retrying=retrying,
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
+            memory=self.memory,
             worker_version=version(),
         )
         self.status = status
@@ -175,7 +178,14 @@ def _same_answer(a: Status, b: Status) -> bool:
     fields = (
         "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models"
     )
-    return all(getattr(a, name) == getattr(b, name) for name in fields)
+    return all(getattr(a, name) == getattr(b, name) for name in fields) and _plan(a) == _plan(b)
+
+
+def _plan(status: Status) -> MemoryPlan | None:
+    """The memory plan less when it was made: a new verdict is written at once, the same one
+    at the next heartbeat."""
+    plan = status.memory
+    return plan.model_copy(update={"planned_at": None}) if plan is not None else None
 
 
 def last_written(path: Path) -> Status | None:

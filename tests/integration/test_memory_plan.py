@@ -144,3 +144,28 @@ def test_a_replacement_stopped_before_it_started_frees_its_claim(
     assert [c["name"] for c in claims] == []
     b.start_worker()
     b.wait_state(b.request("running"), "running", timeout=120)  # nothing of a's is held
+
+
+def test_a_stopped_engine_says_it_cannot_fit_before_its_start_is_asked(
+    make_engine, client, shared
+) -> None:
+    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
+    b.start_worker()
+    alone = b.wait_status(lambda s: s.get("memory") is not None, timeout=120)
+    plan = alone["memory"]
+    assert alone["state"] == "stopped", alone
+    assert (plan["need"], plan["fits"], plan["message"]) == (gib(0.5) + gib(0.1), True, ""), plan
+    assert (plan["limit"], plan["limitSource"], plan["reserves"]["runtime"]) == (GIB, "fixed", 0)
+    a.up()
+    b.request("stopped")  # a new request is looked at at once (else at the next poll)
+    crowded = b.wait_status(lambda s: s["memory"] and not s["memory"]["fits"], timeout=120)
+    assert crowded["state"] == "stopped", crowded
+    assert crowded["memory"]["message"].startswith(
+        f"{MODEL}: needs 0.6 GiB, 0.4 GiB left (limit 1.0, reserves 0.0, held by {a.name} 0.6)."
+    ), crowded
+    assert json.loads((shared / "memory" / "claims.json").read_text())["claims"][0]["name"] == (
+        a.name  # the plan claimed nothing for b
+    )
+    assert len(json.loads((shared / "memory" / "claims.json").read_text())["claims"]) == 1
+    assert _none(client, b)

@@ -7,13 +7,20 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from supervisor.notify import Notifier
-from supervisor.protocol.documents import TargetGroup, json_schemas, parse_status
+from supervisor.protocol.documents import (
+    MemoryPlan,
+    Reserves,
+    TargetGroup,
+    json_schemas,
+    parse_status,
+)
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics
@@ -74,3 +81,29 @@ def test_status_json_names_the_worker_version_that_wrote_it(tmp_path: Path) -> N
     schema = json_schemas()["status.schema.json"]
     assert "workerVersion" in schema["properties"]
     assert "workerVersion" not in schema.get("required", [])
+
+
+def _plan(fits: bool, minute: int) -> MemoryPlan:
+    return MemoryPlan(
+        need=6 * 2**30, fits=fits, message="" if fits else "does not fit", limit=16 * 2**30,
+        limit_source="host", reserves=Reserves(os=1, services=2, voice=3, runtime=4),
+        planned_at=datetime(2026, 12, 2, 10, minute, tzinfo=UTC),
+    )  # fmt: skip
+
+
+def test_a_new_memory_verdict_is_written_at_once_the_same_one_with_the_heartbeat(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "status.json"
+    beat = _heartbeat(path, tmp_path / "data")
+    answer = Answer(1, "stopped", "stopped as requested")
+    beat.memory = _plan(True, 0)
+    beat.show(answer, None)
+    assert json.loads(path.read_text())["memory"]["plannedAt"] == "2026-12-02T10:00:00.000Z"
+    beat.memory = _plan(True, 1)  # the same verdict, planned again: it waits for the heartbeat
+    beat.show(answer, None)
+    assert json.loads(path.read_text())["memory"]["plannedAt"] == "2026-12-02T10:00:00.000Z"
+    beat.memory = _plan(False, 2)  # another engine took the memory: said at once
+    beat.show(answer, None)
+    written = json.loads(path.read_text())["memory"]
+    assert (written["fits"], written["message"]) == (False, "does not fit")
