@@ -311,4 +311,29 @@ say "the engine the gateway started: lucia-supervisor status $router"
 "$as_user" "$cli" status "$router"
 journalctl -t lucia-gateway -n 4 --no-pager -o cat
 
+say "the operator's page: open $gateway_url/page/ and sign in with the owner key in $config/owner.key"
+# signed in as the page does (the key read from its file by the user's own python, never shown):
+# what the page shows of the engines and the memory plan, as text
+"$as_user" "$root/.venv/bin/python" - "$gateway_url" "$config/owner.key" <<'PY'
+import http.cookiejar
+import json
+import sys
+import urllib.request
+
+base, key_file = sys.argv[1] + "/page/api/", sys.argv[2]
+opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+with open(key_file, encoding="utf-8") as handle:
+    body = json.dumps({"key": handle.read().strip()}).encode()
+sign_in = urllib.request.Request(base + "signin", body, {"Content-Type": "application/json"})
+opener.open(sign_in, timeout=30).close()
+with opener.open(base + "overview", timeout=30) as answer:
+    page = json.load(answer)
+for engine in page["engines"]:
+    status = engine.get("status") or {}
+    print(f"engine {engine['name']}: {status.get('state', 'no status')}")
+memory = page["memory"]
+if memory.get("available"):
+    print("memory:", json.dumps(memory["data"])[:400])
+PY
+
 say "done. The demo engines and the gateway keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router, $cpu); $as_user systemctl --user stop lucia-gateway"
