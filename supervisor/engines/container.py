@@ -24,6 +24,7 @@ from supervisor.engines.base import (
     StepContext,
 )
 from supervisor.errors import Blocked, Permanent
+from supervisor.memplan.fit import Budget
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.memplan.preview import preview
@@ -145,7 +146,12 @@ class ContainerEngine:
 
     def memory_plan(self) -> MemoryPlan | None:
         """The plan of a start now, claiming nothing (status.json's memory); None unplanned."""
-        return preview(self.memory, self.memory_need) if self.memory is not None else None
+        return preview(self.memory, self.planned_need) if self.memory is not None else None
+
+    def planned_need(self, budget: Budget, multiplier: float) -> EngineNeed | None:
+        """What a start would need in this budget: what its Check would claim, unless the
+        kind plans otherwise before its prerequisites are made (the router's library)."""
+        return self.memory_need()
 
     def planned_memory(self) -> tuple[int, int] | None:
         guard = self.memory

@@ -23,11 +23,11 @@ from supervisor.protocol.documents import MemoryPlan, Reserves, clean_message, u
 NOT_PLANNED = "not planned until its models are known (the plan is made before its start)"
 
 
-def preview(
-    guard: Guard,
-    need: Callable[[], EngineNeed | None],
-    clock: Callable[[], datetime] = utc_now,
-) -> MemoryPlan | None:
+# what a start would need in this budget with this weight multiplier; None: not planned yet
+Need = Callable[[Budget, float], EngineNeed | None]
+
+
+def preview(guard: Guard, need: Need, clock: Callable[[], datetime] = utc_now) -> MemoryPlan | None:
     """The plan of a start now; None when the machine cannot be measured or its settings are
     refused (the Check step says why, when a start is asked for)."""
     try:
@@ -44,13 +44,14 @@ def preview(
     def plan(need: int | None, fits: bool, message: str) -> MemoryPlan:
         return _plan(memory, machine.reserves, clock(), need, fits=fits, message=message)
 
+    budget = Budget(memory.limit, reserves, held)
     try:
-        wanted = need()
+        wanted = need(budget, machine.weight_multiplier)
     except (Permanent, OSError, ValueError, LibraryUnavailable) as exc:
         return plan(None, False, str(exc))
     if wanted is None:
         return plan(None, True, NOT_PLANNED)
-    verdict = check(wanted, Budget(memory.limit, reserves, held))
+    verdict = check(wanted, budget)
     if verdict.fits:
         verdict = check_now(wanted, memory.available, reserves, releasing)
     return plan(wanted.need, verdict.fits, verdict.message)

@@ -149,6 +149,36 @@ def test_a_stopped_router_names_its_library_and_a_model_ready_since(make_engine)
     assert not (engine.cache_dir / "llama-models.ini").exists(), "named without a sync"
 
 
+def test_a_router_that_never_ran_says_whether_its_start_would_fit(
+    make_engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any sync, the plan of its start is the one that sync would make, from the
+    library's GGUF headers: a load-on-startup model that cannot fit is said before the start
+    is asked for, and a larger limit in the settings file is planned again at the next look."""
+    machine = tmp_path / "machine.toml"
+    machine.write_text('limit = 0.01\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
+    monkeypatch.setenv("LUCIA_MACHINE_FILE", str(machine))
+    engine = _router(make_engine, load_on_startup=("alpha",), defaults={"ctx-size": 32768})
+    # 2 layers x 4 KV heads x (16 + 16) x 2 B = 512 B a token: 16 MiB of KV cache at 32768
+    write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf", TinyLlama(context=32768))
+    engine.start_worker()
+    engine.wait_state(engine.request("stopped"), "stopped", timeout=60)
+    tight = engine.wait_status(lambda s: s["memory"] is not None, timeout=60, what="a plan")
+    plan = tight["memory"]
+    assert not plan["fits"], plan
+    assert plan["message"].startswith(
+        "The model alpha does not fit after voice, OS, services, and runtime reservations"
+    ), plan
+    assert plan["need"] > 16 * 1024**2 and plan["limit"] == round(0.01 * 1024**3), plan
+    assert not (engine.cache_dir / "llama-models.ini").exists(), "planned without a sync"
+    machine.write_text('limit = 1.0\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
+    engine.request("stopped")  # a new request is a look at once
+    roomy = engine.wait_status(lambda s: s["memory"]["fits"], timeout=60, what="fits in 1 GiB")
+    assert (roomy["state"], roomy["memory"]["need"], roomy["memory"]["message"]) == (
+        "stopped", plan["need"], ""
+    )
+
+
 def test_readiness_comes_from_models_not_health(make_engine, router_standin) -> None:
     """The stand-in: the real router loads a tiny model too fast to see /health answer
     before it; the stand-in takes LOAD_DELAY seconds."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,10 +11,11 @@ import pytest
 from supervisor.docker import labels
 from supervisor.docker.spec import Container
 from supervisor.errors import Permanent
+from supervisor.memplan.fit import Budget
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed, figures
-from supervisor.memplan.preview import NOT_PLANNED, preview
+from supervisor.memplan.preview import NOT_PLANNED, Need, preview
 from supervisor.memplan.probe import Memory
 
 G = 1024**3
@@ -39,7 +39,9 @@ class Running:
 @pytest.fixture
 def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
     machine = tmp_path / "machine.toml"
-    machine.write_text('limit = 100.0\nprofile = "gpu-server"\n[reserves]\nruntime = 10\n')
+    machine.write_text(
+        'limit = 100.0\nprofile = "gpu-server"\nweight_multiplier = 1.5\n[reserves]\nruntime = 10\n'
+    )
     monkeypatch.setenv("LUCIA_MACHINE_FILE", str(machine))
     return Ledger(tmp_path / "memory")
 
@@ -51,14 +53,14 @@ def _guard(name: str, ledger: Ledger, running: tuple[str, ...] = (), free: int =
     return Guard(name, ledger, Running(running), measure)
 
 
-def _need(gib: int) -> Callable[[], EngineNeed]:
-    return lambda: EngineNeed("a", (figures("a", gib * G, 0, 0, multiplier=1.0),))
+def _need(gib: int) -> Need:
+    return lambda budget, multiplier: EngineNeed("a", (figures("a", gib * G, 0, 0, multiplier=1),))
 
 
 def _hold(ledger: Ledger, name: str, gib: int) -> None:
     """name's start claims gib and runs (its claim holds while its container runs)."""
     other = _guard(name, ledger, running=(name,))
-    other.claim(_need(gib)(), replacing=None)
+    other.claim(_need(gib)(Budget(0, 0), 1.0), replacing=None)
     other.started(f"id-{name}")
 
 
@@ -91,12 +93,12 @@ def test_the_plan_of_a_start(
 
 
 def test_a_recipe_not_yet_planned_is_said_and_not_refused(ledger: Ledger) -> None:
-    plan = preview(_guard("a", ledger), lambda: None)
+    plan = preview(_guard("a", ledger), lambda budget, multiplier: None)
     assert plan is not None and (plan.need, plan.fits, plan.message) == (None, True, NOT_PLANNED)
 
 
 def test_a_need_that_cannot_be_planned_says_why(ledger: Ledger) -> None:
-    def unreadable() -> EngineNeed:
+    def unreadable(budget: Budget, multiplier: float) -> EngineNeed:
         raise Permanent("model x: the GGUF header \x1b[31mcannot be read")
 
     plan = preview(_guard("a", ledger), unreadable)
@@ -111,3 +113,16 @@ def test_no_plan_without_machine_settings_it_can_use(
     bad.write_text('limit = "plenty"\n')
     monkeypatch.setenv("LUCIA_MACHINE_FILE", str(bad))
     assert preview(_guard("a", ledger), _need(1)) is None
+
+
+def test_the_need_is_planned_in_the_budget_the_others_leave(ledger: Ledger) -> None:
+    _hold(ledger, "b", 30)
+    seen: list[tuple[int, float]] = []
+
+    def need(budget: Budget, multiplier: float) -> EngineNeed:
+        seen.append((budget.left, multiplier))  # a router's auto context is sized in it
+        return EngineNeed("a", (figures("a", 10 * G, 0, 0, multiplier=multiplier),))
+
+    plan = preview(_guard("a", ledger, running=("b",)), need)
+    assert seen == [(60 * G, 1.5)]  # 100 - 10 reserved - 30 held by b; the file's multiplier
+    assert plan is not None and plan.need == 15 * G

@@ -20,11 +20,13 @@ from supervisor.engines.container import ContainerEngine, EngineImage, Prerequis
 from supervisor.engines.llama_router import api as router_api
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import preset, startup
-from supervisor.engines.llama_router.library_sync import LibrarySync, Syncer
+from supervisor.engines.llama_router.library_sync import LibrarySync, Syncer, library_fingerprint
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import StartupModels
 from supervisor.errors import Permanent, Transient
+from supervisor.library import ggufcheck
 from supervisor.library import models as library
+from supervisor.memplan.fit import Budget
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol.documents import TargetGroup
 
@@ -51,6 +53,9 @@ class LlamaRouter(ContainerEngine):
         self._applied = startup.Applied(state_dir / "startup.json")
         self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
         self._named: tuple[str, ...] | None = None  # the last look at the library named
+        self._found: library.Library | None = None  # the library as the last look found it
+        self._current = False  # the last look found the last sync current with it
+        self._headers = router_memory.Headers()
         self._build: tuple[str, str] | None = None  # (container id, the build its /props states)
 
     # -- observe -------------------------------------------------------------------------------
@@ -99,8 +104,10 @@ class LlamaRouter(ContainerEngine):
         return wanted, ()
 
     def prerequisites(self) -> Prerequisites:
-        seen = self.syncer.look(library.scan(self.recipe.library.models_path))
+        found = library.scan(self.recipe.library.models_path)
+        seen = self.syncer.look(found)
         self._named = seen.names  # the observation's served_models, after this
+        self._found, self._current = found, seen.current
         ref = self.recipe.router.image
         image = self.runtime.image(ref)
         missing = (() if image is not None else (PulledImage(ref),)) + (
@@ -225,6 +232,17 @@ class LlamaRouter(ContainerEngine):
     def memory_need(self) -> EngineNeed | None:
         synced = self.syncer.synced()
         return router_memory.need(self.name, synced.startup_need) if synced is not None else None
+
+    def planned_need(self, budget: Budget, multiplier: float) -> EngineNeed | None:
+        """While the last sync is current, what its Check claims; before a sync is (a router
+        that never ran, a model Ready since), what that sync would plan from the library's
+        GGUF headers: a start that cannot fit is said before it is asked for."""
+        found = self._found
+        if self._current or found is None:
+            return self.memory_need()
+        units = [unit for model in found.models for unit in ggufcheck.group(model.files).units]
+        read = self._headers.models(library_fingerprint(found), units)
+        return router_memory.library_need(self.name, self.recipe, read, budget, multiplier)
 
     def served_models(self) -> tuple[str, ...]:
         """What the last look at the library named (each observation looks): the preset's

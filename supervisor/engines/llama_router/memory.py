@@ -15,7 +15,7 @@ from supervisor.errors import Blocked, Permanent
 from supervisor.library.cache import CachedModel
 from supervisor.library.ggufcheck import Unit
 from supervisor.memplan import router
-from supervisor.memplan.fit import check
+from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.guard import Guard, room
 from supervisor.memplan.need import EngineNeed, ModelNeed
 
@@ -94,3 +94,43 @@ def load(found: object) -> tuple[ModelNeed, ...]:
 
 def need(name: str, startup: Sequence[ModelNeed]) -> EngineNeed:
     return EngineNeed(name, tuple(startup), router.ADVICE)
+
+
+class Headers:
+    """The library's GGUF headers as the memory plan reads them, read again only when the
+    library as found changes (its fingerprint): each look at the library plans a start, and
+    most looks find nothing new."""
+
+    def __init__(self) -> None:
+        self._read: tuple[str, tuple[list[router.RouterModel], list[router.Unplannable]]] | None
+        self._read = None
+
+    def models(
+        self, key: str, units: Sequence[Unit]
+    ) -> tuple[list[router.RouterModel], list[router.Unplannable]]:
+        if self._read is None or self._read[0] != key:
+            self._read = (key, router.read_models(units))
+        return self._read[1]
+
+
+def library_need(
+    name: str,
+    recipe: LlamaRouterRecipe,
+    read: tuple[Sequence[router.RouterModel], Sequence[router.Unplannable]],
+    budget: Budget,
+    multiplier: float,
+) -> EngineNeed:
+    """The start the next sync would plan in this budget, from every Ready model of the library
+    (as `lucia-supervisor plan` plans it, before any sync): the load-on-startup set together,
+    or a load-on-startup model that cannot fit even alone, which the sync refuses. The router
+    defaults' ValueError says what is wrong with them."""
+    models, bad = read
+    startup_names = recipe.router.load_on_startup
+    routed = router.plan(
+        name, models, budget.left, startup_names, router.options(recipe.router.defaults),
+        multiplier=multiplier, unplannable=bad,
+    )  # fmt: skip
+    for model in routed.unfit:
+        if model.name in startup_names:
+            return EngineNeed(name, (model,), router.ADVICE)
+    return routed.startup
