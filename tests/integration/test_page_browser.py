@@ -31,7 +31,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from supervisor.protocol.documents import MemoryPlan, Reserves
+from supervisor.host.protocol import load_status
+from supervisor.memplan.preview import NOT_PLANNED
+from supervisor.protocol.documents import MemoryPlan
 from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
@@ -47,7 +49,6 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = "<img src=x onerror=document.title='owned'>"
 GiB = 1024**3
-LIMIT = 128 * GiB
 WAIT_S = 30  # the page polls every 2 s
 START_S = 180  # a router start: the model cache, the container, /models
 GGUF_ELEMENTS = 32_768  # 128 KiB of tensor: some 16 s from the slow hub
@@ -195,14 +196,25 @@ def post_without_csrf(driver: WebDriver, path: str, body: str) -> int:
     )
 
 
-def memory_plan(need: int | None, fits: bool, message: str = "") -> MemoryPlan:
-    """A worker's plan as status.json carries it: a Spark's 128 GiB as the machine settings
-    fix it, the default reserves (18 GiB)."""
-    return MemoryPlan(
-        need=need, fits=fits, message=message, limit=LIMIT, limit_source="fixed",
-        reserves=Reserves(os=4 * GiB, services=3 * GiB, voice=8 * GiB, runtime=3 * GiB),
-        planned_at=datetime.now(UTC) - timedelta(seconds=5),
-    )  # fmt: skip
+def router_plan(router: Engine) -> MemoryPlan:
+    """The plan the router's worker publishes at each look: this machine's limit and reserves."""
+    found: list[MemoryPlan] = []
+
+    def published() -> bool:
+        status = load_status(router.data_dir / router.name)
+        found[:] = [status.memory] if status is not None and status.memory is not None else []
+        return bool(found)
+
+    wait_for(published, WAIT_S, "the router's memory plan in its status")
+    return found[0]
+
+
+def memory_plan(like: MemoryPlan, need: int | None, fits: bool, message: str = "") -> MemoryPlan:
+    """Another engine's plan as its worker would publish it on this machine (as `like`'s)."""
+    when = datetime.now(UTC) - timedelta(seconds=5)
+    return like.model_copy(
+        update={"need": need, "fits": fits, "message": message, "planned_at": when}
+    )
 
 
 def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gateway) -> None:
@@ -233,7 +245,7 @@ def test_markup_in_a_message_shows_as_text(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
     old = datetime.now(UTC) - timedelta(seconds=120)
-    unfit = memory_plan(need=GiB, fits=False, message=HOSTILE)
+    unfit = memory_plan(router_plan(router), need=GiB, fits=False, message=HOSTILE)
     write_status(router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",),
                  checked_at=old, memory=unfit)  # fmt: skip
     until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
@@ -282,15 +294,22 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
     """Two stopped engines' plans (the worker side writes them; here the test does): the
     reserves and the running engine's claim against the limit, each need as a bar, and the one
     that cannot fit says so and has its Start disabled before anything is asked."""
+    like = router_plan(router)
+    reserved = sum(like.reserves.model_dump().values())
+    left = like.limit - reserved
+    need = max(left, 0) + 4 * GiB
     refusal = (
-        "Qwen3.8-Flash-Next does not fit after voice, OS, services, and runtime reservations: "
-        f"needs 121.5 GiB, 110.0 GiB left (limit 128.0, reserves 18.0, held by {router.name} "
-        f"0.0). Lower the context or stop {router.name}."
+        "qwen3-32b does not fit after voice, OS, services, and runtime reservations: "
+        f"needs {need / GiB:.1f} GiB, {left / GiB:.1f} GiB left (limit "
+        f"{like.limit / GiB:.1f}, reserves {reserved / GiB:.1f}, held by {router.name} 0.0). "
+        f"Lower the context or stop {router.name}."
     )
-    write_status(router.data_dir, "big", "stopped", models=("qwen3.8-flash-next",),
-                 memory=memory_plan(int(121.5 * GiB), False, refusal))  # fmt: skip
+    write_status(router.data_dir, "big", "stopped", models=("qwen3-32b",),
+                 memory=memory_plan(like, need, False, refusal))  # fmt: skip
     write_status(router.data_dir, "spare", "stopped", models=("qwen3-0.6b",),
-                 memory=memory_plan(GiB, True))  # fmt: skip
+                 memory=memory_plan(like, GiB, True))  # fmt: skip
+    write_status(router.data_dir, "later", "stopped",
+                 memory=memory_plan(like, None, True, NOT_PLANNED))  # fmt: skip
     big = engine("big")
     until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .cannot-fit"),
           what="the engine that cannot fit marked")  # fmt: skip
@@ -302,6 +321,8 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         By.CSS_SELECTOR, engine("spare") + " button.act-running"
     ).is_enabled()
     assert "fits now" in text(browser, engine("spare") + " .plan")
+    assert text(browser, engine("later") + " .plan-message") == NOT_PLANNED
+    assert browser.find_element(By.CSS_SELECTOR, engine("later") + " .act-running").is_enabled()
     assert browser.find_element(
         By.CSS_SELECTOR, engine(router.name) + " button.act-running"
     ).is_enabled()
@@ -321,7 +342,7 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         "reserve, voice",
         "reserve, runtime",
     ]
-    assert "reserve, voice: 8.0 GiB" in reserves
+    assert f"limit {like.limit / GiB:.1f} GiB" in text(browser, body)
     assert router.name + " (held)" in text(browser, body + " .legend li.held")
     assert text(browser, body + " .legend li.free").startswith("free: ")
     unfit = '.need[data-engine="big"]'
@@ -329,6 +350,7 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
     assert text(browser, unfit + " .message") == refusal
     assert browser.find_elements(By.CSS_SELECTOR, unfit + " .bar .seg-unfit")
     assert text(browser, '.need[data-engine="spare"] .verdict') == "fits"
+    assert text(browser, '.need[data-engine="later"] .verdict') == "not planned yet"
     browser.execute_script("document.getElementById('memory').scrollIntoView()")
     shot(browser, "5c-memory-plan")
     browser.set_window_size(390, 1400)
@@ -339,7 +361,7 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         shot(browser, "5d-memory-phone")
     finally:
         browser.set_window_size(1280, 1600)
-    for name in ("big", "spare"):
+    for name in ("big", "spare", "later"):
         (router.data_dir / name / "status.json").unlink()
     until(browser, lambda d: engine_state(d, "big") is None, what="the extra engines gone")
 

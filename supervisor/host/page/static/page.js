@@ -152,12 +152,18 @@ function drawPlanAges() {
 
 function holds(state) { return state === "starting" || state === "running" || state === "stopping"; }
 
+function verdict(plan) {
+  // a plan with no need that fits is one not made yet (its models are not known): no verdict
+  return !plan.fits ? "cannot fit" : plan.need === null ? "not planned yet" : "fits";
+}
+
 function planLine(item, plan, button) {
   // a stopped or failed engine's plan: its need and verdict, said before Start is pressed
   const line = el("p", "plan " + (plan.fits ? "plan-fits" : "plan-unfit"));
-  const need = plan.need === null ? "could not be planned" : "a start needs " + size(plan.need);
-  line.appendChild(el("span", "plan-need", need + (plan.fits ? " · fits now" : "")));
+  const need = plan.need === null ? (plan.fits ? "not planned yet" : "could not be planned") : "a start needs " + size(plan.need);
+  line.appendChild(el("span", "plan-need", need + (verdict(plan) === "fits" ? " · fits now" : "")));
   if (!plan.fits) line.appendChild(el("span", "cannot-fit", "cannot fit: " + (plan.message || "the plan refuses it")));
+  else if (plan.message) line.appendChild(el("span", "plan-message", plan.message));
   line.appendChild(planAge(plan.plannedAt));
   item.appendChild(line);
   if (!plan.fits) {
@@ -268,23 +274,24 @@ function drawMemory(memory) {
 function needBar(need, limit) {
   // a stopped or failed engine's planned need against the same limit; it counts against nothing
   const item = el("div", "need " + (need.fits ? "need-fits" : "need-unfit"));
+  const said = verdict(need);
   item.dataset.engine = need.name;
   const title = el("p", "need-title");
   title.appendChild(el("span", "name", need.name));
   title.appendChild(el("span", "state state-" + need.state, need.state));
-  title.appendChild(el("span", "verdict", need.fits ? "fits" : "cannot fit"));
+  title.appendChild(el("span", "verdict verdict-" + said.split(" ")[0], said));
   item.appendChild(title);
-  const bar = el("div", "bar need-bar");
-  if (need.need !== null) {
+  if (need.need !== null) {  // no need known: no bar
+    const bar = el("div", "bar need-bar");
     const seg = el("span", need.fits ? "seg-need" : "seg-unfit");
     seg.style.width = Math.min(100, 100 * need.need / (limit || 1)).toFixed(2) + "%";
     seg.title = need.name + " needs " + size(need.need);
     bar.appendChild(seg);
+    item.appendChild(bar);
   }
-  item.appendChild(bar);
   const figures = el("p", "figures");
   const over = need.need !== null && need.need > limit ? ", more than the limit" : "";
-  figures.appendChild(el("span", null, (need.need === null ? "could not be planned" : "needs " + size(need.need) + " of " + size(limit) + over) + " · "));
+  figures.appendChild(el("span", null, (need.need === null ? (need.fits ? "not planned yet" : "could not be planned") : "needs " + size(need.need) + " of " + size(limit) + over) + " · "));
   figures.appendChild(planAge(need.plannedAt));
   item.appendChild(figures);
   if (need.message) item.appendChild(el("p", "message", need.message));
