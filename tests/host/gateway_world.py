@@ -24,7 +24,7 @@ from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
 from supervisor.host.protocol import read_desired
-from supervisor.protocol.documents import Status, dump, utc_now
+from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 
 INFERENCE_KEY = "inference-key-" + "x" * 32
@@ -59,6 +59,7 @@ def write_status(
     checked_at: datetime | None = None,
     retrying: bool = False,
     waiting_for: str | None = None,
+    memory: MemoryPlan | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
@@ -71,6 +72,7 @@ def write_status(
         models=models,
         retrying=retrying,
         waiting_for=waiting_for,  # type: ignore[arg-type]
+        memory=memory,
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 

@@ -262,8 +262,8 @@ def test_memory_shows_the_claims_of_engines_that_hold(tmp_path: Path) -> None:
     write_status(data, "gone", "stopped")
     shown = memory.LedgerMemory(data, meminfo).read()
     assert shown is not None
-    assert shown["claims"] == [{"name": "small", "bytes": 1024}]
-    assert (shown["limit"], shown["availableNow"], shown["unclaimed"]) == (4096, 2048, 3072)
+    assert shown["held"] == [{"name": "small", "bytes": 1024}]
+    assert (shown["limit"], shown["availableNow"], shown["free"]) == (4096, 2048, 3072)
 
 
 def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:

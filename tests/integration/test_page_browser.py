@@ -3,12 +3,14 @@ chromium-driver, headless, nothing downloaded) against the real gateway process 
 worker on the real llama-server router.
 
 In order, as an operator would: an inference key is refused; the owner signs in and sees the
-engine stopped; markup in a worker's message shows as text; start, and the engine reaches
-running; a change without the CSRF token is refused; a key is created, shown once, used and
-revoked, and between, a chat made with it shows as the key's last use and spending and in the
-traffic; a model is added from the tests' (slow) hub, its progress bar moves, it is Ready and
-removed; a signed-out session's cookie opens nothing; stop. A screenshot of each screen is
-written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
+engine stopped; markup in a worker's message and plan shows as text; start, and the engine
+reaches running; the memory plans of two more (stopped) engines show as the reserves, the
+running engine's claim and what is free, and a need bar each, and the one that cannot fit says
+so and has its Start disabled; a change without the CSRF token is refused; a key is created,
+shown once, used and revoked, and between, a chat made with it shows as the key's last use and
+spending and in the traffic; a model is added from the tests' (slow) hub, its progress bar
+moves, it is Ready and removed; a signed-out session's cookie opens nothing; stop. A screenshot
+of each screen is written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from supervisor.host.protocol import load_status
+from supervisor.memplan.preview import NOT_PLANNED
+from supervisor.protocol.documents import MemoryPlan
 from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
@@ -43,6 +48,7 @@ pytestmark = pytest.mark.docker
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = "<img src=x onerror=document.title='owned'>"
+GiB = 1024**3
 WAIT_S = 30  # the page polls every 2 s
 START_S = 180  # a router start: the model cache, the container, /models
 GGUF_ELEMENTS = 32_768  # 128 KiB of tensor: some 16 s from the slow hub
@@ -190,6 +196,27 @@ def post_without_csrf(driver: WebDriver, path: str, body: str) -> int:
     )
 
 
+def router_plan(router: Engine) -> MemoryPlan:
+    """The plan the router's worker publishes at each look: this machine's limit and reserves."""
+    found: list[MemoryPlan] = []
+
+    def published() -> bool:
+        status = load_status(router.data_dir / router.name)
+        found[:] = [status.memory] if status is not None and status.memory is not None else []
+        return bool(found)
+
+    wait_for(published, WAIT_S, "the router's memory plan in its status")
+    return found[0]
+
+
+def memory_plan(like: MemoryPlan, need: int | None, fits: bool, message: str = "") -> MemoryPlan:
+    """Another engine's plan as its worker would publish it on this machine (as `like`'s)."""
+    when = datetime.now(UTC) - timedelta(seconds=5)
+    return like.model_copy(
+        update={"need": need, "fits": fits, "message": message, "planned_at": when}
+    )
+
+
 def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gateway) -> None:
     sign_in(browser, gateway, gateway.inference)
     until(browser, lambda d: visible(d, "signin-problem"), what="the refusal")
@@ -218,11 +245,13 @@ def test_markup_in_a_message_shows_as_text(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
     old = datetime.now(UTC) - timedelta(seconds=120)
-    write_status(
-        router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",), checked_at=old
-    )
+    unfit = memory_plan(router_plan(router), need=GiB, fits=False, message=HOSTILE)
+    write_status(router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",),
+                 checked_at=old, memory=unfit)  # fmt: skip
     until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
     assert text(browser, engine("hostile") + " .message") == HOSTILE
+    assert text(browser, engine("hostile") + " .cannot-fit") == "cannot fit: " + HOSTILE
+    assert text(browser, '.need[data-engine="hostile"] .message') == HOSTILE
     until(
         browser,
         lambda d: d.find_element(By.CSS_SELECTOR, engine("hostile") + " .stale").is_displayed(),
@@ -231,6 +260,7 @@ def test_markup_in_a_message_shows_as_text(
     assert "s old" in text(browser, engine("hostile") + " .stale")
     assert not browser.find_element(By.CSS_SELECTOR, engine(router.name) + " .stale").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "#engine-list img, #engine-list b") == []
+    assert browser.find_elements(By.CSS_SELECTOR, "#memory-body img, #memory-body b") == []
     assert browser.title != "owned"
     shot(browser, "3-markup-as-text")
     (router.data_dir / "hostile" / "status.json").unlink()
@@ -256,6 +286,84 @@ def test_start_reaches_running_and_memory_shows_its_claim(
     )
     browser.execute_script("document.getElementById('memory').scrollIntoView()")
     shot(browser, "5-memory")
+
+
+def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
+    browser: WebDriver, gateway: Gateway, router: Engine
+) -> None:
+    """Two stopped engines' plans (the worker side writes them; here the test does): the
+    reserves and the running engine's claim against the limit, each need as a bar, and the one
+    that cannot fit says so and has its Start disabled before anything is asked."""
+    like = router_plan(router)
+    reserved = sum(like.reserves.model_dump().values())
+    left = like.limit - reserved
+    need = max(left, 0) + 4 * GiB
+    refusal = (
+        "qwen3-32b does not fit after voice, OS, services, and runtime reservations: "
+        f"needs {need / GiB:.1f} GiB, {left / GiB:.1f} GiB left (limit "
+        f"{like.limit / GiB:.1f}, reserves {reserved / GiB:.1f}, held by {router.name} 0.0). "
+        f"Lower the context or stop {router.name}."
+    )
+    write_status(router.data_dir, "big", "stopped", models=("qwen3-32b",),
+                 memory=memory_plan(like, need, False, refusal))  # fmt: skip
+    write_status(router.data_dir, "spare", "stopped", models=("qwen3-0.6b",),
+                 memory=memory_plan(like, GiB, True))  # fmt: skip
+    write_status(router.data_dir, "later", "stopped",
+                 memory=memory_plan(like, None, True, NOT_PLANNED))  # fmt: skip
+    big = engine("big")
+    until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .cannot-fit"),
+          what="the engine that cannot fit marked")  # fmt: skip
+    assert text(browser, big + " .cannot-fit") == "cannot fit: " + refusal
+    start = browser.find_element(By.CSS_SELECTOR, big + " button.act-running")
+    assert not start.is_enabled() and start.get_attribute("title") == "cannot fit: " + refusal
+    assert "planned" in text(browser, big + " .plan-age")
+    assert browser.find_element(
+        By.CSS_SELECTOR, engine("spare") + " button.act-running"
+    ).is_enabled()
+    assert "fits now" in text(browser, engine("spare") + " .plan")
+    assert text(browser, engine("later") + " .plan-message") == NOT_PLANNED
+    assert browser.find_element(By.CSS_SELECTOR, engine("later") + " .act-running").is_enabled()
+    assert browser.find_element(
+        By.CSS_SELECTOR, engine(router.name) + " button.act-running"
+    ).is_enabled()
+    browser.execute_script(
+        "arguments[0].scrollIntoView()", browser.find_element(By.CSS_SELECTOR, big)
+    )
+    shot(browser, "5b-cannot-fit")
+    body = "#memory-body"
+    until(browser, lambda d: "reserves from" in d.find_element(By.CSS_SELECTOR, body).text,
+          what="the limit and reserves from a plan")  # fmt: skip
+    reserves = [
+        e.text for e in browser.find_elements(By.CSS_SELECTOR, body + " .legend li.reserve")
+    ]
+    assert [r.split(":")[0] for r in reserves] == [
+        "reserve, OS",
+        "reserve, services",
+        "reserve, voice",
+        "reserve, runtime",
+    ]
+    assert f"limit {like.limit / GiB:.1f} GiB" in text(browser, body)
+    assert router.name + " (held)" in text(browser, body + " .legend li.held")
+    assert text(browser, body + " .legend li.free").startswith("free: ")
+    unfit = '.need[data-engine="big"]'
+    assert text(browser, unfit + " .verdict") == "cannot fit"
+    assert text(browser, unfit + " .message") == refusal
+    assert browser.find_elements(By.CSS_SELECTOR, unfit + " .bar .seg-unfit")
+    assert text(browser, '.need[data-engine="spare"] .verdict') == "fits"
+    assert text(browser, '.need[data-engine="later"] .verdict') == "not planned yet"
+    browser.execute_script("document.getElementById('memory').scrollIntoView()")
+    shot(browser, "5c-memory-plan")
+    browser.set_window_size(390, 1400)
+    try:
+        width = browser.execute_script("return document.documentElement.scrollWidth")
+        assert width <= 400, "nothing wider than the phone"
+        browser.execute_script("document.getElementById('memory').scrollIntoView()")
+        shot(browser, "5d-memory-phone")
+    finally:
+        browser.set_window_size(1280, 1600)
+    for name in ("big", "spare", "later"):
+        (router.data_dir / name / "status.json").unlink()
+    until(browser, lambda d: engine_state(d, "big") is None, what="the extra engines gone")
 
 
 def test_a_change_without_the_csrf_token_is_refused(

@@ -1,25 +1,30 @@
-"""The memory the host can show: the ledger's claims against the machine's memory, from files.
+"""The memory section: the workers' plans and the ledger's claims against the limit, from files.
 
 The host imports no memory plan (the layers put it below the plan), so this reads what the
-workers wrote: `<data>/memory/claims.json` (each engine's claimed need, `name` and `bytes`)
-and /proc/meminfo (MemTotal as the limit, MemAvailable as what is free now). The reserves
-and a plan for an engine that does not run are the plan's (`lucia-supervisor plan`), so they
-are not shown here. A claim whose engine's status says it cannot hold memory is left out, as
-the plan leaves it out.
+workers wrote: each engine's status.json `memory` (its plan: the need of a start, whether it
+fits now and why not, the machine's limit and its source, the four reserves, when it was made),
+`<data>/memory/claims.json` (each engine's claimed bytes) and /proc/meminfo. The limit and the
+reserves are the newest plan's; with no plan published yet, the limit is MemTotal and the
+reserves are unknown. An engine that holds memory (starting, running, stopping) counts with
+its claim; any other engine shows its planned need, which counts against nothing. Free is the
+limit less the reserves and what is held, negative when they are over it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.host.protocol import BadName, engine_dir, load_status
+from supervisor.host.gateway.catalog import Catalog
+from supervisor.protocol.documents import MemoryPlan, Status
 from supervisor.protocol.files import FileRefused, read_text
 
 CLAIMS: Final = Path("memory") / "claims.json"
 MEMINFO: Final = Path("/proc/meminfo")
 HOLDING: Final = frozenset({"starting", "running", "stopping"})
+RESERVES: Final = ("os", "services", "voice", "runtime")
 _LIMIT: Final = 4 * 1024 * 1024
 
 
@@ -53,39 +58,89 @@ def parse_claims(text: str) -> list[tuple[str, int]]:
     return found
 
 
+def newest_plan(statuses: Mapping[str, Status | None]) -> tuple[str, MemoryPlan] | None:
+    """Pure: the engine whose plan is the newest, and that plan; None when none has one. A
+    tie goes to the first name, so the answer does not depend on the order of the files."""
+    plans = [(name, s.memory) for name, s in sorted(statuses.items()) if s and s.memory]
+    if not plans:
+        return None
+    return max(plans, key=lambda found: found[1].planned_at)
+
+
+def _at(plan: MemoryPlan) -> str:
+    """When the plan was made, as status.json writes it."""
+    return str(plan.model_dump(mode="json", by_alias=True)["plannedAt"])
+
+
+def _need(name: str, status: Status, plan: MemoryPlan) -> dict[str, Any]:
+    return {
+        "name": name,
+        "state": status.state,
+        "need": plan.need,
+        "fits": plan.fits,
+        "message": plan.message,
+        "plannedAt": _at(plan),
+    }
+
+
+def overview(
+    statuses: Mapping[str, Status | None],
+    claims: Sequence[tuple[str, int]],
+    machine: tuple[int, int] | None,
+) -> dict[str, Any] | None:
+    """Pure: the section from the engines' statuses (by name), the ledger's claims and
+    (MemTotal, MemAvailable); None when there is neither a plan nor a MemTotal to divide."""
+    newest = newest_plan(statuses)
+    if newest is None and machine is None:
+        return None
+    holding = {name for name, s in statuses.items() if s is not None and s.state in HOLDING}
+    held = [(name, size) for name, size in claims if name in holding]
+    needs, unplanned = [], []
+    for name, status in sorted(statuses.items()):
+        if status is None or status.state in HOLDING:
+            continue
+        if status.memory is None:
+            unplanned.append(name)
+        else:
+            needs.append(_need(name, status, status.memory))
+    if newest is None:
+        assert machine is not None
+        limit, source, plan, reserves = machine[0], "meminfo", None, None
+    else:
+        name, chosen = newest
+        limit, source = chosen.limit, chosen.limit_source
+        plan = {"engine": name, "plannedAt": _at(chosen)}
+        reserves = {key: getattr(chosen.reserves, key) for key in RESERVES}
+    reserved = sum(reserves.values()) if reserves else 0
+    return {
+        "limit": limit,
+        "limitSource": source,
+        "plan": plan,
+        "reserves": reserves,
+        "held": [{"name": name, "bytes": size} for name, size in held],
+        "free": limit - reserved - sum(size for _, size in held),
+        "needs": needs,
+        "unplanned": unplanned,
+        "availableNow": machine[1] if machine is not None else None,
+    }
+
+
 class LedgerMemory:
-    """The memory source of a data directory."""
+    """The memory source of a data directory: its engines' status files, its ledger."""
 
     def __init__(self, data_dir: Path, meminfo: Path = MEMINFO) -> None:
         self.data_dir = data_dir
         self.meminfo = meminfo
-
-    def _holds(self, name: str) -> bool:
-        try:
-            status = load_status(engine_dir(self.data_dir, name))
-        except BadName:
-            return False
-        return status is not None and status.state in HOLDING
+        self.catalog = Catalog(data_dir)
 
     def read(self) -> dict[str, Any] | None:
         try:
             machine = parse_meminfo(read_text(self.meminfo, limit=_LIMIT))
         except (OSError, FileRefused):
             machine = None
-        if machine is None:
-            return None
         try:
             text = read_text(self.data_dir / CLAIMS, limit=_LIMIT)
         except (OSError, FileRefused):
             text = "{}"
-        claims = [(n, b) for n, b in parse_claims(text) if self._holds(n)]
-        limit, available = machine
-        claimed = sum(size for _, size in claims)
-        return {
-            "limit": limit,
-            "limitSource": "host MemTotal (/proc/meminfo)",
-            "availableNow": available,
-            "claims": [{"name": name, "bytes": size} for name, size in claims],
-            "unclaimed": max(0, limit - claimed),
-            "reserves": None,  # the plan's; `lucia-supervisor plan` shows them
-        }
+        statuses = {engine.name: engine.status for engine in self.catalog.engines()}
+        return overview(statuses, parse_claims(text), machine)

@@ -7,6 +7,7 @@ const POLL_MS = 2000;
 const STALE_S = 60;
 let csrf = null;
 let timer = null;
+let serverNow = null;  // the gateway's clock at the last poll: a plan's age is counted on it
 const drawn = {};  // section -> the JSON it was last drawn from: unchanged, it is not redrawn
 
 function changed(name, data) {
@@ -17,9 +18,10 @@ function changed(name, data) {
 }
 
 function engineShape(engines) {
-  // what the engines section shows, less what moves with every heartbeat (updated in place)
+  // what the engines section shows, less what moves with every heartbeat or plan (updated in place)
   return engines.map((row) => ({ ...row, heartbeatAge: null,
-    status: row.status ? { ...row.status, checkedAt: null } : null }));
+    status: row.status ? { ...row.status, checkedAt: null,
+      memory: row.status.memory ? { ...row.status.memory, plannedAt: null } : null } : null }));
 }
 
 function $(id) { return document.getElementById(id); }
@@ -89,10 +91,12 @@ function signedIn(token) {
 async function refresh() {
   try {
     const data = await call("GET", "overview");
+    serverNow = data.now;
     showProblem("");
     if (changed("engines", engineShape(data.engines))) drawEngines(data.engines);
     drawAges(data.engines);
     if (changed("memory", data.memory)) drawMemory(data.memory);
+    drawPlanAges();
     if (changed("keys", data.keys)) drawKeys(data.keys);
     if (changed("models", data.models)) drawModels(data.models);
     if (changed("traffic", data.traffic)) drawTraffic(data.traffic);
@@ -117,6 +121,54 @@ function drawAges(engines) {
     const stale = item.querySelector(".stale");
     if (stale) stale.textContent = "heartbeat " + age + " s old";
     if (stale) stale.hidden = row.heartbeatAge <= STALE_S;
+  }
+  for (const row of engines) {  // the engines section is not redrawn for a newer plan alone
+    const item = document.querySelector('.engine[data-engine="' + CSS.escape(row.name) + '"]');
+    const shown = item ? item.querySelector(".plan-age") : null;
+    const plan = row.status ? row.status.memory : null;
+    if (shown && plan) shown.dataset.at = plan.plannedAt;
+  }
+}
+
+function ago(at) {
+  // seconds from `at` to the gateway's now (both the gateway's clock, not the browser's)
+  if (!serverNow || !at) return null;
+  return Math.max(0, Math.round((Date.parse(serverNow) - Date.parse(at)) / 1000));
+}
+
+function planAge(at) {
+  const span = el("span", "plan-age");
+  span.dataset.at = at;
+  span.textContent = "planned " + ago(at) + " s ago";
+  return span;
+}
+
+function drawPlanAges() {
+  for (const span of document.querySelectorAll(".plan-age")) {
+    const age = ago(span.dataset.at);
+    span.textContent = age === null ? "" : "planned " + age + " s ago";
+  }
+}
+
+function holds(state) { return state === "starting" || state === "running" || state === "stopping"; }
+
+function verdict(plan) {
+  // a plan with no need that fits is one not made yet (its models are not known): no verdict
+  return !plan.fits ? "cannot fit" : plan.need === null ? "not planned yet" : "fits";
+}
+
+function planLine(item, plan, button) {
+  // a stopped or failed engine's plan: its need and verdict, said before Start is pressed
+  const line = el("p", "plan " + (plan.fits ? "plan-fits" : "plan-unfit"));
+  const need = plan.need === null ? (plan.fits ? "not planned yet" : "could not be planned") : "a start needs " + size(plan.need);
+  line.appendChild(el("span", "plan-need", need + (verdict(plan) === "fits" ? " · fits now" : "")));
+  if (!plan.fits) line.appendChild(el("span", "cannot-fit", "cannot fit: " + (plan.message || "the plan refuses it")));
+  else if (plan.message) line.appendChild(el("span", "plan-message", plan.message));
+  line.appendChild(planAge(plan.plannedAt));
+  item.appendChild(line);
+  if (!plan.fits) {
+    button.disabled = true;
+    button.title = "cannot fit: " + (plan.message || "the plan refuses it");
   }
 }
 
@@ -150,12 +202,16 @@ function drawEngines(engines) {
     }
     item.appendChild(list);
     if (status && status.message) item.appendChild(el("p", "message", status.message));
+    const buttons = {};
     for (const desired of ["running", "stopped"]) {
       const button = el("button", "act-" + desired, desired === "running" ? "Start" : "Stop");
       button.type = "button";
       button.addEventListener("click", () => ask(row.name, desired));
-      item.appendChild(button);
+      buttons[desired] = button;
     }
+    if (status && status.memory && !holds(status.state)) planLine(item, status.memory, buttons.running);
+    item.appendChild(buttons.running);
+    item.appendChild(buttons.stopped);
     box.appendChild(item);
   }
 }
@@ -167,29 +223,79 @@ async function ask(name, desired) {
   } catch (error) { showProblem(name + ": " + error.message); }
 }
 
+const RESERVES = [["os", "OS"], ["services", "services"], ["voice", "voice"], ["runtime", "runtime"]];
+const LIMIT_SOURCES = {
+  host: "the host's memory, MemTotal", gpu: "the GPUs' memory", fixed: "fixed in the machine settings",
+  meminfo: "MemTotal from /proc/meminfo",
+};
+
 function drawMemory(memory) {
   const box = $("memory-body");
   clear(box);
   if (!memory.available) { box.appendChild(el("p", "muted", "not available")); return; }
   const data = memory.data;
-  const bar = el("div", "bar");
+  const source = LIMIT_SOURCES[data.limitSource] || data.limitSource;
+  box.appendChild(el("p", "limit", "limit " + size(data.limit) + " (" + source + ")"));
+  const from = el("p", "muted plan-source");
+  if (data.plan) {
+    from.appendChild(el("span", null, "limit and reserves from " + data.plan.engine + "'s memory plan, "));
+    from.appendChild(planAge(data.plan.plannedAt));
+  } else {
+    from.textContent = "no plan yet: no worker has published its memory plan, so the reserves are not known";
+  }
+  box.appendChild(from);
+  const reserves = data.reserves ? RESERVES.map(([key, name]) => [key, name, data.reserves[key]]) : [];
+  const counted = reserves.reduce((n, r) => n + r[2], 0) + data.held.reduce((n, h) => n + h.bytes, 0);
+  const scale = Math.max(data.limit, counted) || 1;  // over the limit: the bar shows all that counts
+  const bar = el("div", "bar stacked");
   const legend = el("ul", "legend");
   const part = (cls, name, bytes) => {
     const seg = el("span", cls);
-    seg.style.width = (100 * bytes / data.limit).toFixed(2) + "%";
+    seg.style.width = (100 * bytes / scale).toFixed(2) + "%";
     seg.title = name + " " + size(bytes);
     bar.appendChild(seg);
-    const li = el("li");
+    const li = el("li", cls.split(" ")[0]);
     li.appendChild(el("span", "swatch " + cls));
     li.appendChild(el("span", null, name + ": " + size(bytes)));
     legend.appendChild(li);
   };
-  data.claims.forEach((claim, i) => part("seg-" + (i % 4), claim.name, claim.bytes));
-  part("seg-free", "not claimed", data.unclaimed);
-  box.appendChild(el("p", null, "limit " + size(data.limit) + " (" + data.limitSource + "); available now " + size(data.availableNow)));
+  for (const [key, name, bytes] of reserves) part("reserve res-" + key, "reserve, " + name, bytes);
+  data.held.forEach((claim, i) => part("held seg-" + (i % 4), claim.name + " (held)", claim.bytes));
+  if (data.free >= 0) part("free seg-free", data.reserves ? "free" : "not claimed", data.free);
   box.appendChild(bar);
   box.appendChild(legend);
-  if (!data.reserves) box.appendChild(el("p", "muted", "reserves: see lucia-supervisor plan"));
+  if (data.free < 0) box.appendChild(el("p", "over", "over the limit by " + size(-data.free) + ": the reserves and what is held add up to " + size(counted)));
+  if (data.availableNow !== null) box.appendChild(el("p", "muted", "available now (MemAvailable): " + size(data.availableNow)));
+  if (data.needs.length || data.unplanned.length) box.appendChild(el("h3", null, "What a start needs (engines that hold nothing)"));
+  for (const need of data.needs) box.appendChild(needBar(need, data.limit));
+  if (data.unplanned.length) box.appendChild(el("p", "muted unplanned", "no memory plan published yet: " + data.unplanned.join(", ")));
+}
+
+function needBar(need, limit) {
+  // a stopped or failed engine's planned need against the same limit; it counts against nothing
+  const item = el("div", "need " + (need.fits ? "need-fits" : "need-unfit"));
+  const said = verdict(need);
+  item.dataset.engine = need.name;
+  const title = el("p", "need-title");
+  title.appendChild(el("span", "name", need.name));
+  title.appendChild(el("span", "state state-" + need.state, need.state));
+  title.appendChild(el("span", "verdict verdict-" + said.split(" ")[0], said));
+  item.appendChild(title);
+  if (need.need !== null) {  // no need known: no bar
+    const bar = el("div", "bar need-bar");
+    const seg = el("span", need.fits ? "seg-need" : "seg-unfit");
+    seg.style.width = Math.min(100, 100 * need.need / (limit || 1)).toFixed(2) + "%";
+    seg.title = need.name + " needs " + size(need.need);
+    bar.appendChild(seg);
+    item.appendChild(bar);
+  }
+  const figures = el("p", "figures");
+  const over = need.need !== null && need.need > limit ? ", more than the limit" : "";
+  figures.appendChild(el("span", null, (need.need === null ? (need.fits ? "not planned yet" : "could not be planned") : "needs " + size(need.need) + " of " + size(limit) + over) + " · "));
+  figures.appendChild(planAge(need.plannedAt));
+  item.appendChild(figures);
+  if (need.message) item.appendChild(el("p", "message", need.message));
+  return item;
 }
 
 function drawKeys(keys) {
