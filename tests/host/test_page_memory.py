@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from supervisor.host.page.memory import LedgerMemory, newest_plan, overview
+from supervisor.host.page.memory import LedgerMemory, newest_plan, outdated_by, overview
 from supervisor.protocol.documents import MemoryPlan, Reserves, Status, utc_now
 from tests.host.gateway_world import OWNER_KEY, SETTINGS, world, write_status
 
@@ -121,9 +121,9 @@ def test_the_newest_plan_gives_the_limit_and_each_idle_engine_its_need() -> None
     assert shown["availableNow"] is None, "no /proc/meminfo: the plan's limit still shows"
     assert shown["needs"] == [
         {"name": "new", "state": "failed", "need": None, "fits": False, "message": HOSTILE,
-         "plannedAt": "2026-12-02T12:00:00.000Z"},
+         "plannedAt": "2026-12-02T12:00:00.000Z", "outdatedBy": None},
         {"name": "old", "state": "stopped", "need": 4 * GiB, "fits": True, "message": "",
-         "plannedAt": "2026-12-02T11:59:00.000Z"},
+         "plannedAt": "2026-12-02T11:59:00.000Z", "outdatedBy": "run"},
     ]  # fmt: skip
     assert shown["unplanned"] == ["bare"], "a running engine's plan is no need: it holds"
 
@@ -139,6 +139,32 @@ def test_the_newest_plan(ages: dict[str, int], newest: str | None) -> None:
     statuses["none"] = None
     found = newest_plan(statuses)
     assert (found[0] if found else None) == newest
+
+
+@pytest.mark.parametrize(
+    ("planned_s", "changes", "outdated"),
+    [
+        (0, {}, None),  # alone: nothing changed since
+        (10, {"b": 20}, None),  # b changed before the plan was made
+        (10, {"b": 10}, None),  # ...or at the same moment
+        (20, {"b": 10}, "b"),  # b started or stopped after it: the verdict may be old
+        (30, {"b": 10, "c": 20}, "b"),  # the last change names the engine
+        (30, {"b": 25, "c": 20}, "c"),
+    ],
+)
+def test_a_plan_made_before_another_engine_changed_is_outdated(
+    planned_s: int, changes: dict[str, int], outdated: str | None
+) -> None:
+    """planned_s and changes: seconds before AT that the plan was made and each other engine's
+    state began (its status's since)."""
+    statuses: dict[str, Status | None] = {
+        "a": status("stopped", plan(fits=False, message="no", age_s=planned_s)),
+        "gone": None,
+    }
+    for name, age in changes.items():
+        statuses[name] = status("running").model_copy(update={"since": AT - timedelta(seconds=age)})
+    assert outdated_by(statuses, "a") == outdated
+    assert outdated_by(statuses, "gone") is None and outdated_by(statuses, "nobody") is None
 
 
 def test_the_section_is_read_from_the_status_files_and_the_ledger(tmp_path: Path) -> None:

@@ -210,8 +210,9 @@ def router_plan(router: Engine) -> MemoryPlan:
 
 
 def memory_plan(like: MemoryPlan, need: int | None, fits: bool, message: str = "") -> MemoryPlan:
-    """Another engine's plan as its worker would publish it on this machine (as `like`'s)."""
-    when = datetime.now(UTC) - timedelta(seconds=5)
+    """Another engine's plan as its worker would publish it on this machine (as `like`'s),
+    made now: after every engine's status written before it (else it is outdated)."""
+    when = datetime.now(UTC)
     return like.model_copy(
         update={"need": need, "fits": fits, "message": message, "planned_at": when}
     )
@@ -304,12 +305,12 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         f"{like.limit / GiB:.1f}, reserves {reserved / GiB:.1f}, held by {router.name} 0.0). "
         f"Lower the context or stop {router.name}."
     )
-    write_status(router.data_dir, "big", "stopped", models=("qwen3-32b",),
-                 memory=memory_plan(like, need, False, refusal))  # fmt: skip
     write_status(router.data_dir, "spare", "stopped", models=("qwen3-0.6b",),
                  memory=memory_plan(like, GiB, True))  # fmt: skip
     write_status(router.data_dir, "later", "stopped",
                  memory=memory_plan(like, None, True, NOT_PLANNED))  # fmt: skip
+    write_status(router.data_dir, "big", "stopped", models=("qwen3-32b",),
+                 memory=memory_plan(like, need, False, refusal))  # fmt: skip
     big = engine("big")
     until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .cannot-fit"),
           what="the engine that cannot fit marked")  # fmt: skip
@@ -361,6 +362,16 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         shot(browser, "5d-memory-phone")
     finally:
         browser.set_window_size(1280, 1600)
+    # spare's state changes after big's plan was made: what spare holds may have changed the
+    # verdict, so big's Start is not held back on it until its worker looks again
+    write_status(router.data_dir, "spare", "failed", models=("qwen3-0.6b",),
+                 memory=memory_plan(like, GiB, True))  # fmt: skip
+    until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .may-not-fit"),
+          what="big's refusal marked as planned before spare changed")  # fmt: skip
+    assert text(browser, big + " .may-not-fit") == "may not fit: " + refusal
+    assert text(browser, big + " .plan-outdated") == "planned before spare changed"
+    assert browser.find_element(By.CSS_SELECTOR, big + " button.act-running").is_enabled()
+    assert text(browser, unfit + " .verdict") == "may not fit"
     for name in ("big", "spare", "later"):
         (router.data_dir / name / "status.json").unlink()
     until(browser, lambda d: engine_state(d, "big") is None, what="the extra engines gone")

@@ -67,12 +67,28 @@ def newest_plan(statuses: Mapping[str, Status | None]) -> tuple[str, MemoryPlan]
     return max(plans, key=lambda found: found[1].planned_at)
 
 
+def outdated_by(statuses: Mapping[str, Status | None], name: str) -> str | None:
+    """Pure: the engine whose state changed last after name's plan was made (what it holds,
+    and so the verdict, may have changed since), or None when the plan is newer than every
+    other engine's change. The page then does not hold a start back on that verdict."""
+    status = statuses.get(name)
+    plan = status.memory if status is not None else None
+    if plan is None:
+        return None
+    later = [
+        (other_status.since, other)
+        for other, other_status in statuses.items()
+        if other != name and other_status is not None and other_status.since > plan.planned_at
+    ]
+    return max(later)[1] if later else None
+
+
 def _at(plan: MemoryPlan) -> str:
     """When the plan was made, as status.json writes it."""
     return str(plan.model_dump(mode="json", by_alias=True)["plannedAt"])
 
 
-def _need(name: str, status: Status, plan: MemoryPlan) -> dict[str, Any]:
+def _need(name: str, status: Status, plan: MemoryPlan, outdated: str | None) -> dict[str, Any]:
     return {
         "name": name,
         "state": status.state,
@@ -80,6 +96,7 @@ def _need(name: str, status: Status, plan: MemoryPlan) -> dict[str, Any]:
         "fits": plan.fits,
         "message": plan.message,
         "plannedAt": _at(plan),
+        "outdatedBy": outdated,
     }
 
 
@@ -102,7 +119,7 @@ def overview(
         if status.memory is None:
             unplanned.append(name)
         else:
-            needs.append(_need(name, status, status.memory))
+            needs.append(_need(name, status, status.memory, outdated_by(statuses, name)))
     if newest is None:
         assert machine is not None
         limit, source, plan, reserves = machine[0], "meminfo", None, None

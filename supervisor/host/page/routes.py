@@ -25,6 +25,7 @@ from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.intake import read_body
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.library.control import ACTIONS
+from supervisor.host.page.memory import outdated_by
 from supervisor.host.page.models import Library, LibraryRefused
 from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
 from supervisor.host.page.sources import Sources, section
@@ -181,10 +182,13 @@ class Page:
 
     async def overview(self, _: web.Request) -> web.Response:
         now = utc_now()
-        engines = [self.host_api.row(engine, now) for engine in self.host_api.catalog.engines()]
+        found = self.host_api.catalog.engines()
+        statuses = {engine.name: engine.status for engine in found}
+        engines = [self.host_api.row(engine, now) for engine in found]
         for row in engines:
             status = row["status"]
             row["heartbeatAge"] = _age(status["checkedAt"], now) if status else None
+            row["memoryOutdatedBy"] = outdated_by(statuses, row["name"])
         rest = await asyncio.to_thread(self._files, now)
         return web.json_response({"now": _iso(now), "engines": engines, **rest})
 

@@ -152,23 +152,27 @@ function drawPlanAges() {
 
 function holds(state) { return state === "starting" || state === "running" || state === "stopping"; }
 
-function verdict(plan) {
-  // a plan with no need that fits is one not made yet (its models are not known): no verdict
-  return !plan.fits ? "cannot fit" : plan.need === null ? "not planned yet" : "fits";
+function verdict(plan, outdatedBy) {
+  // a plan with no need that fits is one not made yet (its models are not known): no verdict;
+  // a refusal planned before another engine changed may be lifted: the next look plans again
+  if (!plan.fits) return outdatedBy ? "may not fit" : "cannot fit";
+  return plan.need === null ? "not planned yet" : "fits";
 }
 
-function planLine(item, plan, button) {
+function planLine(item, plan, button, outdatedBy) {
   // a stopped or failed engine's plan: its need and verdict, said before Start is pressed
   const line = el("p", "plan " + (plan.fits ? "plan-fits" : "plan-unfit"));
   const need = plan.need === null ? (plan.fits ? "not planned yet" : "could not be planned") : "a start needs " + size(plan.need);
   line.appendChild(el("span", "plan-need", need + (verdict(plan) === "fits" ? " · fits now" : "")));
-  if (!plan.fits) line.appendChild(el("span", "cannot-fit", "cannot fit: " + (plan.message || "the plan refuses it")));
+  const refused = verdict(plan, outdatedBy) + ": " + (plan.message || "the plan refuses it");
+  if (!plan.fits) line.appendChild(el("span", outdatedBy ? "may-not-fit" : "cannot-fit", refused));
   else if (plan.message) line.appendChild(el("span", "plan-message", plan.message));
+  if (!plan.fits && outdatedBy) line.appendChild(el("span", "plan-outdated", "planned before " + outdatedBy + " changed"));
   line.appendChild(planAge(plan.plannedAt));
   item.appendChild(line);
-  if (!plan.fits) {
+  if (!plan.fits && !outdatedBy) {
     button.disabled = true;
-    button.title = "cannot fit: " + (plan.message || "the plan refuses it");
+    button.title = refused;
   }
 }
 
@@ -209,7 +213,7 @@ function drawEngines(engines) {
       button.addEventListener("click", () => ask(row.name, desired));
       buttons[desired] = button;
     }
-    if (status && status.memory && !holds(status.state)) planLine(item, status.memory, buttons.running);
+    if (status && status.memory && !holds(status.state)) planLine(item, status.memory, buttons.running, row.memoryOutdatedBy);
     item.appendChild(buttons.running);
     item.appendChild(buttons.stopped);
     box.appendChild(item);
@@ -274,7 +278,7 @@ function drawMemory(memory) {
 function needBar(need, limit) {
   // a stopped or failed engine's planned need against the same limit; it counts against nothing
   const item = el("div", "need " + (need.fits ? "need-fits" : "need-unfit"));
-  const said = verdict(need);
+  const said = verdict(need, need.outdatedBy);
   item.dataset.engine = need.name;
   const title = el("p", "need-title");
   title.appendChild(el("span", "name", need.name));
