@@ -1,5 +1,6 @@
 """The page's sign-in: the failed sign-in limit, per client address and bounded (in process
-and on the real gateway process, from 127.0.0.1 and 127.0.0.2)."""
+and on the real gateway process, from 127.0.0.1 and 127.0.0.2), and the session's lifetime from
+the settings (Chromium sees a session run out in tests/integration/test_page_browser.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import aiohttp
 import pytest
 
 from supervisor.host.gateway.app import PAGE_OF
+from supervisor.host.page.routes import COOKIE
 from supervisor.host.page.sessions import SignInLimit
 from tests.gateway_proc import running_gateway
 from tests.host.gateway_world import OWNER_KEY, SETTINGS, World, world
@@ -101,6 +103,19 @@ def test_failures_from_one_address_do_not_block_another(tmp_path: Path) -> None:
             assert await sign_in(w, owner, OWNER_KEY) == 200
             async with owner.get(url(w, "/api/overview")) as answer:
                 assert answer.status == 200
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("page", "max_age"), [("", "43200"), ("[page]\nsession_s = 5\n", "5")])
+def test_the_cookie_lasts_as_the_settings_say(tmp_path: Path, page: str, max_age: str) -> None:
+    async def main() -> None:
+        async with world(tmp_path, SETTINGS + page) as w, session_from("127.0.0.1") as http:
+            assert w.gateway.app[PAGE_OF].sessions.lifetime_s == float(max_age)
+            async with http.post(url(w, "/api/signin"), json={"key": OWNER_KEY}) as answer:
+                assert answer.status == 200
+                cookie = answer.cookies[COOKIE]
+            assert cookie["max-age"] == max_age
 
     asyncio.run(main())
 

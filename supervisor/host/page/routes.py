@@ -90,14 +90,14 @@ class Page:
         data_dir: Path,
         sources: Sources,
         *,
-        sessions: Sessions | None = None,
+        sessions: Sessions,
         limit: SignInLimit | None = None,
     ) -> None:
         self.auth = auth
         self.host_api = host_api
         self.keys_file = paths.keys_file(data_dir)
         self.sources = sources
-        self.sessions = sessions or Sessions()
+        self.sessions = sessions
         self.limit = limit or SignInLimit()
         self.files = {path: (_static(name), kind) for path, (name, kind) in FILES.items()}
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-SESSION_S: Final = 12 * 3600.0
 MAX_SESSIONS: Final = 64  # the oldest is signed out when a 65th signs in
 FAILURES_ALLOWED: Final = 10
 FAILURE_WINDOW_S: Final = 60.0
@@ -47,7 +46,7 @@ class Sessions:
 
     def __init__(
         self,
-        lifetime_s: float = SESSION_S,
+        lifetime_s: float,
         clock: Clock = time.monotonic,
         limit: int = MAX_SESSIONS,
     ) -> None:
