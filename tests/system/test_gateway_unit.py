@@ -41,15 +41,31 @@ class Configured:
 
 def _write_as_user(path: str, text: str) -> None:
     """A file of lucia's, 0600, its content through stdin (a key never in an argument list)."""
-    as_user("sh", "-c", f'umask 077 && mkdir -p "$(dirname {path})" && cat > {path}.tmp '
-            f"&& mv {path}.tmp {path}", input=text)
+    as_user(
+        "sh",
+        "-c",
+        f'umask 077 && mkdir -p "$(dirname {path})" && cat > {path}.tmp && mv {path}.tmp {path}',
+        input=text,
+    )
 
 
 def _journal(since: float) -> list[str]:
     """The gateway's lines since `since`, by its SyslogIdentifier."""
     result = subprocess.run(
-        ["journalctl", "-t", "lucia-gateway", "--no-pager", "-o", "cat",
-         "--since", f"@{int(since) - 1}"], capture_output=True, text=True, check=True)
+        [
+            "journalctl",
+            "-t",
+            "lucia-gateway",
+            "--no-pager",
+            "-o",
+            "cat",
+            "--since",
+            f"@{int(since) - 1}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 
@@ -81,8 +97,12 @@ def configured(installation: Installation) -> Iterator[Configured]:
     as_user("rm", "-rf", _dropin(installation), check=False)
     systemctl("daemon-reload", check=False)
     systemctl("reset-failed", UNIT, check=False)
-    as_user("rm", "-f", *(str(config / name) for name in
-                          ("owner.key", "inference.key", "gateway.toml")), check=False)
+    as_user(
+        "rm",
+        "-f",
+        *(str(config / name) for name in ("owner.key", "inference.key", "gateway.toml")),
+        check=False,
+    )
     as_user("rm", "-f", str(installation.data_dir / "telemetry" / "_gateway.json"), check=False)
 
 
@@ -97,8 +117,9 @@ def test_installed_stopped_and_not_enabled(installation: Installation) -> None:
     assert verify.returncode == 0, verify.stderr
 
 
-def test_start_is_active_only_once_it_listens(installation: Installation,
-                                               configured: Configured) -> None:
+def test_start_is_active_only_once_it_listens(
+    installation: Installation, configured: Configured
+) -> None:
     started = time.time()
     systemctl("start", UNIT)  # returns once READY=1 came (Type=notify)
     assert show(UNIT, "ActiveState") == "active"
@@ -111,15 +132,19 @@ def test_start_is_active_only_once_it_listens(installation: Installation,
     assert _get(configured.url + "/v1/models", "lucia_inf_" + "0" * 40) == 401
     assert _get(configured.url + "/api/host/engines", configured.inference) == 403
     assert _get(configured.url + "/api/host/engines", configured.owner) == 200
-    lines = wait_for(lambda: [line for line in _journal(started)
-                              if "gateway listening" in line], 20, "the start line")
+    lines = wait_for(
+        lambda: [line for line in _journal(started) if "gateway listening" in line],
+        20,
+        "the start line",
+    )
     assert configured.url in lines[-1]
     journal = "\n".join(_journal(started))
     assert configured.owner not in journal and configured.inference not in journal
 
 
-def test_a_frozen_gateway_is_restarted_by_the_watchdog(installation: Installation,
-                                                       configured: Configured) -> None:
+def test_a_frozen_gateway_is_restarted_by_the_watchdog(
+    installation: Installation, configured: Configured
+) -> None:
     dropin = _dropin(installation)
     as_user("mkdir", "-p", dropin)
     as_user("sh", "-c", f"printf '[Service]\\nWatchdogSec=4\\n' > {dropin}/watchdog.conf")
@@ -134,9 +159,13 @@ def test_a_frozen_gateway_is_restarted_by_the_watchdog(installation: Installatio
         assert int(show(UNIT, "NRestarts")) == restarts + 1
         wait_for(lambda: show(UNIT, "ActiveState") == "active", 30, "active again")
         assert _get(configured.url + "/v1/models", configured.inference) == 200
-        wait_for(lambda: any("watchdog timeout" in line.lower()
-                             for line in _manager_lines(installation, frozen)), 20,
-                 "the manager's watchdog line")
+        wait_for(
+            lambda: any(
+                "watchdog timeout" in line.lower() for line in _manager_lines(installation, frozen)
+            ),
+            20,
+            "the manager's watchdog line",
+        )
     finally:
         as_user("rm", "-rf", dropin)
         systemctl("daemon-reload")
@@ -145,6 +174,17 @@ def test_a_frozen_gateway_is_restarted_by_the_watchdog(installation: Installatio
 def _manager_lines(installation: Installation, since: float) -> list[str]:
     """What lucia's user manager said about the unit since `since` (its watchdog timeout)."""
     result = subprocess.run(
-        ["journalctl", f"_UID={installation.uid}", "--no-pager", "-o", "cat",
-         "--since", f"@{int(since) - 1}"], capture_output=True, text=True, check=True)
+        [
+            "journalctl",
+            f"_UID={installation.uid}",
+            "--no-pager",
+            "-o",
+            "cat",
+            "--since",
+            f"@{int(since) - 1}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in result.stdout.splitlines() if UNIT in line]
