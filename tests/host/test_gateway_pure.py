@@ -225,6 +225,8 @@ def test_only_the_usage_only_event_is_kept_back_however_the_stream_is_cut(
         ("[engines.big]\nrunnig = 1", "engines.big.runnig: unknown setting"),
         ("[limit]\nrunning = 1", "limit: unknown setting"),
         ("[limits\n", "not valid TOML"),
+        ("[page]\nsession_s = 0.5", "page.session_s"),
+        ("[page]\nsession_hours = 1", "page.session_hours: unknown setting"),
     ],
 )
 def test_bad_settings_name_the_setting(text: str, words: str) -> None:
@@ -241,5 +243,7 @@ def test_settings_defaults_and_engine_overrides() -> None:
     assert settings.admission("small") == Admission(4, 64, max_wait_s=30.0, deadline_s=1800.0)
     assert settings.listen.port == 8400
     assert settings.idle.stop_after_s == 0
+    assert settings.page.session_s == 12 * 3600
+    assert parse("[page]\nsession_s = 1.5", "gw.toml").page.session_s == 1.5
     assert "listen.tls_cert" in settings.warnings()[0]
     assert parse("", "gw.toml").warnings() == []

@@ -4,36 +4,55 @@ worker on the real llama-server router.
 
 In order, as an operator would: an inference key is refused; the owner signs in and sees the
 engine stopped; markup in a worker's message and plan shows as text; start, and the engine
-reaches running; the memory plans of two more (stopped) engines show as the reserves, the
+reaches running; the memory plans of three more (stopped) engines show as the reserves, the
 running engine's claim and what is free, and a need bar each, and the one that cannot fit says
-so and has its Start disabled; a change without the CSRF token is refused; a key is created,
-shown once, used and revoked, and between, a chat made with it shows as the key's last use and
-spending and in the traffic; a model is added from the tests' (slow) hub, its progress bar
-moves, it is Ready and removed; a signed-out session's cookie opens nothing; stop. A screenshot
+so and has its Start disabled, until another engine changes after its plan; a change without
+the CSRF token is refused; a key is created, shown once, used and revoked, and between, a chat
+made with it shows as the key's last use and spending and in the traffic; a model is added from
+the tests' (slow) hub, its progress bar moves, it is Ready and removed; a signed-out session's
+cookie opens nothing; stop. And on a gateway of its own whose sessions last a few seconds
+(`[page] session_s`): once the session is over the page shows the sign-in form on its next
+poll, and the expired cookie, put back, changes nothing. A screenshot
 of each screen is written under $LUCIA_PAGE_SCREENSHOTS (default: <tmp>/lucia-page-screenshots).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import signal
-import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
-from selenium import webdriver
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
 
+from supervisor import paths
+from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.host.protocol import load_status
 from supervisor.memplan.preview import NOT_PLANNED
 from supervisor.protocol.documents import MemoryPlan
+from tests.browser import (
+    RETRY,
+    WAIT_S,
+    NetworkLog,
+    chromium,
+    engine,
+    engine_state,
+    post,
+    press,
+    shot,
+    sign_in,
+    text,
+    until,
+    visible,
+)
 from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
@@ -45,24 +64,11 @@ from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.docker
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE = "<img src=x onerror=document.title='owned'>"
 GiB = 1024**3
-WAIT_S = 30  # the page polls every 2 s
 START_S = 180  # a router start: the model cache, the container, /models
 GGUF_ELEMENTS = 32_768  # 128 KiB of tensor: some 16 s from the slow hub
-# the page redraws a section whose data changed: an element found before may be gone
-RETRY = (NoSuchElementException, StaleElementReferenceException)
-
-
-def shots() -> Path:
-    where = Path(
-        os.environ.get("LUCIA_PAGE_SCREENSHOTS")
-        or Path(tempfile.gettempdir()) / "lucia-page-screenshots"
-    )
-    where.mkdir(parents=True, exist_ok=True)
-    return where
+SESSION_S = 3  # the short-lived gateway's [page] session_s
 
 
 @pytest.fixture(scope="module")
@@ -119,81 +125,13 @@ def gateway(
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,1600",
-    ):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(
-        options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER)
-    )
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def shot(driver: WebDriver, name: str) -> Path:
-    path = shots() / f"{name}.png"
-    driver.save_screenshot(str(path))
-    return path
-
-
-def until(driver: WebDriver, check: Any, timeout: float = WAIT_S, what: str = "") -> Any:
-    wait = WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=RETRY)
-    return wait.until(check, message=what)
-
-
-def press(driver: WebDriver, css: str) -> None:
-    """Click the element now matching css (found again if a redraw replaced it)."""
-    until(driver, lambda d: d.find_element(By.CSS_SELECTOR, css).click() or True, what=css)
-
-
-def text(driver: WebDriver, css: str) -> str:
-    return str(until(driver, lambda d: [d.find_element(By.CSS_SELECTOR, css).text], what=css)[0])
-
-
-def visible(driver: WebDriver, element_id: str) -> bool:
-    return driver.find_element(By.ID, element_id).is_displayed()
-
-
-def engine_state(driver: WebDriver, name: str) -> str | None:
-    try:
-        return driver.find_element(By.CSS_SELECTOR, f'.engine[data-engine="{name}"] .state').text
-    except RETRY:
-        return None
-
-
-def engine(name: str) -> str:
-    return f'.engine[data-engine="{name}"]'
-
-
-def sign_in(driver: WebDriver, gateway: Gateway, key: str) -> None:
-    driver.get(gateway.url + "/page/")
-    until(driver, lambda d: visible(d, "signin-view"), what="the sign-in form")
-    field = driver.find_element(By.ID, "owner-key")
-    field.clear()
-    field.send_keys(key)
-    driver.find_element(By.CSS_SELECTOR, "#signin button").click()
 
 
 def post_without_csrf(driver: WebDriver, path: str, body: str) -> int:
     """A same-origin POST from the page, with the session cookie and no CSRF token."""
-    return int(
-        driver.execute_async_script(
-            "const done = arguments[arguments.length - 1];"
-            "fetch(arguments[0], {method: 'POST', credentials: 'same-origin',"
-            " headers: {'Content-Type': 'application/json'}, body: arguments[1]})"
-            ".then(r => done(r.status), e => done(0));",
-            path,
-            body,
-        )
-    )
+    return post(driver, path, body)
 
 
 def router_plan(router: Engine) -> MemoryPlan:
@@ -219,7 +157,7 @@ def memory_plan(like: MemoryPlan, need: int | None, fits: bool, message: str = "
 
 
 def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gateway) -> None:
-    sign_in(browser, gateway, gateway.inference)
+    sign_in(browser, gateway.url, gateway.inference)
     until(browser, lambda d: visible(d, "signin-problem"), what="the refusal")
     assert "the page is the owner's" in browser.find_element(By.ID, "signin-problem").text
     assert not visible(browser, "main-view")
@@ -230,7 +168,7 @@ def test_an_inference_key_cannot_open_the_page(browser: WebDriver, gateway: Gate
 def test_the_owner_signs_in_and_sees_the_engine_stopped(
     browser: WebDriver, gateway: Gateway, router: Engine
 ) -> None:
-    sign_in(browser, gateway, gateway.owner)
+    sign_in(browser, gateway.url, gateway.owner)
     until(browser, lambda d: engine_state(d, router.name) == "stopped", what="the engine")
     assert not visible(browser, "signin-view")
     cookie = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
@@ -499,3 +437,59 @@ def test_stop_and_a_signed_out_session_opens_nothing(
     )
     assert status == 401
     shot(browser, "9-signed-out")
+
+
+@pytest.fixture
+def short_sessions(tmp_path: Path) -> Iterator[Gateway]:
+    """A gateway of its own whose sessions last SESSION_S seconds, over one stopped engine."""
+    data = tmp_path / "data"
+    write_status(data, "brief", "stopped")
+    settings = f"[page]\nsession_s = {SESSION_S}\n"
+    with running_gateway(tmp_path / "gateway", data, settings) as gw:
+        yield gw
+
+
+def session_status(gateway: Gateway, token: str) -> int:
+    """What the gateway answers GET /page/api/session with this cookie token."""
+    request = urllib.request.Request(gateway.url + "/page/api/session")
+    request.add_header("Cookie", f"{COOKIE}={token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_an_expired_session_shows_the_sign_in_form_and_changes_nothing(
+    short_sessions: Gateway,
+) -> None:
+    gateway = short_sessions
+    keys_file = paths.keys_file(gateway.data_dir)
+    with chromium(network_log=True) as driver:
+        log = NetworkLog(driver)
+        sign_in(driver, gateway.url, gateway.owner)
+
+        def signed_out_again(d: WebDriver) -> bool:
+            polls = [a["status"] for a in log.answers("/page/api/overview")]
+            return 200 in polls and polls[-1] == 401 and visible(d, "signin-view")
+
+        # it polled with the session, then a poll found the session over: the form again
+        until(driver, signed_out_again, SESSION_S + WAIT_S, what="the form after the session")
+        assert not visible(driver, "main-view")
+        shot(driver, "10-session-expired")
+        signed = [a for a in log.answers("/page/api/signin") if a["status"] == 200]
+        assert len(signed) == 1
+        header = {k.lower(): v for k, v in signed[0]["headers"].items()}["set-cookie"]
+        cookie = SimpleCookie()
+        cookie.load(header)
+        assert cookie[COOKIE]["max-age"] == str(SESSION_S), header
+        token = cookie[COOKIE].value
+        csrf = json.loads(log.body(signed[0]["requestId"]))["csrf"]
+        # the gateway itself ended the session (not only the browser its cookie)
+        wait_for(lambda: session_status(gateway, token) == 401, WAIT_S, "the session over")
+        before = keys_file.read_bytes()
+        driver.add_cookie({"name": COOKIE, "value": token, "path": "/"})  # no expiry now
+        assert post(driver, "api/keys", '{"name": "after-expiry"}', {CSRF_HEADER: csrf}) == 401
+        assert keys_file.read_bytes() == before, "no key created"
+        assert "after-expiry" not in gateway.cli("keys", "list").stdout
+        assert visible(driver, "signin-view")

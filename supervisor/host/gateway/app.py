@@ -33,6 +33,7 @@ from supervisor.host.gateway.usageapi import UsageApi
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
+from supervisor.host.page.sessions import Sessions
 from supervisor.host.page.sources import Sources
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
@@ -308,7 +309,10 @@ def create_app(
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)
-    page = Page(auth, gateway.host_api, data_dir, sources or Sources(LedgerMemory(data_dir)))
+    page = Page(
+        auth, gateway.host_api, data_dir, sources or Sources(LedgerMemory(data_dir)),
+        sessions=Sessions(settings.page.session_s),
+    )  # fmt: skip
     app[PAGE_OF] = page
     app.router.add_get(PAGE, to_page)
     app.add_subapp(PAGE, page.app())

@@ -50,6 +50,10 @@ path = "<data>/record/record.sqlite3"   # the SQLite file (the default: the host
 # dsn = "postgresql://lucia@db.example/lucia"   # instead of path: PostgreSQL, which several
                                # gateways share; put a password in ~/.pgpass, not here
 retention_days = 90            # rows (and daily totals) older are pruned; 0: kept for ever
+
+[page]                         # the operator's page at /page/
+session_s = 43200              # a sign-in lasts this long (12 hours; at least 1 s): the
+                               # session and its cookie's Max-Age
 ```
 """
 
@@ -86,6 +90,7 @@ DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
 DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
 DEFAULT_MAX_TOKENS: Final = 32768
 DEFAULT_RETENTION_DAYS: Final = 90
+DEFAULT_SESSION_S: Final = 12 * 3600.0  # a working day: the owner signs in once a day
 RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
 _DSN_SCHEMES: Final = ("postgresql://", "postgres://")
 _MAX_FILE: Final = 1024 * 1024
@@ -211,6 +216,10 @@ class Record(_Section):
         return Target(path=self.path or data_dir / RECORD_DIR / SQLITE_FILE)
 
 
+class Page(_Section):
+    session_s: float = Field(default=DEFAULT_SESSION_S, ge=1, le=30 * 86_400)
+
+
 @dataclass(frozen=True)
 class Admission:
     """One engine's resolved admission limits."""
@@ -230,6 +239,7 @@ class Settings(_Section):
     idle: Idle = Field(default_factory=Idle)
     budget: Budget = Field(default_factory=Budget)
     record: Record = Field(default_factory=Record)
+    page: Page = Field(default_factory=Page)
 
     def admission(self, engine: str) -> Admission:
         own = self.engines.get(engine, EngineLimits())

@@ -91,14 +91,14 @@ class Page:
         data_dir: Path,
         sources: Sources,
         *,
-        sessions: Sessions | None = None,
+        sessions: Sessions,
         limit: SignInLimit | None = None,
     ) -> None:
         self.auth = auth
         self.host_api = host_api
         self.keys_file = paths.keys_file(data_dir)
         self.sources = sources
-        self.sessions = sessions or Sessions()
+        self.sessions = sessions
         self.limit = limit or SignInLimit()
         self.files = {path: (_static(name), kind) for path, (name, kind) in FILES.items()}
 
@@ -146,7 +146,8 @@ class Page:
         return web.Response(body=body, content_type=kind, charset="utf-8")
 
     async def sign_in(self, request: web.Request) -> web.Response:
-        wait = self.limit.blocked()
+        address = peer(request)
+        wait = self.limit.blocked(address)
         if wait > 0:
             raise Refusal(
                 429, "too_many_sign_ins", f"too many failed sign-ins: try again in {wait:.0f} s",
@@ -155,7 +156,7 @@ class Page:
         key = (await _json(request)).get("key")
         caller = self.auth.verify(key.strip()) if isinstance(key, str) and key.strip() else None
         if caller is None:
-            self.limit.failed()
+            self.limit.failed(address)
             raise Refusal(401, "invalid_api_key", "that is not a valid key")
         if caller.role != "owner":
             raise Refusal(
@@ -267,6 +268,12 @@ class Page:
         except LibraryRefused as exc:
             raise Refusal(400, "model_refused", str(exc)) from None
         return web.json_response({"action": action, "applied": applied})
+
+
+def peer(request: web.Request) -> str:
+    """The address of the connection's other end, as the socket says (no forwarding header is
+    believed: a client writes those itself)."""
+    return request.remote or ""
 
 
 async def to_page(_: web.Request) -> web.Response:

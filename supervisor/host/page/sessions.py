@@ -2,9 +2,13 @@
 
 A session never holds the key that opened it: only the SHA-256 digest of its cookie token
 (a lookup by digest tells a timing observer nothing), its CSRF token and when it expires. A
-restart of the gateway signs everybody out. Failed sign-ins are limited: at most
-FAILURES_ALLOWED in FAILURE_WINDOW_S, across all callers; more are refused until the window
-moves on.
+restart of the gateway signs everybody out. Failed sign-ins are limited per client address (the
+connection's peer, never a header a client writes): at most FAILURES_ALLOWED in
+FAILURE_WINDOW_S from one address; more from it are refused until its window moves on, while
+every other address may still sign in. The owner key is not guessable, so the limit bounds
+work and noise, not guessing: it must never let one caller lock the owner out. At most
+MAX_ADDRESSES are tracked, the least recently failed forgotten first, so an address-rotating
+flood holds bounded memory.
 """
 
 from __future__ import annotations
@@ -13,15 +17,15 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-SESSION_S: Final = 12 * 3600.0
 MAX_SESSIONS: Final = 64  # the oldest is signed out when a 65th signs in
 FAILURES_ALLOWED: Final = 10
 FAILURE_WINDOW_S: Final = 60.0
+MAX_ADDRESSES: Final = 4096  # about 1 KiB each at most
 _TOKEN_BYTES: Final = 32  # 256 bits
 
 Clock = Callable[[], float]
@@ -42,7 +46,7 @@ class Sessions:
 
     def __init__(
         self,
-        lifetime_s: float = SESSION_S,
+        lifetime_s: float,
         clock: Clock = time.monotonic,
         limit: int = MAX_SESSIONS,
     ) -> None:
@@ -96,32 +100,54 @@ def csrf_matches(session: Session, presented: str | None) -> bool:
 
 
 class SignInLimit:
-    """Failed sign-ins in a sliding window: `blocked` says how long until another may try."""
+    """Failed sign-ins per client address in a sliding window: `blocked` says how long until
+    that address may try again."""
 
     def __init__(
         self,
         allowed: int = FAILURES_ALLOWED,
         window_s: float = FAILURE_WINDOW_S,
         clock: Clock = time.monotonic,
+        addresses: int = MAX_ADDRESSES,
     ) -> None:
         self.allowed = allowed
         self.window_s = window_s
         self.clock = clock
-        self._failures: deque[float] = deque()
+        self.addresses = addresses
+        # address -> its failures in the window; the least recently failed first
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
-    def _forget(self, now: float) -> None:
-        while self._failures and self._failures[0] <= now - self.window_s:
-            self._failures.popleft()
+    def _recent(self, address: str, now: float) -> deque[float] | None:
+        """The address's failures still in the window (an address with none is forgotten)."""
+        failures = self._failures.get(address)
+        if failures is None:
+            return None
+        while failures and failures[0] <= now - self.window_s:
+            failures.popleft()
+        if not failures:
+            del self._failures[address]
+            return None
+        return failures
 
-    def blocked(self) -> float:
-        """Seconds until a sign-in may be tried again; 0 when it may now."""
+    def blocked(self, address: str) -> float:
+        """Seconds until `address` may try to sign in again; 0 when it may now."""
         now = self.clock()
-        self._forget(now)
-        if len(self._failures) < self.allowed:
+        failures = self._recent(address, now)
+        if failures is None or len(failures) < self.allowed:
             return 0.0
-        return self._failures[0] + self.window_s - now
+        return failures[0] + self.window_s - now
 
-    def failed(self) -> None:
+    def failed(self, address: str) -> None:
         now = self.clock()
-        self._forget(now)
-        self._failures.append(now)
+        failures = self._recent(address, now)
+        if failures is None:
+            failures = self._failures[address] = deque(maxlen=self.allowed)
+        else:
+            self._failures.move_to_end(address)
+        failures.append(now)
+        while len(self._failures) > self.addresses:
+            self._failures.popitem(last=False)
+
+    def __len__(self) -> int:
+        """How many addresses are tracked."""
+        return len(self._failures)
