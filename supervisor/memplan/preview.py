@@ -20,10 +20,10 @@ from supervisor.memplan.need import EngineNeed
 from supervisor.memplan.probe import Memory, ProbeFailed
 from supervisor.protocol.documents import MemoryPlan, Reserves, clean_message, utc_now
 
-NOT_PLANNED = "not planned until its models are known (the plan is made before its start)"
+NOT_PLANNED = "the recipe gives nothing to plan a start from: its start is not checked for memory"
 
 
-# what a start would need in this budget with this weight multiplier; None: not planned yet
+# what a start would need in this budget with this weight multiplier; None: the start is not planned
 Need = Callable[[Budget, float], EngineNeed | None]
 
 

@@ -289,7 +289,7 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
     assert text(browser, unfit + " .message") == refusal
     assert browser.find_elements(By.CSS_SELECTOR, unfit + " .bar .seg-unfit")
     assert text(browser, '.need[data-engine="spare"] .verdict') == "fits"
-    assert text(browser, '.need[data-engine="later"] .verdict') == "not planned yet"
+    assert text(browser, '.need[data-engine="later"] .verdict') == "not planned"
     browser.execute_script("document.getElementById('memory').scrollIntoView()")
     shot(browser, "5c-memory-plan")
     browser.set_window_size(390, 1400)

@@ -156,13 +156,13 @@ function verdict(plan, outdatedBy) {
   // a plan with no need that fits is one not made yet (its models are not known): no verdict;
   // a refusal planned before another engine changed may be lifted: the next look plans again
   if (!plan.fits) return outdatedBy ? "may not fit" : "cannot fit";
-  return plan.need === null ? "not planned yet" : "fits";
+  return plan.need === null ? "not planned" : "fits";
 }
 
 function planLine(item, plan, button, outdatedBy) {
   // a stopped or failed engine's plan: its need and verdict, said before Start is pressed
   const line = el("p", "plan " + (plan.fits ? "plan-fits" : "plan-unfit"));
-  const need = plan.need === null ? (plan.fits ? "not planned yet" : "could not be planned") : "a start needs " + size(plan.need);
+  const need = plan.need === null ? (plan.fits ? "not planned" : "could not be planned") : "a start needs " + size(plan.need);
   line.appendChild(el("span", "plan-need", need + (verdict(plan) === "fits" ? " · fits now" : "")));
   const refused = verdict(plan, outdatedBy) + ": " + (plan.message || "the plan refuses it");
   if (!plan.fits) line.appendChild(el("span", outdatedBy ? "may-not-fit" : "cannot-fit", refused));
@@ -295,7 +295,7 @@ function needBar(need, limit) {
   }
   const figures = el("p", "figures");
   const over = need.need !== null && need.need > limit ? ", more than the limit" : "";
-  figures.appendChild(el("span", null, (need.need === null ? (need.fits ? "not planned yet" : "could not be planned") : "needs " + size(need.need) + " of " + size(limit) + over) + " · "));
+  figures.appendChild(el("span", null, (need.need === null ? (need.fits ? "not planned" : "could not be planned") : "needs " + size(need.need) + " of " + size(limit) + over) + " · "));
   figures.appendChild(planAge(need.plannedAt));
   item.appendChild(figures);
   if (need.message) item.appendChild(el("p", "message", need.message));
