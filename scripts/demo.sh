@@ -314,7 +314,7 @@ journalctl -t lucia-gateway -n 4 --no-pager -o cat
 say "the operator's page: open $gateway_url/page/ and sign in with the owner key in $config/owner.key"
 # signed in as the page does (the key read from its file by the user's own python, never shown):
 # what the page shows of the engines and the memory plan, as text
-"$as_user" "$root/.venv/bin/python" - "$gateway_url" "$config/owner.key" <<'PY'
+"$as_user" python3 - "$gateway_url" "$config/owner.key" <<'PY'
 import http.cookiejar
 import json
 import sys
@@ -331,9 +331,16 @@ with opener.open(base + "overview", timeout=30) as answer:
 for engine in page["engines"]:
     status = engine.get("status") or {}
     print(f"engine {engine['name']}: {status.get('state', 'no status')}")
-memory = page["memory"]
-if memory.get("available"):
-    print("memory:", json.dumps(memory["data"])[:400])
+memory = page["memory"].get("data")
+if memory:
+    gib = lambda value: f"{value / 2**30:.1f} GiB"  # noqa: E731
+    reserves = ", ".join(f"{k} {gib(v)}" for k, v in (memory["reserves"] or {}).items())
+    held = ", ".join(f"{h['name']} {gib(h['bytes'])}" for h in memory["held"]) or "nothing"
+    print(f"memory: limit {gib(memory['limit'])} ({memory['limitSource']}); reserves {reserves}")
+    print(f"memory: held by {held}; free {gib(memory['free'])}")
+    for need in memory["needs"]:
+        verdict = "fits" if need["fits"] else "cannot fit: " + need["message"]
+        print(f"memory: {need['name']} would need {gib(need['need'] or 0)}: {verdict}")
 PY
 
 say "done. The demo engines and the gateway keep running. To stop them: $as_user $cli request NAME stopped --wait (NAME: $name, $router, $cpu); $as_user systemctl --user stop lucia-gateway"

@@ -58,24 +58,20 @@ def _write_as_user(path: str, text: str) -> None:
     )
 
 
-def _journal(since: float) -> list[str]:
-    """The gateway's lines since `since`, by its SyslogIdentifier."""
+def _journal_lines(match: str, since: float) -> list[str]:
+    """The journal's non-empty lines since `since` that match (a journalctl match or -t)."""
     result = subprocess.run(
-        [
-            "journalctl",
-            "-t",
-            "lucia-gateway",
-            "--no-pager",
-            "-o",
-            "cat",
-            "--since",
-            f"@{int(since) - 1}",
-        ],
+        ["journalctl", *match.split(), "--no-pager", "-o", "cat", "--since", f"@{int(since) - 1}"],
         capture_output=True,
         text=True,
         check=True,
     )
     return [line for line in result.stdout.splitlines() if line.strip()]
+
+
+def _journal(since: float) -> list[str]:
+    """The gateway's lines since `since`, by its SyslogIdentifier."""
+    return _journal_lines("-t lucia-gateway", since)
 
 
 def _get(url: str, key: str | None = None) -> int:
@@ -321,18 +317,4 @@ def test_a_frozen_gateway_is_restarted_by_the_watchdog(
 
 def _manager_lines(installation: Installation, since: float) -> list[str]:
     """What lucia's user manager said about the unit since `since` (its watchdog timeout)."""
-    result = subprocess.run(
-        [
-            "journalctl",
-            f"_UID={installation.uid}",
-            "--no-pager",
-            "-o",
-            "cat",
-            "--since",
-            f"@{int(since) - 1}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return [line for line in result.stdout.splitlines() if UNIT in line]
+    return [line for line in _journal_lines(f"_UID={installation.uid}", since) if UNIT in line]
