@@ -153,7 +153,7 @@ function drawPlanAges() {
 function holds(state) { return state === "starting" || state === "running" || state === "stopping"; }
 
 function verdict(plan, outdatedBy) {
-  // a plan with no need that fits is one not made yet (its models are not known): no verdict;
+  // a plan with no need that fits has nothing to plan from (its start is not checked): no verdict;
   // a refusal planned before another engine changed may be lifted: the next look plans again
   if (!plan.fits) return outdatedBy ? "may not fit" : "cannot fit";
   return plan.need === null ? "not planned" : "fits";
