@@ -5,8 +5,8 @@ engine's recipe, claiming nothing (supervisor/memplan/preview.py), and status.js
 Timed here against the real dockerd, medians of --rounds, against one container inspect
 (`Runtime.container`, which every look already makes, several times):
 
-- `preview`, a fixed need: the machine file, /proc/meminfo, the running lucia containers (one
-  Docker list), the ledger read twice under its lock, the two checks;
+- `preview`, a fixed need: the machine file, /proc/meminfo, the running lucia engines (one
+  Docker listing, by their labels), the ledger read twice under its lock, the two checks;
 - a llama-router's need before a sync, from a 100-model library (bench/plan_bench.py's): the
   GGUF headers read the first time (`Headers` empty), then with them kept (the library did not
   change: every later look), both planned in the same budget.

@@ -117,6 +117,13 @@ class Runtime:
                     listed.append(_container(self.api.inspect_container(entry["Id"])))
             return listed
 
+    def running_labels(self, label: str) -> list[dict[str, str]]:
+        """The labels of each running container carrying label (key=value), from one listing:
+        no inspect, for a caller that needs only whose containers run (the memory plan)."""
+        with _translated(f"listing containers labelled {label}"):
+            found = self.api.containers(filters={"label": label})
+        return [dict(entry.get("Labels") or {}) for entry in found]
+
     def image(self, ref: str) -> Image | None:
         with _translated(f"inspecting image {ref}"):
             try:

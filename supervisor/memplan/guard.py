@@ -9,13 +9,12 @@ to the check against the memory free now. The settings file is read at each chec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from supervisor.docker import labels
-from supervisor.docker.spec import Container
 from supervisor.errors import MemoryBlocked, Permanent
 from supervisor.memplan import probe, settings
 from supervisor.memplan.fit import Budget, Holding, Verdict, check, check_now
@@ -26,9 +25,10 @@ from supervisor.memplan.settings import MachineSettings
 
 
 class Containers(Protocol):
-    """What the plan asks of the Docker side: the containers carrying a label (the runtime)."""
+    """What the plan asks of the Docker side (the runtime): the labels of the running
+    containers carrying a label."""
 
-    def containers(self, label: str) -> Sequence[Container]: ...
+    def running_labels(self, label: str) -> Sequence[Mapping[str, str]]: ...
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def room(guard: Guard | None) -> Room:
 
 def running_engines(runtime: Containers) -> set[str]:
     """The names of the running lucia engines, from their containers' labels."""
-    found = runtime.containers(f"{labels.MANAGED}=true")
-    return {c.labels[labels.NAME] for c in found if c.running and labels.NAME in c.labels}
+    found = runtime.running_labels(f"{labels.MANAGED}=true")
+    return {marks[labels.NAME] for marks in found if labels.NAME in marks}
 
 
 @dataclass

@@ -90,7 +90,7 @@ class Heartbeat:
             retrying=retrying,
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
-            memory=self.memory,
+            memory=_masked(self.memory),
             worker_version=version(),
         )
         self.status = status
@@ -179,6 +179,14 @@ def _same_answer(a: Status, b: Status) -> bool:
         "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models"
     )
     return all(getattr(a, name) == getattr(b, name) for name in fields) and _plan(a) == _plan(b)
+
+
+def _masked(plan: MemoryPlan | None) -> MemoryPlan | None:
+    """The plan with its message masked as the status message is (it may quote a file or an
+    error that names a secret value)."""
+    if plan is None or not plan.message:
+        return plan
+    return plan.model_copy(update={"message": clean_message(redaction.redact(plan.message))})
 
 
 def _plan(status: Status) -> MemoryPlan | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor import redaction
 from supervisor.notify import Notifier
 from supervisor.protocol.documents import (
     MemoryPlan,
@@ -107,3 +108,16 @@ def test_a_new_memory_verdict_is_written_at_once_the_same_one_with_the_heartbeat
     beat.show(answer, None)
     written = json.loads(path.read_text())["memory"]
     assert (written["fits"], written["message"]) == (False, "does not fit")
+
+
+def test_a_plan_message_is_masked_like_the_status_message(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    beat = _heartbeat(path, tmp_path / "data")
+    redaction.register(["hf_plan_secret_value"])
+    beat.memory = _plan(False, 0).model_copy(
+        update={"message": "cannot read /models/hf_plan_secret_value/x.gguf"}
+    )
+    beat.show(Answer(1, "stopped", "stopped as requested"), None)
+    text = path.read_text()
+    assert "hf_plan_secret_value" not in text
+    assert json.loads(text)["memory"]["message"] == "cannot read /models/***/x.gguf"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.docker.spec import Container
 from supervisor.errors import Permanent
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.ledger import Ledger
@@ -21,7 +20,7 @@ G = 1024**3
 class NoContainers:
     """The runtime boundary as the guard uses it: no lucia engine runs."""
 
-    def containers(self, label_filter: str) -> list[Container]:
+    def running_labels(self, label: str) -> list[dict[str, str]]:
         return []
 
 
@@ -37,7 +36,7 @@ def _guard(name: str, ledger: Ledger) -> Guard:
     def measure(_: object) -> Memory:
         return Memory("fixed", 100 * G, 100 * G)
 
-    return Guard(name, ledger, NoContainers(), measure)  # type: ignore[arg-type]
+    return Guard(name, ledger, NoContainers(), measure)
 
 
 def _need(name: str, gib: int) -> EngineNeed:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from supervisor.docker import labels
-from supervisor.docker.spec import Container
 from supervisor.errors import Permanent
 from supervisor.memplan.fit import Budget
 from supervisor.memplan.guard import Guard
@@ -28,12 +27,9 @@ class Running:
 
     names: tuple[str, ...] = ()
 
-    def containers(self, label_filter: str) -> list[Container]:
-        return [
-            Container(f"id-{name}", f"lucia-{name}", "sha256:x", "running", 0, False, "",
-                      {labels.MANAGED: "true", labels.NAME: name}, ())
-            for name in self.names
-        ]  # fmt: skip
+    def running_labels(self, label: str) -> list[dict[str, str]]:
+        assert label == f"{labels.MANAGED}=true"
+        return [{labels.MANAGED: "true", labels.NAME: name} for name in self.names]
 
 
 @pytest.fixture
@@ -53,14 +49,18 @@ def _guard(name: str, ledger: Ledger, running: tuple[str, ...] = (), free: int =
     return Guard(name, ledger, Running(running), measure)
 
 
+def _fixed(gib: int) -> EngineNeed:
+    return EngineNeed("a", (figures("a", gib * G, 0, 0, multiplier=1),))
+
+
 def _need(gib: int) -> Need:
-    return lambda budget, multiplier: EngineNeed("a", (figures("a", gib * G, 0, 0, multiplier=1),))
+    return lambda budget, multiplier: _fixed(gib)
 
 
 def _hold(ledger: Ledger, name: str, gib: int) -> None:
     """name's start claims gib and runs (its claim holds while its container runs)."""
     other = _guard(name, ledger, running=(name,))
-    other.claim(_need(gib)(Budget(0, 0), 1.0), replacing=None)
+    other.claim(_fixed(gib), replacing=None)
     other.started(f"id-{name}")
 
 
