@@ -92,8 +92,7 @@ class Guard:
         hold or use is in the way (it may pass by waiting), Permanent when it cannot fit."""
         machine = load_settings()
         running = running_engines(self.runtime)
-        own = [c.bytes for c in self.ledger.claims() if c.name == self.name]
-        releasing = sum(own) if replacing else 0
+        releasing = self.own_claim() if replacing else 0
         reserves = machine.reserves.total
 
         def decide(held: tuple[Holding, ...]) -> Verdict:
@@ -110,6 +109,11 @@ class Guard:
             raise (MemoryBlocked if verdict.waitable else Permanent)(verdict.message)
         self.pending = True
         return verdict
+
+    def own_claim(self) -> int:
+        """The bytes this engine's own claims record: what a replacement of its running
+        container frees."""
+        return sum(c.bytes for c in self.ledger.claims() if c.name == self.name)
 
     def started(self, container_id: str | None) -> None:
         """The start made container_id (its claim now holds while it runs), or failed (the

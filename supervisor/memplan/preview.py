@@ -35,7 +35,7 @@ def preview(guard: Guard, need: Need, clock: Callable[[], datetime] = utc_now) -
         memory = guard.measure(machine)
         running = running_engines(guard.runtime)
         held = guard.ledger.held(running, exclude=guard.name)
-        own = sum(c.bytes for c in guard.ledger.claims() if c.name == guard.name)
+        own = guard.own_claim()
     except (settings.MachineError, Permanent, Transient, ProbeFailed, OSError):
         return None
     releasing = own if guard.name in running else 0
