@@ -18,13 +18,12 @@ from supervisor.docker.spec import Container, Mount
 from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
 from supervisor.engines.llama_router import api as router_api
+from supervisor.engines.llama_router import kind, preset, startup
 from supervisor.engines.llama_router import memory as router_memory
-from supervisor.engines.llama_router import preset, startup
 from supervisor.engines.llama_router.library_sync import LibrarySync, Syncer, library_fingerprint
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import StartupModels
 from supervisor.errors import Permanent, Transient
-from supervisor.library import ggufcheck
 from supervisor.library import models as library
 from supervisor.memplan.fit import Budget
 from supervisor.memplan.need import EngineNeed
@@ -240,8 +239,7 @@ class LlamaRouter(ContainerEngine):
         found = self._found
         if self._current or found is None:
             return self.memory_need()
-        units = [unit for model in found.models for unit in ggufcheck.group(model.files).units]
-        read = self._headers.models(library_fingerprint(found), units)
+        read = self._headers.models(library_fingerprint(found), kind.units(found))
         return router_memory.library_need(self.name, self.recipe, read, budget, multiplier)
 
     def served_models(self) -> tuple[str, ...]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.engines.kind import EngineKind
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.library import ggufcheck
-from supervisor.library.models import scan
+from supervisor.library import models as library
+from supervisor.library.ggufcheck import Unit
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.overview import EnginePlan
@@ -26,16 +28,32 @@ def _engine(
     return LlamaRouter(name, recipe, runtime, state_dir, data_dir)
 
 
-def _memory(recipe: LlamaRouterRecipe, budget: Budget, multiplier: float) -> EnginePlan:
-    """Every Ready model of the library from its GGUF header; the startup set planned together."""
-    opts = router.options(recipe.router.defaults)
-    library = scan(recipe.library.models_path)
-    units = [unit for model in library.models for unit in ggufcheck.group(model.files).units]
-    models, bad = router.read_models(units)
-    routed = router.plan(
-        recipe.name, models, budget.left, recipe.router.load_on_startup, opts,
+def units(found: library.Library) -> list[Unit]:
+    """Each Ready library model's units, from its own files (no cache): what the plan reads."""
+    return [unit for model in found.models for unit in ggufcheck.group(model.files).units]
+
+
+def route(
+    name: str,
+    recipe: LlamaRouterRecipe,
+    read: tuple[Sequence[router.RouterModel], Sequence[router.Unplannable]],
+    room: int,
+    multiplier: float,
+) -> router.RouterPlan:
+    """The router plan of these read headers in room: each model alone, the load-on-startup
+    set together. The router defaults' ValueError says what is wrong with them."""
+    models, bad = read
+    return router.plan(
+        name, models, room, recipe.router.load_on_startup, router.options(recipe.router.defaults),
         multiplier=multiplier, unplannable=bad,
     )  # fmt: skip
+
+
+def _memory(recipe: LlamaRouterRecipe, budget: Budget, multiplier: float) -> EnginePlan:
+    """Every Ready model of the library from its GGUF header; the startup set planned together."""
+    router.options(recipe.router.defaults)  # refused before any header is read
+    read = router.read_models(units(library.scan(recipe.library.models_path)))
+    routed = route(recipe.name, recipe, read, budget.left, multiplier)
     return EnginePlan(recipe.name, check(routed.startup, budget), router=routed)
 
 
