@@ -201,6 +201,17 @@ def _remount(where: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True)
 
 
+def _fill(store: Any) -> None:
+    """Record rows 200 at a time, each batch committed or failed, until the store is
+    unavailable (its disk full)."""
+    number = 0
+    while store.available:
+        for n in range(200):
+            store.record(row(prompt=number + n))  # never raises, whatever the disk says
+        number += 200
+        until(lambda: store.queued == 0 or not store.available, what="a commit or a failure")
+
+
 def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
     tmpfs: Path, store_at: Any
 ) -> None:
@@ -208,13 +219,7 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
     with structlog.testing.capture_logs() as logs:
         store = store_at(path)
         assert store.available
-        number = 0
-        while store.available:
-            batch_ = [row(prompt=number + n) for n in range(200)]
-            number += 200
-            for made in batch_:
-                store.record(made)  # never raises, whatever the disk says
-            until(lambda: store.queued == 0 or not store.available, what="a commit or a failure")
+        _fill(store)
         assert any(word in str(store.reason) for word in ("full", "No space", "I/O")), store.reason
         assert not store.record(row())
         assert sum(store.dropped.values()) > 0
@@ -265,12 +270,7 @@ def test_a_full_loop_device_makes_the_store_unavailable_until_space_is_freed(
     with structlog.testing.capture_logs() as logs:
         store = store_at(path)
         assert store.available
-        number = 0
-        while store.available:
-            for n in range(200):
-                store.record(row(prompt=number + n))  # never raises, whatever the disk says
-            number += 200
-            until(lambda: store.queued == 0 or not store.available, what="a commit or a failure")
+        _fill(store)
         assert "No space" in str(store.reason) or "full" in str(store.reason), store.reason
         committed = store.committed
         filler.unlink()  # the operator frees space
