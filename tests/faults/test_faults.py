@@ -1,5 +1,7 @@
 """Faults injected against the real dockerd: the worker survives, tells the truth, loses nothing,
-leaves no duplicate or orphaned container, and never harms an engine the fault did not kill."""
+leaves no duplicate or orphaned container, and never harms an engine the fault did not kill.
+The faults of dockerd itself (a restart, a stall) are in test_dockerd_faults.py, on a dockerd of
+the tests' own."""
 
 from __future__ import annotations
 
@@ -9,15 +11,12 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import docker
 import pytest
 
-from tests import dockerd
-from tests.fixtures import Engine, age, free_port
-from tests.gguf_fixtures import add_model, write_llama
+from tests.fixtures import Engine
 
 pytestmark = pytest.mark.docker
 
@@ -45,31 +44,6 @@ def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
     status = engine.wait_status(lambda s: s["state"] == "failed", timeout=30)
     assert "exited with code 137" in status["message"]
     assert "too much memory" in status["message"]
-
-
-@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
-def test_dockerd_restart_while_running_and_while_building(make_engine, client) -> None:
-    engine: Engine = make_engine()
-    proc, status = engine.up()
-    assert not client.info().get("LiveRestoreEnabled"), "these tests need live-restore off"
-    dockerd.restart()
-    # without live-restore, dockerd stops its containers: the truth is that the engine died
-    after = engine.wait_status(lambda s: s["state"] == "failed"
-                               and s["checkedAt"] > status["checkedAt"], timeout=60)
-    assert "exited with code" in after["message"]
-    assert client.containers.get(engine.container).status == "exited"
-    assert engine.file_sd() == []
-    assert proc.poll() is None, "the worker must survive a dockerd restart"
-
-    slow: Engine = make_engine(build_args={"SLOW": "15"})  # dockerd's restart takes seconds
-    slow_proc = slow.start_worker()
-    generation = slow.request("running")
-    slow.wait_status(lambda s: "compiling kernels" in s["message"], timeout=60)
-    dockerd.restart()
-    final = slow.wait_state(generation, "running", timeout=180)
-    assert final["url"]
-    assert slow_proc.poll() is None
-    assert len(_ours(client, slow)) == 1
 
 
 def test_failed_build_then_fixed_recipe_and_new_generation_succeeds(make_engine,
@@ -257,36 +231,6 @@ def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, da
 
 
 
-@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
-def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, client) -> None:
-    """dockerd stopped with SIGSTOP for 25 s while a new request is observed: the loop stays
-    alive, the heartbeat keeps its interval, the status says docker did not answer, and the
-    request is answered once dockerd resumes. The engine, never touched, keeps serving."""
-    engine: Engine = make_engine()
-    proc, status = engine.up()
-    container = client.containers.get(engine.container).id
-    pid = dockerd.pid()
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        generation = engine.request("running")  # observed while dockerd cannot answer
-        ages, messages = [], set()
-        deadline = time.monotonic() + 25
-        while time.monotonic() < deadline:
-            current = engine.status()
-            if current is not None:
-                ages.append(age(current))
-                messages.add(current["message"])
-            assert proc.poll() is None, "the worker died while dockerd was stalled"
-            time.sleep(0.2)
-        with urllib.request.urlopen(f"{status['url']}/v1/models", timeout=5) as response:
-            assert response.status == 200, "the engine stopped serving"
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert max(ages) < 4.0, f"heartbeat age reached {max(ages):.1f} s (interval 2 s)"
-    assert any("docker did not answer within" in m for m in messages), messages
-    final = engine.wait_state(generation, "running", timeout=90)
-    assert final["engine"]["containerId"] == container
-    assert proc.poll() is None
 
 
 def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_engine) -> None:
@@ -307,83 +251,6 @@ def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_e
 
 
 # -- issue 19: a stall never turns a serving engine into starting; a death during a restart --
-
-_CLIENT_TIMEOUT = 30.0  # supervisor/docker/runtime.py's _API_TIMEOUT
-_POLL = 30.0  # tensorfold's observation interval (ContainerEngine.poll_interval)
-
-
-def _serving(make_engine, request, kind: str) -> Engine:
-    if kind == "llama-router":  # the real llama-server, observed every second (poll_seconds)
-        engine: Engine = make_engine(kind="llama-router", load_on_startup=("tiny",))
-        write_llama(add_model(engine.models_dir, "Ready") / "tiny.gguf")
-        return engine
-    return make_engine(layout="real")  # the shipped recipe, observed every 30 s
-
-
-def _reconciles(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("lucia_worker_reconciles_total "):
-                return float(line.split()[1])
-    raise AssertionError("the worker has no lucia_worker_reconciles_total")
-
-
-@pytest.mark.alone  # dockerd stops for everyone: nothing may run beside it
-@pytest.mark.parametrize("kind", ["tensorfold", "llama-router"])
-def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, request,
-                                                                    kind: str) -> None:
-    """dockerd stopped with SIGSTOP until an observation has both been overdue (10 s) and run
-    into the docker client's timeout (30 s), and its retry: every status sample meanwhile says
-    `running` for the served generation, with its url, engine and file_sd target, and a message
-    saying docker does not answer. Was (issue 19): `starting`, from the client's timeout on."""
-    engine = _serving(make_engine, request, kind)
-    metrics = free_port()
-    engine.start_worker("--metrics-port", str(metrics))
-    generation = engine.request("running")
-    served = engine.wait_state(generation, "running", timeout=180)
-    targets = engine.file_sd()
-    assert targets
-    if kind == "tensorfold":  # stall just before the next observation is due
-        # the observation that saw it running was the last one, but for any made just after:
-        # the next is due _POLL after it (a stall begun earlier only lasts longer)
-        count, observed = _reconciles(metrics), time.monotonic()
-        settle = observed + 3
-        while time.monotonic() < settle:
-            if (now := _reconciles(metrics)) != count:
-                count, observed = now, time.monotonic()
-            time.sleep(0.2)
-        time.sleep(max(0.0, observed + _POLL - 3 - time.monotonic()))
-    pid = dockerd.pid()
-    os.kill(pid, signal.SIGSTOP)
-    samples: list[dict] = []
-    try:
-        deadline = time.monotonic() + _POLL + _CLIENT_TIMEOUT + 15
-        while time.monotonic() < deadline:
-            current = engine.status()
-            if current is not None:
-                samples.append(current)
-                if "retrying in" in current["message"]:
-                    break  # the client's timeout arrived, and was answered
-            time.sleep(0.2)
-        after = time.monotonic() + 3  # a few samples after the retry's answer
-        while time.monotonic() < after:
-            current = engine.status()
-            if current is not None:
-                samples.append(current)
-            time.sleep(0.2)
-        sd_during = engine.file_sd()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    messages = {s["message"] for s in samples}
-    assert any("docker did not answer within" in m for m in messages), messages
-    assert any("docker does not answer" in m and "retrying in" in m for m in messages), messages
-    wrong = [s for s in samples if (s["generation"], s["state"]) != (generation, "running")
-             or s["url"] != served["url"] or s["engine"] != served["engine"]]
-    assert not wrong, wrong[:3]
-    assert sd_during == targets
-    final = engine.wait_status(lambda s: s["message"].startswith("serving at ")
-                               and "docker" not in s["message"], timeout=90)
-    assert (final["generation"], final["state"]) == (generation, "running")
 
 
 def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(make_engine,

@@ -2,6 +2,10 @@
 (tensorfold on the stand-in recipe repository, the router on the real llama-server), a fault
 schedule drawn from the seed, and the independent checker judging what they claimed.
 
+It runs as the tests' service user (tests/system/harness.py's USER), and its engines run on a
+dockerd of its own (tests/dockerd.py): its faults restart and freeze that dockerd, never the
+machine's, whose containers (the operator's engines) would die with it.
+
     .venv/bin/python -m tests.soak.run --seconds 180 --seed 1      # as root, after machine.sh
 
 A failure prints the seed and the schedule up to the failure; the same seed replays it.
@@ -40,10 +44,9 @@ from tests import dockerd
 from tests.gguf_fixtures import add_model, write_llama
 from tests.soak.schedule import Fault, draw
 from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
-from tests.system.harness import as_user, copy_project, systemctl
+from tests.system.harness import USER, as_user, copy_project, systemctl
 
 ROOT = Path(__file__).resolve().parents[2]
-USER = "lucia"
 SETTLE = 240.0  # after the schedule: every engine answers its last request within this
 # faults that last a while run beside the next ones, so that faults overlap as on a real machine
 LASTING = ("worker-stop", "dockerd-stall", "disk-full", "bad-desired")
@@ -76,12 +79,12 @@ class Soak:
         self.share = self.home / ".local/share/lucia"
         self.data = self.share / "host/data"
         self.cli = str(self.share / "venv/bin/lucia-supervisor")
-        self.client = docker.from_env(timeout=20)
+        self.dockerd = dockerd.Private(self.run_id, "dockerd-soak.log")
+        self.client: docker.DockerClient | None = None  # the private dockerd's, once started
         self.events = self.work / "events.jsonl"
         self.engines: list[SoakEngine] = []
         self.token = uuid.uuid4().hex  # a secret that must never show
         self.mounted = False
-        self.images: list[str] = []
         self.network = f"lucia-soak-{self.run_id}"
         self.last_valid: dict[str, bytes] = {}  # per engine: its last whole desired.json
         # the host's requests and the repair of a damaged desired.json, one at a time: a repair
@@ -93,6 +96,7 @@ class Soak:
 
     def setup(self) -> None:
         self.work.mkdir(parents=True)
+        self._private_dockerd()
         # as the user: created by root, the share directory would be root's, and install.sh
         # (run as the user) could not set its permissions on a machine that never ran it before
         as_user("mkdir", "-p", str(self.data))
@@ -112,10 +116,28 @@ class Soak:
         for engine in self.engines:
             self.wait_answered(engine, 300)
 
+    def _private_dockerd(self) -> None:
+        """The private dockerd started, the router's image copied into it from the machine's,
+        and every docker client from here on (this process's, the checker's, the units' of the
+        user manager) pointed at it."""
+        self.router_image = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "llama-server-image.sh")],
+            capture_output=True, text=True, check=True).stdout.split()[-1]
+        self.dockerd.start()
+        with contextlib.closing(docker.from_env(timeout=120)) as machine:
+            self.dockerd.load(machine, self.router_image)
+        os.environ.update(self.dockerd.env())
+        for name, value in self.dockerd.env().items():
+            systemctl("set-environment", f"{name}={value}")
+        self.client = self.dockerd.client(timeout=20)
+
+    @property
+    def docker(self) -> docker.DockerClient:
+        assert self.client is not None, "the private dockerd is not started"
+        return self.client
+
     def _base_image(self) -> str:
-        tag = busybox_image(self.client, self.work / "base", f"lucia-soak-busybox-{self.run_id}:1")
-        self.images.append(tag)
-        return tag
+        return busybox_image(self.docker, self.work / "base", f"lucia-soak-busybox-{self.run_id}:1")
 
     def _tensorfold_recipe(self) -> Path:
         repo = self.work / "recipe-repo"
@@ -125,7 +147,6 @@ class Soak:
         secret.write_text(self.token + "\n")
         secret.chmod(0o600)
         tag = f"lucia-soak-recipe-{self.run_id}:v1"
-        self.images += [tag + "-grammar", tag]
         recipe = self.work / f"{name}.toml"
         settings: dict[str, Any] = {"SOAK_EDIT": "0"}
         run: dict[str, Any] = {"stop_grace": 5, "memory": "64m"}
@@ -139,8 +160,7 @@ class Soak:
         return recipe
 
     def _router_recipe(self) -> Path:
-        image = subprocess.run(["bash", str(ROOT / "scripts" / "llama-server-image.sh")],
-                               capture_output=True, text=True, check=True).stdout.split()[-1]
+        image = self.router_image
         models = self.work / "models"
         files = add_model(models, "Ready")
         write_llama(files / "tiny.gguf")
@@ -247,21 +267,16 @@ stop_grace = 5
             case "worker-reload":
                 systemctl("reload", engine.unit, check=False)
             case "dockerd-restart":
-                dockerd.restart("dockerd-soak.log")
+                self.dockerd.restart()
             case "dockerd-stall":
-                pid = dockerd.pid()
-                os.kill(pid, signal.SIGSTOP)
-                try:
+                with self.dockerd.stalled():
                     time.sleep(p["pause"])
-                finally:
-                    with contextlib.suppress(ProcessLookupError):  # restarted meanwhile
-                        os.kill(pid, signal.SIGCONT)
             case "engine-kill":
                 with contextlib.suppress(*_DOCKER_ERRORS):
-                    self.client.containers.get(engine.container).kill()
+                    self.docker.containers.get(engine.container).kill()
             case "engine-oom":
                 with contextlib.suppress(*_DOCKER_ERRORS):
-                    self.client.containers.get(engine.container).exec_run(
+                    self.docker.containers.get(engine.container).exec_run(
                         ["sh", "-c", "echo 200 > /tmp/hog"])
             case "disk-full":
                 filler = self.data / ".soak-filler"
@@ -408,26 +423,22 @@ stop_grace = 5
 
     def cleanup(self) -> None:
         """Leave the machine as it was, whatever fault was under way when the soak ended."""
-        with contextlib.suppress(subprocess.CalledProcessError, ProcessLookupError):
-            os.kill(dockerd.pid(), signal.SIGCONT)  # ended during a stall
-        if not dockerd.answers():
-            dockerd.start("dockerd-soak.log")  # ended during a restart
+        if self.client is not None:
+            self.dockerd.resume()  # ended during a stall or a restart
         (self.data / ".soak-filler").unlink(missing_ok=True)
         for engine in self.engines:
             systemctl("stop", engine.unit, check=False)
-            with contextlib.suppress(*_DOCKER_ERRORS):
-                self.client.containers.get(engine.container).remove(force=True)
         as_user(str(self.work / "src" / "install.sh"), "--uninstall", check=False)
         for engine in self.engines:
             engine.recipe.unlink(missing_ok=True)
-        for tag in self.images:
-            with contextlib.suppress(docker.errors.DockerException):
-                self.client.images.remove(tag, force=True)
-        with contextlib.suppress(docker.errors.DockerException):
-            self.client.networks.get(self.network).remove()
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.data)], check=False)
         shutil.rmtree(self.work, ignore_errors=True)
+        for name in self.dockerd.env():
+            systemctl("unset-environment", name, check=False)
+        if self.client is not None:
+            self.client.close()
+        self.dockerd.stop()  # and with it every container, image and network the soak made
 
 
 def _stops(fault: Fault) -> bool:

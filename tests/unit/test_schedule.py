@@ -80,11 +80,12 @@ def vllm_cpu_image():
 
 
 def _stops_dockerd(function: ast.FunctionDef) -> bool:
-    """Calls dockerd.restart/start, or takes dockerd's pid (to signal it)."""
+    """Restarts or stalls a dockerd: calls `.restart()` or `.stalled()` on the private one."""
     for node in ast.walk(function):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "dockerd"
-                and node.func.attr in {"restart", "start", "pid"}):
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "private_dockerd"
+                and node.func.attr in {"restart", "stalled"}):
             return True
     return False
 
@@ -93,10 +94,37 @@ def _marked_alone(function: ast.FunctionDef) -> bool:
     return any(ast.unparse(mark) == "pytest.mark.alone" for mark in function.decorator_list)
 
 
+def _sources() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text(), str(path)))
+            for path in sorted(TESTS.rglob("*.py"))
+            if path.name != "dockerd.py" and path != Path(__file__).resolve()]
+
+
+def test_no_case_signals_or_restarts_the_machines_dockerd() -> None:
+    """The machine's dockerd serves the operator's engines while the tests run: what tests/dockerd
+    offers is a private dockerd only, and nothing else in the tests looks for dockerd's pid."""
+    import tests.dockerd as module  # noqa: PLC0415 - the module under the rule
+
+    public = {name for name in vars(module) if not name.startswith("_")
+              and callable(vars(module)[name]) and getattr(vars(module)[name], "__module__",
+                                                            None) == module.__name__}
+    assert public == {"Private", "private"}
+    offenders = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dockerd"
+                    and node.func.attr not in {"Private", "private"}):
+                offenders.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+            if isinstance(node, ast.Constant) and node.value in ("pidof", "dockerd"):
+                offenders.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert offenders == []
+
+
 def test_every_case_that_stops_or_freezes_dockerd_runs_alone() -> None:
     found = {}
-    for path in sorted(TESTS.rglob("test_*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path, tree in _sources():
+        for node in ast.walk(tree):
             if (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
                     and _stops_dockerd(node)):
                 found[f"{path.relative_to(TESTS)}::{node.name}"] = _marked_alone(node)
