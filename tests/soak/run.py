@@ -44,7 +44,7 @@ from tests import dockerd
 from tests.gguf_fixtures import add_model, write_llama
 from tests.soak.schedule import Fault, draw
 from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
-from tests.system.harness import USER, as_user, copy_project, systemctl
+from tests.system.harness import USER, as_user, copy_project, machine_settings, systemctl
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTLE = 240.0  # after the schedule: every engine answers its last request within this
@@ -480,11 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ended from outside: clean up too
-    try:
-        soak.setup()
-        return soak.run()
-    finally:
-        soak.cleanup()
+    with machine_settings(soak.home):  # the test user's memory settings, not its defaults
+        try:
+            soak.setup()
+            return soak.run()
+        finally:
+            soak.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
-"""Fixtures under the real systemd user manager of the test user `lucia`, with journald and dockerd.
+"""Fixtures under the real systemd user manager of the tests' own service user, with journald
+and dockerd.
 
-scripts/machine.sh starts them (as .ci/run does); these fixtures install the project with
-install.sh as that user, exactly as an operator would, and drive it with systemctl and the CLI.
+The tests run as `lucia-test` (LUCIA_TEST_USER overrides), never as the operator's `lucia`: an
+operator runs them on a machine whose demo or engines serve as `lucia`, and they must leave its
+units, data, containers and ports as they found them. scripts/machine.sh makes both users and
+starts each one's user manager (as .ci/run does); these fixtures install the project with
+install.sh as the test user, exactly as an operator would, and drive it with systemctl and the
+CLI.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pwd
 import shutil
 import subprocess
@@ -27,14 +33,19 @@ from tests.standin import busybox_image, demo_recipe, free_port, recipe_reposito
 
 ROOT = Path(__file__).resolve().parents[2]
 AS_USER = ROOT / "scripts" / "as-lucia"
-USER = "lucia"
+OPERATOR_USER = "lucia"  # install.sh's and the demo's user: the tests never act as it
+USER = os.environ.get("LUCIA_TEST_USER") or "lucia-test"
 RUN_ID = uuid.uuid4().hex[:6]
+if USER == OPERATOR_USER:
+    raise RuntimeError(f"LUCIA_TEST_USER={USER}: the tests never run as the operator's user")
 
 
 def as_user(*args: str, check: bool = True, timeout: float = 300,
             input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """args run as the test user (scripts/as-lucia with LUCIA_USER set to it)."""
     result = subprocess.run([str(AS_USER), *args], capture_output=True, text=True,
                             timeout=timeout, check=False, input=input,
+                            env={**os.environ, "LUCIA_USER": USER},
                             stdin=None if input is not None else subprocess.DEVNULL)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
@@ -173,6 +184,30 @@ def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
         log.close()
 
 
+# The test user's memory settings while the tests install as it: the host's memory (the plan's
+# limit is MemTotal, as an operator's is) with a small reserve, since the default reserves (18
+# GiB) leave this 24 GiB machine less than an engine once an operator's demo holds its 7 GiB.
+TEST_MACHINE = 'limit = "unified"\nprofile = "gpu-server"\n'
+
+
+@contextlib.contextmanager
+def machine_settings(home: Path) -> Iterator[Path]:
+    """The test user's ~/.config/lucia/machine.toml, written as that user (0600) for the body of
+    the `with` and removed after it; one it had before is put back."""
+    path = home / ".config/lucia/machine.toml"
+    before = path.read_text() if path.exists() else None
+    as_user("sh", "-c", 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && '
+            'mv "$1.tmp" "$1"', "machine-settings", str(path), input=TEST_MACHINE)
+    try:
+        yield path
+    finally:
+        if before is None:
+            as_user("rm", "-f", str(path), check=False)
+        else:
+            as_user("sh", "-c", 'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+                    "machine-settings", str(path), input=before, check=False)
+
+
 @pytest.fixture(scope="session")
 def user_manager() -> pwd.struct_passwd:
     try:
@@ -220,8 +255,9 @@ def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerCl
     install = as_user(str(source / "install.sh"), "--recipe", str(recipe), timeout=900)
     installed = Installation(name, home, uid, recipe, port, network, image_tag, source,
                              install.stdout + install.stderr)
-    yield installed
-    systemctl("stop", installed.unit, check=False)
+    with machine_settings(home):
+        yield installed
+        systemctl("stop", installed.unit, check=False)
     with contextlib.suppress(docker.errors.NotFound):
         docker_client.containers.get(installed.container).remove(force=True)
     as_user(str(source / "install.sh"), "--uninstall", check=False)

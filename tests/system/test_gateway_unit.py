@@ -1,5 +1,5 @@
-"""The lucia-gateway systemd user unit as install.sh installs it, under lucia's real user manager:
-installed stopped and not enabled; with a settings file and the two key files in lucia's
+"""The lucia-gateway systemd user unit as install.sh installs it, under the test user's real user
+manager: installed stopped and not enabled; with a settings file and the two key files in its
 ~/.config/lucia it is active only once it listens (Type=notify, READY after the bind), its
 journal has the start line and never a key, and a frozen gateway is restarted by the watchdog.
 The operator's page opens from it as an operator opens it: its files from the installed package,
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.protocol.documents import Status, dump, utc_now
 from tests.browser import chromium, engine_state, shot, sign_in, until, visible
 from tests.standin import free_port
-from tests.system.harness import RUN_ID, Installation, as_user, show, systemctl, wait_for
+from tests.system.harness import RUN_ID, USER, Installation, as_user, show, systemctl, wait_for
 
 pytestmark = pytest.mark.system
 
@@ -49,7 +50,8 @@ class Configured:
 
 
 def _write_as_user(path: str, text: str) -> None:
-    """A file of lucia's, 0600, its content through stdin (a key never in an argument list)."""
+    """A file of the test user's, 0600, its content through stdin (a key never in an argument
+    list)."""
     as_user(
         "sh",
         "-c",
@@ -70,8 +72,9 @@ def _journal_lines(match: str, since: float) -> list[str]:
 
 
 def _journal(since: float) -> list[str]:
-    """The gateway's lines since `since`, by its SyslogIdentifier."""
-    return _journal_lines("-t lucia-gateway", since)
+    """The test user's gateway's lines since `since`, by its SyslogIdentifier and the user (the
+    operator's own lucia-gateway may log beside it)."""
+    return _journal_lines(f"-t lucia-gateway _UID={pwd.getpwnam(USER).pw_uid}", since)
 
 
 def _get(url: str, key: str | None = None) -> int:
@@ -126,7 +129,7 @@ def _dropin(installation: Installation) -> str:
 
 @pytest.fixture(scope="module")
 def configured(installation: Installation) -> Iterator[Configured]:
-    """gateway.toml on a free port and the two key files, in lucia's ~/.config/lucia."""
+    """gateway.toml on a free port and the two key files, in the test user's ~/.config/lucia."""
     config = installation.home / ".config/lucia"
     settings = Configured(free_port(), secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     _write_as_user(str(config / "owner.key"), settings.owner + "\n")
@@ -184,7 +187,7 @@ def test_start_is_active_only_once_it_listens(
 
 @pytest.fixture
 def page_engine(installation: Installation) -> Iterator[str]:
-    """A stopped engine's status.json in lucia's data directory, for the page to show."""
+    """A stopped engine's status.json in the test user's data directory, for the page to show."""
     name = f"page{RUN_ID}"
     now = utc_now()
     status = Status(
@@ -253,7 +256,7 @@ def test_the_page_opens_from_the_installed_unit(
     engines = {row["name"]: row for row in data["engines"]}
     assert engines[page_engine]["status"]["state"] == "stopped"
     assert {"memory", "keys", "models", "traffic"} <= set(data)
-    # a change: refused without the CSRF token, made with it, in lucia's keys file
+    # a change: refused without the CSRF token, made with it, in the test user's keys file
     made = {"name": page_key}
     assert _page(configured, "/api/keys", made, cookie=cookie).status == 403
     created = _page(configured, "/api/keys", made, cookie=cookie, csrf=csrf)
@@ -316,5 +319,5 @@ def test_a_frozen_gateway_is_restarted_by_the_watchdog(
 
 
 def _manager_lines(installation: Installation, since: float) -> list[str]:
-    """What lucia's user manager said about the unit since `since` (its watchdog timeout)."""
+    """What the test user's manager said about the unit since `since` (its watchdog timeout)."""
     return [line for line in _journal_lines(f"_UID={installation.uid}", since) if UNIT in line]

@@ -1,12 +1,12 @@
 """The KV tiers as the documented installation runs them: install.sh as the non-root service
 user `lucia`, its systemd user service, the real vLLM 0.32.0 CPU server on the tier image.
 
-The worker creates the tier namespaces 0700 as lucia; the engine container runs as lucia's uid
+The worker creates the tier namespaces 0700 as the test user; the engine container runs as its uid
 and gid, so the tier plugin (which opens only directories its own uid owns) opens them, and a
 prompt answered before a stop and start through the protocol comes back from the tiers after
 it; with the NVMe copy deleted the HDD serves it and the copy comes back; with a byte flipped in
 every block the answer is recomputed, the same, by the same engine, and every block is saved
-again. Every file the engine wrote is lucia's: lucia can remove it all.
+again. Every file the engine wrote is the test user's: it can remove it all.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class Served:
     work: Path
 
     def request(self, desired: str) -> dict[str, Any]:
-        """`lucia-supervisor request` as lucia, then the status once it settles (either way)."""
+        """`lucia-supervisor request` as the test user, then the status once it settles (either
+        way)."""
         out = self.installed.request(desired)
         generation = int(out.stdout.splitlines()[0])
 
@@ -175,7 +176,7 @@ def test_the_service_users_engine_reuses_its_tiers_after_a_restart_a_lost_copy_a
     uid = served.installed.uid
     status = served.request("running")
     container = client.containers.get(served.installed.container)
-    assert container.attrs["Config"]["User"] == f"{uid}:{_gid()}"  # lucia's uid and gid
+    assert container.attrs["Config"]["User"] == f"{uid}:{_gid()}"  # the test user's uid and gid
     cold, cold_external = _complete(status["url"])
     assert cold_external == 0.0
 
@@ -222,7 +223,7 @@ def test_the_service_users_engine_reuses_its_tiers_after_a_restart_a_lost_copy_a
     wait_until(lambda: not still_damaged(), "every damaged block saved again",
                lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)")
     served.request("stopped")
-    # what the engine wrote is lucia's, owner-only, and lucia (the worker) removes all of it
+    # what the engine wrote is the test user's, owner-only, and the worker removes all of it
     for tier in ("nvme", "hdd"):
         for path in served.tier_files(tier):
             info = path.stat()

@@ -1,16 +1,17 @@
-"""The lucia-models systemd user unit as install.sh installs it, under lucia's real user manager:
-installed stopped and not enabled; started, it is active once the queue holds the library's lease
-(Type=notify), its journal has the start line; a second queue on the same library is refused;
-stopped, it releases the lease."""
+"""The lucia-models systemd user unit as install.sh installs it, under the test user's real user
+manager: installed stopped and not enabled; started, it is active once the queue holds the
+library's lease (Type=notify), its journal has the start line; a second queue on the same library
+is refused; stopped, it releases the lease."""
 
 from __future__ import annotations
 
+import pwd
 import subprocess
 import time
 
 import pytest
 
-from tests.system.harness import Installation, as_user, show, systemctl, wait_for
+from tests.system.harness import USER, Installation, as_user, show, systemctl, wait_for
 
 pytestmark = pytest.mark.system
 
@@ -18,9 +19,11 @@ UNIT = "lucia-models.service"
 
 
 def _journal(since: float) -> list[str]:
+    """The test user's lucia-models lines (an operator's may log beside them)."""
     result = subprocess.run(
-        ["journalctl", "-t", "lucia-models", "--no-pager", "-o", "cat",
-         "--since", f"@{int(since) - 1}"], capture_output=True, text=True, check=True)  # fmt: skip
+        ["journalctl", "-t", "lucia-models", f"_UID={pwd.getpwnam(USER).pw_uid}", "--no-pager",
+         "-o", "cat", "--since", f"@{int(since) - 1}"],
+        capture_output=True, text=True, check=True)  # fmt: skip
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 

@@ -101,8 +101,9 @@ def test_request_running_brings_the_engine_up(installation: Installation) -> Non
     status = installation.status()
     assert status and status["generation"] == generation and status["state"] == "running"
     assert "running" in show(installation.unit, "StatusText")
-    # the installed worker, as lucia, plans at every look and publishes it: the machine's
-    # settings from lucia's own config, the host's MemTotal, the running engines from dockerd
+    # the installed worker, as the test user, plans at every look and publishes it: the
+    # machine's settings from the test user's own config, the host's MemTotal, the running
+    # engines from dockerd
     planned = wait_for(lambda: (installation.status() or {}).get("memory"), 60, "a memory plan")
     with open("/proc/meminfo", encoding="ascii") as meminfo:
         total = next(int(n.split()[1]) * 1024 for n in meminfo if n.startswith("MemTotal:"))
