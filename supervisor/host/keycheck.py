@@ -10,8 +10,12 @@ key, since nobody can choose an input for a wanted digest.
 `KeyRing` is one frozen set of keys. `Verifier` holds the current ring and swaps it for a new
 one when keys.json changes: at most once every RECHECK_S seconds, a request stats the file
 (device, inode, size and modification time; the atomic rename makes a new inode) and reloads
-it if that changed. So a revoke takes effect within RECHECK_S seconds, without a restart. The
-two fixed keys are read once; changing them takes a restart.
+it if that changed. So a revoke takes effect within RECHECK_S seconds, without a restart.
+
+A key works as soon as `keys create` has printed it: a key the current ring does not know
+makes the verifier look at the file's stamp again before refusing, at most once every
+UNKNOWN_RECHECK_S seconds, so that a flood of bad keys costs one stat per interval and no more.
+The two fixed keys are read once; changing them takes a restart.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from supervisor.protocol.files import FileRefused, read_text
 MIN_SECRET: Final = 32
 MAX_SECRET: Final = 1024  # also the longest presented key that is hashed at all
 RECHECK_S: Final = 1.0
+UNKNOWN_RECHECK_S: Final = 0.005  # an unknown key: the file's stamp again, at most this often
 _SECRET_READ_LIMIT: Final = 4096
 
 Role = Literal["owner", "inference"]
@@ -179,12 +184,15 @@ class Verifier:
         ring: KeyRing,
         *,
         recheck: float = RECHECK_S,
+        unknown_recheck: float = UNKNOWN_RECHECK_S,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keys_file = keys_file
         self._ring = ring
         self._recheck = recheck
+        self._unknown_recheck = unknown_recheck
+        self._last_look = float("-inf")
         self._clock = clock
         self._monotonic = monotonic
         self._stamp: Stamp = None
@@ -199,6 +207,7 @@ class Verifier:
         inference_file: Path,
         *,
         recheck: float = RECHECK_S,
+        unknown_recheck: float = UNKNOWN_RECHECK_S,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> Verifier:
@@ -209,9 +218,11 @@ class Verifier:
         redaction.register([owner, inference])
         stamp = _stamp(keys_file)
         ring = ring.with_issued(keys.load(keys_file))
-        verifier = cls(keys_file, ring, recheck=recheck, clock=clock, monotonic=monotonic)
+        verifier = cls(keys_file, ring, recheck=recheck, unknown_recheck=unknown_recheck,
+                       clock=clock, monotonic=monotonic)
         verifier._stamp = stamp
-        verifier._next_check = monotonic() + recheck
+        verifier._last_look = monotonic()
+        verifier._next_check = verifier._last_look + recheck
         return verifier
 
     @property
@@ -224,13 +235,21 @@ class Verifier:
         return self._problem
 
     def verify(self, presented: str) -> Identity | None:
-        if self._monotonic() >= self._next_check:
+        now = self._monotonic()
+        if now >= self._next_check:
             self.refresh()
+        found = self._ring.verify(presented, self._clock())
+        if found is not None or now - self._last_look < self._unknown_recheck:
+            return found
+        # unknown: perhaps issued since the last look (`keys create` has just printed it)
+        if not self.refresh():
+            return None
         return self._ring.verify(presented, self._clock())
 
     def refresh(self) -> bool:
         """Reload keys.json if it changed since the last look; True when it was reloaded."""
-        self._next_check = self._monotonic() + self._recheck
+        self._last_look = self._monotonic()
+        self._next_check = self._last_look + self._recheck
         stamp = _stamp(self.keys_file)
         if stamp == self._stamp:
             return False

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from supervisor import paths, redaction
-from supervisor.host import keys
+from supervisor.host import keycheck, keys
 from supervisor.host.keycheck import (
     INFERENCE,
     MAX_SECRET,
     OWNER,
+    UNKNOWN_RECHECK_S,
     Identity,
     KeyRing,
     SecretRefused,
@@ -186,13 +187,13 @@ def setup(tmp_path: Path) -> tuple[Verifier, Path, Clock]:
     return verifier, path, clock
 
 
-def test_a_created_key_works_and_a_revoked_one_stops_within_the_recheck(
+def test_a_created_key_works_at_once_and_a_revoked_one_stops_within_the_recheck(
     setup: tuple[Verifier, Path, Clock],
 ) -> None:
     verifier, path, clock = setup
     new = keys.create(path, "laptop", NOW)
-    assert verifier.verify(new.secret) is None  # not looked at again yet
-    clock.mono += 1.0
+    clock.mono += 2 * UNKNOWN_RECHECK_S  # `keys create` printed it after the gateway's last look
+    # unknown to the ring: the file's stamp is looked at again before refusing
     assert verifier.verify(new.secret) == Identity(new.entry.id, "inference", "laptop")
     keys.revoke_key(path, "laptop", NOW)
     assert verifier.verify(new.secret) is not None
@@ -248,3 +249,46 @@ def test_a_removed_keys_file_is_no_issued_keys(setup: tuple[Verifier, Path, Cloc
     path.unlink()
     clock.mono += 1
     assert verifier.verify(new.secret) is None and verifier.problem is None
+
+
+def test_an_unknown_key_looks_again_at_most_once_per_interval(
+    setup: tuple[Verifier, Path, Clock], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flood of bad keys costs one stat per UNKNOWN_RECHECK_S, not one per request; a key
+    created inside that interval works at the first request after it."""
+    verifier, path, clock = setup
+    stats: list[Path] = []
+    real = keycheck._stamp
+    monkeypatch.setattr(keycheck, "_stamp", lambda p: stats.append(p) or real(p))
+    clock.mono += 2 * UNKNOWN_RECHECK_S
+    assert verifier.verify("lucia_inf_" + "x" * 40) is None
+    assert len(stats) == 1
+    for _ in range(100):
+        assert verifier.verify("lucia_inf_" + "y" * 40) is None
+    assert len(stats) == 1  # inside the interval: no stat at all
+    new = keys.create(path, "laptop", NOW)
+    assert verifier.verify(new.secret) is None  # still inside the interval
+    clock.mono += 2 * UNKNOWN_RECHECK_S
+    assert verifier.verify(new.secret) is not None
+    assert len(stats) == 2
+    # a known key never costs a stat between the periodic rechecks
+    for _ in range(100):
+        assert verifier.verify(new.secret) is not None
+    assert verifier.verify(OWNER_KEY) == OWNER
+    assert len(stats) == 2
+
+
+def test_a_revoked_key_is_not_brought_back_by_looking_again(
+    setup: tuple[Verifier, Path, Clock],
+) -> None:
+    verifier, path, clock = setup
+    new = keys.create(path, "laptop", NOW)
+    clock.mono += 1
+    assert verifier.verify(new.secret) is not None
+    keys.revoke_key(path, "laptop", NOW)
+    clock.mono += 2 * UNKNOWN_RECHECK_S
+    assert verifier.verify(new.secret) is not None  # the ring knows it until the recheck
+    clock.mono += 1
+    assert verifier.verify(new.secret) is None
+    clock.mono += 2 * UNKNOWN_RECHECK_S
+    assert verifier.verify(new.secret) is None
