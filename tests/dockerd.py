@@ -4,15 +4,18 @@ The machine's dockerd serves the operator too (the demo's engines run on it whil
 run), and a dockerd without live-restore stops every container when it stops. So the faults that
 stop or freeze dockerd (tests/faults, the soak) never touch the machine's: they run their engines
 on a `Private` dockerd, started here beside it with every path of its own (socket, data root, exec
-root with its own containerd, pid file, configuration) and no default bridge, no iptables rules
-(the engines' ports are published by docker-proxy on their network's gateway address, as on the
-machine's dockerd), networks from an address pool of its own. Its socket is group `docker`, so the
+root with its own containerd, pid file, configuration), a default bridge of its own (never
+`docker0`: a dockerd told `--bridge=none` deletes the machine's `docker0`, which the machine's
+dockerd needs for every build), no iptables rules (the engines' ports are published by
+docker-proxy on their network's gateway address, as on the machine's dockerd), and networks from
+an address pool of its own. Its socket is group `docker`, so the
 tests' service user reaches it as it reaches the machine's. `stop()` removes it and all it held.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -29,6 +32,7 @@ LOGS: Final = Path("/var/log/lucia-machine")
 # the networks of a private dockerd: inside Docker's own default range, away from the /16s the
 # machine's dockerd takes first; Docker skips a subnet that a route of the host already holds
 ADDRESS_POOL: Final = "base=172.31.240.0/20,size=24"
+BRIDGE_NETS: Final = 16  # its default bridge: one of 172.31.224.0/24 to 172.31.239.0/24
 START_S: Final = 60.0
 
 
@@ -46,6 +50,9 @@ class Private:
         self.config = self.root / "daemon.json"
         self.config.write_text("{}\n")  # never the machine's /etc/docker/daemon.json
         self.log_path = LOGS / log_name
+        self.bridge = f"lcdk{run_id[:10]}"  # an interface name: at most 15 characters
+        octet = 224 + int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % BRIDGE_NETS
+        self.bridge_address = f"172.31.{octet}.1/24"
         self._log: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None  # its child: reaped when it exits
 
@@ -69,7 +76,7 @@ class Private:
             f"--exec-root={self.runtime / 'exec'}",
             f"--pidfile={self.pidfile}",
             "--group=docker",
-            "--bridge=none",
+            f"--bridge={self.bridge}",
             "--iptables=false",
             "--ip-masq=false",
             "--live-restore=false",
@@ -77,8 +84,17 @@ class Private:
             f"--default-address-pool={ADDRESS_POOL}",
         ]
 
+    def _make_bridge(self) -> None:
+        if Path(f"/sys/class/net/{self.bridge}").exists():
+            return
+        for command in (["ip", "link", "add", "name", self.bridge, "type", "bridge"],
+                        ["ip", "addr", "add", self.bridge_address, "dev", self.bridge],
+                        ["ip", "link", "set", self.bridge, "up"]):
+            subprocess.run(command, check=True, capture_output=True)
+
     def start(self) -> None:
         """Start it in a session of its own; return once it answers."""
+        self._make_bridge()
         LOGS.mkdir(parents=True, exist_ok=True)
         if self._log is None:
             self._log = self.log_path.open("ab")
@@ -159,6 +175,7 @@ class Private:
             self._remove()
 
     def _remove(self) -> None:
+        subprocess.run(["ip", "link", "delete", self.bridge], check=False, capture_output=True)
         for tree in (self.root, self.runtime):
             mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                       if line.split()[1].startswith(str(tree) + "/")]

@@ -90,8 +90,15 @@ def test_the_machines_dockerd_is_not_the_one_the_faults_hit(
     private_client: docker.DockerClient,
     client: docker.DockerClient,
 ) -> None:
-    """The private dockerd is another daemon: its own id, pid and containers, no live-restore."""
+    """The private dockerd is another daemon: its own root, containers and default bridge, no
+    live-restore; the machine's default bridge is still there (a dockerd told `--bridge=none`
+    deletes it, and the machine's builds then fail)."""
     assert private_client.info()["DockerRootDir"] != client.info()["DockerRootDir"]
+    machine_bridge = client.networks.get("bridge").attrs["Options"].get(
+        "com.docker.network.bridge.name", "docker0")
+    assert Path(f"/sys/class/net/{machine_bridge}").exists(), machine_bridge
+    assert private_client.networks.get("bridge").attrs["Options"].get(
+        "com.docker.network.bridge.name") == private_dockerd.bridge
     assert not private_client.info().get("LiveRestoreEnabled")
     machine = {c.id for c in client.containers.list(all=True)}
     assert machine.isdisjoint(c.id for c in private_client.containers.list(all=True))
