@@ -107,7 +107,6 @@ class Soak:
         source = copy_project(self.work / "src")
         subprocess.run(["chown", "-R", f"{self.user.pw_uid}:{self.user.pw_gid}", str(self.work)],
                        check=True)
-        subprocess.run(["git", "config", "--system", "--add", "safe.directory", "*"], check=False)
         args = [arg for recipe in recipes for arg in ("--recipe", str(recipe))]
         as_user(str(source / "install.sh"), *args, timeout=900)
         for engine in self.engines:
