@@ -65,8 +65,9 @@ def _files(home: Path) -> list[Path]:
     units = sorted((config / "systemd/user").glob("lucia-*.service"))
     recipes = sorted((share / "recipes").glob("*.toml"))
     named = [share / "venv/.lucia-source", share / "README.md",
+             share / "host/data/inference-keys/keys.json",
              *(config / "lucia" / name for name in
-               ("gateway.toml", "keys.json", "owner.key", "inference.key", "machine.toml"))]
+               ("gateway.toml", "owner.key", "inference.key", "machine.toml"))]
     return [*units, *recipes, *named]
 
 
