@@ -47,10 +47,13 @@ def _systemctl_show(unit: str) -> dict[str, str]:
         [str(ROOT / "scripts" / "as-lucia"), "systemctl", "--user", "show", unit,
          "-p", "ActiveState", "-p", "MainPID"],
         capture_output=True, text=True, check=False,
-        env={"LUCIA_USER": USER, "PATH": "/usr/bin:/bin"},
+        env={"LUCIA_USER": USER, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
     )
-    pairs = (line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
-    return dict(pairs)
+    shown = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    if done.returncode != 0 or set(shown) != {"ActiveState", "MainPID"}:
+        raise SystemExit(f"demo_intact: systemctl --user show {unit} as {USER} failed "
+                         f"({done.returncode}): {done.stderr.strip()}")
+    return shown
 
 
 def _digest(path: Path) -> str | None:
