@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -38,6 +38,8 @@ class Observed:
     version: str | None = None  # the version the running engine reports (vLLM's /version)
     models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
     memory: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
+    # while it runs: requests each loaded model holds at once (status.json's slots)
+    slots: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -203,10 +203,24 @@ class ContainerEngine:
             version=self.version(container),
             models=self.served_models(),
             memory=self.memory_plan(),
+            slots=self.slots(container),
         )
 
     def version(self, container: Container | None) -> str | None:
         """The version the running engine reports of itself, if it says one."""
+        return None
+
+    def slots(self, container: Container | None) -> dict[str, int]:
+        """While a container of ours runs: how many requests it holds at once, under the first
+        name it serves (its other names are the same model, never counted twice); empty when
+        the kind does not say (`parallel`)."""
+        if container is None or not container.running or not container.managed:
+            return {}
+        served, parallel = self.served_models(), self.parallel()
+        return {served[0]: parallel} if served and parallel is not None else {}
+
+    def parallel(self) -> int | None:
+        """How many requests the engine's launch lets it run at once; None: not known."""
         return None
 
     def _log(self, container: Container | None) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ SCHEMA_VERSION: Final = 1
 MAX_GENERATION: Final = 2**53 - 1  # the largest integer every JSON reader holds exactly
 MAX_MESSAGE: Final = 500
 MAX_MODELS: Final = 1000
+MAX_SLOTS: Final = 100_000  # requests one model holds at once, as a worker publishes it
 
 DesiredState = Literal["running", "stopped"]
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
@@ -183,6 +184,17 @@ class Status(BaseModel):
         description="The model names the engine serves, as its recipe's preset names them, in "
         "every state (the host routes by them and never reads a recipe); absent in files from "
         "older workers.",
+    )
+    slots: dict[str, Annotated[int, Field(ge=1, le=MAX_SLOTS)]] = Field(
+        default_factory=dict,
+        max_length=MAX_MODELS,
+        description="While running: how many requests each model the engine has loaded holds "
+        "at once, each with room for its slot's whole context, as the running engine reports "
+        "it (llama-server's slots, a cache its slots share counted by the contexts it holds) or "
+        "its launch sets it (vLLM's max_num_seqs, TensorFold's --parallel); a model whose slots "
+        "are not known yet is left out. The host admits that many at once (the sum for an "
+        "engine serving several models). Empty while unknown, and absent in files from older "
+        "workers.",
     )
     memory: MemoryPlan | None = Field(
         default=None,

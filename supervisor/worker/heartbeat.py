@@ -56,6 +56,7 @@ class Heartbeat:
         self.status: Status | None = None
         self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
         self.memory: MemoryPlan | None = None  # the last observation's plan of a start
+        self.slots: dict[str, int] = {}  # the last observation's, said while running
         self._written_at = float("-inf")
         self._dirty = False
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
@@ -90,6 +91,7 @@ class Heartbeat:
             retrying=retrying,
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
+            slots=self.slots if running else {},
             memory=_masked(self.memory),
             worker_version=version(),
         )
@@ -176,7 +178,8 @@ class Heartbeat:
 
 def _same_answer(a: Status, b: Status) -> bool:
     fields = (
-        "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models"
+        "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models",
+        "slots",
     )
     return all(getattr(a, name) == getattr(b, name) for name in fields) and _plan(a) == _plan(b)
 

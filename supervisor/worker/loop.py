@@ -309,6 +309,7 @@ class Worker:
             self.metrics.set_load_failed(job.engine.failed_models())
             self.heartbeat.models = job.result.models
             self.heartbeat.memory = job.result.memory
+            self.heartbeat.slots = dict(job.result.slots)
             decision = plan.plan(self.memory, job.result, time.monotonic())
             if not means_to_start(decision.memory):  # before a step that may claim anew
                 container = job.result.container

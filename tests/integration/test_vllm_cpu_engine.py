@@ -72,6 +72,9 @@ def _names_what_runs(engine: Engine, client: docker.DockerClient,
     assert running["containerId"] == container.id
     assert running["model"] == "tiny-llama"
     assert running["engineVersion"] == "0.32.0"  # what the server's /version says
+    # what it runs at once: vLLM 0.32.0's own max_num_seqs on a CPU, as its debug log says
+    # ("Defaulting max_num_seqs to 128 for OPENAI_API_SERVER usage context")
+    assert status["slots"] == {"tiny": 128}
     files = engine.models_dir / engine.vllm_guid / "files"
     assert running["modelRevision"] == library_revision(files, engine.vllm_guid), running
     assert container.labels[labels.MODEL_REVISION] == running["modelRevision"]

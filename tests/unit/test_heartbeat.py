@@ -121,3 +121,20 @@ def test_a_plan_message_is_masked_like_the_status_message(tmp_path: Path) -> Non
     text = path.read_text()
     assert "hf_plan_secret_value" not in text
     assert json.loads(text)["memory"]["message"] == "cannot read /models/***/x.gguf"
+
+
+def test_slots_are_written_at_once_while_running_and_never_otherwise(tmp_path: Path) -> None:
+    """A router that published its model's slots once it ran: said in the same write as
+    `running` when the observation saw them, at once when they change (a model loaded since),
+    and not at all in any other state."""
+    path = tmp_path / "status.json"
+    beat = _heartbeat(path, tmp_path / "data")
+    serving = Answer(1, "running", "serving", "http://172.21.0.1:8000")
+    beat.slots = {"tiny": 1}
+    beat.show(serving, None, TARGETS)
+    assert json.loads(path.read_text())["slots"] == {"tiny": 1}
+    beat.slots = {"tiny": 1, "other": 4}  # a model loaded on demand since
+    beat.show(serving, None, TARGETS)
+    assert json.loads(path.read_text())["slots"] == {"tiny": 1, "other": 4}
+    beat.show(Answer(2, "stopping", "stopping the engine container"), None)
+    assert json.loads(path.read_text())["slots"] == {}, "only while running"

@@ -18,6 +18,7 @@ from supervisor.protocol import files
 from supervisor.protocol.documents import (
     MAX_GENERATION,
     MAX_MESSAGE,
+    MAX_SLOTS,
     STATES,
     DesiredFile,
     FileSd,
@@ -181,6 +182,35 @@ def test_status_models_are_optional_and_kept_in_every_state() -> None:
     assert parse_status(json.dumps(wire)).models == ("fast-1b", "deep-8b")
 
 
+@pytest.mark.parametrize(
+    ("slots", "parsed"),
+    [
+        ({"tiny": 1}, {"tiny": 1}),
+        ({"alpha": 4, "zeta": 2}, {"alpha": 4, "zeta": 2}),
+        ({}, {}),  # not known yet
+    ],
+)
+def test_status_slots_are_optional_and_name_each_model(
+    slots: dict[str, int], parsed: dict[str, int]
+) -> None:
+    wire = json.loads(dump(status()))
+    assert wire["slots"] == {}  # nothing published
+    del wire["slots"]  # a file from an older worker
+    assert parse_status(json.dumps(wire)).slots == {}
+    wire["slots"] = slots
+    assert parse_status(json.dumps(wire)).slots == parsed
+    assert json.loads(dump(parse_status(json.dumps(wire))))["slots"] == slots
+
+
+@pytest.mark.parametrize("bad", [{"tiny": 0}, {"tiny": -1}, {"tiny": MAX_SLOTS + 1},
+                                 {"tiny": "many"}, ["tiny"], 4])
+def test_status_slots_are_whole_numbers_of_at_least_one(bad: object) -> None:
+    wire = json.loads(dump(status()))
+    wire["slots"] = bad
+    with pytest.raises(InvalidDocument, match="slots"):
+        parse_status(json.dumps(wire))
+
+
 def test_status_memory_plan_is_optional_and_camel_case() -> None:
     wire = json.loads(dump(status()))
     assert wire["memory"] is None  # before the first plan, and in files from older workers
@@ -203,7 +233,7 @@ def test_status_memory_plan_is_optional_and_camel_case() -> None:
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
     assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "retrying", "waitingFor", "models", "memory",
+                         "engine", "retrying", "waitingFor", "models", "slots", "memory",
                          "workerVersion"}
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):

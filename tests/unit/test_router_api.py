@@ -1,8 +1,11 @@
-"""The router's API as the worker reads it: /models (parse, targets, note, startup-set changes)
-and the build /props states."""
+"""The router's API as the worker reads it: /models (parse, targets, note, startup-set changes),
+the build /props states, and each loaded model's slots from the real llama-server's own /props
+and /models answers (tests/data/llama-server/, captured from Debian sid's llama-server)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,8 @@ from supervisor.engines.llama_router.api import (
     failed,
     note,
     parse,
+    props_path,
+    slots,
     target_groups,
 )
 from supervisor.worker.telemetry import Metrics
@@ -35,7 +40,7 @@ TINY, SP, BROKEN, BIG = parse(LISTING)
     ("listing", "expected"),
     [
         (LISTING, (
-            ModelState("tiny", "loaded"),
+            ModelState("tiny", "loaded", args=("/usr/bin/llama-server",)),
             ModelState("sp", "unloaded"),
             ModelState("broken", "unloaded", failed=True, exit_code=1),
             ModelState("big", "loading"),
@@ -44,6 +49,10 @@ TINY, SP, BROKEN, BIG = parse(LISTING)
          (ModelState("x", "failed", failed=True),)),
         ({"data": [{"id": "x", "status": {"value": "unloaded", "exit_code": True}}]},
          (ModelState("x", "unloaded"),)),
+        ({"data": [{"id": "x", "status": {"value": "loaded", "args": "--parallel 2"}}]},
+         (ModelState("x", "loaded"),)),
+        ({"data": [{"id": "x", "status": {"value": "loaded", "args": ["-np", 2]}}]},
+         (ModelState("x", "loaded"),)),
         ({"data": [{"id": 3}, "x", {"status": {}}, {"id": "ok"}]}, (ModelState("ok", ""),)),
         ({"data": "nope"}, ()),
         ([], ()),
@@ -154,3 +163,91 @@ def test_failed_models_and_their_gauge() -> None:
 )
 def test_the_build_is_what_props_states(props: Any, expected: str | None) -> None:
     assert build(props) == expected
+
+
+# -- slots -------------------------------------------------------------------------------------
+
+CAPTURED = Path(__file__).resolve().parents[1] / "data" / "llama-server"
+
+
+def captured(name: str) -> tuple[dict[str, Any], tuple[str, ...], dict[str, str]]:
+    """A real router's /props?model=tiny, its child's command line from /models, and the
+    environment the router ran with, as recorded (the log's `n_slots = ...` line beside)."""
+    record = json.loads((CAPTURED / f"{name}.json").read_text())
+    (model,) = parse(record["models"])
+    assert model.name == "tiny" and model.value == "loaded"
+    return record["props"], model.args, record["environment"]
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "expected"),
+    [
+        # llama-server's auto: 4 slots sharing one 256-cell cache, each slot's context 256 (the
+        # demo's recipe): one request at a time has its whole context; 4 at once overflow it
+        ("auto-ctx256", 4, 1),
+        # the same with ctx-size 1024: the shared cache holds 4 slot contexts of 256
+        ("auto-ctx1024", 4, 4),
+        # --parallel 4: a cache of 256 cells per slot
+        ("parallel4-ctx1024", 4, 4),
+        # --parallel 2 with --kv-unified: 2 slots share 256 cells, each may take all of them
+        ("parallel2-kvu-ctx256", 2, 1),
+        # no ctx-size, --kv-unified-per-slot 256: the shared cache is 4 x 256
+        ("auto-per-slot256", 4, 4),
+        # LLAMA_ARG_N_PARALLEL=2 in the router's environment (not on the child's command line)
+        ("env-parallel2-ctx256", 2, 2),
+    ],
+)
+def test_a_loaded_models_slots_from_the_real_servers_answers(
+    name: str, total: int, expected: int
+) -> None:
+    props, args, environment = captured(name)
+    assert props["total_slots"] == total  # llama-server's own count
+    assert slots(props, args, environment) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "environment", "expected"),
+    [
+        ((), {}, 1),  # auto, no ctx-size: the model's own context, one slot's
+        (("--ctx-size", "300"), {}, 2),  # padded to 512 cells, as llama-server pads it
+        (("--ctx-size=1024",), {}, 4),
+        (("-c", "4096"), {}, 4),  # never more than its slots
+        (("--ctx-size", "1024", "--parallel", "-1"), {}, 4),  # -1: auto, shared
+        (("--ctx-size", "256", "--parallel", "4"), {}, 4),  # a cache of its own per slot
+        (("--ctx-size", "256", "-np", "4", "-kvu"), {}, 1),
+        (("--ctx-size", "256", "--kv-unified", "--no-kv-unified", "-np", "4"), {}, 4),
+        (("--ctx-size", "256", "--parallel", "4"), {"LLAMA_ARG_KV_UNIFIED": "1"}, 1),
+        (("--ctx-size", "256", "--parallel", "4", "-no-kvu"), {"LLAMA_ARG_KV_UNIFIED": "1"}, 4),
+        ((), {"LLAMA_ARG_CTX_SIZE": "1024"}, 4),
+        (("--ctx-size", "512"), {"LLAMA_ARG_CTX_SIZE": "1024"}, 2),  # the flag wins
+        (("--ctx-size", "many"), {}, 1),
+    ],
+)
+def test_slots_follow_the_childs_flags_and_environment(
+    args: tuple[str, ...], environment: dict[str, str], expected: int
+) -> None:
+    props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 256}}
+    assert slots(props, ("/usr/bin/llama-server", *args), environment) == expected
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        # the router's own /props (no model named): no slots of a model
+        json.loads((CAPTURED / "router-props.json").read_text()),
+        {"total_slots": 0, "default_generation_settings": {"n_ctx": 256}},
+        {"total_slots": True, "default_generation_settings": {"n_ctx": 256}},
+        {"total_slots": 4, "default_generation_settings": {"n_ctx": 0}},
+        {"total_slots": 4},
+        {"error": {"code": 400, "message": "model is not loaded"}},
+        [],
+        None,
+    ],
+)
+def test_props_that_name_no_slots_give_none(props: Any) -> None:
+    assert slots(props, (), {}) is None
+
+
+def test_props_never_load_a_model() -> None:
+    assert props_path("tiny") == "/props?model=tiny&autoload=false"
+    assert props_path("a b&c") == "/props?model=a+b%26c&autoload=false"

@@ -56,6 +56,8 @@ class LlamaRouter(ContainerEngine):
         self._current = False  # the last look found the last sync current with it
         self._headers = router_memory.Headers()
         self._build: tuple[str, str] | None = None  # (container id, the build its /props states)
+        # (container id, model, its child's command line) -> the slots its /props state
+        self._slots: dict[tuple[str, str, tuple[str, ...]], int] = {}
 
     # -- observe -------------------------------------------------------------------------------
 
@@ -206,6 +208,33 @@ class LlamaRouter(ContainerEngine):
             return None
         if found is not None:
             self._build = (container.id, found)
+        return found
+
+    def slots(self, container: Container | None) -> dict[str, int]:
+        """Each loaded model's slots (api.slots), from its `GET /props?model=NAME&autoload=
+        false` (never a load), read once per child: the same container, model and command
+        line. A model whose /props does not answer is left out, and asked again at the next
+        look; one that is not loaded has none."""
+        if container is None or not container.running or not container.managed:
+            self._slots = {}
+            return {}
+        environment = self.recipe.environment
+        found: dict[str, int] = {}
+        known: dict[tuple[str, str, tuple[str, ...]], int] = {}
+        for model in self._listing or ():
+            if model.value != router_api.LOADED:
+                continue
+            key = (container.id, model.name, model.args)
+            count = self._slots.get(key)
+            if count is None:
+                try:
+                    props = self._get(router_api.props_path(model.name))
+                except (OSError, ValueError):
+                    continue
+                count = router_api.slots(props, model.args, environment)
+            if count is not None:
+                found[model.name] = known[key] = count
+        self._slots = known
         return found
 
     def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:

@@ -19,7 +19,7 @@ from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites
 from supervisor.engines.tensorfold import grammar
 from supervisor.engines.tensorfold import memory as tensorfold_memory
-from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, served_names
+from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, parallel, served_names
 from supervisor.engines.tensorfold.source import Checkout as GitCheckout
 from supervisor.errors import BuildFailed, Permanent
 from supervisor.memplan.need import EngineNeed
@@ -294,6 +294,9 @@ class TensorFold(ContainerEngine):
 
     def served_models(self) -> tuple[str, ...]:
         return served_names(self.recipe)
+
+    def parallel(self) -> int | None:
+        return parallel(self.recipe)
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp,)

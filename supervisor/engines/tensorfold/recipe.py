@@ -110,6 +110,8 @@ class TensorFoldRecipe(RecipeBase):
 
 
 _NAME_FLAGS: Final = ("--name", "--served-model-name")
+PARALLEL_FLAG: Final = "--parallel"
+PARALLEL_SETTING: Final = "PARALLEL"
 
 
 def served_names(recipe: TensorFoldRecipe) -> tuple[str, ...]:
@@ -122,3 +124,12 @@ def served_names(recipe: TensorFoldRecipe) -> tuple[str, ...]:
         if flag in _NAME_FLAGS:
             found = flag_values(command[index:], flag)[:1] or found
     return found or (recipe.model,)
+
+
+def parallel(recipe: TensorFoldRecipe) -> int | None:
+    """Pure: the conversations TensorFold serves at once: the last `--parallel` of its run
+    command (start.sh passes `--parallel "$PARALLEL"`), else the PARALLEL setting; None when
+    neither gives a positive number (TensorFold's own default is not assumed)."""
+    found = flag_values(recipe.command, PARALLEL_FLAG)
+    raw = found[0] if found else str(recipe.settings.get(PARALLEL_SETTING, ""))
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None

@@ -31,7 +31,7 @@ from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.model import ModelDownload
-from supervisor.engines.vllm.recipe import VllmRecipe, served_names
+from supervisor.engines.vllm.recipe import VllmRecipe, max_num_seqs, served_names
 from supervisor.engines.vllm.steps import (
     MemoryFit,
     Preflight,
@@ -392,6 +392,9 @@ class Vllm(ContainerEngine):
 
     def served_models(self) -> tuple[str, ...]:
         return served_names(self.recipe)
+
+    def parallel(self) -> int | None:
+        return max_num_seqs(self.recipe)
 
     def private_files(self) -> tuple[Path, ...]:
         return (self._stamp, self._model_stamp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Final, Literal, Self
 
@@ -24,6 +25,15 @@ from supervisor.recipe.schema import (
 LIBRARY_MOUNT: Final = "/models"
 BLOCK_SIZES: Final = {"cpu": 128, "gpu": 16}  # vLLM's default KV block (tokens) per device
 CPU_BLOCK_MULTIPLE: Final = 32  # vLLM 0.32.0's CPU attention: get_supported_kernel_block_sizes
+# vLLM 0.32.0's own max_num_seqs for its OpenAI server when none is given
+# (EngineArgs.get_batch_defaults): on a CPU 128 per tensor x pipeline rank; on a GPU 256, or
+# 1024 on cards of 70 GiB and more but A100s. The GPU figure here is the least of them (the
+# worker does not read the card at each look): never more than the server runs at once.
+CPU_DEFAULT_SEQS: Final = 128
+GPU_DEFAULT_SEQS: Final = 256
+_MAX_NUM_SEQS: Final = ("--max-num-seqs", "--max_num_seqs")
+_BATCHED_TOKENS: Final = ("--max-num-batched-tokens", "--max_num_batched_tokens")
+_PERFORMANCE_MODE: Final = ("--performance-mode", "--performance_mode")
 
 
 class HfModel(Section):
@@ -279,3 +289,35 @@ def served_names(recipe: VllmRecipe) -> tuple[str, ...]:
     served_name, or what its extra arguments' `--served-model-name` (nargs "+") give."""
     args = ("--served-model-name", recipe.vllm.served_name, *recipe.vllm.args)
     return flag_values(args, "--served-model-name", many=True)
+
+
+def _last(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value the last of these flags gives (`--flag V` or `--flag=V`), as argparse reads."""
+    found = None
+    for at, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in names:
+            found = value if equals else (args[at + 1] if at + 1 < len(args) else "")
+    return found
+
+
+def _number(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() and int(value) >= 1 else None
+
+
+def max_num_seqs(recipe: VllmRecipe) -> int:
+    """Pure: how many requests the vLLM server runs at once: `--max-num-seqs` of the extra
+    arguments, else vLLM 0.32.0's own default on the device (doubled by `--performance-mode
+    throughput`, capped by `--max-num-batched-tokens`, as vLLM does), per data-parallel rank,
+    times the ranks (each has a scheduler of its own). vLLM reports it over no HTTP route."""
+    v = recipe.vllm
+    seqs = _number(_last(v.args, _MAX_NUM_SEQS))
+    if seqs is None:
+        world = v.tensor_parallel * v.pipeline_parallel
+        seqs = CPU_DEFAULT_SEQS * world if v.device == "cpu" else GPU_DEFAULT_SEQS
+        if _last(v.args, _PERFORMANCE_MODE) == "throughput":
+            seqs *= 2
+        batched = _number(_last(v.args, _BATCHED_TOKENS))
+        if batched is not None:
+            seqs = min(seqs, batched)
+    return seqs * data_parallel(v.args)
