@@ -60,6 +60,7 @@ def write_status(
     retrying: bool = False,
     waiting_for: str | None = None,
     memory: MemoryPlan | None = None,
+    slots: dict[str, int] | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
@@ -73,6 +74,7 @@ def write_status(
         retrying=retrying,
         waiting_for=waiting_for,  # type: ignore[arg-type]
         memory=memory,
+        slots=slots or {},
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 
@@ -230,7 +232,7 @@ async def world(
         parse(settings, "test"),
         data,
         keys or KEYS,
-        Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02),
+        Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02, bounds_s=0.02),
         spending=spending,
         recorder=recorder,
         sources=sources,

@@ -11,8 +11,16 @@ import pytest
 
 from supervisor.host.gateway import body
 from supervisor.host.gateway.admission import decide
+from supervisor.host.gateway.catalog import Engine
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.settings import Admission, SettingsError, parse
+from supervisor.host.gateway.settings import (
+    DEFAULT_RUNNING,
+    MAX_RUNNING,
+    Admission,
+    SettingsError,
+    parse,
+    running_bound,
+)
 from supervisor.host.gateway.starter import plan
 from supervisor.host.gateway.usage import UsageFilter
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
@@ -114,6 +122,74 @@ LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)
 )
 def test_admission_decides_by_both_bounds(running: int, waiting: int, verdict: str) -> None:
     assert decide(running, waiting, LIMITS) == verdict
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "bound", "verdict"),
+    [
+        (3, 0, 1, "wait"),  # the bound fell under what runs: nothing new starts
+        (1, 0, 1, "wait"),
+        (0, 0, 1, "run"),
+        (1, 0, 4, "run"),  # it rose: a free slot at once
+        (3, 3, 1, "refuse"),  # the waiting bound holds as before
+    ],
+)
+def test_admission_decides_by_the_bound_of_now(
+    running: int, waiting: int, bound: int, verdict: str
+) -> None:
+    assert decide(running, waiting, Admission(bound, 3, max_wait_s=1, deadline_s=60)) == verdict
+
+
+@pytest.mark.parametrize(
+    ("engine_set", "limits_set", "slots", "bound"),
+    [
+        (None, None, None, DEFAULT_RUNNING),  # nothing published (yet), nothing set
+        (None, None, 1, 1),  # a router whose 4 slots share a cache holding one context
+        (None, None, 6, 6),  # the sum over the engine's models
+        (None, None, 128, 128),  # vLLM's max_num_seqs
+        (None, None, 10**6, MAX_RUNNING),
+        (None, None, 0, DEFAULT_RUNNING),
+        (None, 2, 8, 2),  # the operator's [limits] running stands
+        (None, 8, 1, 8),
+        (3, 2, 8, 3),  # [engines.NAME] over [limits]
+        (3, None, None, 3),
+    ],
+)
+def test_the_running_bound_is_the_operators_else_the_engines_else_four(
+    engine_set: int | None, limits_set: int | None, slots: int | None, bound: int
+) -> None:
+    assert running_bound(engine_set, limits_set, slots) == bound
+
+
+@pytest.mark.parametrize(
+    ("text", "slots", "big", "small"),
+    [
+        ("", None, 4, 4),
+        ("", 1, 1, 1),
+        ("[limits]\nrunning = 2", 1, 2, 2),
+        ("[engines.big]\nrunning = 6", 1, 6, 1),
+        ("[engines.big]\nwaiting = 6", 3, 3, 3),  # its other limits leave running to the engine
+    ],
+)
+def test_settings_resolve_the_running_bound_with_the_engines_slots(
+    text: str, slots: int | None, big: int, small: int
+) -> None:
+    settings = parse(text, "gw.toml")
+    assert (settings.limits.running is None) == ("[limits]" not in text)
+    assert settings.admission("big", slots).running == big
+    assert settings.admission("small", slots).running == small
+
+
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [({}, None), ({"tiny": 1}, 1), ({"alpha": 4, "zeta": 2}, 6)],
+)
+def test_an_engines_slots_are_the_sum_over_its_models(
+    slots: dict[str, int], expected: int | None
+) -> None:
+    found = status("running", 1, url="http://172.18.0.1:8080").model_copy(update={"slots": slots})
+    assert Engine("e", found).slots == expected
+    assert Engine("e", None).slots is None
 
 
 def status(state: str, generation: int, age_s: float = 0, url: str | None = None) -> Status:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests import dockerd as dockerd_module
 from tests import run, schedule
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -103,8 +104,7 @@ def _sources() -> list[tuple[Path, ast.Module]]:
 def test_no_case_signals_or_restarts_the_machines_dockerd() -> None:
     """The machine's dockerd serves the operator's engines while the tests run: what tests/dockerd
     offers is a private dockerd only, and nothing else in the tests looks for dockerd's pid."""
-    import tests.dockerd as module  # noqa: PLC0415 - the module under the rule
-
+    module = dockerd_module
     public = {name for name in vars(module) if not name.startswith("_")
               and callable(vars(module)[name]) and getattr(vars(module)[name], "__module__",
                                                             None) == module.__name__}

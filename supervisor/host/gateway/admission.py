@@ -3,6 +3,11 @@
 Beyond either bound a request is refused at once with 429 and Retry-After; a wait that runs
 out is refused the same way. The bound holds for every request, loaded engine or not: a
 request held while its engine starts counts as waiting too. Slots pass in arrival order.
+
+The running bound follows the engine (settings.running_bound): an engine started on demand
+publishes its slots once it runs, so a gate is given new limits as they change (`follow`). A
+higher bound hands its new slots to the waiters first in line at once; a lower one lets the
+running requests finish and starts none until fewer run than it allows.
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ class Gate:
     def busy(self) -> bool:
         return self.running > 0 or self.waiting > 0
 
+    def follow(self, limits: Admission) -> None:
+        """Take these limits from now on: new slots of a higher bound go to the first waiters
+        at once; a lower bound takes effect as running requests finish (`_release`)."""
+        self.limits = limits
+        while self.running < limits.running and self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                self.running += 1
+
     @asynccontextmanager
     async def slot(
         self, before: Callable[[], Awaitable[None]] | None = None
@@ -118,8 +133,9 @@ class Gate:
             raise
 
     def _release(self) -> None:
-        """A slot passes to the first waiter, or becomes free."""
-        while self._queue:
+        """A slot passes to the first waiter, or becomes free; beyond a bound that fell since
+        it was taken, it becomes free."""
+        while self._queue and self.running <= self.limits.running:
             turn = self._queue.popleft()
             if not turn.done():
                 turn.set_result(None)

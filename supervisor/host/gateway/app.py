@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -37,6 +37,7 @@ from supervisor.host.page.sessions import Sessions
 from supervisor.host.page.sources import Sources
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
+BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests
 CALLER: Final = web.RequestKey("caller", Caller)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -56,6 +57,7 @@ class Timing:
     keepalive_s: float = KEEPALIVE_S
     poll_s: float = POLL_S
     idle_check_s: float = CHECK_S
+    bounds_s: float = BOUNDS_S
 
 
 class Gateway:
@@ -84,8 +86,9 @@ class Gateway:
             check_s=timing.idle_check_s, swap=settings.idle.swap,
         )  # fmt: skip
         self.host_api = HostApi(
-            data_dir, self.catalog, self.gates.get, self.idle, settings.listen.body_timeout_s
-        )
+            data_dir, self.catalog, self.gates.get, self.idle, settings.listen.body_timeout_s,
+            bound=self.bound,
+        )  # fmt: skip
         self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
 
     def counts(self) -> dict[str, tuple[int, int]]:
@@ -96,6 +99,35 @@ class Gateway:
         if gate is None:
             gate = self.gates[engine] = Gate(engine, self.settings.admission(engine))
         return gate
+
+    def bound(self, engine: Engine) -> int:
+        """How many requests the engine gets at once now (settings.running_bound)."""
+        return self.settings.admission(engine.name, engine.slots).running
+
+    def follow(self, engine: Engine) -> Gate:
+        """The engine's gate, given the limits its status.json says now (its slots)."""
+        gate = self.gate(engine.name)
+        gate.follow(self.settings.admission(engine.name, engine.slots))
+        return gate
+
+    async def follow_bounds(self, _: web.Application) -> AsyncIterator[None]:
+        """The app's cleanup context: while requests wait, each engine's bound is read again
+        this often, so a bound that rose (an engine that published its slots once it ran)
+        admits them with no new request to look."""
+
+        async def run() -> None:
+            while True:
+                await asyncio.sleep(self.timing.bounds_s)
+                if any(gate.waiting for gate in self.gates.values()):
+                    for engine in self.catalog.engines():
+                        if engine.name in self.gates:
+                            self.follow(engine)
+
+        runner = asyncio.create_task(run(), name="follow bounds")
+        try:
+            yield
+        finally:
+            runner.cancel()
 
     # -- middleware ------------------------------------------------------------------------
 
@@ -205,9 +237,11 @@ class Gateway:
                 sse = await open_sse(request)
             url = await self._wait_start(engine.name, sse)
             self.idle.stopping.discard(engine.name)
-            trace.served_by = self.catalog.engine(engine.name).status  # as it is now
+            now = self.catalog.engine(engine.name)  # as it is now: its slots, once it runs
+            trace.served_by = now.status
+            self.follow(now)
 
-        gate = self.gate(engine.name)
+        gate = self.follow(engine)
         try:
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
@@ -318,6 +352,7 @@ def create_app(
     app.add_subapp(PAGE, page.app())
     app.cleanup_ctx.append(gateway.forwarder.session)
     app.cleanup_ctx.append(gateway.idle.task)
+    app.cleanup_ctx.append(gateway.follow_bounds)
     return app
 
 

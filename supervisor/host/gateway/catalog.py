@@ -38,6 +38,13 @@ class Engine:
     def models(self) -> tuple[str, ...]:
         return self.status.models if self.status is not None else ()
 
+    @property
+    def slots(self) -> int | None:
+        """The requests it holds at once, as its worker publishes them while it runs: the sum
+        over its loaded models (each has slots of its own); None while none is published."""
+        found = self.status.slots if self.status is not None else {}
+        return sum(found.values()) if found else None
+
 
 def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Engine, str]:
     """Pure: the engine that serves `model` (a tier alias resolved first), and the model

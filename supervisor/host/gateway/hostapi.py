@@ -54,12 +54,15 @@ class HostApi:
         gates: Callable[[str], Gate | None],
         idle: IdleStop,
         body_timeout_s: float,
+        *,
+        bound: Callable[[Engine], int],
     ) -> None:
         self.data_dir = data_dir
         self.body_timeout_s = body_timeout_s
         self.catalog = catalog
         self.gates = gates
         self.idle = idle
+        self.bound = bound
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get(ENGINES, self.engines)
@@ -81,6 +84,7 @@ class HostApi:
             "startedByGateway": engine.name in self.idle.starter.started,
             "running": gate.running if gate is not None else 0,
             "waiting": gate.waiting if gate is not None else 0,
+            "bound": self.bound(engine),  # how many it gets at once, by its status now
         }
 
     async def set_desired(self, request: web.Request) -> web.Response:

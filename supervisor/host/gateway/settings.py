@@ -23,7 +23,11 @@ inference_file = "~/.config/lucia/inference.key"
 fast = "qwen2.5-0.5b"
 
 [limits]                       # for every engine, unless [engines.NAME] says otherwise
-running = 4                    # requests forwarded at once
+# running = 4                  # requests forwarded at once; unset (the default): as many as
+                               # the engine holds (its status.json `slots`, summed over the
+                               # models it has loaded: an engine serving several models takes
+                               # their sum, which one model's burst may exceed), else 4 while
+                               # it publishes none (a router publishes them once it runs)
 waiting = 64                   # requests held for a slot
 max_wait_s = 30                # how long one is held before a 429
 deadline_s = 1800              # one clock from admission over the dial and the whole answer
@@ -31,7 +35,8 @@ load_wait_s = 900              # how long a start on demand is waited for
 max_tokens = 32768             # the bound of max_tokens and its siblings
 
 [engines.big]
-running = 1
+running = 1                    # set here or in [limits]: the operator's word, whatever the
+                               # engine publishes
 
 [idle]
 stop_after_s = 0               # 0: never; else an engine the gateway started is stopped
@@ -83,7 +88,8 @@ DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0  # a slowloris holds a connection no longer than this
 DEFAULT_BODY_TIMEOUT_S: Final = 60.0  # 16 MiB, the largest body, at 2.3 Mbit/s
-DEFAULT_RUNNING: Final = 4
+DEFAULT_RUNNING: Final = 4  # an engine that publishes no slots (yet, or an older worker)
+MAX_RUNNING: Final = 10_000
 DEFAULT_WAITING: Final = 64
 DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
@@ -164,16 +170,17 @@ class Keys(_Section):
 
 
 class EngineLimits(_Section):
-    """Admission for one engine; None: the [limits] value."""
+    """Admission for one engine; None: the [limits] value (for running, that set by hand,
+    else the engine's own)."""
 
-    running: int | None = Field(default=None, ge=1, le=10_000)
+    running: int | None = Field(default=None, ge=1, le=MAX_RUNNING)
     waiting: int | None = Field(default=None, ge=0, le=100_000)
     max_wait_s: float | None = Field(default=None, gt=0, le=86_400)
     deadline_s: float | None = Field(default=None, gt=0, le=86_400)
 
 
 class Limits(_Section):
-    running: int = Field(default=DEFAULT_RUNNING, ge=1, le=10_000)
+    running: int | None = Field(default=None, ge=1, le=MAX_RUNNING)  # None: follow the engine
     waiting: int = Field(default=DEFAULT_WAITING, ge=0, le=100_000)
     max_wait_s: float = Field(default=DEFAULT_MAX_WAIT_S, gt=0, le=86_400)
     deadline_s: float = Field(default=DEFAULT_DEADLINE_S, gt=0, le=86_400)
@@ -220,6 +227,18 @@ class Page(_Section):
     session_s: float = Field(default=DEFAULT_SESSION_S, ge=1, le=30 * 86_400)
 
 
+def running_bound(engine_set: int | None, limits_set: int | None, slots: int | None) -> int:
+    """Pure: how many requests one engine gets at once: [engines.NAME] running, else [limits]
+    running, when the operator set it; else the slots the engine publishes (the sum over its
+    models, at most MAX_RUNNING); else DEFAULT_RUNNING."""
+    for chosen in (engine_set, limits_set):
+        if chosen is not None:
+            return chosen
+    if slots is not None and slots >= 1:
+        return min(slots, MAX_RUNNING)
+    return DEFAULT_RUNNING
+
+
 @dataclass(frozen=True)
 class Admission:
     """One engine's resolved admission limits."""
@@ -241,10 +260,11 @@ class Settings(_Section):
     record: Record = Field(default_factory=Record)
     page: Page = Field(default_factory=Page)
 
-    def admission(self, engine: str) -> Admission:
+    def admission(self, engine: str, slots: int | None = None) -> Admission:
+        """The engine's limits; `slots`: what it publishes it holds at once (None: nothing)."""
         own = self.engines.get(engine, EngineLimits())
         return Admission(
-            running=own.running if own.running is not None else self.limits.running,
+            running=running_bound(own.running, self.limits.running, slots),
             waiting=own.waiting if own.waiting is not None else self.limits.waiting,
             max_wait_s=own.max_wait_s if own.max_wait_s is not None else self.limits.max_wait_s,
             deadline_s=own.deadline_s if own.deadline_s is not None else self.limits.deadline_s,
