@@ -9,7 +9,8 @@
 # with a tiny llama model generated here, answering a chat completion on the gateway address.
 # Last, the lucia gateway (systemctl --user start lucia-gateway) on 127.0.0.1: an issued key,
 # and the official openai client gets a chat completion from the router's model after its engine
-# was stopped: the gateway starts it on demand.
+# was stopped: the gateway starts it on demand; then 16 chats at once, all answered, as many at
+# once as the router's slots hold (its status.json `slots`).
 # Run as root; safe to run again (the running engines are adopted, not restarted).
 set -euo pipefail
 
@@ -50,7 +51,9 @@ if [ ! -d "$work/recipe-repo/.git" ] || [ ! -f "$work/recipe-repo/scripts/config
     git -C "$work/recipe-repo" add -A
     git -C "$work/recipe-repo" -c user.name=demo -c user.email=demo@localhost commit -q -m "demo recipe"
 fi
-commit=$(git -C "$work/recipe-repo" rev-parse HEAD)
+# the repository is the user's once chown'd below: root's git refuses it on a run again unless
+# it is named safe (for this command only, never in a global or system configuration)
+commit=$(git -c safe.directory="$work/recipe-repo" -C "$work/recipe-repo" rev-parse HEAD)
 
 say "the shipped recipes/spark-model.toml, made for this machine: $work/$name.toml"
 # only [source], the network, the port, the GPU line, memlock (this dockerd refuses -1) and the
@@ -92,13 +95,17 @@ llama_image=${llama_image##*$'\n'}
 [ -n "$llama_image" ] || die "no llama-server image: scripts/llama-server-image.sh named none (log: $image_log)"
 say "the shipped recipes/llama-router.toml, made for this machine: $work/$router.toml"
 # only its name, image, directories, startup list, defaults, network and port change, and gpus
-# (this machine has none)
+# (this machine has none). The defaults give each slot room for a chat: llama-server's auto slots
+# (4) share one cache of ctx-size cells, each slot's context capped at the model's own (256 for
+# tiny); a demo chat takes 67 tokens (59 of prompt, 8 of answer), so 256 cells overflowed at 4
+# chats at once ("Context size has been exceeded"). 1024 holds all 4 slots' whole contexts, and
+# the worker publishes 4 slots for the gateway to admit at once.
 sed -e "s|^name = .*|name = \"$router\"|" \
     -e "s|^models_dir = \"[^\"]*\"|models_dir = \"$work/models\"|" \
     -e "s|^cache_dir = \"[^\"]*\"|cache_dir = \"$work/llama-cache\"|" \
     -e "s|^image = .*|image = \"$llama_image\"|" \
     -e "s|^load_on_startup = .*|load_on_startup = [\"tiny\"]|" \
-    -e "s|^defaults = .*|defaults = { ctx-size = 256 }|" \
+    -e "s|^defaults = .*|defaults = { ctx-size = 1024 }|" \
     -e "s|^network = .*|network = \"lucia-demo\"|" \
     -e "s|^port = .*|port = $router_port|" \
     -e "s|^gpus = .*|gpus = \"none\"|" \
@@ -305,8 +312,50 @@ print(f"answered in {time.monotonic() - began:.1f} s (the gateway started the en
 print(answer.model_dump_json(include={"model", "object", "usage"}))
 print("content:", repr(answer.choices[0].message.content), "(random weights)")
 PY
-unset demo_key
 echo "request to an answer through the gateway: $(($(date +%s) - gateway_asked)) s"
+
+router_status=$home/.local/share/lucia/host/data/$router/status.json
+say "16 chats at once through the gateway with the demo key: as many run at once as $router's slots hold"
+python3 -c 'import json, sys; print("slots in status.json:", json.load(open(sys.argv[1])).get("slots"))' \
+    "$router_status"
+OPENAI_API_KEY=$demo_key "$root/.venv/bin/python" - "$gateway_url" <<'PY'
+import collections
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+AT_ONCE = 16
+client = openai.OpenAI(
+    base_url=sys.argv[1] + "/v1", api_key=os.environ["OPENAI_API_KEY"], timeout=600, max_retries=0
+)
+
+
+def chat(_: int) -> tuple[int, str]:
+    try:
+        answer = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
+    except openai.APIStatusError as error:
+        return error.status_code, error.message
+    except openai.APIError as error:  # no answer at all
+        return 0, str(error)
+    return answer.http_response.status_code, ""
+
+
+began = time.monotonic()
+with ThreadPoolExecutor(AT_ONCE) as pool:
+    results = list(pool.map(chat, range(AT_ONCE)))
+codes = collections.Counter(code for code, _ in results)
+shown = ", ".join(f"{count} x {code or 'no answer'}" for code, count in sorted(codes.items()))
+print(f"{AT_ONCE} chats at once: {shown} in {time.monotonic() - began:.1f} s")
+failed = sorted({f"{code}: {why}" for code, why in results if code != 200})
+if failed:
+    sys.exit(f"not every chat was answered 200: {'; '.join(failed)}")
+PY
+unset demo_key
 say "the engine the gateway started: lucia-supervisor status $router"
 "$as_user" "$cli" status "$router"
 journalctl -t lucia-gateway -n 4 --no-pager -o cat
