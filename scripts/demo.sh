@@ -11,7 +11,9 @@
 # and the official openai client gets a chat completion from the router's model after its engine
 # was stopped: the gateway starts it on demand; then 16 chats at once, all answered, as many at
 # once as the router's slots hold (its status.json `slots`).
-# Run as root; safe to run again (the running engines are adopted, not restarted).
+# Run as root; safe to run again: the workers are restarted (`systemctl --user restart`), so that
+# a new version and changed recipes take effect; a running engine whose recipe did not change is
+# adopted, not restarted, and one whose recipe changed is replaced.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -166,8 +168,8 @@ say "installing as $user: $work/src/install.sh --recipe $work/$name.toml --recip
 "$as_user" "$work/src/install.sh" --recipe "$work/$name.toml" --recipe "$work/$router.toml" \
     --recipe "$work/$cpu.toml"
 
-say "systemctl --user start lucia-$name (returns once the worker said READY=1)"
-"$as_user" systemctl --user start "lucia-$name"
+say "systemctl --user restart lucia-$name (returns once the worker said READY=1)"
+"$as_user" systemctl --user restart "lucia-$name"
 # its state without the journal lines (shown below): no pipe into head, whose early exit would
 # kill systemctl with SIGPIPE under pipefail
 "$as_user" systemctl --user --no-pager --lines=0 status "lucia-$name"
@@ -190,8 +192,8 @@ cat "$home/.local/share/lucia/host/data/telemetry/$name.json"
 say "journalctl -t lucia-$name (the worker's lines, one per event, with priorities)"
 journalctl -t "lucia-$name" -n 12 --no-pager -o cat
 
-say "the router: systemctl --user start lucia-$router, then request $router running --wait"
-"$as_user" systemctl --user start "lucia-$router"
+say "the router: systemctl --user restart lucia-$router, then request $router running --wait"
+"$as_user" systemctl --user restart "lucia-$router"
 "$as_user" "$cli" request "$router" running --wait --timeout 300
 "$as_user" "$cli" status "$router"
 router_url=$("$as_user" "$cli" status "$router" --json \
@@ -216,8 +218,8 @@ PY
 say "its Prometheus file_sd: one target per loaded model, scraped with autoload=false"
 cat "$home/.local/share/lucia/host/data/telemetry/$router.json"
 
-say "vLLM on the CPU: systemctl --user start lucia-$cpu, then request $cpu running --wait"
-"$as_user" systemctl --user start "lucia-$cpu"
+say "vLLM on the CPU: systemctl --user restart lucia-$cpu, then request $cpu running --wait"
+"$as_user" systemctl --user restart "lucia-$cpu"
 cpu_asked=$(date +%s)
 "$as_user" "$cli" request "$cpu" running --wait --timeout 900
 "$as_user" "$cli" status "$cpu"
