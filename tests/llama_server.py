@@ -28,18 +28,23 @@ from tests.http_json import Response
 
 IMAGE_SCRIPT = ROOT / "scripts" / "llama-server-image.sh"
 VERSION_LABEL = "org.lucia.llama-server.version"
+IMAGE_REPOSITORY = "lucia-llama-server"  # scripts/llama-server-image.sh's default repository
 CONTAINER_DIR = "/models"
 CONTAINER_PORT = 8080
 
 
 def built_image(client: docker.DockerClient) -> str | None:
-    """The newest image the script built on this dockerd, or None."""
-    images = client.images.list(filters={"label": VERSION_LABEL})
-    tagged = [image for image in images if image.tags]
+    """The newest image the script built on this dockerd, or None: tagged in the script's own
+    repository, never an image built FROM it (which inherits its label: a test's router image,
+    removed when that test ends)."""
+    repository = os.environ.get("LUCIA_LLAMA_REPOSITORY") or IMAGE_REPOSITORY
+    images = client.images.list(name=repository, filters={"label": VERSION_LABEL})
+    tagged = [(image, tag) for image in images for tag in image.tags
+              if tag.rsplit(":", 1)[0] == repository]
     if not tagged:
         return None
-    newest = max(tagged, key=lambda image: str(image.attrs["Created"]))
-    return str(newest.tags[0])
+    newest = max(tagged, key=lambda found: str(found[0].attrs["Created"]))
+    return newest[1]
 
 
 def build_image() -> str:
