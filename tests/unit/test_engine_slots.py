@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 import pytest
 
 from supervisor.docker import labels
-from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Container, Image
+from supervisor.docker.spec import Container
 from supervisor.engines.base import Endpoint
 from supervisor.engines.llama_router.engine import LlamaRouter
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
@@ -28,6 +27,7 @@ from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, parallel
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.recipe import VllmRecipe, max_num_seqs
 from tests.support import MINIMAL_RECIPE
+from tests.unit.test_served_models import NoDocker
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURED = ROOT / "tests" / "data" / "llama-server"
@@ -37,17 +37,6 @@ def container(container_id: str = "c1", status: str = "running", managed: bool =
     found = {labels.MANAGED: "true"} if managed else {}
     return Container(container_id, "lucia-x", "sha256:" + "a" * 64, status, 0, False, "", found,
                      ())
-
-
-class NoDocker(Runtime):
-    def image(self, ref: str) -> Image | None:
-        return Image(id="sha256:" + "a" * 64, labels={})
-
-    def container(self, name: str) -> None:
-        return None
-
-    def gateway(self, network: str) -> None:
-        return None
 
 
 # -- vLLM: max_num_seqs --------------------------------------------------------------------------
