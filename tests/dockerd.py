@@ -4,12 +4,16 @@ The machine's dockerd serves the operator too (the demo's engines run on it whil
 run), and a dockerd without live-restore stops every container when it stops. So the faults that
 stop or freeze dockerd (tests/faults, the soak) never touch the machine's: they run their engines
 on a `Private` dockerd, started here beside it with every path of its own (socket, data root, exec
-root with its own containerd, pid file, configuration), a default bridge of its own (never
-`docker0`: a dockerd told `--bridge=none` deletes the machine's `docker0`, which the machine's
-dockerd needs for every build), no iptables rules (the engines' ports are published by
-docker-proxy on their network's gateway address, as on the machine's dockerd), and networks from
-an address pool of its own. Its socket is group `docker`, so the
-tests' service user reaches it as it reaches the machine's. `stop()` removes it and all it held.
+root with its own containerd, pid file, configuration) and a network namespace of its own. In
+the machine's namespace a second dockerd deletes the machine's `docker0`: at its start when
+told `--bridge=none`, and at a restart when told a bridge of its own (it clears its stale default
+network by the default name), and the machine's dockerd then fails every build. In its own
+namespace it has its own default bridge, no iptables rules, and networks from an address pool
+of its own, which the host reaches through a veth pair and one route: the engines' ports,
+published by docker-proxy on their network's gateway address as on the machine's dockerd, answer
+the tests, the workers and the gateway on the host as the machine's engines do. Its socket is
+group `docker`, so the tests' service user reaches it as it reaches the machine's. `stop()`
+removes it and all it held, its namespace, veth pair and route too.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import docker
 LOGS: Final = Path("/var/log/lucia-machine")
 # the networks of a private dockerd: inside Docker's own default range, away from the /16s the
 # machine's dockerd takes first; Docker skips a subnet that a route of the host already holds
-ADDRESS_POOL: Final = "base=172.31.240.0/20,size=24"
-BRIDGE_NETS: Final = 16  # its default bridge: one of 172.31.224.0/24 to 172.31.239.0/24
+# Its addresses: one of four /21s of 172.31.224.0/19, inside Docker's own default range and away
+# from the /16s the machine's dockerd takes first: its default bridge the first /24, its networks
+# the other seven; the veth pair to the host a /30 of 172.31.223.0/24.
+SLOTS: Final = 4
 START_S: Final = 60.0
 
 
@@ -50,9 +56,17 @@ class Private:
         self.config = self.root / "daemon.json"
         self.config.write_text("{}\n")  # never the machine's /etc/docker/daemon.json
         self.log_path = LOGS / log_name
-        self.bridge = f"lcdk{run_id[:10]}"  # an interface name: at most 15 characters
-        octet = 224 + int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % BRIDGE_NETS
-        self.bridge_address = f"172.31.{octet}.1/24"
+        short = run_id[:10]  # interface names: at most 15 characters
+        self.netns = f"lucia-dockerd-{short}"
+        self.bridge = f"lcdk{short}"  # its default bridge, in its namespace
+        self.veth_host, self.veth_ns = f"lcdh{short}", f"lcdn{short}"
+        slot = int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % SLOTS
+        base = 224 + 8 * slot
+        self.subnet = f"172.31.{base}.0/21"  # all it gives out: the host routes it to the veth
+        self.bridge_address = f"172.31.{base}.1/24"
+        self.pools = [f"base=172.31.{base + n}.0/24,size=24" for n in range(1, 8)]
+        self.link_host = f"172.31.223.{4 * slot + 1}"
+        self.link_ns = f"172.31.223.{4 * slot + 2}"
         self._log: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None  # its child: reaped when it exits
 
@@ -69,6 +83,9 @@ class Private:
 
     def command(self) -> list[str]:
         return [
+            # its network namespace only: `ip netns exec` would also mount a /sys of its own,
+            # without the cgroup hierarchies dockerd needs
+            "nsenter", f"--net=/run/netns/{self.netns}", "--",
             "dockerd",
             f"--config-file={self.config}",
             f"--host={self.host}",
@@ -81,20 +98,35 @@ class Private:
             "--ip-masq=false",
             "--live-restore=false",
             f"--cgroup-parent=lucia-dockerd-{self.run_id}",
-            f"--default-address-pool={ADDRESS_POOL}",
+            *(f"--default-address-pool={pool}" for pool in self.pools),
         ]
 
-    def _make_bridge(self) -> None:
-        if Path(f"/sys/class/net/{self.bridge}").exists():
+    def _namespace(self) -> None:
+        """Its network namespace, its default bridge there, and the veth pair and route that
+        reach its addresses from the host (made once; a restart keeps them)."""
+        if Path(f"/run/netns/{self.netns}").exists():
             return
-        for command in (["ip", "link", "add", "name", self.bridge, "type", "bridge"],
-                        ["ip", "addr", "add", self.bridge_address, "dev", self.bridge],
-                        ["ip", "link", "set", self.bridge, "up"]):
+        inside = ["ip", "netns", "exec", self.netns]
+        for command in (
+            ["ip", "netns", "add", self.netns],
+            [*inside, "ip", "link", "set", "lo", "up"],
+            [*inside, "ip", "link", "add", "name", self.bridge, "type", "bridge"],
+            [*inside, "ip", "addr", "add", self.bridge_address, "dev", self.bridge],
+            [*inside, "ip", "link", "set", self.bridge, "up"],
+            ["ip", "link", "add", self.veth_host, "type", "veth", "peer", "name", self.veth_ns],
+            ["ip", "link", "set", self.veth_ns, "netns", self.netns],
+            ["ip", "addr", "add", f"{self.link_host}/30", "dev", self.veth_host],
+            ["ip", "link", "set", self.veth_host, "up"],
+            [*inside, "ip", "addr", "add", f"{self.link_ns}/30", "dev", self.veth_ns],
+            [*inside, "ip", "link", "set", self.veth_ns, "up"],
+            [*inside, "ip", "route", "add", "default", "via", self.link_host],
+            ["ip", "route", "add", self.subnet, "via", self.link_ns],
+        ):
             subprocess.run(command, check=True, capture_output=True)
 
     def start(self) -> None:
         """Start it in a session of its own; return once it answers."""
-        self._make_bridge()
+        self._namespace()
         LOGS.mkdir(parents=True, exist_ok=True)
         if self._log is None:
             self._log = self.log_path.open("ab")
@@ -175,7 +207,9 @@ class Private:
             self._remove()
 
     def _remove(self) -> None:
-        subprocess.run(["ip", "link", "delete", self.bridge], check=False, capture_output=True)
+        subprocess.run(["ip", "route", "delete", self.subnet], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "delete", self.veth_host], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "delete", self.netns], check=False, capture_output=True)
         for tree in (self.root, self.runtime):
             mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                       if line.split()[1].startswith(str(tree) + "/")]

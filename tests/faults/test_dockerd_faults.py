@@ -81,6 +81,12 @@ def make_engine(private_dockerd: dockerd.Private, private_client: docker.DockerC
     factory.close()
 
 
+def _machine_bridge(client: docker.DockerClient) -> Path:
+    """The machine's dockerd's default bridge interface (docker0)."""
+    options = client.networks.get("bridge").attrs["Options"]
+    return Path("/sys/class/net") / options.get("com.docker.network.bridge.name", "docker0")
+
+
 def _ours(client: docker.DockerClient, engine: Engine) -> list:
     return client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"})
 
@@ -90,15 +96,14 @@ def test_the_machines_dockerd_is_not_the_one_the_faults_hit(
     private_client: docker.DockerClient,
     client: docker.DockerClient,
 ) -> None:
-    """The private dockerd is another daemon: its own root, containers and default bridge, no
-    live-restore; the machine's default bridge is still there (a dockerd told `--bridge=none`
-    deletes it, and the machine's builds then fail)."""
+    """The private dockerd is another daemon: its own root, containers, and default bridge in a
+    network namespace of its own, no live-restore; the machine's default bridge is still there
+    (a second dockerd in the machine's namespace deletes it, and the machine's builds fail)."""
     assert private_client.info()["DockerRootDir"] != client.info()["DockerRootDir"]
-    machine_bridge = client.networks.get("bridge").attrs["Options"].get(
-        "com.docker.network.bridge.name", "docker0")
-    assert Path(f"/sys/class/net/{machine_bridge}").exists(), machine_bridge
+    assert _machine_bridge(client).exists()
     assert private_client.networks.get("bridge").attrs["Options"].get(
         "com.docker.network.bridge.name") == private_dockerd.bridge
+    assert not Path(f"/sys/class/net/{private_dockerd.bridge}").exists()  # not in the host's
     assert not private_client.info().get("LiveRestoreEnabled")
     machine = {c.id for c in client.containers.list(all=True)}
     assert machine.isdisjoint(c.id for c in private_client.containers.list(all=True))
@@ -107,12 +112,14 @@ def test_the_machines_dockerd_is_not_the_one_the_faults_hit(
 
 @pytest.mark.alone  # the heartbeat's timing is measured
 def test_dockerd_restart_while_running_and_while_building(make_engine, private_dockerd,
-                                                         private_client) -> None:
+                                                         private_client, client) -> None:
+    machine_bridge = _machine_bridge(client)
     client = private_client
     engine: Engine = make_engine()
     proc, status = engine.up()
     assert not client.info().get("LiveRestoreEnabled"), "these tests need live-restore off"
     private_dockerd.restart()
+    assert machine_bridge.exists(), "the restart took the machine's default bridge"
     # without live-restore, dockerd stops its containers: the truth is that the engine died
     after = engine.wait_status(lambda s: s["state"] == "failed"
                                and s["checkedAt"] > status["checkedAt"], timeout=60)

@@ -156,3 +156,12 @@ def test_the_exit_status_of_both_phases(monkeypatch: pytest.MonkeyPatch, shared:
     assert [name for name, _, _ in ran] == ["shared", "alone"]  # both always run
     assert ran[0][1][:2] == ["-n", "2"] and ran[1][1] == []
     assert all(args == ["-x", "tests/unit"] for _, _, args in ran)
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """The test folders are no packages, so pytest imports each module by its file name: a second
+    module of the same name, in another folder, stops the whole collection."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert {name: found for name, found in names.items() if len(found) > 1} == {}
