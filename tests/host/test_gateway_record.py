@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 import structlog
 
 from supervisor.host.gateway.budget import HEADER, NOT_RECORDING
@@ -128,6 +129,28 @@ def test_the_owner_api_gives_the_usage_figures_by_build(tmp_path: Path) -> None:
         assert (group["engine"], group["engineVersion"], group["imageId"],
                 group["weightsRevision"]) == ("small", "b11669-Debian", BUILD.image_id, "rev-1")
         assert group["requests"] == 3 and group["promptTokens"] == 15  # fmt: skip
+
+    run(tmp_path, scenario, SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "since", ["999999w", "999999d", "0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00"]
+)
+def test_a_since_out_of_range_is_a_400_naming_since(tmp_path: Path, since: str) -> None:
+    """Was: 500, an OverflowError in the span's or the offset's arithmetic."""
+
+    async def scenario(w: World, store: Store) -> None:
+        url = str(w.gateway.make_url("/api/host/usage"))
+        async with (
+            aiohttp.ClientSession(headers=OWNER) as s,
+            s.get(url, params={"since": since}) as r,
+        ):
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert (error["code"], error["param"]) == ("invalid_request", "since")
+        assert error["message"] == (
+            f"--since {since!r}: out of range, before the year 1 or after 9999 (UTC)"
+        )
 
     run(tmp_path, scenario, SETTINGS)
 

@@ -501,6 +501,31 @@ def test_bad_usage_exits_2(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("since", ["999999w", "0001-01-01T00:00:00+05:00"])
+def test_usage_since_out_of_range_exits_2_with_one_error_line(
+    since: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: an OverflowError's traceback (argparse turns only a ValueError into exit 2)."""
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["usage", "--since", since, "--data-dir", str(tmp_path)])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [
+        f"lucia-supervisor usage: error: argument --since: --since {since!r}: out of range, "
+        "before the year 1 or after 9999 (UTC)"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_usage_since_out_of_range_of_the_console_script(tmp_path: Path) -> None:
+    run = run_cli("usage", "--since", "999999w", "--data-dir", str(tmp_path))
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr and "out of range" in run.stderr
+    assert run.stdout == ""
+
+
 def test_bad_usage_exit_code_of_the_console_script(tmp_path: Path) -> None:
     run = run_cli("request", "Bad/Name", "running", "--data-dir", str(tmp_path))
     assert run.returncode == 2

@@ -269,6 +269,27 @@ def test_since_refuses_anything_else(text: str) -> None:
         parse_since(text, NOW)
 
 
+@pytest.mark.parametrize(
+    "text", ["999999w", "999999d", "0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00"]
+)
+def test_since_refuses_a_time_no_datetime_holds(text: str) -> None:
+    """Was: OverflowError, a 500 from the host API and a traceback from `usage`."""
+    with pytest.raises(BadSince, match=r"out of range, before the year 1 or after 9999 \(UTC\)"):
+        parse_since(text, NOW)
+
+
+@pytest.mark.parametrize(
+    ("text", "since"),
+    [
+        ("999999h", NOW - timedelta(hours=999999)),  # 114 years: within range
+        ("0001-01-01", datetime(1, 1, 1, tzinfo=UTC)),
+        ("0001-01-01T00:00:00-05:00", datetime(1, 1, 1, 5, tzinfo=UTC)),
+    ],
+)
+def test_since_at_the_edges_of_the_range_is_kept(text: str, since: datetime) -> None:
+    assert parse_since(text, NOW) == since
+
+
 def _line() -> Line:
     line = Line(
         ("e1", "0.32.0", "sha256:" + "ab" * 32, "e5a1f00d"), requests=5, prompt_tokens=40,

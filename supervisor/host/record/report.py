@@ -35,12 +35,19 @@ class BadSince(ValueError):
     pass
 
 
+def _out_of_range(text: str) -> BadSince:
+    return BadSince(f"--since {text!r}: out of range, before the year 1 or after 9999 (UTC)")
+
+
 def parse_since(text: str, now: datetime) -> datetime:
     """A span back from now (30m, 12h, 1d, 2w), an ISO date (that day's start, UTC) or an ISO
-    time with its offset."""
+    time with its offset; BadSince for anything else, or a time no datetime holds."""
     found = _SPAN.fullmatch(text)
     if found:
-        return now - timedelta(**{_UNIT[found.group(2)]: int(found.group(1))})
+        try:
+            return now - timedelta(**{_UNIT[found.group(2)]: int(found.group(1))})
+        except OverflowError:  # 999999w: 19,000 years back
+            raise _out_of_range(text) from None
     try:
         day = date.fromisoformat(text)
     except ValueError:
@@ -56,7 +63,10 @@ def parse_since(text: str, now: datetime) -> datetime:
             f"--since {text!r}: a span (30m, 12h, 1d, 2w), an ISO date (2026-05-01) or an ISO "
             "time with its offset (2026-05-01T08:00:00+02:00)"
         )
-    return at.astimezone(UTC)
+    try:
+        return at.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00:00+05:00 is in the year 0 in UTC
+        raise _out_of_range(text) from None
 
 
 def _seconds(value: float | None) -> str:
