@@ -1,9 +1,13 @@
 """Roles and the host API: the inference role may call /v1 only, the owner also the host API,
-which shows each engine's status and writes desired.json through the protocol's host module."""
+which shows each engine's status and writes desired.json through the protocol's host module;
+and on the real gateway process, paths that name the host API or another engine through
+percent-encoding or dot segments reach neither."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import aiohttp
 import pytest
 
 from supervisor.host.gateway.auth import allowed
+from tests.gateway_proc import running_gateway
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, World, stale, world, write_status
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -142,3 +147,64 @@ def test_the_owner_asks_an_engine_to_run_or_stop(
         assert not (w.data / "ghost").exists()
 
     run(tmp_path, scenario)
+
+
+ENCODED = [
+    # (method, path, caller, status): a path that names the host API (or another engine)
+    # through encoding or dot segments reaches neither; the statuses as the gateway answers
+    ("GET", "/page%2F..%2Fapi%2Fhost%2Fengines", None, 404),
+    ("GET", "/page/..%2Fapi%2Fhost%2Fengines", None, 404),
+    ("GET", "/page/../api/host/engines", None, 404),
+    ("GET", "/page%2F../api/host/engines", None, 404),
+    ("GET", "/page/%2E%2E/api/host/engines", None, 404),
+    ("GET", "/page/api/..%2F..%2Fapi%2Fhost%2Fengines", None, 401),
+    ("GET", "//api/host/engines", None, 401),
+    ("GET", "/v1/../api/host/engines", "inference", 404),
+    ("GET", "/v1/%2E%2E/api/host/engines", "inference", 404),
+    ("GET", "/v1%2F..%2Fapi%2Fhost%2Fengines", "inference", 404),
+    ("POST", "/v1/..%2Fapi%2Fhost%2Fengines%2Fsmall", "inference", 404),
+    ("POST", "/v1/../api/host/engines/small", "inference", 404),
+    ("POST", "/page/api/engines/..%2F..%2Fsmall", None, 401),
+    ("POST", "/page/api/engines/small", None, 401),
+    ("POST", "/api/host/engines/sm%2Fall", "owner", 400),
+    ("POST", "/api/host/engines/..%2Fsmall", "owner", 400),
+    ("POST", "/api/host/engines/%2E%2E", "owner", 400),
+    ("POST", "/api/host/engines/small%2F..%2Fother", "owner", 400),
+    ("POST", "/api/host/engines/%2Fetc", "owner", 400),
+]
+
+
+def test_encoded_paths_reach_nothing_on_the_real_gateway(tmp_path: Path) -> None:
+    """Through real sockets to the gateway process, each path sent as written (http.client
+    neither decodes nor folds dot segments): the role table and the engine names hold."""
+    data = tmp_path / "data"
+    write_status(data, "small", "stopped")
+    write_status(data, "other", "stopped")
+    before = sorted(p.relative_to(data).as_posix() for p in data.rglob("*"))
+    with running_gateway(tmp_path / "gateway", data) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        keys = {None: None, "inference": gw.inference, "owner": gw.owner}
+        found = []
+        for method, path, caller, _ in ENCODED:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            headers = {"Content-Type": "application/json"}
+            if keys[caller] is not None:
+                headers["Authorization"] = f"Bearer {keys[caller]}"
+            body = json.dumps({"desired": "running"}) if method == "POST" else None
+            try:
+                connection.request(method, path, body=body, headers=headers)
+                answer = connection.getresponse()
+                text = answer.read().decode(errors="replace")
+            finally:
+                connection.close()
+            found.append((method, path, caller, answer.status))
+            assert '"engines"' not in text and '"generation"' not in text, (path, text)
+        assert gw.get("/api/host/engines", gw.owner)[0] == 200, "the plain path answers"
+    assert found == ENCODED
+    after = sorted(p.relative_to(data).as_posix() for p in data.rglob("*"))
+    assert [
+        p
+        for p in after
+        if p not in before and not p.startswith(("record", "telemetry", "inference-keys"))
+    ] == []
+    assert not list(data.rglob("desired.json")), "nothing was asked of any engine"
