@@ -228,8 +228,13 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
         assert store.record(row(prompt=10**9))
         store.close()
     events = [e["event"] for e in logs if e["event"].startswith("record ")]
-    assert events.count("record unavailable: rows are not recorded and budgets not enforced") == 1
-    assert events.count("record available again") == 1
+    # each loss said once, each recovery once: while the disk is nearly full a write may pass
+    # again (SQLite frees pages), so the store may go and come back more than once on the way
+    down, up = "record unavailable: rows are not recorded and budgets not enforced", \
+        "record available again"
+    changes = [event for event in events if event in (down, up)]
+    assert changes and changes[0] == down and changes[-1] == up, events
+    assert all(a != b for a, b in itertools.pairwise(changes)), events
     db = open_sqlite(path)
     assert db.query("PRAGMA integrity_check") == [("ok",)]
     found = facts(db)
