@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from tests.host.gateway_world import (
     world,
     write_status,
 )
-from tests.host.test_gateway_service import self_signed
 from tests.record_world import row
 
 
@@ -110,7 +108,7 @@ def test_the_owner_signs_in_polls_and_signs_out(tmp_path: Path) -> None:
             cookie = answer.headers["Set-Cookie"]
         assert len(body["csrf"]) >= 40
         assert cookie.startswith(COOKIE + "=") and OWNER_KEY not in cookie
-        for part in ("HttpOnly", "SameSite=Strict", "Path=/"):
+        for part in ("HttpOnly", "SameSite=Strict", "Path=/page/"):
             assert part in cookie
         assert "Secure" not in cookie, "Secure only over TLS"
         async with http.get(url(w, "/api/overview")) as answer:
@@ -264,31 +262,6 @@ def test_memory_shows_the_claims_of_engines_that_hold(tmp_path: Path) -> None:
     assert shown is not None
     assert shown["held"] == [{"name": "small", "bytes": 1024}]
     assert (shown["limit"], shown["availableNow"], shown["free"]) == (4096, 2048, 3072)
-
-
-def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
-    cert, key = self_signed(tmp_path)
-    data = tmp_path / "data"
-    data.mkdir()
-    settings = parse(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
-
-    async def main() -> None:
-        service = Service(settings, data, KEYS)
-        running = asyncio.create_task(service.run())
-        await asyncio.wait_for(service.listening.wait(), 30)
-        trusted = ssl.create_default_context(cafile=str(cert))
-        try:
-            async with aiohttp.ClientSession() as http:
-                address = f"https://127.0.0.1:{service.port}/page/api/signin"
-                async with http.post(address, json={"key": OWNER_KEY}, ssl=trusted) as answer:
-                    assert answer.status == 200
-                    cookie = answer.headers["Set-Cookie"]
-            assert "Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        finally:
-            service.stop.set()
-            await running
-
-    asyncio.run(main())
 
 
 def test_the_pages_files_ship_in_the_package() -> None:

@@ -34,7 +34,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from supervisor import paths
-from supervisor.host.page.routes import COOKIE, CSRF_HEADER
+from supervisor.host.page.routes import COOKIE, COOKIE_PATH, CSRF_HEADER
 from supervisor.host.protocol import load_status
 from supervisor.memplan.preview import NOT_PLANNED
 from supervisor.protocol.documents import MemoryPlan
@@ -171,8 +171,8 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
     sign_in(browser, gateway.url, gateway.owner)
     until(browser, lambda d: engine_state(d, router.name) == "stopped", what="the engine")
     assert not visible(browser, "signin-view")
-    cookie = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    cookie = next(c for c in browser.get_cookies() if c["name"] == COOKIE)
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/page/"
     assert gateway.owner not in cookie["value"]
     assert "No model in the library" in text(browser, "#models-body")
     until(browser, lambda d: "0 requests" in d.find_element(By.ID, "traffic-body").text,
@@ -424,10 +424,10 @@ def test_stop_and_a_signed_out_session_opens_nothing(
         START_S,
         what="the engine stopped",
     )
-    old = next(c for c in browser.get_cookies() if c["name"] == "lucia_page")
+    old = next(c for c in browser.get_cookies() if c["name"] == COOKIE)
     browser.find_element(By.ID, "signout").click()
     until(browser, lambda d: visible(d, "signin-view"), what="signed out")
-    browser.add_cookie({"name": old["name"], "value": old["value"], "path": "/"})
+    browser.add_cookie({"name": old["name"], "value": old["value"], "path": old["path"]})
     browser.get(gateway.url + "/page/")
     until(browser, lambda d: visible(d, "signin-view"), what="the sign-in form again")
     assert not visible(browser, "main-view")
@@ -488,7 +488,7 @@ def test_an_expired_session_shows_the_sign_in_form_and_changes_nothing(
         # the gateway itself ended the session (not only the browser its cookie)
         wait_for(lambda: session_status(gateway, token) == 401, WAIT_S, "the session over")
         before = keys_file.read_bytes()
-        driver.add_cookie({"name": COOKIE, "value": token, "path": "/"})  # no expiry now
+        driver.add_cookie({"name": COOKIE, "value": token, "path": COOKIE_PATH})  # no expiry now
         assert post(driver, "api/keys", '{"name": "after-expiry"}', {CSRF_HEADER: csrf}) == 401
         assert keys_file.read_bytes() == before, "no key created"
         assert "after-expiry" not in gateway.cli("keys", "list").stdout

@@ -240,7 +240,7 @@ def test_the_page_opens_from_the_installed_unit(
     signed = _page(configured, "/api/signin", {"key": configured.owner})
     assert signed.status == 200
     header = signed.headers["Set-Cookie"]
-    for part in ("HttpOnly", "SameSite=Strict", "Path=/", "Max-Age=43200"):
+    for part in ("HttpOnly", "SameSite=Strict", "Path=/page/", "Max-Age=43200"):
         assert part in header, header
     assert configured.owner not in header
     jar: SimpleCookie = SimpleCookie()
@@ -283,6 +283,7 @@ def test_the_page_opens_from_the_installed_unit(
         assert not visible(browser, "signin-view")
         session = next(c for c in browser.get_cookies() if c["name"] == COOKIE)
         assert session["httpOnly"] and session["sameSite"] == "Strict"
+        assert session["path"] == "/page/", "other services on the host are not sent it"
         shot(browser, "11-installed-unit")
     journal = "\n".join(_journal(started))
     for secret in (configured.owner, key["secret"], cookie, csrf):

@@ -1,9 +1,17 @@
 """The page's sub-application under /page/: its files, the sign-in, and the JSON API it polls.
 
 Every response carries the page's Content-Security-Policy (nothing inline, nothing from
-elsewhere, no framing) and nosniff. Under /page/api/ everything but the sign-in needs the
-session cookie (401 without it); every POST but the sign-in also needs the session's CSRF
-token in X-CSRF-Token (403 without it). The bearer-key host API (/api/host/) is untouched.
+elsewhere, no framing) and nosniff. Under /page/api/ a request a browser says came from
+elsewhere (another site, or another origin on the same host: origin.py) is refused (403); then
+everything but the sign-in needs the session cookie (401 without it); every POST but the
+sign-in also needs the session's CSRF token in X-CSRF-Token (403 without it). The bearer-key
+host API (/api/host/) is untouched.
+
+The session cookie is sent to /page/ only (`Path=/page/`): cookies carry no port, so with
+`Path=/` every other service on the same host (an engine's web UI, a Grafana) would be sent the
+owner's session. Over TLS it is `__Secure-lucia_page` (Secure; a browser accepts that name only
+from a secure origin, so no plain-http service on the host can set or replace it); `__Host-`
+would demand `Path=/`, and so send it to every path of every service on the host.
 """
 
 from __future__ import annotations
@@ -27,12 +35,16 @@ from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.library.control import ACTIONS
 from supervisor.host.page.memory import outdated_by
 from supervisor.host.page.models import Library, LibraryRefused
+from supervisor.host.page.origin import foreign
 from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
 from supervisor.host.page.sources import Sources, section
 from supervisor.protocol.documents import utc_now
 
 PREFIX: Final = "/page"
-COOKIE: Final = "lucia_page"
+COOKIE: Final = "lucia_page"  # over plain http
+SECURE_COOKIE: Final = "__Secure-lucia_page"  # over TLS
+COOKIE_PATH: Final = PREFIX + "/"
+MAX_COOKIES: Final = 4  # values of the session cookie's name looked at in one request
 CSRF_HEADER: Final = "X-CSRF-Token"
 SIGN_IN: Final = "/api/signin"
 _BODY_LIMIT: Final = 16 * 1024
@@ -130,11 +142,19 @@ class Page:
         return response
 
     def _check(self, request: web.Request) -> None:
-        """The session of an API request (401 without), and a POST's CSRF token (403)."""
+        """An API request from elsewhere (403), its session (401 without), and a POST's CSRF
+        token (403)."""
         path = request.path[len(PREFIX) :]
-        if not path.startswith("/api/") or path == SIGN_IN:
+        if not path.startswith("/api/"):
             return
-        session = self.sessions.find(request.cookies.get(COOKIE))
+        headers = request.headers
+        elsewhere = foreign(headers.get("Sec-Fetch-Site"), headers.get("Origin"), request.host)
+        if elsewhere is not None:
+            raise Refusal(403, "foreign_origin", f"the page's API answers the page only: "
+                          f"{elsewhere}")  # fmt: skip
+        if path == SIGN_IN:
+            return
+        session = self.find(request)
         if session is None:
             raise Refusal(401, "signed_out", "sign in with the owner key (the session is over)")
         if request.method == "POST" and not csrf_matches(session, request.headers.get(CSRF_HEADER)):
@@ -167,15 +187,24 @@ class Page:
         token, session = self.sessions.open()
         response = web.json_response({"csrf": session.csrf})
         response.set_cookie(
-            COOKIE, token, max_age=int(self.sessions.lifetime_s), path="/", httponly=True,
-            samesite="Strict", secure=request.secure,
+            cookie_name(request.secure), token, max_age=int(self.sessions.lifetime_s),
+            path=COOKIE_PATH, httponly=True, samesite="Strict", secure=request.secure,
         )  # fmt: skip
         return response
 
+    def find(self, request: web.Request) -> Session | None:
+        """The live session of the request's cookie, whichever of its values names one."""
+        for token in presented(request):
+            session = self.sessions.find(token)
+            if session is not None:
+                return session
+        return None
+
     async def sign_out(self, request: web.Request) -> web.Response:
-        self.sessions.close(request.cookies.get(COOKIE))
+        for token in presented(request):
+            self.sessions.close(token)
         response = web.json_response({"signedOut": True})
-        response.del_cookie(COOKIE, path="/")
+        response.del_cookie(cookie_name(request.secure), path=COOKIE_PATH)
         return response
 
     async def session(self, request: web.Request) -> web.Response:
@@ -268,6 +297,24 @@ class Page:
         except LibraryRefused as exc:
             raise Refusal(400, "model_refused", str(exc)) from None
         return web.json_response({"action": action, "applied": applied})
+
+
+def cookie_name(secure: bool) -> str:
+    """The session cookie's name: `__Secure-` over TLS (see the module's docstring)."""
+    return SECURE_COOKIE if secure else COOKIE
+
+
+def presented(request: web.Request) -> list[str]:
+    """Every value the request's Cookie headers give the session cookie's name, in order (a
+    browser sends two when it still holds one at another path, as `Path=/` before the page's
+    cookie moved to /page/: the mapping of request.cookies would keep only the last)."""
+    name, found = cookie_name(request.secure), []
+    for header in request.headers.getall("Cookie", ()):
+        for pair in header.split(";"):
+            key, equals, value = pair.strip().partition("=")
+            if equals and key == name:
+                found.append(value.strip().strip('"'))
+    return found[:MAX_COOKIES]
 
 
 def peer(request: web.Request) -> str:
