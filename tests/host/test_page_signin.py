@@ -1,10 +1,13 @@
 """The page's sign-in: the failed sign-in limit, per client address and bounded (in process
-and on the real gateway process, from 127.0.0.1 and 127.0.0.2), and the session's lifetime from
-the settings (Chromium sees a session run out in tests/integration/test_page_browser.py)."""
+and on the real gateway process, from 127.0.0.1 and 127.0.0.2), counted before the body is
+awaited (attempts at once cannot all pass), for JSON sign-ins from the page only (a text/plain
+or cross-site post is refused and not counted), and the session's lifetime from the settings
+(Chromium sees a session run out in tests/integration/test_page_browser.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 from pathlib import Path
@@ -20,6 +23,7 @@ from tests.host.gateway_world import OWNER_KEY, SETTINGS, World, world
 from tests.host.test_page import Clock, url
 
 WRONG = "wrong-key-" + "z" * 32
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.mark.parametrize(
@@ -148,3 +152,87 @@ def test_the_real_gateway_limits_each_address_alone(tmp_path: Path) -> None:
         assert sign_in_from("127.0.0.1", port, gw.owner) == (200, None)
         assert sign_in_from("127.0.0.2", port, gw.owner, **claims_other)[0] == 429
         assert gw.owner not in gw.log_text() and WRONG not in gw.log_text()
+
+
+def test_a_success_takes_its_attempt_back() -> None:
+    clock = Clock()
+    limit = SignInLimit(allowed=2, window_s=60, clock=clock)
+    for _ in range(5):
+        stamp = limit.failed("a")
+        limit.forgive("a", stamp)
+    assert limit.blocked("a") == 0 and len(limit) == 0
+    limit.failed("a")
+    limit.forgive("a", limit.failed("a"))
+    limit.forgive("gone", 1.0)
+    assert limit.blocked("a") == 0 and len(limit) == 1
+
+
+async def held_sign_in(w: World, key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                   bytes]:  # fmt: skip
+    """A sign-in whose headers are sent and whose body is held back (returned, to send)."""
+    body = json.dumps({"key": key}).encode()
+    reader, writer = await asyncio.open_connection(w.gateway.host, w.gateway.port)
+    writer.write(
+        f"POST /page/api/signin HTTP/1.1\r\nHost: {w.gateway.host}:{w.gateway.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+    )
+    await writer.drain()
+    return reader, writer, body
+
+
+async def status_of(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    line = await asyncio.wait_for(reader.readline(), 30)
+    writer.close()
+    return int(line.split()[1])
+
+
+def test_sign_ins_at_once_cannot_all_pass_the_limit(tmp_path: Path) -> None:
+    """Eight wrong sign-ins whose bodies are all still coming when the limit (3) is asked:
+    each is counted before its body is awaited, so the fourth and later are refused at once."""
+
+    async def main() -> None:
+        async with world(tmp_path, SETTINGS) as w:
+            limit = SignInLimit(allowed=3, window_s=60, clock=Clock())
+            w.gateway.app[PAGE_OF].limit = limit
+            held = [await held_sign_in(w, WRONG) for _ in range(8)]
+            await asyncio.sleep(0.3)  # every handler has read its headers and waits for a body
+            for _, writer, body in held:
+                with contextlib.suppress(ConnectionError):
+                    writer.write(body)
+                    await writer.drain()
+            statuses = [await status_of(reader, writer) for reader, writer, _ in held]
+            assert sorted(statuses) == [401] * 3 + [429] * 5, statuses
+            assert limit.blocked("127.0.0.1") > 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        pytest.param({"Content-Type": "text/plain"}, 415, id="text/plain, as another site posts"),
+        pytest.param({"Content-Type": "application/x-www-form-urlencoded"}, 415, id="a form"),
+        pytest.param({}, 415, id="no Content-Type"),
+        pytest.param({**JSON, "Origin": "http://evil.example"}, 403, id="a cross-site Origin"),
+        pytest.param({**JSON, "Sec-Fetch-Site": "cross-site"}, 403, id="said cross-site"),
+    ],
+)
+def test_a_sign_in_from_a_web_page_elsewhere_is_refused_and_not_counted(
+    tmp_path: Path, headers: dict[str, str], status: int
+) -> None:
+    """A page in the owner's browser posting wrong keys to the gateway must not lock out
+    127.0.0.1: none of its posts is read, and none counts."""
+
+    async def main() -> None:
+        async with world(tmp_path, SETTINGS) as w, session_from("127.0.0.1") as http:
+            limit = SignInLimit(allowed=3, window_s=60, clock=Clock())
+            w.gateway.app[PAGE_OF].limit = limit
+            body = json.dumps({"key": WRONG}).encode()
+            for _ in range(3 * limit.allowed):
+                async with http.post(url(w, "/api/signin"), data=body, headers=headers) as a:
+                    assert a.status == status
+            assert limit.blocked("127.0.0.1") == 0 and len(limit) == 0
+            assert await sign_in(w, http, OWNER_KEY) == 200
+
+    asyncio.run(main())

@@ -79,7 +79,16 @@ def _refused(refusal: Refusal) -> web.Response:
     )  # fmt: skip
 
 
+def _require_json(request: web.Request) -> None:
+    """A body the page sends is JSON, said so: a form or a text/plain post (what another site
+    can send without asking) is refused (415) before anything is read or counted."""
+    if request.content_type != "application/json":
+        raise Refusal(415, "unsupported_media_type",
+                      "the page's requests are JSON (Content-Type: application/json)")  # fmt: skip
+
+
 async def _json(request: web.Request) -> dict[str, Any]:
+    _require_json(request)
     raw = await read_body(
         request, _BODY_LIMIT, _BODY_TIMEOUT_S,
         lambda: Refusal(413, "request_too_large", "the page's requests are limited to 16 KiB"),
@@ -166,6 +175,9 @@ class Page:
         return web.Response(body=body, content_type=kind, charset="utf-8")
 
     async def sign_in(self, request: web.Request) -> web.Response:
+        """A sign-in from elsewhere (403, in the guard) or not JSON (415) is not counted; any
+        other is counted before its body is awaited, and taken back when its key is valid."""
+        _require_json(request)
         address = peer(request)
         wait = self.limit.blocked(address)
         if wait > 0:
@@ -173,11 +185,12 @@ class Page:
                 429, "too_many_sign_ins", f"too many failed sign-ins: try again in {wait:.0f} s",
                 headers={"Retry-After": str(max(1, round(wait)))},
             )  # fmt: skip
+        attempt = self.limit.failed(address)
         key = (await _json(request)).get("key")
         caller = self.auth.verify(key.strip()) if isinstance(key, str) and key.strip() else None
         if caller is None:
-            self.limit.failed(address)
             raise Refusal(401, "invalid_api_key", "that is not a valid key")
+        self.limit.forgive(address, attempt)
         if caller.role != "owner":
             raise Refusal(
                 403, "permission_denied",
