@@ -16,15 +16,16 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway import body, recording
 from supervisor.host.gateway import budget as budgets
 from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.auth import Authenticator, Caller, allowed, presented_key
+from supervisor.host.gateway.auth import Authenticator, Caller, allowed, check_bearer
 from supervisor.host.gateway.catalog import Catalog, Engine, route
 from supervisor.host.gateway.forward import Forwarder, Trace
 from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.idle import CHECK_S, IdleStop
-from supervisor.host.gateway.intake import answer_and_close, read_body
+from supervisor.host.gateway.intake import answer_and_close, peer, read_body
 from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
@@ -73,6 +74,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.auth = auth
+        self.failures = FailureLimit()  # invalid bearer keys per client address
         self.spending = spending
         self.recorder = recorder
         self.timing = timing
@@ -145,18 +147,9 @@ class Gateway:
             return response
 
     def caller(self, request: web.Request) -> Caller:
-        """The verified caller, allowed this path: else 401 (no valid key) or 403 (its role)."""
-        key = presented_key(request.headers.get("Authorization"))
-        caller = self.auth.verify(key) if key is not None else None
-        if caller is None:
-            raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
-        if allowed(request.path, caller.role) == "forbidden":
-            raise Refusal(
-                403, "permission_denied",
-                f"{request.path} needs the owner key; this key's role is {caller.role}, which "
-                "may call /v1 only",
-            )  # fmt: skip
-        return caller
+        """The verified caller, allowed this path (auth.check_bearer: 401, 429 or 403)."""
+        return check_bearer(self.auth, self.failures, request.path,
+                            request.headers.get("Authorization"), peer(request))  # fmt: skip
 
     async def say_unrecorded(self, _: web.Request, response: web.StreamResponse) -> None:
         """Every response says when nothing is recorded and no budget is enforced."""

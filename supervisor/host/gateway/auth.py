@@ -4,13 +4,24 @@ The gateway asks an Authenticator (supervisor.host.keycheck.Verifier) for the ca
 presented key; `allowed` decides by role: the inference role may call /v1 only, the owner also
 the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text.
 The operator's page (/page/) takes no bearer key: its own sign-in and session guard it.
+
+A presented key that is no valid key is a failure of the connection's address (a FailureLimit,
+as the page's sign-in has): past the limit, that address's invalid keys get 429 with
+Retry-After instead of 401 until its window moves on. A valid key is never refused by the
+limit, from any address: callers share addresses (every local client is 127.0.0.1, everyone
+behind a NAT or a proxy one address), and one of them with a stale key must not lock the
+others out. A request with no key at all is not counted: a web page elsewhere can send one
+from the owner's browser, but never one with an Authorization header (that needs a preflight
+the gateway never grants).
 """
 
 from __future__ import annotations
 
 from typing import Final, Literal, Protocol
 
+from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway.metrics import METRICS_PATH
+from supervisor.host.gateway.refusal import Refusal
 
 Role = Literal["owner", "inference"]
 BEARER: Final = "bearer "
@@ -59,3 +70,31 @@ def presented_key(authorization: str | None) -> str | None:
         return None
     key = authorization[len(BEARER) :].strip()
     return key or None
+
+
+def check_bearer(
+    auth: Authenticator, failures: FailureLimit, path: str, authorization: str | None,
+    address: str,
+) -> Caller:  # fmt: skip
+    """The verified caller, allowed this path: else 401 (no valid key), 429 (invalid keys from
+    an address past its limit) or 403 (its role)."""
+    key = presented_key(authorization)
+    caller = auth.verify(key) if key is not None else None
+    if caller is None:
+        wait = failures.blocked(address) if key is not None else 0.0
+        if wait > 0:
+            raise Refusal(
+                429, "too_many_failures",
+                f"too many invalid keys from this address: try again in {wait:.0f} s",
+                headers={"Retry-After": str(max(1, round(wait)))},
+            )  # fmt: skip
+        if key is not None:
+            failures.failed(address)
+        raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
+    if allowed(path, caller.role) == "forbidden":
+        raise Refusal(
+            403, "permission_denied",
+            f"{path} needs the owner key; this key's role is {caller.role}, which may call "
+            "/v1 only",
+        )  # fmt: skip
+    return caller

@@ -4,7 +4,8 @@ A body past its limit is refused with 413 as soon as it passes it. A body not al
 body_timeout_s of its headers, whether the client stalls or sends a byte at a time, is refused
 with 408, and the connection is closed as soon as that answer is out: what the client sends on
 is not read (aiohttp would read and drop it for up to its lingering time). Only reading the
-body is bounded; the answer, however long it streams, is not.
+body is bounded; the answer, however long it streams, is not. `peer` is who sent it: the
+connection's address.
 """
 
 from __future__ import annotations
@@ -60,3 +61,9 @@ async def answer_and_close(request: web.Request, response: web.StreamResponse) -
     except ConnectionError:
         pass  # the client left first: there is no one to answer
     request.protocol.force_close()
+
+
+def peer(request: web.Request) -> str:
+    """The address of the connection's other end, as the socket says (no forwarding header is
+    believed: a client writes those itself)."""
+    return request.remote or ""

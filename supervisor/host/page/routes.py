@@ -30,7 +30,7 @@ from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.gateway.auth import Authenticator
 from supervisor.host.gateway.hostapi import HostApi
-from supervisor.host.gateway.intake import read_body
+from supervisor.host.gateway.intake import peer, read_body
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.library.control import ACTIONS
 from supervisor.host.page.memory import outdated_by
@@ -328,12 +328,6 @@ def presented(request: web.Request) -> list[str]:
             if equals and key == name:
                 found.append(value.strip().strip('"'))
     return found[:MAX_COOKIES]
-
-
-def peer(request: web.Request) -> str:
-    """The address of the connection's other end, as the socket says (no forwarding header is
-    believed: a client writes those itself)."""
-    return request.remote or ""
 
 
 async def to_page(_: web.Request) -> web.Response:
