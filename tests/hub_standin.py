@@ -13,7 +13,9 @@ EntryNotFound, GatedRepo). Each request's Authorization header is recorded.
 Faults: `slow` dribbles file bodies (a download that lasts); `stall_after` sends that many bytes
 of each file body and then nothing until the hub stops; `corrupt` names files whose served bytes
 differ from what the tree's LFS id says (one byte flipped, same size); `token` makes the repo
-gated (401 without `Authorization: Bearer <token>`).
+gated (401 without `Authorization: Bearer <token>`); `unlisted` (path -> bytes) are files a
+mirror lists and serves to the hf CLI but leaves out of the lists it answers lucia-supervisor's
+own client (its User-Agent), as a mirror that answers the two differently would.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Hub:
     stall_after: int | None = None
     corrupt: frozenset[str] = frozenset()
     token: str | None = None
+    unlisted: dict[str, bytes] = field(default_factory=dict)
     authorizations: list[str | None] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
@@ -141,24 +144,32 @@ class Hub:
             if commit is None:
                 self._error(handler, 404, "RevisionNotFound")
                 return
-            siblings = [{"rfilename": name} for name in self.files()]
+            siblings = [{"rfilename": name} for name in self.served(handler)]
             self._json(handler, {"id": self.repo_id, "sha": commit, "siblings": siblings})
         elif path.startswith(api + "tree/"):
             if self._commit(path[len(api + "tree/") :].rstrip("/")) is None:
                 self._error(handler, 404, "RevisionNotFound")
                 return
-            self._json(handler, self.tree())
+            served = self.served(handler)
+            self._json(handler, self.tree() + self._tree(
+                {k: v for k, v in served.items() if k not in self.files()}))  # fmt: skip
         elif path.startswith(resolve):
             rev, _, name = path[len(resolve) :].partition("/")
             commit = self._commit(rev)
             if commit is None:
                 self._error(handler, 404, "RevisionNotFound")
-            elif name not in self.files():
+            elif name not in self.served(handler):
                 self._error(handler, 404, "EntryNotFound")
             else:
                 self._file(handler, name, commit, body)
         else:
             self._error(handler, 404, "EntryNotFound")
+
+    def served(self, handler: BaseHTTPRequestHandler) -> dict[str, bytes]:
+        """The files this caller is told of: lucia-supervisor's own client is not told of the
+        unlisted ones."""
+        ours = (handler.headers.get("User-Agent") or "").startswith("lucia-supervisor")
+        return self.files() if ours or not self.unlisted else {**self.files(), **self.unlisted}
 
     def _error(self, handler: BaseHTTPRequestHandler, code: int, error: str) -> None:
         data = json.dumps({"error": error}).encode()
@@ -179,8 +190,9 @@ class Hub:
         handler.wfile.write(data)
 
     def _file(self, handler: BaseHTTPRequestHandler, name: str, commit: str, body: bool) -> None:
-        data = self.files()[name]
-        (entry,) = [e for e in self.tree() if e["path"] == name]
+        data = self.served(handler)[name]
+        listing = self.tree() if name in self.files() else self._tree({name: data})
+        (entry,) = [e for e in listing if e["path"] == name]
         if name in self.corrupt:
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
         handler.send_response(200)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Final, Literal, get_args
 
@@ -43,6 +44,17 @@ def space_problem(needed: int, free: int) -> str | None:
     if needed <= free:
         return None
     return f"not enough disk space: it needs {needed} bytes more and {free} bytes are free"
+
+
+def space_during(total: int, done: int, free: int) -> str | None:
+    """While hf writes: why the disk cannot hold the rest, or None (pure). `done` is every byte
+    under files/ (files kept from before, hf's metadata, a mirror that sends more than it
+    listed), so it may pass `total`: the rest is then none, but a disk with no byte free is
+    still a problem (hf's next write fails), never silence."""
+    if done >= total and free <= 0:
+        return (f"not enough disk space: {done} bytes are written, as many as the {total} "
+                "listed or more, and no byte is free")  # fmt: skip
+    return space_problem(max(total - done, 0), free)
 
 
 def queue_problem(models: list[mf.Manifest], limit: int = MAX_QUEUE) -> str | None:
@@ -171,6 +183,43 @@ def sweep_partials(local_dir: Path) -> list[Path]:
                 path.unlink(missing_ok=True)
                 swept.append(path)
     return swept
+
+
+def strays(local_dir: Path, expected: set[str]) -> list[str]:
+    """What is under local_dir but is neither an expected path (a regular file) nor on the way
+    to one, nor hf's own .cache/ directory: the top-most such paths, relative, sorted. A
+    symlink is a stray wherever it is."""
+    found: list[str] = []
+    parents = {parent for path in expected for parent in _parents(path)}
+    for base, dirs, names in os.walk(local_dir):
+        here = Path(base).relative_to(local_dir)
+        for name in list(dirs):
+            path = (here / name).as_posix()
+            if (path == HF_CACHE or path not in parents) or (Path(base) / name).is_symlink():
+                dirs.remove(name)  # not walked into
+                if path != HF_CACHE or (Path(base) / name).is_symlink():
+                    found.append(path)
+        for name in names:
+            path = (here / name).as_posix()
+            if path not in expected or not stat.S_ISREG((Path(base) / name).lstat().st_mode):
+                found.append(path)
+    return sorted(found)
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[: n + 1]) for n in range(len(parts))]
+
+
+def remove_strays(local_dir: Path, found: list[str]) -> None:
+    """Remove what `strays` found (a directory with all in it; a symlink, never what it names)
+    and hf's record of each."""
+    for path in found:
+        target = local_dir / path
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            forget(local_dir, path)
 
 
 def forget(local_dir: Path, path: str) -> None:

@@ -17,7 +17,15 @@ from typing import Any, Final
 from supervisor import logs
 from supervisor.host.library import fetch
 from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import forget, free_bytes, space_problem, sweep_partials
+from supervisor.host.library.control import (
+    forget,
+    free_bytes,
+    remove_strays,
+    space_during,
+    space_problem,
+    strays,
+    sweep_partials,
+)
 from supervisor.host.library.streamhash import StreamHasher
 from supervisor.host.library.verify import CheckFailed, check_file, inspect
 from supervisor.library.models import ModelState
@@ -115,8 +123,8 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
     try:
         outcome = fetch.run(argv, env, local, model.bytes_total, stall_after=settings.stall_after,
                             poll=settings.poll, cancel=job.cancel, progress=progress,
-                            space=lambda done: space_problem(model.bytes_total - done,
-                                                             free_bytes(local)),
+                            space=lambda done: space_during(model.bytes_total, done,
+                                                            free_bytes(local)),
                             tick=hasher.poll)  # fmt: skip
         proven = hasher.finish() if outcome.ok else set()
     finally:
@@ -125,6 +133,9 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
             token_file.unlink(missing_ok=True)
     if proven:
         log.info("hashed while downloading", files=len(proven))
+    stray = _strays(local, model)
+    if stray:
+        log.warning("files the hub's list does not name arrived, removed", files=stray[:20])
     model = model.model_copy(update={"hub_files": [
         f.model_copy(update={"verified": True}) if f.path in proven else f
         for f in model.hub_files]})  # fmt: skip
@@ -136,9 +147,24 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf
         sweep_partials(local)
     if outcome.canceled:
         return _end(root, model, "Canceled", "canceled; finished files are kept", log)
+    if stray:
+        shown = ", ".join(repr(path) for path in stray[:5])
+        more = f" and {len(stray) - 5} more" if len(stray) > 5 else ""
+        said = f"files arrived that the hub's list does not name, removed: {shown}{more}"
+        return _end(root, model, "Failed", said if outcome.ok else f"{outcome.reason}; {said}",
+                    log)  # fmt: skip
     if not outcome.ok:
         return _end(root, model, "Failed", outcome.reason, log)
     return _check(root, model, job, log)
+
+
+def _strays(local: Path, model: mf.Manifest) -> list[str]:
+    """What hf wrote that the verified list does not name (hf takes its own list from the hub,
+    and a mirror may answer it otherwise than ours): removed, and said."""
+    expected = {f.path for f in model.hub_files} | {n.name for n in model.files}
+    found = strays(local, expected)
+    remove_strays(local, found)
+    return found
 
 
 def _check(root: Path, model: mf.Manifest, job: Job, log: Any) -> mf.Manifest:

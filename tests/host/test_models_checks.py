@@ -1,0 +1,190 @@
+"""What hf writes is held to the list the library verified: a mirror that lists more to the hf
+CLI than to the library gets its extra files removed and the download Failed; a name that would
+leave the library is refused by the hf CLI itself (huggingface_hub 1.26 and later); and the
+free-space check still speaks once more bytes are written than the hub listed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from supervisor.host.library import job
+from supervisor.host.library import manifest as mf
+from supervisor.host.library.control import space_during, strays
+from tests.host.library_world import (
+    GGUF,
+    ROOT,
+    alive,
+    hub_of,
+    make_repo,
+    queue,
+    running,
+    wait_for,
+    wait_state,
+)
+
+TINY = b"GGUF" + b"\0" * 60
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    return make_repo(tmp_path / "repo")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "models"
+
+
+def everything(directory: Path) -> set[str]:
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"extra-Q4_K_M.gguf": TINY}, id="beside the listed file"),
+        pytest.param({"sub/extra-Q4_K_M.gguf": TINY, "sub/x-Q4_K_M.bin": TINY}, id="a folder"),
+    ],
+)
+def test_files_the_verified_list_does_not_name_fail_the_download_and_are_removed(
+    repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch, extra: dict[str, bytes]
+) -> None:
+    with hub_of(repo, unlisted=extra) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        queued = queue(root, hub, include=["*Q4_K_M*"])
+        assert [f.path for f in queued.hub_files] == [GGUF], "our list: the tree we were told"
+        with running(root):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    fetched = {p.split("/resolve/", 1)[1].split("/", 1)[1] for p in hub.paths if "/resolve/" in p}
+    assert set(extra) <= fetched, "the hf CLI took the mirror's longer list"
+    assert model.state == "Failed"
+    assert model.message.startswith("files arrived that the hub's list does not name, removed: ")
+    top = sorted({name.split("/")[0] for name in extra})
+    assert all(repr(name) in model.message for name in top), model.message
+    files = root / queued.id / "files"
+    assert not {n.split("/")[0] for n in extra} & everything(files)
+    assert (files / GGUF).read_bytes() == (repo / GGUF).read_bytes(), "the listed file is kept"
+
+
+@pytest.mark.parametrize("name", ["../evil-Q4_K_M.gguf", "../../evil-Q4_K_M.gguf"])
+def test_a_name_that_leaves_the_library_is_refused_by_hf_itself(
+    tmp_path: Path, repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    before = everything(tmp_path)
+    with hub_of(repo, unlisted={name: TINY}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        queued = queue(root, hub, include=["*Q4_K_M*"])
+        with running(root):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert model.state == "Failed", model.message
+    assert "cannot contain a '..' path segment" in model.message, model.message
+    outside = {p for p in everything(tmp_path) - before if not p.startswith("models/")}
+    assert not [p for p in outside if "evil" in p], outside
+    assert not [p for p in everything(root) if "evil" in p]
+    assert not any(name.rsplit("/", maxsplit=1)[-1] in p for p in hub.paths)
+
+
+def test_the_hf_cli_refuses_names_that_leave_its_local_dir(tmp_path: Path) -> None:
+    """The check the library relies on, in the installed huggingface_hub: every file hf
+    download writes under --local-dir goes through get_local_download_paths."""
+    from huggingface_hub._local_folder import get_local_download_paths
+
+    for name in ("../x.gguf", "a/../../x.gguf", "/etc/x", "a/..\\..\\x"):
+        with pytest.raises(ValueError, match="Invalid filename"):
+            get_local_download_paths(tmp_path / "files", name)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_required_huggingface_hub_is_one_that_checks() -> None:
+    """huggingface_hub checks '..' under local_dir on Linux from 1.26 (its PR 4540): the
+    dependency may not allow an older one, and the installed one is allowed."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (hub,) = [Requirement(d) for d in project["dependencies"] if d.startswith("huggingface_hub")]
+    assert not hub.specifier.contains("1.25.1") and hub.specifier.contains("1.26.0")
+    assert hub.specifier.contains(importlib.metadata.version("huggingface_hub"))
+
+
+ALL = {"a.gguf", "b.gguf", "d/b.gguf", "d/c.gguf", "d/e/f"}
+
+
+@pytest.mark.parametrize(
+    ("expected", "found"),
+    [
+        (ALL, ["link"]),
+        ({"a.gguf"}, ["b.gguf", "d", "link"]),
+        ({"d/b.gguf"}, ["a.gguf", "b.gguf", "d/c.gguf", "d/e", "link"]),
+        ({"a.gguf", "link"}, ["b.gguf", "d", "link"]),
+    ],
+)
+def test_strays(tmp_path: Path, expected: set[str], found: list[str]) -> None:
+    """The top-most paths that are not listed, hf's .cache/ left alone; a symlink always."""
+    local = tmp_path / "files"
+    for name in (*ALL, ".cache/huggingface/download/a.gguf.metadata"):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(b"x")
+    (local / "link").symlink_to(tmp_path)
+    assert strays(local, expected) == found
+
+
+FULL = (
+    "not enough disk space: {} bytes are written, as many as the 100 listed or more, and no "
+    "byte is free"
+)
+
+
+@pytest.mark.parametrize(
+    ("total", "done", "free", "problem"),
+    [
+        (100, 40, 60, None),
+        (100, 40, 59, "not enough disk space: it needs 60 bytes more and 59 bytes are free"),
+        (100, 150, 10, None),
+        (100, 100, 0, FULL.format(100)),
+        (100, 150, 0, FULL.format(150)),
+    ],
+)
+def test_the_space_check_while_hf_writes(
+    total: int, done: int, free: int, problem: str | None
+) -> None:
+    assert space_during(total, done, free) == problem
+
+
+def fake_hf(directory: Path, body: str) -> Path:
+    """An executable that stands for the hf CLI: `local` is its --local-dir."""
+    program = directory / "hf"
+    program.write_text(
+        f"#!{sys.executable}\nimport os, sys, time\nfrom pathlib import Path\n"
+        "local = Path(sys.argv[sys.argv.index('--local-dir') + 1])\n" + body
+    )
+    program.chmod(0o755)
+    return program
+
+
+def test_the_space_check_speaks_once_more_is_written_than_the_hub_listed(
+    tmp_path: Path, repo: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mirror sends more than it listed, and the disk fills: the check that compared the
+    free space with `total - done` (negative by then) said nothing, and hf wrote on."""
+    program = fake_hf(tmp_path, "(local / 'extra.bin').write_bytes(b'x' * 3 * 2**20)\n"
+                      "time.sleep(5)\n")  # fmt: skip
+    monkeypatch.setattr(job, "free_bytes", lambda path: 0 if (path / "extra.bin").exists()
+                        else 2**40)  # fmt: skip
+    with hub_of(repo) as hub:
+        queued = queue(root, hub)
+        with running(root, program=str(program)):
+            pid = wait_for("the child", lambda: mf.load(root, queued.id).pid)
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert model.message.startswith("the disk filled during the download: not enough disk "
+                                    "space: "), model.message  # fmt: skip
+    assert "no byte is free" in model.message
+    assert model.message.endswith("; files arrived that the hub's list does not name, removed: "
+                                  "'extra.bin'"), model.message  # fmt: skip
+    assert not alive(pid)
+    assert not (root / queued.id / "files" / "extra.bin").exists()
+    assert os.listdir(root / queued.id / "files") in ([], [".cache"])
