@@ -1,15 +1,22 @@
 """What hf writes is held to the list the library verified: a mirror that lists more to the hf
 CLI than to the library gets its extra files removed and the download Failed; a name that would
-leave the library is refused by the hf CLI itself (huggingface_hub 1.26 and later); and the
-free-space check still speaks once more bytes are written than the hub listed."""
+leave the library is refused by the hf CLI itself (huggingface_hub 1.26 and later); the
+free-space check still speaks once more bytes are written than the hub listed; and the tree's
+next page is followed, with the token, only on the endpoint's own scheme, host and port."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import json
 import os
 import sys
+import threading
 import tomllib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
@@ -17,6 +24,7 @@ from packaging.requirements import Requirement
 from supervisor.host.library import job
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import space_during, strays
+from supervisor.host.library.hub import Hub, HubRefused
 from tests.host.library_world import (
     GGUF,
     ROOT,
@@ -188,3 +196,76 @@ def test_the_space_check_speaks_once_more_is_written_than_the_hub_listed(
     assert not alive(pid)
     assert not (root / queued.id / "files" / "extra.bin").exists()
     assert os.listdir(root / queued.id / "files") in ([], [".cache"])
+
+
+class Pages(BaseHTTPRequestHandler):
+    """A hub's tree in two pages; the first's Link is the server's `link`; every request's
+    path and Authorization recorded in the server's `seen`."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        server: Any = self.server
+        server.seen.append((self.path, self.headers.get("Authorization")))
+        second = "cursor=2" in self.path
+        entry = {"type": "file", "path": "b.gguf" if second else "a.gguf", "size": 1,
+                 "oid": "0" * 40}  # fmt: skip
+        data = json.dumps([entry]).encode()
+        self.send_response(200)
+        if not second and server.link:
+            self.send_header("Link", f'<{server.link}>; rel="next"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@contextlib.contextmanager
+def pages(host: str, link: str | None = None) -> Iterator[Any]:
+    server: Any = ThreadingHTTPServer((host, 0), Pages)
+    server.seen, server.link = [], link
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+TREE = "/api/models/o/r/tree/" + "5" * 40
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param("{ours}", id="the endpoint"),
+        pytest.param("", id="relative to it"),
+    ],
+)
+def test_the_next_page_on_the_endpoint_is_followed(where: str) -> None:
+    with pages("127.0.0.1") as ours:
+        endpoint = f"http://127.0.0.1:{ours.server_address[1]}"
+        ours.link = where.format(ours=endpoint) + TREE + "?recursive=true&cursor=2"
+        files = Hub(endpoint, "hf_secret_token").tree("o/r", "5" * 40)
+    assert [f.path for f in files] == ["a.gguf", "b.gguf"]
+    assert [auth for _, auth in ours.seen] == ["Bearer hf_secret_token"] * 2
+
+
+@pytest.mark.parametrize(
+    "elsewhere",
+    [
+        pytest.param("http://127.0.0.1:{port}", id="another port"),
+        pytest.param("http://127.0.0.2:{port}", id="another host"),
+        pytest.param("https://127.0.0.1:{ours}", id="another scheme"),
+        pytest.param("//127.0.0.2:{port}", id="another host, scheme-relative"),
+    ],
+)
+def test_the_next_page_elsewhere_is_refused_and_never_sent_the_token(elsewhere: str) -> None:
+    with pages("127.0.0.1") as ours, pages("127.0.0.2") as theirs, pages("127.0.0.1") as other:
+        port = (theirs if "127.0.0.2" in elsewhere else other).server_address[1]
+        ours.link = elsewhere.format(port=port, ours=ours.server_address[1]) + TREE + "?cursor=2"
+        endpoint = f"http://127.0.0.1:{ours.server_address[1]}"
+        with pytest.raises(HubRefused, match="next page of o/r's files is elsewhere"):
+            Hub(endpoint, "hf_secret_token").tree("o/r", "5" * 40)
+        assert theirs.seen == [] and other.seen == []
+        assert len(ours.seen) == 1

@@ -5,7 +5,8 @@ The routes are the real hub's (huggingface_hub's hf_api.py): `GET
 /api/models/{repo}/tree/{commit}?recursive=true` lists each file's path, size, git blob id and,
 for an LFS file, its sha256 (`lfs.oid`), paged through `Link: <...>; rel="next"`. Errors carry
 `X-Error-Code`. The endpoint is HF_ENDPOINT's, as for the hf CLI. A token goes only into the
-Authorization header, never into a message.
+Authorization header, never into a message, and only to the endpoint: a next page elsewhere
+(another scheme, host or port) is refused, not followed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import quote
+from urllib.parse import quote, urljoin, urlsplit
 
 from supervisor.host.library.manifest import COMMIT, HubFile
 
@@ -87,8 +88,27 @@ class Hub:
             page, link = self._get(url, f"{repo}'s files at {commit}")
             files.extend(parse_tree(page))
             found = _NEXT.search(link or "")
-            url = found[1] if found else None
+            url = self._same_endpoint(urljoin(url, found[1]), repo) if found else None
         raise HubRefused(f"{repo}'s file list is longer than {MAX_PAGES} pages")
+
+    def _same_endpoint(self, url: str, repo: str) -> str:
+        """A next page's url, when it is on the endpoint's own scheme, host and port."""
+        ours = _origin(self.endpoint)
+        if ours is None or _origin(url) != ours:
+            shown = urlsplit(url)._replace(path="", query="", fragment="").geturl()
+            raise HubRefused(f"the hub's next page of {repo}'s files is elsewhere ({shown:.200}),"
+                             f" not at {self.endpoint}: not followed")  # fmt: skip
+        return url
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None] | None:
+    """A url's scheme, host and port (the scheme's default filled in), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return None
+    return parts.scheme.lower(), parts.hostname, port
 
 
 def parse_tree(page: object) -> list[HubFile]:
