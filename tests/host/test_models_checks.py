@@ -1,8 +1,9 @@
 """What hf writes is held to the list the library verified: a mirror that lists more to the hf
 CLI than to the library gets its extra files removed and the download Failed; a name that would
 leave the library is refused by the hf CLI itself (huggingface_hub 1.26 and later); the
-free-space check still speaks once more bytes are written than the hub listed; and the tree's
-next page is followed, with the token, only on the endpoint's own scheme, host and port."""
+free-space check still speaks once more bytes are written than the hub listed; the tree's next
+page is followed, with the token, only on the endpoint's own scheme, host and port; and the
+token is masked in what hf said, its file gone even after a killed queue."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from packaging.requirements import Requirement
 
 from supervisor.host.library import job
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import space_during, strays
 from supervisor.host.library.hub import Hub, HubRefused
+from supervisor.host.library.runner import Runner
 from tests.host.library_world import (
     GGUF,
     ROOT,
@@ -269,3 +272,37 @@ def test_the_next_page_elsewhere_is_refused_and_never_sent_the_token(elsewhere: 
             Hub(endpoint, "hf_secret_token").tree("o/r", "5" * 40)
         assert theirs.seen == [] and other.seen == []
         assert len(ours.seen) == 1
+
+
+def test_the_hub_token_is_masked_in_what_hf_said(tmp_path: Path, repo: Path, root: Path) -> None:
+    """hf's last line becomes the model's message: a token in it is masked, there and in the
+    journal."""
+    token = "hf_" + "t" * 34
+    token_file = tmp_path / "hf-token"
+    token_file.write_text(token + "\n")
+    program = fake_hf(tmp_path, "token = Path(os.environ['HF_TOKEN_PATH']).read_text()\n"
+                      "print(f'401 Unauthorized: the token {token} is refused', file=sys.stderr)\n"
+                      "sys.exit(1)\n")  # fmt: skip
+    with hub_of(repo) as hub, structlog.testing.capture_logs() as journal:
+        queued = queue(root, hub)
+        with running(root, program=str(program), token_file=token_file):
+            model = wait_state(root, queued.id, "Ready", "Failed")
+    assert model.message == "hf download exited 1: 401 Unauthorized: the token *** is refused"
+    assert token not in (root / queued.id / "model.json").read_text()
+    assert token not in repr(journal)
+    assert not list((root / job.TOKENS_DIR).iterdir()), "the token file ends with the download"
+
+
+def test_token_files_a_killed_queue_left_are_removed_at_startup(root: Path) -> None:
+    tokens = root / job.TOKENS_DIR
+    tokens.mkdir(parents=True)
+    left = tokens / ("a" * 32)
+    left.write_text("hf_left_behind")
+    left.chmod(0o400)
+    runner = Runner(root, job.Settings())
+    try:
+        said = runner.start()
+    finally:
+        runner.lease.release()
+    assert not left.exists() and tokens.is_dir()
+    assert said == ["removed 1 hub token files a stopped queue left"]

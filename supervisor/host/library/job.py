@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor import logs
+from supervisor import logs, redaction
 from supervisor.host.library import fetch
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import (
@@ -58,14 +58,31 @@ class Job:
 
 
 def read_token(path: Path | None) -> str | None:
-    """The hub token from its file (stripped), or None when there is no file or it is empty."""
+    """The hub token from its file (stripped), or None when there is no file or it is empty.
+    A token read is registered for redaction: whatever text leaves this process (hf's last
+    line in a message, the journal) shows it masked."""
     if path is None:
         return None
     try:
         token = path.read_text().strip()
     except FileNotFoundError:
         return None
+    if token:
+        redaction.register([token])
     return token or None
+
+
+def sweep_tokens(root: Path) -> list[str]:
+    """Remove the token files a previous service left (a SIGKILL ends it before its downloads
+    remove theirs); at startup, when no download of this library runs. Their names."""
+    directory = root / TOKENS_DIR
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        (directory / name).unlink(missing_ok=True)
+    return names
 
 
 def _prepare(root: Path, model: mf.Manifest) -> mf.Manifest:

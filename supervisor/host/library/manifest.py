@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.library.models import FILES_DIR, GUID, MODEL_JSON, ModelState
 from supervisor.protocol.files import FileRefused, ensure_dir, read_text, write_atomic
+from supervisor.redaction import redact
 
 SCHEMA_VERSION: Final = 1
 MAX_MANIFEST: Final = 4 * 1024 * 1024  # thousands of files with their hashes
@@ -87,10 +88,11 @@ class Manifest(_Doc):
     inspection: Inspection | None = None
 
     def transition(self, state: ModelState, message: str = "") -> Manifest:
-        """A copy in state, since now, with message; progress figures end with the download."""
+        """A copy in state, since now, with message (secrets masked); progress figures end with
+        the download."""
         return self.model_copy(
-            update={"state": state, "since": now(), "message": message[:500], "speed": None,
-                    "seconds_left": None, "pid": None}
+            update={"state": state, "since": now(), "message": redact(message)[:500],
+                    "speed": None, "seconds_left": None, "pid": None}
         )  # fmt: skip
 
 

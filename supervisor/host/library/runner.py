@@ -2,7 +2,8 @@
 
 At startup (the operators' guide): every download a previous queue had taken (Queued and
 accepted, or Downloading) becomes Interrupted with its partial files kept; every Ready GGUF is
-inspected again (headers only) and becomes Failed when it no longer passes. Then the queue runs
+inspected again (headers only) and becomes Failed when it no longer passes; hub token files a
+killed queue left behind are removed. Then the queue runs
 the oldest Queued downloads, `parallel` at once, and applies each <guid>/control.json. On stop,
 running downloads end as Interrupted.
 """
@@ -17,7 +18,7 @@ from typing import Final
 from supervisor import logs
 from supervisor.host.library import control
 from supervisor.host.library import manifest as mf
-from supervisor.host.library.job import Job, Settings, download
+from supervisor.host.library.job import Job, Settings, download, sweep_tokens
 from supervisor.host.library.lease import CatalogLease
 from supervisor.host.library.verify import reinspect
 from supervisor.protocol.files import remove_stale_temps
@@ -43,6 +44,9 @@ class Runner:
     def recover(self) -> list[str]:
         """Interrupt what a previous queue left running; re-inspect Ready GGUFs. Says what."""
         said: list[str] = []
+        swept = sweep_tokens(self.root)
+        if swept:
+            said.append(f"removed {len(swept)} hub token files a stopped queue left")
         for model in mf.load_all(self.root):
             remove_stale_temps(mf.model_dir(self.root, model.id) / "model.json")
             if model.state == "Downloading" or (model.state == "Queued" and model.accepted):
