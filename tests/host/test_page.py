@@ -113,18 +113,69 @@ def test_the_owner_signs_in_polls_and_signs_out(tmp_path: Path) -> None:
         assert "Secure" not in cookie, "Secure only over TLS"
         async with http.get(url(w, "/api/overview")) as answer:
             assert answer.status == 200
+            served_as_json(answer)
             data = await answer.json()
         engine = data["engines"][0]
         assert engine["name"] == "small" and engine["status"]["state"] == "stopped"
+        # the markup arrives as JSON text, which the page's script sets as text only (the
+        # static scan below; the browser shows it as these characters in test_page_browser.py)
         assert engine["status"]["message"] == "<img src=x onerror=alert(1)>"
+        for path in ("/api/session", "/api/nothing-here"):
+            async with http.get(url(w, path)) as answer:
+                served_as_json(answer)
         assert data["models"] == {"available": False} and data["traffic"] == {"available": False}
         headers = {CSRF_HEADER: body["csrf"]}
         async with http.post(url(w, "/api/signout"), json={}, headers=headers) as answer:
             assert answer.status == 200
         async with http.get(url(w, "/api/overview")) as answer:
             assert answer.status == 401
+            served_as_json(answer)
 
     run(tmp_path, scenario)
+
+
+def served_as_json(answer: aiohttp.ClientResponse) -> None:
+    """JSON the browser may never sniff as markup: its type said, nosniff, the page's policy."""
+    assert answer.headers["Content-Type"].split(";")[0] == "application/json", answer.headers
+    assert answer.headers["X-Content-Type-Options"] == "nosniff"
+    assert "default-src 'self'" in answer.headers["Content-Security-Policy"]
+
+
+PAGE_JS = Path(__file__).resolve().parents[2] / "supervisor/host/page/static/page.js"
+# what may take text that came from an engine, a worker or the hub: never markup, a URL or code
+MARKUP = re.compile(
+    r"innerHTML|outerHTML|insertAdjacent(HTML|Element)|createContextualFragment|DOMParser|"
+    r"srcdoc|\.write(ln)?\s*\(|\beval\s*\(|\bFunction\s*\(|set(Timeout|Interval)\s*\(\s*[\"'`]|"
+    r"javascript:|cssText|\.(href|src|action|formAction|location)\b|\blocation\s*=|"
+    r"\.html\s*\(|append\s*\(\s*[\"'`]|<[a-z]+[\s>]"
+)
+PROPERTIES = {"textContent", "className", "hidden", "disabled", "title", "type", "value"}
+SVG_ATTRIBUTES = {"viewBox", "role", "class", "x", "y", "x1", "y1", "x2", "y2", "points", "cx",
+                  "cy", "r"}  # fmt: skip
+
+
+def test_the_pages_script_sets_what_it_was_sent_as_text_only() -> None:
+    """A static scan of page.js: no API that parses markup or runs code; every property it
+    sets is a text one (textContent, title, value...), a class, a flag, a data- attribute or a
+    bar's width; the one setAttribute (the chart's SVG) takes only fixed, harmless names."""
+    code = PAGE_JS.read_text()
+    code = re.sub(r"^\s*//.*$", "", code, flags=re.MULTILINE)  # comments say what it avoids
+    assert MARKUP.search(code) is None, MARKUP.search(code)
+    assigned = re.findall(r"(?:\.([A-Za-z_$][\w$]*))?\.([A-Za-z_$][\w$]*)\s*\+?=(?!=)", code)
+    assert assigned, "the scan found the page's assignments"
+    for parent, name in assigned:
+        assert name in PROPERTIES or parent == "dataset" or (parent, name) == ("style", "width"), (
+            f"page.js sets .{parent + '.' if parent else ''}{name}"
+        )
+    for target in re.findall(r"([\w$.]+)\[[^\]]+\]\s*=(?!=)", code):
+        assert target in {"drawn", "headers", "buttons"}, target  # plain objects, no node
+    assert code.count("setAttribute(") == 1
+    assert "node.setAttribute(name, String(value))" in code  # in svg(), from its attrs' keys
+    calls = re.findall(r"svg\(\"\w+\",\s*\{([^}]*)\}", code)
+    assert calls, "the scan found the chart's elements"
+    for attrs in calls:
+        names = set(re.findall(r"([A-Za-z_$][\w$]*)\s*:", attrs))
+        assert names <= SVG_ATTRIBUTES, names - SVG_ATTRIBUTES
 
 
 def test_a_change_without_the_csrf_token_is_refused(tmp_path: Path) -> None:

@@ -145,8 +145,12 @@ class Page:
             response = await handler(request)
         except Refusal as refusal:
             response = _refused(refusal)
-        except web.HTTPException as exc:
-            response = web.Response(status=exc.status, text=exc.text or exc.reason)
+        except web.HTTPException as exc:  # no such route or method: JSON too under /api/
+            if request.path.startswith(PREFIX + "/api/"):
+                code = exc.reason.lower().replace(" ", "_")
+                response = _refused(Refusal(exc.status, code, exc.reason))
+            else:
+                response = web.Response(status=exc.status, text=exc.text or exc.reason)
         response.headers.update(HEADERS)
         return response
 
