@@ -91,6 +91,7 @@ class Upstream:
     chunks: int = 3
     hold: asyncio.Event | None = None
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)  # each body's bytes as they came
     headers: list[dict[str, str]] = field(default_factory=list)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # a stream that was cut off
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -100,7 +101,8 @@ class Upstream:
     linger: asyncio.Event | None = None  # a stream's end waits for it after [DONE]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        document = await request.json()
+        self.raw.append(await request.read())
+        document = json.loads(self.raw[-1])
         self.bodies.append(document)
         self.headers.append(dict(request.headers))
         self.started.set()

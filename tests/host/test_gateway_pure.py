@@ -26,6 +26,7 @@ from supervisor.host.gateway.usage import UsageFilter
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 NOW = utc_now()
+BOUNDS = parse("[limits]\nmax_tokens = 100\n", "test").limits.bounds
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ NOW = utc_now()
 def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
     path: str, document: dict[str, Any], stream: bool, hide: bool, options: Any
 ) -> None:
-    prepared = body.prepare(path, json.dumps(document).encode(), 100)
+    prepared = body.prepare(path, json.dumps(document).encode(), BOUNDS)
     assert (prepared.model, prepared.stream, prepared.hide_usage) == ("m", stream, hide)
     assert json.loads(prepared.body).get("stream_options") == options
 
@@ -68,9 +69,10 @@ def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
     ],
 )
 def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
-    prepared = body.prepare(body.CHAT, raw.encode(), 100)
+    prepared = body.prepare(body.CHAT, raw.encode(), BOUNDS)
     document = json.loads(prepared.body)
-    assert document == {**json.loads(raw), "stream_options": {"include_usage": True}}
+    asked = {"stream_options": {"include_usage": True}, "max_tokens": 100}  # the bound: none set
+    assert document == {**json.loads(raw), **asked}
     assert prepared.body.endswith(raw.lstrip()[1:].encode())  # not serialised again
     assert prepared.hide_usage
 
@@ -94,15 +96,15 @@ def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
 )
 def test_bad_bodies_are_refused_naming_why(raw: bytes, status: int, words: str) -> None:
     with pytest.raises(Refusal) as caught:
-        body.prepare(body.CHAT, raw, 100)
+        body.prepare(body.CHAT, raw, BOUNDS)
     assert caught.value.status == status
     assert words in caught.value.message
 
 
-@pytest.mark.parametrize("value", [None, 1, 100])
-def test_token_bounds_within_the_range_pass(value: int | None) -> None:
+@pytest.mark.parametrize("value", [1, 100])
+def test_token_bounds_within_the_range_pass(value: int) -> None:
     raw = json.dumps({"model": "m", "max_tokens": value}).encode()
-    assert body.prepare(body.CHAT, raw, 100).body == raw
+    assert body.prepare(body.CHAT, raw, BOUNDS).body == raw  # a null one is set: see bounds
 
 
 LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)

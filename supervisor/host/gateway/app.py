@@ -215,7 +215,7 @@ class Gateway:
             request, body.limit(path), self.settings.listen.body_timeout_s,
             lambda: body.too_large(path),
         )  # fmt: skip
-        prepared = body.prepare(path, raw, self.settings.limits.max_tokens)
+        prepared = body.prepare(path, raw, self.settings.limits.bounds)
         asked = prepared.model
         engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
         if model != asked:  # a tier alias: the engine knows the model's own name

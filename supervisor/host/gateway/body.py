@@ -1,12 +1,16 @@
 """Pure: what a request body may be, and what goes upstream in its place.
 
-The bounds are the operators' guide's: 2 MiB on the text routes, 16 MiB on any route; each
-token bound between 1 and the configured maximum; JSON that parses, an object, with a model.
+The bounds are the operators' guide's: 2 MiB on the text routes, 16 MiB on any route; JSON that
+parses, an object, with a model; then bounds.py's: tokens, `n`, `best_of`, logprobs, messages
+and their length. A request whose client set no token bound gets the route's own field set
+(bounds.py says which and to what), so that no engine generates to the end of its context.
 A stream of chat or text completions gets `stream_options.include_usage` upstream when its
 client did not ask for it, so that the engine's own token counts are always seen; the extra
-usage chunk is then kept from that client (see usage.py). When the body has no stream_options,
-the option is put before the client's own bytes, which go on as they came: a long prompt is
-not serialised again.
+usage chunk is then kept from that client (see usage.py). A field the body does not have is put
+before the client's own bytes, which go on as they came: a long prompt is not serialised again.
+Only a field the client sent with another value (`stream_options` without include_usage, a
+null token bound, a negative `n_predict`) makes the body serialised again: what a name given
+twice means JSON leaves to each parser, so a client's value is replaced, never shadowed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from supervisor.host.gateway import bounds
+from supervisor.host.gateway.bounds import Bounds
 from supervisor.host.gateway.refusal import Refusal
 
 MIB: Final = 1024 * 1024
@@ -27,8 +33,8 @@ EMBEDDINGS: Final = "/v1/embeddings"
 FORWARDED: Final = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 TEXT_ROUTES: Final = frozenset({CHAT, COMPLETIONS, RESPONSES})
 USAGE_ROUTES: Final = frozenset({CHAT, COMPLETIONS})  # those with stream_options
-TOKEN_BOUNDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_USAGE_FIRST: Final = b'{"stream_options":{"include_usage":true},'
+TOKEN_FIELD: Final = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens"}
+MESSAGES_FIELD: Final = {CHAT: "messages", RESPONSES: "input"}
 
 
 @dataclass(frozen=True)
@@ -73,16 +79,7 @@ def decode(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def check_tokens(document: dict[str, Any], maximum: int) -> None:
-    for name in TOKEN_BOUNDS:
-        value = document.get(name)
-        if value is None:
-            continue
-        if type(value) is not int or not 1 <= value <= maximum:
-            raise _bad(f"{name} must be an integer from 1 to {maximum}", param=name)
-
-
-def prepare(path: str, raw: bytes, max_tokens: int) -> Prepared:
+def prepare(path: str, raw: bytes, limits: Bounds) -> Prepared:
     """Check a body read within limit(path), and say what goes upstream."""
     if len(raw) > limit(path):
         raise too_large(path)
@@ -90,7 +87,9 @@ def prepare(path: str, raw: bytes, max_tokens: int) -> Prepared:
     model = document.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model must be a non-empty string", param="model")
-    check_tokens(document, max_tokens)
+    settled = bounds.settle(
+        document, limits, token_field=TOKEN_FIELD.get(path), messages_field=MESSAGES_FIELD.get(path)
+    )
     stream = document.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", param="stream")
@@ -98,12 +97,22 @@ def prepare(path: str, raw: bytes, max_tokens: int) -> Prepared:
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options must be an object", param="stream_options")
     asked = bool(options.get("include_usage")) if options else False
-    if not (stream and path in USAGE_ROUTES) or asked:
-        return Prepared(model, stream, hide_usage=False, body=raw)
-    if "stream_options" not in document:  # the client's own bytes, the option put first
-        return Prepared(model, stream, hide_usage=True, body=_USAGE_FIRST + raw.lstrip()[1:])
-    document["stream_options"] = {**(options or {}), "include_usage": True}
-    return Prepared(model, stream, hide_usage=True, body=json.dumps(document).encode())
+    hide_usage = stream and path in USAGE_ROUTES and not asked
+    changes: dict[str, Any] = {}
+    if hide_usage:
+        changes["stream_options"] = {**(options or {}), "include_usage": True}
+    changes.update(settled)
+    return Prepared(model, stream, hide_usage, body=_with(raw, document, changes))
+
+
+def _with(raw: bytes, document: dict[str, Any], changes: dict[str, Any]) -> bytes:
+    """The body with `changes` made: before the client's own bytes where it has none of them."""
+    if not changes:
+        return raw
+    if any(name in document for name in changes):
+        return json.dumps({**document, **changes}).encode()
+    first = json.dumps(changes, separators=(",", ":"))[:-1].encode()  # without its closing }
+    return first + b"," + raw.lstrip()[1:]
 
 
 def with_model(prepared: Prepared, model: str) -> Prepared:

@@ -32,7 +32,21 @@ waiting = 64                   # requests held for a slot
 max_wait_s = 30                # how long one is held before a 429
 deadline_s = 1800              # one clock from admission over the dial and the whole answer
 load_wait_s = 900              # how long a start on demand is waited for
-max_tokens = 32768             # the bound of max_tokens and its siblings
+max_tokens = 32768             # the bound of max_tokens, max_completion_tokens,
+                               # max_output_tokens and llama-server's n_predict; a request
+                               # that sets none (or n_predict -1) gets max_tokens (chat and
+                               # text completions) or max_output_tokens (/v1/responses) set to
+                               # it; above it: 400 invalid_request
+max_n = 8                      # n (and llama-server's n_cmpl), answers generated at once;
+                               # above it: 400 n_too_large
+max_best_of = 8                # best_of (vLLM's text completions); 400 best_of_too_large
+max_logprobs = 20              # top_logprobs, llama-server's n_probs, vLLM's prompt_logprobs
+                               # and the text completions' logprobs; 400 logprobs_too_large
+max_messages = 10000           # chat's messages, /v1/responses' input items; 400
+                               # too_many_messages
+max_message_chars = 1048576    # characters of text in one message (its content, or its parts'
+                               # text; images, audio and files count to the body's 2 MiB only);
+                               # 400 message_too_long
 
 [engines.big]
 running = 1                    # set here or in [limits]: the operator's word, whatever the
@@ -81,6 +95,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.host.gateway.bounds import Bounds
 from supervisor.host.record.database import SQLITE_FILE, Target
 
 SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
@@ -95,6 +110,11 @@ DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
 DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
 DEFAULT_MAX_TOKENS: Final = 32768
+DEFAULT_MAX_N: Final = 8  # each answer generated at once takes an engine sequence
+DEFAULT_MAX_BEST_OF: Final = 8
+DEFAULT_MAX_LOGPROBS: Final = 20  # OpenAI's and vLLM's own maximum
+DEFAULT_MAX_MESSAGES: Final = 10_000
+DEFAULT_MAX_MESSAGE_CHARS: Final = 1024 * 1024  # half the 2 MiB a text route's body may be
 DEFAULT_RETENTION_DAYS: Final = 90
 DEFAULT_SESSION_S: Final = 12 * 3600.0  # a working day: the owner signs in once a day
 RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
@@ -186,6 +206,20 @@ class Limits(_Section):
     deadline_s: float = Field(default=DEFAULT_DEADLINE_S, gt=0, le=86_400)
     load_wait_s: float = Field(default=DEFAULT_LOAD_WAIT_S, gt=0, le=86_400)
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=10_000_000)
+    max_n: int = Field(default=DEFAULT_MAX_N, ge=1, le=1024)
+    max_best_of: int = Field(default=DEFAULT_MAX_BEST_OF, ge=1, le=1024)
+    max_logprobs: int = Field(default=DEFAULT_MAX_LOGPROBS, ge=0, le=100_000)
+    max_messages: int = Field(default=DEFAULT_MAX_MESSAGES, ge=1, le=1_000_000)
+    max_message_chars: int = Field(default=DEFAULT_MAX_MESSAGE_CHARS, ge=1, le=100_000_000)
+
+    @property
+    def bounds(self) -> Bounds:
+        """What each request is held to (bounds.py)."""
+        return Bounds(
+            max_tokens=self.max_tokens, max_n=self.max_n, max_best_of=self.max_best_of,
+            max_logprobs=self.max_logprobs, max_messages=self.max_messages,
+            max_message_chars=self.max_message_chars,
+        )  # fmt: skip
 
 
 class Idle(_Section):
