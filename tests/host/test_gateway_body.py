@@ -163,7 +163,7 @@ def test_a_slow_body_within_the_bound_is_served(tmp_path: Path) -> None:
             return chat, host
 
     chat, host = asyncio.run(main())
-    assert chat[0] == 200 and upstream.bodies == [{**HI, "max_tokens": 32768}]  # the bound set
+    assert chat[0] == 200 and upstream.bodies == [{**HI, "n_predict": 32768}]  # the bound set
     assert host[0] == 202 and json.loads(host[2])["desired"] == "stopped"
 
 

@@ -1,6 +1,7 @@
-"""Every request bounded before it reaches an engine (issue 36): tokens (set when the client set
-none), `n`, `best_of`, logprobs, messages and their length, as tables over body.prepare, then
-end to end through the gateway to its fast local upstream, which records the bytes it got."""
+"""Every request bounded before it reaches an engine (issue 36): tokens (`n_predict` set when the
+client set no bound the engine reads, never `max_tokens`, which vLLM refuses beyond its context),
+`n`, `best_of`, logprobs, messages and their length, as tables over body.prepare, then end to
+end through the gateway to its fast local upstream, which records the bytes it got."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import aiohttp
 import pytest
 
 from supervisor.host.gateway import body, settings
+from supervisor.host.gateway.bounds import TOKEN_FIELDS
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import parse
 from tests.host.gateway_world import AUTH, Upstream, world, write_status
@@ -148,22 +150,32 @@ def test_a_request_at_its_bounds_passes(path: str, fields: dict[str, Any]) -> No
 
 
 SET = [
-    # (path, the body's fields, the fields upstream gets set)
-    (body.CHAT, {}, {"max_tokens": 100}),
-    (body.CHAT, {"max_tokens": None}, {"max_tokens": 100}),
+    # (path, the body's fields, the fields upstream gets set): only ever n_predict, which
+    # llama-server takes before max_tokens and vLLM ignores (it refuses a max_tokens that its
+    # max_model_len leaves no room for, and bounds itself by its context)
+    (body.CHAT, {}, {"n_predict": 100}),
+    (body.CHAT, {"max_tokens": None}, {"n_predict": 100}),  # the null goes on: "none" to both
     (body.CHAT, {"max_tokens": 7}, {}),
     (body.CHAT, {"max_tokens": 100}, {}),
-    (body.CHAT, {"max_completion_tokens": 7}, {"max_tokens": 7}),  # llama-server reads no other
+    (body.CHAT, {"max_completion_tokens": 7}, {"n_predict": 7}),  # llama-server ignores it
     (body.CHAT, {"max_tokens": 9, "max_completion_tokens": 7}, {}),
-    (body.CHAT, {"n_predict": -1}, {"max_tokens": 100, "n_predict": 100}),
+    (body.CHAT, {"n_predict": -1}, {"n_predict": 100}),
     (body.CHAT, {"n_predict": -2, "max_tokens": 7}, {"n_predict": 7}),
-    (body.CHAT, {"n_predict": 9}, {"max_tokens": 9}),  # vLLM reads no n_predict
-    (body.CHAT, {"n_predict": None}, {"max_tokens": 100}),
-    (body.COMPLETIONS, {}, {"max_tokens": 100}),
+    (body.CHAT, {"n_predict": -1, "max_completion_tokens": 7}, {"n_predict": 7}),
+    (body.CHAT, {"n_predict": 9}, {}),  # llama-server's own; vLLM stops at its context's end
+    (body.CHAT, {"n_predict": None}, {"n_predict": 100}),
+    (body.CHAT, {"n_predict": None, "max_tokens": 7}, {}),
+    (body.COMPLETIONS, {}, {"n_predict": 100}),
     (body.COMPLETIONS, {"max_tokens": 1}, {}),
-    (body.RESPONSES, {}, {"max_output_tokens": 100}),
+    (body.COMPLETIONS, {"n_predict": -1}, {"n_predict": 100}),
+    (body.COMPLETIONS, {"max_completion_tokens": 7}, {"n_predict": 7}),
+    (body.RESPONSES, {}, {"n_predict": 100}),
     (body.RESPONSES, {"max_output_tokens": 5}, {}),
+    (body.RESPONSES, {"max_output_tokens": None}, {"n_predict": 100}),
+    (body.RESPONSES, {"max_tokens": 7}, {"n_predict": 7}),  # not the route's own field
+    (body.RESPONSES, {"n_predict": -1, "max_output_tokens": 5}, {"n_predict": 5}),
     (body.EMBEDDINGS, {}, {}),  # an embedding generates nothing
+    (body.EMBEDDINGS, {"n_predict": -1}, {}),
 ]
 
 
@@ -176,6 +188,22 @@ def test_the_token_bound_is_set_where_the_client_set_none(
     assert json.loads(sent) == {"model": "m", **fields, **changed}
     if not changed:
         assert sent == raw
+    elif "n_predict" not in fields:
+        assert sent.endswith(raw[1:])  # before the client's own bytes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "fields", "changed"), SET)
+def test_no_max_tokens_or_max_output_tokens_is_ever_added(
+    path: str, fields: dict[str, Any], changed: dict[str, Any], stream: bool
+) -> None:
+    """vLLM answers 400 to a prompt and max_tokens over its max_model_len (the CPU test model's
+    1024 against a bound of 32768): upstream gets the client's token fields, and no other."""
+    sent = json.loads(prepared(path, {**fields, "stream": stream}).body)
+    assert {name: sent[name] for name in TOKEN_FIELDS if name in sent} == {
+        name: fields[name] for name in TOKEN_FIELDS if name in fields
+    }
+    assert set(sent) - {"model", "stream", *fields} <= {"n_predict", "stream_options"}
 
 
 PROMPTS = [
@@ -194,7 +222,7 @@ def test_the_bound_goes_before_the_clients_own_bytes(raw: str) -> None:
     sent = body.prepare(body.CHAT, raw.encode(), parse("", "test").limits.bounds).body
     assert sent.endswith(raw.lstrip()[1:].encode())
     document = json.loads(sent)
-    assert document["max_tokens"] == 32768
+    assert document["n_predict"] == 32768 and "max_tokens" not in document
     assert document["messages"] == json.loads(raw)["messages"]
 
 
@@ -204,7 +232,7 @@ def test_a_value_to_replace_serialises_the_body_once_and_leaves_no_second_name()
     assert sent.count(b'"n_predict"') == 1 and sent.count(b'"stream_options"') == 1
     assert json.loads(sent) == {
         "model": "m", "n_predict": 100, "stream": True,
-        "stream_options": {"include_usage": True}, "max_tokens": 100,
+        "stream_options": {"include_usage": True},
     }  # fmt: skip
 
 
@@ -220,7 +248,7 @@ async def post(base: str, raw: bytes) -> tuple[int, dict[str, Any]]:
         return r.status, await r.json()
 
 
-def test_a_chat_without_max_tokens_reaches_the_engine_with_the_bound(tmp_path: Path) -> None:
+def test_a_chat_without_max_tokens_reaches_the_engine_with_n_predict(tmp_path: Path) -> None:
     raw = json.dumps({"model": "tiny", "messages": [said("caf\u00e9 " * 1000)]}).encode()
 
     async def main() -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -233,7 +261,7 @@ def test_a_chat_without_max_tokens_reaches_the_engine_with_the_bound(tmp_path: P
             return w.upstream.bodies, w.upstream.raw
 
     bodies, got = asyncio.run(main())
-    assert bodies[0] == {**json.loads(raw), "max_tokens": 1000}
+    assert bodies[0] == {**json.loads(raw), "n_predict": 1000}  # no max_tokens: see SET
     assert got[0].endswith(raw[1:])  # the client's prompt bytes, as they came
     assert bodies[1]["max_tokens"] == 7 and got[1] == raw[:-1] + b', "max_tokens": 7}'
 

@@ -71,7 +71,7 @@ def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
 def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
     prepared = body.prepare(body.CHAT, raw.encode(), BOUNDS)
     document = json.loads(prepared.body)
-    asked = {"stream_options": {"include_usage": True}, "max_tokens": 100}  # the bound: none set
+    asked = {"stream_options": {"include_usage": True}, "n_predict": 100}  # no bound set
     assert document == {**json.loads(raw), **asked}
     assert prepared.body.endswith(raw.lstrip()[1:].encode())  # not serialised again
     assert prepared.hide_usage
@@ -104,7 +104,7 @@ def test_bad_bodies_are_refused_naming_why(raw: bytes, status: int, words: str) 
 @pytest.mark.parametrize("value", [1, 100])
 def test_token_bounds_within_the_range_pass(value: int) -> None:
     raw = json.dumps({"model": "m", "max_tokens": value}).encode()
-    assert body.prepare(body.CHAT, raw, BOUNDS).body == raw  # a null one is set: see bounds
+    assert body.prepare(body.CHAT, raw, BOUNDS).body == raw  # a null one: see bounds
 
 
 LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)

@@ -2,14 +2,15 @@
 
 The bounds are the operators' guide's: 2 MiB on the text routes, 16 MiB on any route; JSON that
 parses, an object, with a model; then bounds.py's: tokens, `n`, `best_of`, logprobs, messages
-and their length. A request whose client set no token bound gets the route's own field set
-(bounds.py says which and to what), so that no engine generates to the end of its context.
+and their length. A request whose client set no token bound gets llama-server's `n_predict` set
+(bounds.py says when, to what, and why never `max_tokens`, which vLLM refuses beyond its
+context), so that no engine generates past the bound.
 A stream of chat or text completions gets `stream_options.include_usage` upstream when its
 client did not ask for it, so that the engine's own token counts are always seen; the extra
 usage chunk is then kept from that client (see usage.py). A field the body does not have is put
 before the client's own bytes, which go on as they came: a long prompt is not serialised again.
 Only a field the client sent with another value (`stream_options` without include_usage, a
-null token bound, a negative `n_predict`) makes the body serialised again: what a name given
+null or negative `n_predict`) makes the body serialised again: what a name given
 twice means JSON leaves to each parser, so a client's value is replaced, never shadowed.
 """
 
@@ -33,6 +34,7 @@ EMBEDDINGS: Final = "/v1/embeddings"
 FORWARDED: Final = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 TEXT_ROUTES: Final = frozenset({CHAT, COMPLETIONS, RESPONSES})
 USAGE_ROUTES: Final = frozenset({CHAT, COMPLETIONS})  # those with stream_options
+# each route's own token field: when the client set it, nothing is added (bounds.py)
 TOKEN_FIELD: Final = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens"}
 MESSAGES_FIELD: Final = {CHAT: "messages", RESPONSES: "input"}
 

@@ -4,10 +4,17 @@ The RFC's "how many messages, how long, how many tokens", and what multiplies an
 - tokens: `max_tokens`, `max_completion_tokens` and `max_output_tokens` from 1 to `max_tokens`
   (today's 400 `invalid_request`), and llama-server's `n_predict`, which it takes before
   `max_tokens`: the same, or negative ("until the end"), which is bounded as a missing value;
-- the route's own field (`token_field`: `max_tokens` on chat and text completions,
-  `max_output_tokens` on /v1/responses) is set when the client set none (or null): to the
-  smallest token count the client asked for, else the bound; a negative `n_predict` is set
-  to the same;
+- `n_predict` is set where the client set neither a positive one nor the route's own field
+  (`token_field`: `max_tokens` on chat and text completions, `max_output_tokens` on
+  /v1/responses; none on embeddings, which generate nothing; a null is none), and in place of
+  a negative one: to the smallest token count the client asked for (a `max_completion_tokens`,
+  which llama-server ignores, or the `max_tokens` a negative `n_predict` overrides), else the
+  bound. Never `max_tokens` or `max_output_tokens`: vLLM refuses with 400 ("This model's
+  maximum context length is N tokens. However, you requested ...") any request whose prompt
+  and `max_tokens` exceed its `max_model_len`, so a bound of 32768 added there would refuse
+  every request to a model with a shorter context; vLLM ignores `n_predict` (it accepts and
+  logs fields it does not know) and bounds itself by its context, while llama-server takes
+  `n_predict` before `max_tokens` and stops at the end of its context for a larger one;
 - `n` and llama-server's `n_cmpl` from 1 to `max_n` (`n_too_large`), `best_of` from 1 to
   `max_best_of` (`best_of_too_large`), `top_logprobs`, llama-server's `n_probs`, vLLM's
   `prompt_logprobs` and the text completions' integer `logprobs` from 0 to `max_logprobs`
@@ -151,7 +158,11 @@ def settle(
     token_field: str | None,
     messages_field: str | None,
 ) -> dict[str, int]:
-    """Check every bound (a Refusal for the first one broken); the fields to set upstream."""
+    """Check every bound (a Refusal for the first one broken); the fields to set upstream.
+
+    At most `n_predict`, where the client set no bound the engine reads: `token_field` is the
+    route's own token field, None where nothing is generated.
+    """
     asked = _asked_tokens(document, bounds.max_tokens)
     for name in N_FIELDS:
         _check(document, name, low=1, bound=bounds.max_n, setting="max_n", code="n_too_large")
@@ -162,11 +173,11 @@ def settle(
                code="logprobs_too_large")  # fmt: skip
     if messages_field is not None:
         _check_messages(document, messages_field, bounds)
-    tokens = min(asked, default=bounds.max_tokens)
-    settled = {}
-    if token_field is not None and document.get(token_field) is None:
-        settled[token_field] = tokens
-    predict = _count(document.get(N_PREDICT))
-    if predict is not None and predict < 0:
-        settled[N_PREDICT] = tokens
-    return settled
+    if token_field is None:  # embeddings: nothing generated, nothing to bound
+        return {}
+    predict = document.get(N_PREDICT)
+    if predict is not None and predict > 0:  # checked above: an int, within the bound
+        return {}  # llama-server's own; vLLM ignores it and stops at the end of its context
+    if predict is None and document.get(token_field) is not None:
+        return {}  # the route's own field, which both engines read
+    return {N_PREDICT: min(asked, default=bounds.max_tokens)}  # never max_tokens: see above

@@ -33,10 +33,13 @@ max_wait_s = 30                # how long one is held before a 429
 deadline_s = 1800              # one clock from admission over the dial and the whole answer
 load_wait_s = 900              # how long a start on demand is waited for
 max_tokens = 32768             # the bound of max_tokens, max_completion_tokens,
-                               # max_output_tokens and llama-server's n_predict; a request
-                               # that sets none (or n_predict -1) gets max_tokens (chat and
-                               # text completions) or max_output_tokens (/v1/responses) set to
-                               # it; above it: 400 invalid_request
+                               # max_output_tokens and llama-server's n_predict; above it:
+                               # 400 invalid_request. A request that sets no bound the engine
+                               # reads (none, or n_predict -1, or max_completion_tokens only)
+                               # gets n_predict set: to it, or to max_completion_tokens. Never
+                               # max_tokens: vLLM refuses with 400 a prompt + max_tokens over
+                               # its max_model_len and ignores n_predict, bounding itself by
+                               # its context; llama-server takes n_predict first
 max_n = 8                      # n (and llama-server's n_cmpl), answers generated at once;
                                # above it: 400 n_too_large
 max_best_of = 8                # best_of (vLLM's text completions); 400 best_of_too_large
