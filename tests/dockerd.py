@@ -97,7 +97,7 @@ class Private:
             "--iptables=false",
             "--ip-masq=false",
             "--live-restore=false",
-            f"--cgroup-parent=lucia-dockerd-{self.run_id}",
+            f"--cgroup-parent=/lucia-dockerd-{self.run_id}",  # beside the machine's /docker
             *(f"--default-address-pool={pool}" for pool in self.pools),
         ]
 
@@ -207,6 +207,9 @@ class Private:
             self._remove()
 
     def _remove(self) -> None:
+        for parent in Path("/sys/fs/cgroup").glob(f"*/lucia-dockerd-{self.run_id}"):
+            with contextlib.suppress(OSError):  # empty once its containers are gone
+                parent.rmdir()
         subprocess.run(["ip", "route", "delete", self.subnet], check=False, capture_output=True)
         subprocess.run(["ip", "link", "delete", self.veth_host], check=False, capture_output=True)
         subprocess.run(["ip", "netns", "delete", self.netns], check=False, capture_output=True)
