@@ -29,6 +29,7 @@ from typing import Any
 import docker
 import pytest
 
+from tests.fixtures import DEFAULT_MACHINE
 from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,20 +185,16 @@ def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
         log.close()
 
 
-# The test user's memory settings while the tests install as it: the host's memory (the plan's
-# limit is MemTotal, as an operator's is) with a small reserve, since the default reserves (18
-# GiB) leave this 24 GiB machine less than an engine once an operator's demo holds its 7 GiB.
-TEST_MACHINE = 'limit = "unified"\nprofile = "gpu-server"\n'
-
-
 @contextlib.contextmanager
 def machine_settings(home: Path) -> Iterator[Path]:
     """The test user's ~/.config/lucia/machine.toml, written as that user (0600) for the body of
-    the `with` and removed after it; one it had before is put back."""
+    the `with` and removed after it; one it had before is put back. It holds the settings every
+    worker the tests start gets (DEFAULT_MACHINE: the host's memory, a small reserve), not the
+    default reserves (18 GiB), which leave this machine less than an engine beside a demo."""
     path = home / ".config/lucia/machine.toml"
     before = path.read_text() if path.exists() else None
     as_user("sh", "-c", 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && '
-            'mv "$1.tmp" "$1"', "machine-settings", str(path), input=TEST_MACHINE)
+            'mv "$1.tmp" "$1"', "machine-settings", str(path), input=DEFAULT_MACHINE)
     try:
         yield path
     finally:
