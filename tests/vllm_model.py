@@ -2,7 +2,8 @@
 
 `write_tiny_llama(directory, seed)` writes `config.json`, `generation_config.json`,
 `model.safetensors` (random bf16 weights), `tokenizer.json` (a byte-level BPE trained here with
-`tokenizers` on text drawn from the seed) and `tokenizer_config.json`. The same seed gives the
+`tokenizers` on text drawn from the seed) and `tokenizer_config.json` (with a chat template, so
+that vLLM serves chat completions and /v1/responses for it). The same seed gives the
 same bytes. The shape is the smallest the CPU backend of vLLM serves: head_dim 32 (its attention
 takes head sizes 32, 64, 80, 96, 112, 128 and up), 4 query heads over 2 KV heads, 2 layers.
 """
@@ -32,6 +33,14 @@ WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "token",
     "model", "engine", "worker", "status", "request", "container", "memory", "prefix", "server",
     "answer", "running", "stopped", "image", "build", "layer",
+)  # fmt: skip
+
+
+# one line per message, then the assistant's turn: enough for chat and /v1/responses to render
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] if message['content'] is string else '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
 
@@ -176,6 +185,7 @@ def write_tiny_llama(directory: Path, seed: int = 0, shape: TinyLlama | None = N
             "add_bos_token": False,
             "model_max_length": shape.max_positions,
             "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     _write_json(directory / "config.json", _config(shape, bos, eos))

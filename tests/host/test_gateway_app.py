@@ -67,7 +67,10 @@ def test_the_openai_client_gets_answers_and_streams_through_the_gateway(tmp_path
         assert [c.choices[0].delta.content for c in chunks] == ["tok"] * 3  # no usage chunk
         # upstream: the tier resolved, usage asked for, and the client's key never arrived
         assert w.upstream.bodies[1]["model"] == "tiny"
-        assert w.upstream.bodies[1]["stream_options"] == {"include_usage": True}
+        assert w.upstream.bodies[1]["stream_options"] == {
+            "include_usage": True,
+            "continuous_usage_stats": True,
+        }
         assert all(
             INFERENCE_KEY not in json.dumps(h) and "Authorization" not in h
             for h in w.upstream.headers

@@ -203,7 +203,8 @@ def test_no_max_tokens_or_max_output_tokens_is_ever_added(
     assert {name: sent[name] for name in TOKEN_FIELDS if name in sent} == {
         name: fields[name] for name in TOKEN_FIELDS if name in fields
     }
-    assert set(sent) - {"model", "stream", *fields} <= {"n_predict", "stream_options"}
+    added = {"n_predict", "stream_options", "timings_per_token"}
+    assert set(sent) - {"model", "stream", *fields} <= added
 
 
 PROMPTS = [
@@ -231,8 +232,8 @@ def test_a_value_to_replace_serialises_the_body_once_and_leaves_no_second_name()
     sent = body.prepare(body.CHAT, raw, BOUNDS).body
     assert sent.count(b'"n_predict"') == 1 and sent.count(b'"stream_options"') == 1
     assert json.loads(sent) == {
-        "model": "m", "n_predict": 100, "stream": True,
-        "stream_options": {"include_usage": True},
+        "model": "m", "n_predict": 100, "stream": True, "timings_per_token": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }  # fmt: skip
 
 

@@ -4,6 +4,7 @@ the record is faked at the gateway's own boundary (`Spending`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, date, datetime
@@ -111,9 +112,9 @@ def test_the_refusal_names_the_count_the_budget_and_the_reset() -> None:
 
 
 def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]], settings: str,
-        spending: Any) -> None:  # fmt: skip
+        spending: Any, upstream: Upstream | None = None) -> None:  # fmt: skip
     async def main() -> None:
-        async with world(tmp_path, settings, Upstream(), Keys(), spending) as w:
+        async with world(tmp_path, settings, upstream or Upstream(), Keys(), spending) as w:
             write_status(w.data, "small", "running", url=w.upstream.url, generation=1)
             await scenario(w)
 
@@ -129,9 +130,12 @@ def test_over_budget_is_refused_before_the_engine_and_under_it_is_served(tmp_pat
 
     async def scenario(w: World) -> None:
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            record.tokens[("inference", today())] = 99
+            # what is left holds the prompt's estimate and what it may generate: the bound set
+            record.tokens[("inference", today())] = 50
             async with s.post(f"{w.base}/chat/completions", json=CHAT) as r:
                 assert r.status == 200 and HEADER not in r.headers  # a record: nothing said
+            assert w.upstream.bodies[-1]["n_predict"] == 50 - estimate(CHAT), "what is left"
+            assert not w.app.reservations.held("inference", today()), "released at its row"
             record.tokens[("inference", today())] = 100
             async with s.post(f"{w.base}/chat/completions", json=CHAT) as r:
                 assert r.status == 429
@@ -145,7 +149,7 @@ def test_over_budget_is_refused_before_the_engine_and_under_it_is_served(tmp_pat
                     "object": "budget", "key_id": "inference", "day": today().isoformat(),
                     "spent_tokens": 100, "budget_tokens": 100, "remaining_tokens": 0,
                     "resets_at": resets_at(datetime.now(UTC)).isoformat().replace("+00:00", "Z"),
-                    "enforced": True,
+                    "enforced": True, "reserved_tokens": 0,
                 }  # fmt: skip
             # the owner has no budget; a key's own budget wins over the default
             owner = {"Authorization": f"Bearer {OWNER_KEY}"}
@@ -178,5 +182,70 @@ def test_without_a_store_every_response_says_so_and_nothing_is_enforced(tmp_path
                 body = await r.json()
                 assert r.headers[HEADER] == NOT_RECORDING
                 assert body["enforced"] is False and body["spent_tokens"] is None
+
+    run(tmp_path, scenario, BUDGETED, record)
+
+
+def test_a_burst_cannot_spend_past_the_budget_what_is_in_flight_is_held(tmp_path: Path) -> None:
+    """68 requests at once from a key with room for one: one is admitted and holds its bound
+    until its row; the other 67 are refused before the engine, naming what is held."""
+    record = Spent()
+    held = asyncio.Event()
+    upstream = Upstream(hold=held)
+    asked = {**CHAT, "max_tokens": 40, "stream": True}
+    bound = estimate(asked) + 40
+
+    async def scenario(w: World) -> None:
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+
+            async def one() -> tuple[int, dict[str, Any] | None]:
+                async with s.post(f"{w.base}/chat/completions", json=asked) as r:
+                    if r.status != 200:
+                        return r.status, await r.json()
+                    await r.read()
+                    return r.status, None
+
+            tasks = [asyncio.create_task(one()) for _ in range(68)]
+            await w.upstream.started.wait()
+            refused = [await t for t in tasks if await _done_soon(t)]
+            assert len(refused) == 67 and {status for status, _ in refused} == {429}
+            for _, body in refused:
+                assert body is not None and body["error"]["code"] == "budget_exceeded"
+                assert body["reserved_tokens"] == bound and body["request_tokens"] == bound
+            async with s.get(f"{w.base}/budget") as r:
+                assert (await r.json())["reserved_tokens"] == bound
+            held.set()
+            assert [await t for t in tasks if not t.done() or (await t)[0] == 200] == [(200, None)]
+            assert len(w.upstream.bodies) == 1
+            async with s.get(f"{w.base}/budget") as r:
+                assert (await r.json())["reserved_tokens"] == 0, "released once its row is written"
+
+    run(tmp_path, scenario, BUDGETED, record, upstream)
+
+
+def estimate(body: dict[str, Any]) -> int:
+    """body.estimate_prompt of the bytes aiohttp sends for `json=body`."""
+    return len(json.dumps(body)) // 4 + 16
+
+
+async def _done_soon(task: asyncio.Task[Any]) -> bool:
+    """Whether the task ends while the admitted request is held (a refusal is immediate)."""
+    done, _ = await asyncio.wait({task}, timeout=5)
+    return bool(done)
+
+
+@pytest.mark.parametrize(("over", "status"), [(0, 200), (1, 429)])
+def test_a_request_whose_own_bound_the_budget_cannot_hold_is_refused(
+    tmp_path: Path, over: int, status: int
+) -> None:
+    record = Spent()
+
+    async def scenario(w: World) -> None:
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            body = {**CHAT, "max_tokens": 10}
+            body["max_tokens"] = 100 - estimate(body) + over
+            async with s.post(f"{w.base}/chat/completions", json=body) as r:
+                assert r.status == status, await r.text()
+            assert len(w.upstream.bodies) == (1 if status == 200 else 0)
 
     run(tmp_path, scenario, BUDGETED, record)

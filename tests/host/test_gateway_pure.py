@@ -29,35 +29,51 @@ NOW = utc_now()
 BOUNDS = parse("[limits]\nmax_tokens = 100\n", "test").limits.bounds
 
 
+ASKED = {"include_usage": True, "continuous_usage_stats": True}
+
+
 @pytest.mark.parametrize(
-    ("path", "document", "stream", "hide", "options"),
+    ("path", "document", "stream", "hide", "strip", "options"),
     [
-        (body.CHAT, {"model": "m"}, False, False, None),
-        (body.CHAT, {"model": "m", "stream": True}, True, True, {"include_usage": True}),
+        (body.CHAT, {"model": "m"}, False, False, False, None),
+        (body.CHAT, {"model": "m", "stream": True}, True, True, True, ASKED),
         (
             body.CHAT,
             {"model": "m", "stream": True, "stream_options": {"include_usage": False}},
             True,
             True,
-            {"include_usage": True},
+            True,
+            ASKED,
         ),
         (
             body.COMPLETIONS,
             {"model": "m", "stream": True, "stream_options": {"include_usage": True}},
             True,
             False,
-            {"include_usage": True},
+            True,
+            ASKED,
         ),
-        (body.RESPONSES, {"model": "m", "stream": True}, True, False, None),
-        (body.EMBEDDINGS, {"model": "m", "input": "x"}, False, False, None),
+        (
+            body.COMPLETIONS,
+            {"model": "m", "stream": True, "stream_options": ASKED},
+            True,
+            False,
+            False,
+            ASKED,
+        ),
+        (body.RESPONSES, {"model": "m", "stream": True}, True, False, False, None),
+        (body.EMBEDDINGS, {"model": "m", "input": "x"}, False, False, False, None),
     ],
 )
-def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
-    path: str, document: dict[str, Any], stream: bool, hide: bool, options: Any
+def test_the_engines_counts_are_asked_upstream_only_for_streams_that_did_not(
+    path: str, document: dict[str, Any], stream: bool, hide: bool, strip: bool, options: Any
 ) -> None:
     prepared = body.prepare(path, json.dumps(document).encode(), BOUNDS)
     assert (prepared.model, prepared.stream, prepared.hide_usage) == ("m", stream, hide)
-    assert json.loads(prepared.body).get("stream_options") == options
+    assert prepared.strip_usage == strip
+    sent = json.loads(prepared.body)
+    assert sent.get("stream_options") == options
+    assert sent.get("timings_per_token") == (True if stream else None)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +87,7 @@ def test_include_usage_is_asked_upstream_only_for_streams_that_did_not(
 def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
     prepared = body.prepare(body.CHAT, raw.encode(), BOUNDS)
     document = json.loads(prepared.body)
-    asked = {"stream_options": {"include_usage": True}, "n_predict": 100}  # no bound set
+    asked = {"stream_options": ASKED, "timings_per_token": True, "n_predict": 100}
     assert document == {**json.loads(raw), **asked}
     assert prepared.body.endswith(raw.lstrip()[1:].encode())  # not serialised again
     assert prepared.hide_usage

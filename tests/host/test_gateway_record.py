@@ -34,7 +34,7 @@ from tests.host.gateway_world import (
     world,
 )
 
-BUDGETED = SETTINGS + "[budget]\ndaily_tokens = 10\n"
+BUDGETED = SETTINGS + "[budget]\ndaily_tokens = 60\n"
 BUILD = RunningEngine(image="lucia-llama-server:1", image_id="sha256:" + "ab" * 32,
                       container_id="c1", model="tiny", model_revision="rev-1",
                       engine_version="b11669-Debian")  # fmt: skip
@@ -53,7 +53,8 @@ def rows(path: Path) -> list[dict[str, Any]]:
         return [dict(r) for r in db.execute("SELECT * FROM generations ORDER BY at_us")]
 
 
-def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], settings: str) -> Path:
+def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], settings: str,
+        upstream: Upstream | None = None) -> Path:  # fmt: skip
     """The scenario against a gateway recording into a real SQLite file; its path."""
     path = tmp_path / "record.sqlite3"
 
@@ -62,7 +63,8 @@ def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], set
         assert store.available, store.reason
         try:
             where = settings + f'[record]\npath = "{path}"\n'  # the owner API reads it
-            async with world(tmp_path, where, Upstream(), spending=store, recorder=store) as w:
+            up = upstream or Upstream()
+            async with world(tmp_path, where, up, spending=store, recorder=store) as w:
                 serving(w.data, w.upstream.url)
                 await scenario(w, store)
         finally:
@@ -92,11 +94,16 @@ def test_every_generation_is_a_row_naming_the_build_and_no_text(tmp_path: Path) 
         path = run(tmp_path, scenario, SETTINGS)
     found = rows(path)
     assert [(r["model"], r["engine"], r["outcome"]) for r in found] == [
-        ("fast", "small", "ok"), ("tiny", "small", "ok")]  # a body refused names no model
+        ("fast", "small", "ok"),
+        ("tiny", "small", "ok"),
+    ]  # a body refused names no model
     for row in found:
         assert row["key_id"] == "inference"
         assert (row["engine_version"], row["image_id"], row["weights_revision"]) == (
-            "b11669-Debian", BUILD.image_id, "rev-1")
+            "b11669-Debian",
+            BUILD.image_id,
+            "rev-1",
+        )
         assert (row["prompt_tokens"], row["completion_tokens"]) == (5, 3)  # the engine's usage
         assert row["ttft_s"] is not None and 0 <= row["ttft_s"] <= row["duration_s"]
         assert row["wait_s"] >= 0
@@ -126,8 +133,12 @@ def test_the_owner_api_gives_the_usage_figures_by_build(tmp_path: Path) -> None:
             async with s.get(url, params={"since": "yesterday"}, headers=OWNER) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "since"
         (group,) = figures["groups"]
-        assert (group["engine"], group["engineVersion"], group["imageId"],
-                group["weightsRevision"]) == ("small", "b11669-Debian", BUILD.image_id, "rev-1")
+        assert (
+            group["engine"],
+            group["engineVersion"],
+            group["imageId"],
+            group["weightsRevision"],
+        ) == ("small", "b11669-Debian", BUILD.image_id, "rev-1")
         assert group["requests"] == 3 and group["promptTokens"] == 15  # fmt: skip
 
     run(tmp_path, scenario, SETTINGS)
@@ -155,29 +166,32 @@ def test_a_since_out_of_range_is_a_400_naming_since(tmp_path: Path, since: str) 
     run(tmp_path, scenario, SETTINGS)
 
 
-def test_a_budget_read_from_the_record_lets_a_stream_cross_it_then_refuses(
+def test_a_budget_read_from_the_record_refuses_what_its_rest_cannot_hold(
     tmp_path: Path,
 ) -> None:
+    """An engine that generates past the bound the gateway set (vLLM ignores n_predict; this
+    stand-in ignores any) is charged all it generated; the next request is then refused with
+    the count from the record, before the engine."""
+
     async def scenario(w: World, store: Store) -> None:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            async with s.post(f"{w.base}/chat/completions", json=chat) as r:
-                assert r.status == 200  # 8 tokens: under 10
             async with s.post(f"{w.base}/chat/completions", json={**chat, "stream": True}) as r:
                 assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
-            assert store.spent("inference") == 16  # crossed by the stream, which finished
+            assert store.spent("inference") == 45  # 5 + 40: what the engine said it generated
             async with s.post(f"{w.base}/chat/completions", json=chat) as r:
                 assert r.status == 429
                 refused = await r.json()
             async with s.get(f"{w.base}/budget") as r:
                 standing = await r.json()
         assert refused["error"]["code"] == "budget_exceeded"
-        assert refused["budget"]["spent_tokens"] == 16 and refused["budget"]["budget_tokens"] == 10
-        assert standing["spent_tokens"] == 16 and standing["remaining_tokens"] == 0
-        assert len(w.upstream.bodies) == 2, "the refused request never reached the engine"
+        assert refused["budget"]["spent_tokens"] == 45 and refused["budget"]["budget_tokens"] == 60
+        assert refused["reserved_tokens"] == 0 and refused["request_tokens"] > 15
+        assert standing["spent_tokens"] == 45 and standing["remaining_tokens"] == 15
+        assert len(w.upstream.bodies) == 1, "the refused request never reached the engine"
 
-    path = run(tmp_path, scenario, BUDGETED)
-    assert [r["outcome"] for r in rows(path)] == ["ok", "ok", "refused:budget_exceeded"]
+    path = run(tmp_path, scenario, BUDGETED, Upstream(chunks=40))
+    assert [r["outcome"] for r in rows(path)] == ["ok", "refused:budget_exceeded"]
 
 
 def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(

@@ -52,6 +52,7 @@ def test_a_row_has_these_fields_and_no_other() -> None:
         ("wait_s", "float"),
         ("ttft_s", "float | None"),
         ("duration_s", "float"),
+        ("usage_source", "str"),
     ]
     assert [f.name for f in dataclasses.fields(Build)] == [
         "engine_version", "image_id", "weights_revision",

@@ -28,6 +28,7 @@ from supervisor.host.gateway.idle import CHECK_S, IdleStop
 from supervisor.host.gateway.intake import answer_and_close, peer, read_body
 from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway.reserve import Hold, Reservations
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
 from supervisor.host.gateway.starter import POLL_S, Starter
 from supervisor.host.gateway.usageapi import UsageApi
@@ -76,6 +77,7 @@ class Gateway:
         self.auth = auth
         self.failures = FailureLimit()  # invalid bearer keys per client address
         self.spending = spending
+        self.reservations = Reservations()  # the bounds of requests in flight, per key and day
         self.recorder = recorder
         self.timing = timing
         self.catalog = Catalog(data_dir)
@@ -162,8 +164,11 @@ class Gateway:
         )
 
     async def budget(self, request: web.Request) -> web.Response:
-        """`GET /v1/budget`: where the caller stands today (the RFC's budget RPC)."""
-        return web.json_response(self.standing(request).body())
+        """`GET /v1/budget`: where the caller stands today (the RFC's budget RPC), and what its
+        requests in flight hold of it."""
+        stand = self.standing(request)
+        held = self.reservations.held(stand.key_id, stand.day)
+        return web.json_response({**stand.body(), "reserved_tokens": held})
 
     async def serve_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -215,7 +220,8 @@ class Gateway:
             request, body.limit(path), self.settings.listen.body_timeout_s,
             lambda: body.too_large(path),
         )  # fmt: skip
-        prepared = body.prepare(path, raw, self.settings.limits.bounds)
+        room = self.reservations.room(stand)
+        prepared = body.prepare(path, raw, self.settings.limits.bounds, room)
         asked = prepared.model
         engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
         if model != asked:  # a tier alias: the engine knows the model's own name
@@ -235,9 +241,11 @@ class Gateway:
             self.follow(now)
 
         gate = self.follow(engine)
+        hold: Hold | None = None
         try:
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
+            hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
             async with gate.slot(None if url else start) as admitted:
                 assert url is not None
                 trace.admitted = asyncio.get_running_loop().time()
@@ -263,6 +271,7 @@ class Gateway:
             now = asyncio.get_running_loop().time()
             recording.record(self.recorder, trace, recording.Request(
                 request[CALLER].key_id, asked, model, engine.name), now)  # fmt: skip
+            self.reservations.release(hold)  # the row holds what it cost now
 
     def _record(self, trace: Trace, model: str, engine: str) -> None:
         """The request in the metrics; a handler ended without an outcome lost its client."""

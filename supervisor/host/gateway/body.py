@@ -5,9 +5,15 @@ parses, an object, with a model; then bounds.py's: tokens, `n`, `best_of`, logpr
 and their length. A request whose client set no token bound gets llama-server's `n_predict` set
 (bounds.py says when, to what, and why never `max_tokens`, which vLLM refuses beyond its
 context), so that no engine generates past the bound.
-A stream of chat or text completions gets `stream_options.include_usage` upstream when its
-client did not ask for it, so that the engine's own token counts are always seen; the extra
-usage chunk is then kept from that client (see usage.py). A field the body does not have is put
+A stream of chat or text completions gets `stream_options.include_usage` and
+`continuous_usage_stats` upstream when its client did not ask for them, and every stream gets
+llama-server's `timings_per_token`, so that the engine's own token counts are always seen, also
+for a stream that ends early; the usage the client did not ask for is then kept from it (see
+usage.py). What a request may cost is known before it is sent (`Prepared.reserve`): the
+prompt's estimate (`prompt_estimate`: a token for every 4 bytes of the body, and 16) and the
+tokens it may generate (its token bound times `n` or `best_of`, the larger). With `room` (what
+the caller's budget has left), the token bound added where the client set none is at most what
+the room holds after the prompt. A field the body does not have is put
 before the client's own bytes, which go on as they came: a long prompt is not serialised again.
 Only a field the client sent with another value (`stream_options` without include_usage, a
 null or negative `n_predict`) makes the body serialised again: what a name given
@@ -34,6 +40,8 @@ EMBEDDINGS: Final = "/v1/embeddings"
 FORWARDED: Final = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 TEXT_ROUTES: Final = frozenset({CHAT, COMPLETIONS, RESPONSES})
 USAGE_ROUTES: Final = frozenset({CHAT, COMPLETIONS})  # those with stream_options
+TIMINGS: Final = "timings_per_token"  # llama-server's running count on every event
+CONTINUOUS: Final = "continuous_usage_stats"  # vLLM's
 # each route's own token field: when the client set it, nothing is added (bounds.py)
 TOKEN_FIELD: Final = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens"}
 MESSAGES_FIELD: Final = {CHAT: "messages", RESPONSES: "input"}
@@ -47,6 +55,26 @@ class Prepared:
     stream: bool
     hide_usage: bool  # include_usage was added here: the usage chunk is not the client's
     body: bytes
+    strip_usage: bool = False  # continuous usage was added here: each event's is not its own
+    prompt_estimate: int = 0  # the prompt's tokens, as body.py estimates them
+    generation_bound: int = 0  # the most tokens it may generate, every sequence together
+    sequences: int = 1  # how many it generates (n, best_of)
+
+    @property
+    def reserve(self) -> int:
+        """The most tokens this request may cost, as far as the gateway bounds it."""
+        return self.prompt_estimate + self.generation_bound
+
+
+def estimate_prompt(raw: bytes) -> int:
+    """Pure: a prompt's tokens from its body's size, with room for a chat template."""
+    return len(raw) // 4 + 16
+
+
+def sequences(document: dict[str, Any]) -> int:
+    """Pure: how many sequences a request generates (checked by bounds.settle first)."""
+    counts = [document.get(name) for name in ("n", "n_cmpl", "best_of")]
+    return max([c for c in counts if type(c) is int and c > 0], default=1)
 
 
 def limit(path: str) -> int:
@@ -81,17 +109,23 @@ def decode(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def prepare(path: str, raw: bytes, limits: Bounds) -> Prepared:
-    """Check a body read within limit(path), and say what goes upstream."""
+def prepare(path: str, raw: bytes, limits: Bounds, room: int | None = None) -> Prepared:
+    """Check a body read within limit(path), and say what goes upstream. `room`: the tokens
+    the caller's budget has left, None for no budget."""
     if len(raw) > limit(path):
         raise too_large(path)
     document = decode(raw)
     model = document.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model must be a non-empty string", param="model")
+    token_field = TOKEN_FIELD.get(path)
+    estimate = estimate_prompt(raw)
+    many = sequences(document) if token_field is not None else 1
+    cap = None if room is None else max((room - estimate) // many, 1)
     settled = bounds.settle(
-        document, limits, token_field=TOKEN_FIELD.get(path), messages_field=MESSAGES_FIELD.get(path)
-    )
+        document, limits, token_field=token_field, messages_field=MESSAGES_FIELD.get(path),
+        cap=cap,
+    )  # fmt: skip
     stream = document.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", param="stream")
@@ -99,12 +133,20 @@ def prepare(path: str, raw: bytes, limits: Bounds) -> Prepared:
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options must be an object", param="stream_options")
     asked = bool(options.get("include_usage")) if options else False
-    hide_usage = stream and path in USAGE_ROUTES and not asked
+    continuous = bool(options.get(CONTINUOUS)) if options else False
+    counted = stream and path in USAGE_ROUTES
+    hide_usage = counted and not asked
+    strip_usage = counted and not continuous
     changes: dict[str, Any] = {}
-    if hide_usage:
-        changes["stream_options"] = {**(options or {}), "include_usage": True}
-    changes.update(settled)
-    return Prepared(model, stream, hide_usage, body=_with(raw, document, changes))
+    if hide_usage or strip_usage:
+        changes["stream_options"] = {**(options or {}), "include_usage": True, CONTINUOUS: True}
+    if stream and path in TEXT_ROUTES and TIMINGS not in document:
+        changes[TIMINGS] = True
+    changes.update(settled.fields)
+    return Prepared(
+        model, stream, hide_usage, body=_with(raw, document, changes), strip_usage=strip_usage,
+        prompt_estimate=estimate, generation_bound=many * settled.tokens, sequences=many,
+    )  # fmt: skip
 
 
 def _with(raw: bytes, document: dict[str, Any], changes: dict[str, Any]) -> bytes:

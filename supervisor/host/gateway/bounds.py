@@ -151,17 +151,28 @@ def _check_messages(document: dict[str, Any], name: str, bounds: Bounds) -> None
             )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What settle found: the fields to set upstream, and the most tokens one sequence of the
+    request may generate (0 where nothing is generated)."""
+
+    fields: dict[str, int]
+    tokens: int
+
+
 def settle(
     document: dict[str, Any],
     bounds: Bounds,
     *,
     token_field: str | None,
     messages_field: str | None,
-) -> dict[str, int]:
+    cap: int | None = None,
+) -> Settled:
     """Check every bound (a Refusal for the first one broken); the fields to set upstream.
 
     At most `n_predict`, where the client set no bound the engine reads: `token_field` is the
-    route's own token field, None where nothing is generated.
+    route's own token field, None where nothing is generated. `cap` (at least 1) lowers the
+    bound set there, never one the client set: what the caller's budget has room for.
     """
     asked = _asked_tokens(document, bounds.max_tokens)
     for name in N_FIELDS:
@@ -174,10 +185,13 @@ def settle(
     if messages_field is not None:
         _check_messages(document, messages_field, bounds)
     if token_field is None:  # embeddings: nothing generated, nothing to bound
-        return {}
+        return Settled({}, 0)
+    tokens = min(asked, default=bounds.max_tokens)
     predict = document.get(N_PREDICT)
     if predict is not None and predict > 0:  # checked above: an int, within the bound
-        return {}  # llama-server's own; vLLM ignores it and stops at the end of its context
+        return Settled({}, tokens)  # llama-server's own; vLLM ignores it (its context bounds it)
     if predict is None and document.get(token_field) is not None:
-        return {}  # the route's own field, which both engines read
-    return {N_PREDICT: min(asked, default=bounds.max_tokens)}  # never max_tokens: see above
+        return Settled({}, tokens)  # the route's own field, which both engines read
+    if cap is not None:
+        tokens = min(tokens, max(cap, 1))
+    return Settled({N_PREDICT: tokens}, tokens)  # never max_tokens: see above

@@ -95,17 +95,30 @@ def standing(identity: Caller, default: int, spending: Spending, now: datetime) 
     return Standing(identity.key_id, day, spent, budget, enforced, resets_at(now))
 
 
-def refusal(stand: Standing, now: datetime) -> Refusal:
-    """429 for a caller over its budget: the count, the budget and when it resets."""
+def refusal(
+    stand: Standing, now: datetime, *, reserved: int = 0, asked: int | None = None
+) -> Refusal:
+    """429 for a caller over its budget: the count, the budget and when it resets; with
+    `asked`, a request whose bound the budget cannot hold beside what is spent and `reserved`
+    for requests in flight (reserve.py)."""
     assert stand.budget is not None
     wait = max(int((stand.resets - now).total_seconds()) + 1, 1)
+    message = f"key {stand.key_id} has used {stand.spent} tokens today"
+    if asked is not None:
+        message += (
+            f" and {reserved} are reserved for its requests in flight; this request may use "
+            f"up to {asked} (its prompt's estimate and its token bound: lower max_tokens)"
+        )
+    details: dict[str, Any] = {"budget": stand.body()}
+    if asked is not None:
+        details["reserved_tokens"] = reserved
+        details["request_tokens"] = asked
     return Refusal(
         429,
         "budget_exceeded",
-        f"key {stand.key_id} has used {stand.spent} tokens today, its daily budget is "
-        f"{stand.budget}; it resets at {_iso(stand.resets)}",
+        f"{message}; its daily budget is {stand.budget}; it resets at {_iso(stand.resets)}",
         headers={"Retry-After": str(wait)},
-        details={"budget": stand.body()},
+        details=details,
     )
 
 

@@ -12,7 +12,6 @@ one).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +23,7 @@ from aiohttp import web
 from supervisor.host.gateway.body import Prepared
 from supervisor.host.gateway.metrics import Outcome
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.usage import UsageFilter
+from supervisor.host.gateway.usage import AnswerScan, Counts, Source, UsageFilter
 from supervisor.protocol.documents import Status, utc_now
 
 SSE: Final = "text/event-stream"
@@ -33,8 +32,9 @@ _CONNECT_S: Final = 10.0
 _BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
 # a pooled connection the engine had closed: the request was not written, or no answer began
 _STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-_USAGE_COPY: Final = 4 * 1024 * 1024  # a plain answer up to this size is read for its usage
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
+DRAIN_S: Final = 0.25  # a stream ended early: its engine's events read on, to count them
+DRAIN_QUIET_S: Final = 0.02
 
 
 def describe(exc: BaseException) -> str:
@@ -63,6 +63,8 @@ class Trace:
     served_by: Status | None = field(default=None, repr=False)  # the engine's, when admitted
     first_byte: float | None = None
     usage: dict[str, Any] | None = None
+    usage_source: Source = "none"  # where `usage` came from (usage.py)
+    posted: bool = False  # the request went to the engine, which may have generated for it
     response: web.StreamResponse | None = field(default=None, repr=False)  # once begun
     # the client has the whole answer: a stream's [DONE], or every byte of a plain answer; a
     # client that goes away after it (as clients do at [DONE]) is served, not gone
@@ -71,16 +73,6 @@ class Trace:
     def wrote(self) -> None:
         if self.first_byte is None:
             self.first_byte = asyncio.get_running_loop().time()
-
-
-def usage_of(answer: bytes) -> dict[str, Any] | None:
-    """Pure: the usage object of a whole JSON answer, if it has one."""
-    try:
-        document = json.loads(answer)
-    except ValueError:
-        return None
-    usage = document.get("usage") if isinstance(document, dict) else None
-    return usage if isinstance(usage, dict) else None
 
 
 @dataclass(frozen=True)
@@ -155,7 +147,11 @@ class Forwarder:
         deadline_s: float,
         trace: Trace,
     ) -> web.StreamResponse:
-        """Forward; `sse` is the client's stream when it was opened already (a start)."""
+        """Forward; `sse` is the client's stream when it was opened already (a start). A plain
+        request sent whose whole answer was never read (a client that left, the deadline, an
+        engine that broke off) costs its bound: what the engine generated for it is unknown. A
+        stream whose answer never began costs its prompt's estimate and a token a sequence:
+        both engines begin a stream's answer with its first token."""
         trace.response = sse
         try:
             async with asyncio.timeout(deadline_s):
@@ -172,14 +168,24 @@ class Forwarder:
             elif request.transport is not None:
                 request.transport.close()  # cut off: a short body tells the client
             return response
+        finally:
+            if trace.posted and trace.usage_source == "none" and not trace.delivered:
+                if prepared.stream:
+                    counts = Counts(prepared.prompt_estimate, prepared.sequences)
+                    trace.usage, trace.usage_source = counts.usage(), "counted"
+                else:
+                    counts = Counts(prepared.prompt_estimate, prepared.generation_bound)
+                    trace.usage, trace.usage_source = counts.usage(), "bound"
 
     async def _send(
         self, request: web.Request, url: str, prepared: Prepared, engine: str, trace: Trace
     ) -> web.StreamResponse:
+        trace.posted = True
         try:
             upstream = await self._post(url + request.path, prepared.body)
         except _BROKEN as exc:
             trace.outcome = "engine_failed"
+            trace.posted = not isinstance(exc, aiohttp.ClientConnectorError)  # never connected
             raise unreachable(engine, exc) from None
         async with upstream:
             trace.outcome = "ok" if upstream.status < 400 else "engine_error"
@@ -192,6 +198,10 @@ class Forwarder:
                 except _BROKEN as exc:
                     trace.outcome = "engine_failed"
                     raise unreachable(engine, exc) from None
+                scan = AnswerScan()
+                scan.feed(content)
+                trace.usage = scan.usage
+                trace.usage_source = "engine" if scan.usage is not None else "none"
                 trace.wrote()
                 await sse.write(b"data: " + content + b"\n\n")
                 trace.delivered = True
@@ -219,9 +229,8 @@ class Forwarder:
         engine: str,
         trace: Trace,
     ) -> None:
-        """A plain answer, chunk by chunk; its usage read from a copy kept up to a bound."""
-        copy: list[bytes] | None = [] if upstream.status == 200 else None
-        kept = 0
+        """A plain answer, chunk by chunk; its usage found as it passes (usage.AnswerScan)."""
+        scan = AnswerScan()
         async for data in from_engine(upstream):
             if isinstance(data, Broke):
                 trace.outcome = "engine_failed"
@@ -234,18 +243,13 @@ class Forwarder:
                 trace.response = response
                 await response.prepare(request)
             trace.wrote()
-            if copy is not None:
-                kept += len(data)
-                if kept <= _USAGE_COPY:
-                    copy.append(data)
-                else:
-                    copy = None
+            scan.feed(data)
             await response.write(data)
         if trace.response is None:  # an empty answer
             trace.response = response
             await response.prepare(request)
-        if copy is not None:
-            trace.usage = usage_of(b"".join(copy))
+        trace.usage = scan.usage  # the engine's, for its whole answer
+        trace.usage_source = "engine" if scan.usage is not None else "none"
         trace.delivered = True
         await response.write_eof()
 
@@ -259,28 +263,50 @@ class Forwarder:
         engine: str,
         trace: Trace,
     ) -> None:
-        if trace.response is None:
-            trace.response = sse
-            await sse.prepare(request)
-        usage = UsageFilter(prepared.hide_usage)
-        async for data in from_engine(upstream):
-            if isinstance(data, Broke):
-                trace.outcome = "engine_failed"
-                error = Refusal(
-                    502, "engine_failed",
-                    f"engine {engine} broke off the stream: {describe(data.error)}",
-                )  # fmt: skip
-                await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
-                await sse.write_eof()
-                trace.usage = usage.usage
-                return
-            out = usage.feed(data)
-            if out:
-                trace.wrote()
-                trace.usage = usage.usage
-                await sse.write(out)  # waits while the client's buffer is full
-                trace.delivered = trace.delivered or out.rstrip().endswith(DONE)
-        trace.usage = usage.usage
-        await sse.write(usage.close())
-        trace.delivered = True
-        await sse.write_eof()
+        """A stream, event by event; whatever ends it, its row is charged what the engine's
+        events said (usage.py), also the events read but never passed on."""
+        usage = UsageFilter(prepared.hide_usage, prepared.strip_usage)
+        whole = False
+        try:
+            if trace.response is None:
+                trace.response = sse
+                await sse.prepare(request)
+            async for data in from_engine(upstream):
+                if isinstance(data, Broke):
+                    trace.outcome = "engine_failed"
+                    error = Refusal(
+                        502, "engine_failed",
+                        f"engine {engine} broke off the stream: {describe(data.error)}",
+                    )  # fmt: skip
+                    await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
+                    await sse.write_eof()
+                    return
+                out = usage.feed(data)
+                if out:
+                    trace.wrote()
+                    await sse.write(out)  # waits while the client's buffer is full
+                    trace.delivered = trace.delivered or out.rstrip().endswith(DONE)
+            whole = True
+            await sse.write(usage.close())
+            trace.delivered = True
+            await sse.write_eof()
+        finally:
+            if not whole:
+                await _drain(upstream, usage)
+            trace.usage, trace.usage_source = usage.charged(prepared.prompt_estimate, whole)
+
+
+async def _drain(upstream: aiohttp.ClientResponse, usage: UsageFilter) -> None:
+    """Count what the engine sent that was not passed on (its client left, the deadline ran
+    out): what waits in the buffers, which a client that read slowly let fill, until the engine
+    is quiet for DRAIN_QUIET_S, at most DRAIN_S. The connection is closed after it."""
+    content = upstream.content
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while not content.at_eof():
+                data = await asyncio.wait_for(content.readany(), DRAIN_QUIET_S)
+                if not data:
+                    return
+                usage.drain(data)
+    except (TimeoutError, RuntimeError, *_BROKEN):
+        return

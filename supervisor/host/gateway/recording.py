@@ -68,6 +68,7 @@ def row_of(trace: Trace, asked: Request, now: float) -> Row:
         wait_s=max(admitted - trace.arrived, 0.0),
         ttft_s=trace.first_byte - trace.arrived if trace.first_byte is not None else None,
         duration_s=max(now - trace.arrived, 0.0),
+        usage_source=trace.usage_source,
     )
 
 

@@ -1,25 +1,71 @@
-"""An SSE stream passed on event by event, less a usage chunk the client did not ask for.
+"""An SSE stream passed on event by event, and what its events say of the tokens generated.
 
 Only an unfinished event is held back; every finished one goes on at once. The bytes are not
-split into events: only an event that names `"usage"` is looked at, so that a stream costs a
-few searches of its bytes, not a step per event.
+split into events for every chunk: a few searches of each chunk's bytes find what counts.
+
+What a stream costs is read from the engine's own counts, in this order:
+- `engine`: its usage for the whole answer: a usage chunk (`choices` empty) at the end of a
+  chat or text completions stream, /v1/responses' `response.completed` (also
+  `response.incomplete` and `response.failed`) with `response.usage`, or the running count of
+  the last event of a stream that ended whole (llama-server puts the usage of its text
+  completions beside the last choice);
+- `engine_partial`: a stream that ended before that (a client that left, a deadline, an engine
+  that died) costs the engine's running count at the last event read. The gateway asks both
+  engines for one on every event (body.py): llama-server's `timings` (`timings_per_token`:
+  `prompt_n` and `cache_n` make the prompt, `predicted_n` the tokens generated) and vLLM's
+  `usage` (`stream_options.continuous_usage_stats`);
+- `counted`: an engine that sends neither (vLLM's /v1/responses), or a stream that ended before
+  its first count, costs the events that carried output, one token each, and the prompt's
+  estimate (body.py).
+
+A usage chunk the client did not ask for is kept from it (`hide`), and so is the running usage
+of each event when the client did not ask for it (`strip`). No count is taken from the text an
+engine generated: in JSON a quote inside a string is escaped, so `"usage":` or `"timings":` in
+an event is always one of its names, never its content.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 # an event's end: a blank line (the "\r" before "\n\r\n" is the event's own); starting with a
 # literal "\n" lets the regex engine skip to it rather than try every byte
 _END: Final = re.compile(rb"\n\r?\n")
 _DATA: Final = b"data:"
 _USAGE: Final = b'"usage"'
+# a count's object, with the whitespace JSON allows (the engines send none)
+_TIMINGS: Final = re.compile(rb'"timings"\s*:\s*\{')
+_RUNNING: Final = re.compile(rb'"usage"\s*:\s*\{')
+_NAME_BYTES: Final = 32  # the most bytes of one of those names that a chunk's end can split
+_MAY_END: Final = b"[]"  # a usage chunk's empty choices
+# an event's running usage, flat (vLLM's continuous usage has no nested object but a null)
+_RUNNING_FIELD: Final = re.compile(rb',\s*"usage"\s*:\s*\{[^{}]*\}')
+# an event that carries output: a chat or text completions choice, a responses delta
+_OUTPUT: Final = re.compile(rb'"choices":\[\{|"type":"response\.[a-z_]+\.delta"')
+_FINAL_RESPONSE: Final = ("response.completed", "response.incomplete", "response.failed")
+_DECODER: Final = json.JSONDecoder()
+_OBJECT_BYTES: Final = 4096  # a running count's object is a few hundred bytes
+
+Source = Literal["engine", "engine_partial", "counted", "bound", "none"]
 
 
-def may_hold_usage(data: bytes) -> bool:
-    return _USAGE in data and b"[]" in data
+@dataclass(frozen=True)
+class Counts:
+    """Tokens as one source gave them."""
+
+    prompt: int
+    completion: int
+    cached: int | None = None
+
+    def usage(self) -> dict[str, Any]:
+        """The counts as a usage object (record.row.tokens_of reads it)."""
+        found: dict[str, Any] = {"prompt_tokens": self.prompt, "completion_tokens": self.completion}
+        if self.cached is not None:
+            found["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return found
 
 
 def last_end(data: bytes, before: int | None = None) -> int:
@@ -29,27 +75,89 @@ def last_end(data: bytes, before: int | None = None) -> int:
     return max(plain + 2 if plain >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
 
 
-def usage_only(event: bytes) -> dict[str, Any] | None:
-    """The usage of an event that carries nothing else (`choices` empty), else None."""
-    if not may_hold_usage(event):
-        return None
+def _document(event: bytes) -> dict[str, Any] | None:
     lines = [line[len(_DATA) :].strip() for line in event.splitlines() if line.startswith(_DATA)]
     try:
         document = json.loads(b"".join(lines))
     except ValueError:
         return None
-    if not isinstance(document, dict) or document.get("choices") != []:
-        return None
+    return document if isinstance(document, dict) else None
+
+
+def final_usage(event: bytes) -> tuple[dict[str, Any] | None, bool]:
+    """Pure: the usage of the whole answer, if this event carries it, and whether the event
+    carries nothing else (a usage chunk: `choices` empty). A usage beside choices is a running
+    count (running_counts), also where it is the last one."""
+    document = _document(event)
+    if document is None:
+        return None, False
+    kind = document.get("type")
+    if isinstance(kind, str):  # /v1/responses
+        response = document.get("response")
+        if kind in _FINAL_RESPONSE and isinstance(response, dict):
+            usage = response.get("usage")
+            return (usage, False) if isinstance(usage, dict) else (None, False)
+        return None, False
     usage = document.get("usage")
-    return usage if isinstance(usage, dict) else None
+    if isinstance(usage, dict) and document.get("choices") == []:
+        return usage, True
+    return None, False
+
+
+def _last(pattern: re.Pattern[bytes], data: bytes) -> int:
+    """Where the last match of `pattern` in data opens its object (`{`), else -1."""
+    at = -1
+    for match in pattern.finditer(data):
+        at = match.end() - 1
+    return at
+
+
+def _object(data: bytes, start: int) -> dict[str, Any] | None:
+    """The JSON object that starts at data[start], if it parses."""
+    text = data[start : start + _OBJECT_BYTES].decode(errors="ignore")
+    try:
+        found, _ = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def running_counts(done: bytes) -> Counts | None:
+    """Pure: the engine's running count at the last finished event in `done` that has one."""
+    timings_at = _last(_TIMINGS, done) if b'"timings"' in done else -1
+    usage_at = _last(_RUNNING, done) if _USAGE in done else -1
+    if timings_at > usage_at:
+        timings = _object(done, timings_at)
+        if timings is not None:
+            prompt, cached = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
+            generated = _count(timings.get("predicted_n"))
+            if prompt is not None and generated is not None:
+                return Counts(prompt + (cached or 0), generated, cached)
+    if usage_at >= 0:
+        usage = _object(done, usage_at)
+        if usage is not None:
+            prompt, generated = (
+                _count(usage.get("prompt_tokens")),
+                _count(usage.get("completion_tokens")),
+            )
+            if prompt is not None and generated is not None:
+                return Counts(prompt, generated)
+    return None
 
 
 class UsageFilter:
-    """Feed it the upstream's bytes; it returns what the client gets, and keeps the usage."""
+    """Feed it the upstream's bytes; it returns what the client gets, and keeps the counts."""
 
-    def __init__(self, hide: bool) -> None:
-        self.hide = hide
-        self.usage: dict[str, Any] | None = None
+    def __init__(self, hide: bool, strip: bool = False) -> None:
+        self.hide = hide  # the final usage chunk is not the client's
+        self.strip = strip  # nor is each event's running usage
+        self.usage: dict[str, Any] | None = None  # the engine's, for the whole answer
+        self.running: Counts | None = None  # the engine's, at the last event that passed
+        self.outputs = 0  # events that carried output
         self._held = b""
 
     def feed(self, data: bytes) -> bytes:
@@ -57,7 +165,10 @@ class UsageFilter:
         end = last_end(held)
         self._held = held[end:]
         done = held[:end]  # finished events only
-        if not may_hold_usage(done):
+        if not done:
+            return done
+        self.count(done)
+        if _USAGE not in done:
             return done
         out: list[bytes] = []
         start = 0
@@ -66,17 +177,75 @@ class UsageFilter:
             begin = max(start, last_end(done, at))
             match = _END.search(done, at)
             stop = match.end() if match is not None else end
-            usage = usage_only(done[begin:stop])
+            event = done[begin:stop]
+            usage, alone = final_usage(event) if _MAY_END in event or b"response." in event else (
+                None, False
+            )  # fmt: skip
             if usage is not None:
                 self.usage = usage
-                if self.hide:
+                if alone and self.hide:
                     out.append(done[start:begin])
                     start = stop
+            elif self.strip and _RUNNING.search(event):
+                out.append(done[start:begin])
+                out.append(_RUNNING_FIELD.sub(b"", event))
+                start = stop
             at = done.find(_USAGE, stop)
         out.append(done[start:])
         return b"".join(out)
+
+    def count(self, done: bytes) -> None:
+        """Take the running count and the output events of finished events, not passed on
+        (what was read from the engine after its client left)."""
+        self.outputs += len(_OUTPUT.findall(done))
+        running = running_counts(done)
+        if running is not None and (
+            self.running is None or running.completion >= self.running.completion
+        ):
+            self.running = running
 
     def close(self) -> bytes:
         """What is left of an unfinished last event: passed on as it came."""
         held, self._held = self._held, b""
         return held
+
+    def drain(self, data: bytes) -> None:
+        """Bytes the client will not get (it left): counted, not passed on."""
+        held = self._held + data
+        end = last_end(held)
+        self._held = held[end:]
+        if end:
+            self.count(held[:end])
+
+    def charged(self, prompt_estimate: int, whole: bool) -> tuple[dict[str, Any] | None, Source]:
+        """The usage the row keeps and where it came from; `whole`: the stream ended as the
+        engine ended it, so its last running count is the answer's."""
+        if self.usage is not None:
+            return self.usage, "engine"
+        if self.running is not None:
+            return self.running.usage(), "engine" if whole else "engine_partial"
+        if self.outputs or not whole:  # also a stream left before its first output
+            return Counts(prompt_estimate, self.outputs).usage(), "counted"
+        return None, "none"
+
+
+class AnswerScan:
+    """A plain answer's usage, found as its bytes pass: only what follows its last `"usage":`
+    is kept (a few KiB), so that an answer of any size is charged."""
+
+    def __init__(self) -> None:
+        self._edge = b""  # the end of the bytes before: a name split between two chunks
+        self._found: bytes | None = None  # from the last usage object's `{` on
+
+    def feed(self, data: bytes) -> None:
+        joined = self._edge + data
+        at = _last(_RUNNING, joined) if _USAGE in joined else -1
+        if at >= 0:
+            self._found = joined[at : at + _OBJECT_BYTES]
+        elif self._found is not None and len(self._found) < _OBJECT_BYTES:
+            self._found += data[: _OBJECT_BYTES - len(self._found)]
+        self._edge = joined[-_NAME_BYTES:]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return None if self._found is None else _object(self._found, 0)

@@ -25,6 +25,10 @@ PLAIN_OUTCOMES: Final = frozenset(
     {"ok", "engine_error", "engine_failed", "client_gone", "timed_out"}
 )
 REFUSED: Final = "refused:"
+# where a row's counts came from: the engine's for the whole answer, its running count when the
+# answer ended early, output events counted, the request's bound (a plain answer never read
+# whole), none (nothing was generated, or nothing said what)
+USAGE_SOURCES: Final = frozenset({"engine", "engine_partial", "counted", "bound", "none"})
 _REASON: Final = re.compile(r"[a-z0-9_]{1,64}")
 
 
@@ -119,6 +123,7 @@ class Row:
     wait_s: float  # in admission (and a start on demand)
     ttft_s: float | None  # to the first byte of the answer; None when none came
     duration_s: float
+    usage_source: str = "none"  # USAGE_SOURCES
 
     def __post_init__(self) -> None:
         if not isinstance(self.at, datetime) or self.at.utcoffset() is None:
@@ -136,6 +141,8 @@ class Row:
         object.__setattr__(self, "wait_s", _seconds("wait_s", self.wait_s))
         object.__setattr__(self, "ttft_s", _seconds("ttft_s", self.ttft_s, optional=True))
         object.__setattr__(self, "duration_s", _seconds("duration_s", self.duration_s))
+        if self.usage_source not in USAGE_SOURCES:
+            raise RowRefused("usage_source: " + ", ".join(sorted(USAGE_SOURCES)))
 
     @property
     def day(self) -> date:

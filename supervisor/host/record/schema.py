@@ -43,8 +43,11 @@ V1: Final = (
     )""",
 )
 
+# where a row's token counts came from (row.USAGE_SOURCES); NULL in a row written before it
+V2: Final = ("ALTER TABLE generations ADD COLUMN usage_source TEXT",)
+
 # Version N is MIGRATIONS[N - 1]; a new version is a new entry at the end, never an edit.
-MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (V1,)
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (V1, V2)
 VERSION: Final = len(MIGRATIONS)
 
 

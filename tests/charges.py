@@ -1,0 +1,181 @@
+"""What a request is charged against what its engine generated, on the real parts.
+
+The real gateway process (tests/gateway_proc.py) and its SQLite record in front of one real
+engine, whose status.json a heartbeat here keeps fresh: `ENGINE` serves the model as the engine
+knows it, `LATE` serves `<model>-late` with a short deadline (`[engines.late] deadline_s`). One
+request at a time, so the engine's own counters (its /metrics) moved for that request only:
+the engine's prompt and generated tokens before and after it, against the record's row. The
+rows of the module are kept as a table (`LUCIA_CHARGES_TABLE`, if set, gets it as TSV).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.protocol.documents import Status, dump, utc_now
+from supervisor.protocol.files import ensure_dir, write_atomic
+from tests.gateway_proc import Gateway, running_gateway
+
+ENGINE = "charged"
+LATE = "late"
+DEADLINE_S = 0.3
+HEARTBEAT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Counters:
+    """An engine's own counts so far: prompt tokens, tokens generated."""
+
+    prompt: float
+    generated: float
+
+
+def metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def read_counters(url: str, prompt: str, generated: str) -> Counters:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return Counters(metric_sum(text, prompt), metric_sum(text, generated))
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One row of the table."""
+
+    engine: str
+    route: str
+    way: str
+    outcome: str
+    usage_source: str
+    engine_prompt: int
+    engine_generated: int
+    charged_prompt: int
+    charged_completion: int
+
+    @property
+    def under(self) -> int:
+        """Tokens the engine counted that the row did not charge (0 when none)."""
+        engine = self.engine_prompt + self.engine_generated
+        return max(engine - self.charged_prompt - self.charged_completion, 0)
+
+
+def _status(url: str, models: tuple[str, ...]) -> bytes:
+    now = utc_now()
+    return dump(Status(generation=1, state="running", since=now, message="running", url=url,
+                       checked_at=now, models=models))  # fmt: skip
+
+
+@dataclass
+class Charges:
+    """The gateway in front of one engine, and the table of what each request cost."""
+
+    gateway: Gateway
+    engine_url: str
+    model: str
+    counters: Callable[[], Counters]
+    kind: str  # the engine, in the table
+    table: list[Charge]
+
+    def rows(self) -> int:
+        path = self.gateway.data_dir / "record" / "record.sqlite3"
+        if not path.exists():
+            return 0
+        with sqlite3.connect(path) as db:
+            return int(db.execute("SELECT COUNT(*) FROM generations").fetchone()[0])
+
+    def last_row(self) -> tuple[str, str, int, int]:
+        path = self.gateway.data_dir / "record" / "record.sqlite3"
+        with sqlite3.connect(path) as db:
+            found = db.execute(
+                "SELECT outcome, usage_source, prompt_tokens, completion_tokens "
+                "FROM generations ORDER BY rowid DESC LIMIT 1"
+            ).fetchone()
+        return str(found[0]), str(found[1]), int(found[2] or 0), int(found[3] or 0)
+
+    def settled(self, before: int, timeout: float = 60) -> Counters:
+        """The engine's counters once the request's row is in the record and they stopped
+        moving (an engine counts a request it cancelled as it notices)."""
+        deadline = time.monotonic() + timeout
+        while self.rows() <= before:
+            if time.monotonic() > deadline:
+                log = self.gateway.log_text()[-2000:]
+                raise AssertionError(f"no row within {timeout} s:\n{log}")
+            time.sleep(0.05)
+        last = self.counters()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.counters()
+            if now == last:
+                return now
+            last = now
+        return last
+
+    def measure(self, route: str, way: str, ask: Callable[[], object]) -> Charge:
+        """Ask once; the row it left against what the engine counted for it."""
+        before_rows, before = self.rows(), self.counters()
+        ask()
+        after = self.settled(before_rows)
+        assert self.rows() == before_rows + 1, "one row for one request"
+        outcome, source, prompt, completion = self.last_row()
+        charge = Charge(
+            self.kind, route, way, outcome, source,
+            int(after.prompt - before.prompt), int(after.generated - before.generated),
+            prompt, completion,
+        )  # fmt: skip
+        self.table.append(charge)
+        return charge
+
+
+def write_table(table: list[Charge]) -> None:
+    target = os.environ.get("LUCIA_CHARGES_TABLE")
+    if not target or not table:
+        return
+    fields = list(Charge.__dataclass_fields__)
+    with open(target, "a", encoding="utf-8") as out:
+        for charge in table:
+            out.write("\t".join(str(getattr(charge, name)) for name in fields) + "\n")
+
+
+@contextmanager
+def charging(work: Path, kind: str, engine_url: str, model: str,
+             counters: Callable[[], Counters]) -> Iterator[Charges]:  # fmt: skip
+    """The gateway and its record in front of the engine at `engine_url`."""
+    data = work / "data"
+    statuses = {ENGINE: (model,), LATE: (f"{model}-late",)}
+
+    def beat() -> None:
+        for name, models in statuses.items():
+            write_atomic(ensure_dir(data / name) / "status.json", _status(engine_url, models))
+
+    beat()
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            beat()
+
+    thread = threading.Thread(target=heartbeat, daemon=True)
+    thread.start()
+    settings = f"[limits]\nrunning = 1\n[engines.{LATE}]\ndeadline_s = {DEADLINE_S}\n"
+    table: list[Charge] = []
+    try:
+        with running_gateway(work / "gateway", data, settings) as gateway:
+            yield Charges(gateway, engine_url, model, counters, kind, table)
+    finally:
+        stop.set()
+        thread.join()
+        write_table(table)
