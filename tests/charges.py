@@ -26,16 +26,18 @@ from tests.gateway_proc import Gateway, running_gateway
 
 ENGINE = "charged"
 LATE = "late"
-DEADLINE_S = 0.3
+DEADLINE_S = 0.2
 HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True)
 class Counters:
-    """An engine's own counts so far: prompt tokens, tokens generated."""
+    """An engine's own counts so far: prompt tokens, tokens generated; and the requests it
+    holds now (running and waiting), which it counts only once they end."""
 
     prompt: float
     generated: float
+    busy: float = 0.0
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -46,10 +48,11 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
-def read_counters(url: str, prompt: str, generated: str) -> Counters:
+def read_counters(url: str, prompt: str, generated: str, busy: tuple[str, ...]) -> Counters:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    return Counters(metric_sum(text, prompt), metric_sum(text, generated))
+    held = sum(metric_sum(text, name) for name in busy)
+    return Counters(metric_sum(text, prompt), metric_sum(text, generated), held)
 
 
 @dataclass(frozen=True)
@@ -106,27 +109,33 @@ class Charges:
             ).fetchone()
         return str(found[0]), str(found[1]), int(found[2] or 0), int(found[3] or 0)
 
+    def idle(self, timeout: float = 120) -> Counters:
+        """The engine's counters once it holds no request and they stopped moving: an engine
+        counts a request it cancelled when it notices, and a request past the gateway's
+        deadline may still run there."""
+        deadline = time.monotonic() + timeout
+        last = self.counters()
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = self.counters()
+            if now == last and not now.busy:
+                return now
+            last = now
+        raise AssertionError(f"the engine did not go idle within {timeout} s: {last}")
+
     def settled(self, before: int, timeout: float = 60) -> Counters:
-        """The engine's counters once the request's row is in the record and they stopped
-        moving (an engine counts a request it cancelled as it notices)."""
+        """The engine's counters once the request's row is in the record and it is idle."""
         deadline = time.monotonic() + timeout
         while self.rows() <= before:
             if time.monotonic() > deadline:
                 log = self.gateway.log_text()[-2000:]
                 raise AssertionError(f"no row within {timeout} s:\n{log}")
             time.sleep(0.05)
-        last = self.counters()
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            now = self.counters()
-            if now == last:
-                return now
-            last = now
-        return last
+        return self.idle()
 
     def measure(self, route: str, way: str, ask: Callable[[], object]) -> Charge:
         """Ask once; the row it left against what the engine counted for it."""
-        before_rows, before = self.rows(), self.counters()
+        before_rows, before = self.rows(), self.idle()
         ask()
         after = self.settled(before_rows)
         assert self.rows() == before_rows + 1, "one row for one request"

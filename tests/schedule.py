@@ -32,6 +32,7 @@ from xdist.scheduler import LoadScopeScheduling
 GROUPS = ("vllm", "lucia", "cold-build")
 PHASES = ("all", "shared", "alone")
 VLLM_MODULES = frozenset({
+    "tests/integration/test_gateway_charges_vllm.py",
     "tests/integration/test_gateway_vllm.py",
     "tests/integration/test_kv_tiers_shared_root.py",
     "tests/integration/test_kv_tiers_vllm.py",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gateway.usage import AnswerScan, UsageFilter, running_counts
+from supervisor.host.gateway.usage import AFTER_CLOSE, AnswerScan, UsageFilter, running_counts
 
 STREAMS = Path(__file__).resolve().parents[1] / "data" / "streams"
 NAMES = sorted(path.stem for path in STREAMS.glob("*.sse"))
@@ -84,8 +84,8 @@ def test_a_whole_stream_costs_the_engines_own_usage(name: str, how: str) -> None
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "vllm_responses"])
 def test_a_stream_ended_early_costs_the_engines_count_at_the_last_event_read(name: str) -> None:
-    """Cut after each event: the running count there, as the engine said it (never 0 once an
-    event with a count passed)."""
+    """Cut after each event: the running count there, as the engine said it, and what it
+    generates before it notices the close (never 0 once an event with a count passed)."""
     all_events = events(name)
     for cut in range(1, len(all_events)):
         usage = UsageFilter(hide=True, strip=True)
@@ -99,7 +99,7 @@ def test_a_stream_ended_early_costs_the_engines_count_at_the_last_event_read(nam
         assert charged is not None
         ended = any(d.get("choices") == [] or d.get("type") == "response.completed"
                     for e in all_events[:cut] for d in documents(e))  # fmt: skip
-        at = ("engine" if ended else "engine_partial", expected)
+        at = ("engine", expected) if ended else ("engine_partial", expected + AFTER_CLOSE)
         assert (source, charged.get("completion_tokens", charged.get("output_tokens"))) == at
         if not ended:
             assert charged["prompt_tokens"] == final(name)[0], "the prompt, as the engine said"
@@ -107,15 +107,21 @@ def test_a_stream_ended_early_costs_the_engines_count_at_the_last_event_read(nam
 
 
 def test_vllms_responses_stream_is_counted_by_its_deltas() -> None:
-    """vLLM sends no running count on /v1/responses: each output event is a token (vLLM may
-    put two in one, which is why this is `counted`, not the engine's)."""
+    """vLLM sends no running count on /v1/responses, and may put several tokens in one delta:
+    a stream of it that ended early costs its deltas' UTF-8 bytes (a token is at least a byte),
+    and what the engine generates before it notices the close."""
     all_events = events("vllm_responses")
     deltas = [i for i, e in enumerate(all_events) if b"response.output_text.delta" in e]
+    text = b"".join(
+        d["delta"].encode() for e in all_events for d in documents(e) if "delta" in d
+    )
+    assert len(text) > len(deltas), "more bytes than events: the bytes are the bound"
     usage = UsageFilter(hide=False)
     for event in all_events[: deltas[-1] + 1]:
         usage.feed(event)
     charged, source = usage.charged(prompt_estimate=40, whole=False)
-    assert (source, charged) == ("counted", {"prompt_tokens": 40, "completion_tokens": 2})
+    assert source == "counted"
+    assert charged == {"prompt_tokens": 40, "completion_tokens": len(text) + AFTER_CLOSE}
 
 
 @pytest.mark.parametrize("how", ["whole", "bytes", "97"])
@@ -153,7 +159,7 @@ def test_text_that_looks_like_a_count_is_never_taken_for_one() -> None:
         usage.feed(event)
     charged, source = usage.charged(prompt_estimate=999, whole=False)
     assert source == "engine_partial" and charged is not None
-    assert charged["completion_tokens"] == generated_by("llama_chat", 3)
+    assert charged["completion_tokens"] == generated_by("llama_chat", 3) + AFTER_CLOSE
 
 
 def test_what_is_drained_after_the_client_left_is_counted_not_passed() -> None:
@@ -163,7 +169,8 @@ def test_what_is_drained_after_the_client_left_is_counted_not_passed() -> None:
     usage.drain(b"".join(all_events[1:4]))
     charged, source = usage.charged(prompt_estimate=999, whole=False)
     assert passed and source == "engine_partial"
-    assert charged is not None and charged["completion_tokens"] == generated_by("vllm_chat", 4)
+    assert charged is not None
+    assert charged["completion_tokens"] == generated_by("vllm_chat", 4) + AFTER_CLOSE
 
 
 def plain(size: int, usage_first: bool) -> bytes:

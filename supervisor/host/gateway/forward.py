@@ -291,9 +291,14 @@ class Forwarder:
             trace.delivered = True
             await sse.write_eof()
         finally:
+            many = prepared.sequences
+            trace.usage, trace.usage_source = usage.charged(prepared.prompt_estimate, whole, many)
             if not whole:
-                await _drain(upstream, usage)
-            trace.usage, trace.usage_source = usage.charged(prepared.prompt_estimate, whole)
+                try:  # a client that left may be seen to leave again: its handler cancelled
+                    await _drain(upstream, usage)
+                finally:
+                    estimate = prepared.prompt_estimate
+                    trace.usage, trace.usage_source = usage.charged(estimate, False, many)
 
 
 async def _drain(upstream: aiohttp.ClientResponse, usage: UsageFilter) -> None:

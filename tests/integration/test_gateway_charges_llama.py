@@ -1,0 +1,142 @@
+"""Every request through the gateway is charged at least what the real llama-server generated
+for it: chat, text completions, /v1/responses and embeddings; plain, streamed, left mid-stream,
+past the deadline, and an engine killed mid-stream (tests/charges.py).
+
+The engine's own count is its /metrics: `llamacpp:prompt_tokens_total` (the prompt tokens it
+processed, not those its cache held) and `llamacpp:tokens_predicted_total`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import openai
+import pytest
+
+from tests.charge_cases import HELLO, LATE_WAYS, WAYS, cases
+from tests.charges import Charge, Charges, Counters, charging, read_counters
+from tests.fixtures import RUN_ID, TEST_LABEL, free_port
+from tests.gguf_fixtures import TinyLlama, write_llama
+from tests.llama_server import CONTAINER_DIR, CONTAINER_PORT
+from tests.vllm_cpu import wait_for
+
+pytestmark = pytest.mark.docker
+
+MODEL = "tiny"
+CONTEXT = 4096
+LONG = 3000  # tokens of a long answer: about a second of this engine's on two cores
+
+
+def start_llama(client: docker.DockerClient, image: str, network: tuple[str, str],
+                models: Path) -> tuple[Any, str]:  # fmt: skip
+    """llama-server serving the tiny GGUF, generation and embeddings, on the network's
+    gateway address: its container and url."""
+    name, gateway = network
+    port = free_port()
+    container = client.containers.run(
+        image,
+        [
+            "--model", f"{CONTAINER_DIR}/tiny.gguf", "--alias", MODEL,
+            "--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--metrics",
+            "--embeddings", "--pooling", "mean", "--parallel", "1", "--ctx-size", str(CONTEXT),
+        ],
+        name=f"lucia-t{RUN_ID}-charges-{port}", detach=True, labels={TEST_LABEL: RUN_ID},
+        network=name, ports={f"{CONTAINER_PORT}/tcp": (gateway, port)},
+        volumes={str(models): {"bind": CONTAINER_DIR, "mode": "ro"}},
+    )  # fmt: skip
+    url = f"http://{gateway}:{port}"
+    wait_for(lambda: _healthy(url), "llama-server's /metrics")
+    return container, url
+
+
+BUSY = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+
+
+def counters(url: str) -> Counters:
+    return read_counters(
+        url, "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", BUSY
+    )
+
+
+def _healthy(url: str) -> bool:
+    try:
+        counters(url)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def llama(client: docker.DockerClient, llama_server_image: str,
+          llama_network: tuple[str, str],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:  # fmt: skip
+    models = tmp_path_factory.mktemp("charges-models")
+    write_llama(models / "tiny.gguf", TinyLlama(context=CONTEXT))
+    models.chmod(0o755)
+    container, url = start_llama(client, llama_server_image, llama_network, models)
+    yield container, url
+    container.remove(force=True)
+
+
+@pytest.fixture(scope="module")
+def charges(llama: tuple[Any, str],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Charges]:  # fmt: skip
+    _, url = llama
+    with charging(tmp_path_factory.mktemp("charges"), "llama-server", url, MODEL,
+                  lambda: counters(url)) as found:  # fmt: skip
+        yield found
+
+
+@pytest.mark.parametrize(("route", "way"), cases(("chat", "completions", "responses",
+                                                   "embeddings")))  # fmt: skip
+def test_each_way_of_asking_is_charged_what_llama_server_generated(
+    charges: Charges, route: str, way: str
+) -> None:
+    model = f"{MODEL}-late" if way in LATE_WAYS else MODEL
+    client = charges.gateway.client(timeout=120)
+    charge = charges.measure(route, way, lambda: WAYS[way](client, route, model, LONG))
+    assert charge.under == 0, charge
+    assert charge.charged_prompt > 0, charge
+    assert charge.charged_completion >= charge.engine_generated, charge
+    if route != "embeddings" and way not in LATE_WAYS:  # that may end before the engine began
+        assert charge.engine_generated > 0, charge
+    if way in LATE_WAYS and route != "embeddings":  # ok: a machine that generates it in time
+        assert charge.outcome in ("timed_out", "ok"), charge
+    if way == "left mid-stream":
+        assert (charge.outcome, charge.usage_source) == ("client_gone", "engine_partial"), charge
+
+
+def test_a_stream_whose_engine_is_killed_is_charged_what_passed(
+    charges: Charges, llama: tuple[Any, str]
+) -> None:
+    """The engine's counters die with it: the row is charged at least the events the client
+    got, each a token, from the engine's own running count."""
+    container, _ = llama
+    client = charges.gateway.client(timeout=120)
+    before = charges.rows()
+    got = 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": HELLO}], max_tokens=3000,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    try:
+        for _chunk in stream:
+            got += 1
+            if got == 8:
+                container.kill()
+    except openai.APIError:
+        pass
+    deadline = time.monotonic() + 60
+    while charges.rows() <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    outcome, source, prompt, completion = charges.last_row()
+    assert (outcome, source) == ("engine_failed", "engine_partial")
+    assert prompt > 0 and completion >= got - 1  # the first event is the role, no token
+    charges.table.append(
+        Charge("llama-server", "chat", "engine killed", outcome, source, -1, -1, prompt,
+               completion)  # the engine's own count died with it
+    )  # fmt: skip
