@@ -2,17 +2,17 @@
 outside it is kept in.
 
 A name becomes a served name where it enters: a GGUF the library adds (its file name without
-`.gguf`, or a split model's prefix), a vLLM recipe's `served_name`, a tier alias in the
-gateway's settings. Each of those refuses a name that breaks the rule, saying why. The rule is
-1 to 256 ASCII letters, digits and `. _ : @ + - /`; the name and each part of it after a `/`
-start with a letter or a digit (no leading punctuation, no empty part, no trailing `/`); and no
-`..` anywhere.
+`.gguf`, or a split model's prefix), a vLLM or TensorFold recipe's served names, a tier alias
+in the gateway's settings. Each of those refuses a name that breaks the rule, saying why. The
+rule is 1 to 256 ASCII letters, digits and `. _ : @ + - /`; the name and each part of it after
+a `/` start with a letter or a digit (no leading punctuation, no empty part, no trailing `/`);
+and no `..` anywhere.
 
 A name from before the rule (a GGUF a library already held) is still served, and a row of the
 record still keeps it: as its digest form, `<shown>~<16 hex>`, where `<shown>` is its first 64
 characters with each one outside the rule's characters made `_`, and the hex digits are the
 first 16 of the SHA-256 of its UTF-8 bytes. `~` is never in a served name, so a digest form is
-never one, and two names that differ have different digests.
+never one, and names that differ get different digests (64 bits of the SHA-256).
 """
 
 from __future__ import annotations
