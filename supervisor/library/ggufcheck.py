@@ -145,7 +145,9 @@ def unit_name(name: str) -> str:
 
 
 def name_problem(name: str) -> str | None:
-    """Why a model name cannot be a cache directory and a preset section, or None."""
+    """Why a model name cannot be a cache directory and a preset section, or None. Looser than
+    the served-name rule (protocol.names), which the library's add holds new downloads to: a
+    name from a library before that rule is served still."""
     if not name:
         return "gives an empty model name"
     if name.startswith((".", " ")) or name.endswith(" "):

@@ -321,12 +321,28 @@ def test_only_the_usage_only_event_is_kept_back_however_the_stream_is_cut(
         ("[limits\n", "not valid TOML"),
         ("[page]\nsession_s = 0.5", "page.session_s"),
         ("[page]\nsession_hours = 1", "page.session_hours: unknown setting"),
+        ('[tiers]\n"fast model" = "tiny"', "tiers: alias 'fast model' is not a served name: it "
+         "has a space: a served name has letters, digits and . _ : @ + - / only"),
+        ('[tiers]\n"Qwen 7B (Q4)" = "tiny"', "tiers: alias 'Qwen 7B (Q4)' is not a served name"),
+        ('[tiers]\n"" = "tiny"', "tiers: alias '' is not a served name: it is empty"),
+        ('[tiers]\n"-fast" = "tiny"', "tiers: alias '-fast' is not a served name: it starts"),
+        ('[tiers]\n"a/../b" = "tiny"', "tiers: alias 'a/../b' is not a served name: it has '..'"),
+        ('[tiers]\n"rápido" = "tiny"', "tiers: alias 'rápido' is not a served name"),
     ],
-)
+)  # fmt: skip
 def test_bad_settings_name_the_setting(text: str, words: str) -> None:
     with pytest.raises(SettingsError, match=r"^gw\.toml: ") as caught:
         parse(text, "gw.toml")
     assert words in str(caught.value)
+
+
+def test_a_tier_alias_is_a_served_name_naming_any_model() -> None:
+    """The alias keeps the rule; the model it names may be one from before it (a library's
+    GGUF of that name is served still)."""
+    settings = parse(
+        '[tiers]\nfast = "Qwen 7B (Q4)"\n"qwen2.5:7b" = "tiny"\n"org/m@v1" = "tiny"', "gw.toml"
+    )
+    assert settings.tiers == {"fast": "Qwen 7B (Q4)", "qwen2.5:7b": "tiny", "org/m@v1": "tiny"}
 
 
 def test_settings_defaults_and_engine_overrides() -> None:

@@ -5,6 +5,7 @@ response. The engine is the fast local upstream; its status.json is written by t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,10 +41,11 @@ BUILD = RunningEngine(image="lucia-llama-server:1", image_id="sha256:" + "ab" * 
                       engine_version="b11669-Debian")  # fmt: skip
 
 
-def serving(data: Path, url: str) -> None:
+def serving(data: Path, url: str, models: tuple[str, ...] = ("tiny",)) -> None:
     now = utc_now()
     status = Status(generation=1, state="running", since=now, message="serving", url=url,
-                    checked_at=now, engine=BUILD, models=("tiny",))  # fmt: skip
+                    checked_at=now, engine=BUILD.model_copy(update={"model": models[0]}),
+                    models=models)  # fmt: skip
     write_atomic(ensure_dir(data / "small") / "status.json", dump(status))
 
 
@@ -192,6 +194,51 @@ def test_a_budget_read_from_the_record_refuses_what_its_rest_cannot_hold(
 
     path = run(tmp_path, scenario, BUDGETED, Upstream(chunks=40))
     assert [r["outcome"] for r in rows(path)] == ["ok", "refused:budget_exceeded"]
+
+
+LEGACY = "Qwen 7B (Q4)"  # a GGUF a library held before the served-name rule: served still
+
+
+def test_a_model_named_outside_the_rule_is_recorded_by_its_digest_and_charged(
+    tmp_path: Path,
+) -> None:
+    """Was: each row refused for the model's name and only logged, so nothing was charged: the
+    key spent 0 and was never refused. Its rows are kept under the name's digest form now."""
+    kept = "Qwen_7B__Q4_~" + hashlib.sha256(LEGACY.encode()).hexdigest()[:16]
+
+    async def scenario(w: World, store: Store) -> None:
+        serving(w.data, w.upstream.url, models=(LEGACY,))
+        client = openai.AsyncOpenAI(base_url=w.base, api_key=INFERENCE_KEY, max_retries=0)
+        messages: Any = [{"role": "user", "content": "hi"}]
+        answer = await client.chat.completions.create(model=LEGACY, messages=messages)
+        assert answer.usage is not None and answer.usage.total_tokens == 8  # under 10
+        stream = await client.chat.completions.create(model=LEGACY, messages=messages,
+                                                      stream=True)  # fmt: skip
+        async for _chunk in stream:
+            pass
+        with pytest.raises(openai.RateLimitError) as refused:  # 16 spent: over the budget
+            await client.chat.completions.create(model=LEGACY, messages=messages)
+        assert refused.value.code == "budget_exceeded"
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.get(f"{w.base}/budget") as r:
+                standing = await r.json()
+            async with asyncio.timeout(30):
+                while store.committed < 3:
+                    await asyncio.sleep(0.02)
+            url = str(w.gateway.make_url("/api/host/usage"))
+            async with s.get(url, params={"by": "model"}, headers=OWNER) as r:
+                figures = await r.json()
+        assert (standing["spent_tokens"], standing["remaining_tokens"]) == (16, 0)
+        assert [(g["model"], g["requests"], g["promptTokens"], g["completionTokens"])
+                for g in figures["groups"]] == [(kept, 3, 10, 6)]  # fmt: skip
+        assert [b["model"] for b in w.upstream.bodies] == [LEGACY, LEGACY], "its own name"
+
+    with structlog.testing.capture_logs() as logs:
+        path = run(tmp_path, scenario, BUDGETED)
+    assert [(r["model"], r["engine"], r["outcome"], r["prompt_tokens"]) for r in rows(path)] == [
+        (kept, "small", "ok", 5), (kept, "small", "ok", 5),
+        (kept, "small", "refused:budget_exceeded", None)]  # fmt: skip
+    assert not [e for e in logs if e["event"] == "request not recorded"], logs
 
 
 def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(

@@ -196,8 +196,10 @@ def _keys(tmp_path: Path, owner: str, inference: str) -> str:
         ("[listen]\nheader_timeout_s = 0\n", OWNER_KEY, INFERENCE_KEY, "listen.header_timeout_s"),
         ("", "short", INFERENCE_KEY, "a key has at least 32 and at most 1024 characters"),
         ("", OWNER_KEY, OWNER_KEY, "must differ"),
+        ('[tiers]\n"fast model" = "tiny"\n', OWNER_KEY, INFERENCE_KEY,
+         "tiers: alias 'fast model' is not a served name: it has a space"),
     ],
-)
+)  # fmt: skip
 def test_bad_settings_or_keys_exit_78_with_the_rule(
     tmp_path: Path, settings: str, owner: str, inference: str, words: str
 ) -> None:

@@ -17,12 +17,15 @@ from typing import Any
 import pytest
 import structlog
 
+from supervisor.host.gateway.forward import Trace
+from supervisor.host.gateway.recording import Request, row_of
 from supervisor.host.record import batch, queries, schema
 from supervisor.host.record.database import Target, open_postgres, open_sqlite
 from supervisor.host.record.ledger import Spent
 from supervisor.host.record.row import Build, refused
 from supervisor.host.record.store import Store
 from supervisor.host.record.writer import COMMITTED_WITHIN_S, UNAVAILABLE, Timing
+from supervisor.protocol.names import digest_form
 from tests.postgres import Cluster
 from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
 from tests.standin import free_port
@@ -111,6 +114,28 @@ def test_two_gateways_share_one_record_and_one_budget(postgres: Cluster, stores:
     until(lambda: two.spending(KEY) == both, what="the second gateway seeing the first's rows")
     db = open_postgres(dsn)
     assert facts(db).totals_match
+    db.close()
+
+
+def test_a_name_outside_the_rule_is_kept_by_its_digest_charged_and_reported(
+    postgres: Cluster, stores: Any
+) -> None:
+    """The gateway's row for a model a library held before the served-name rule: kept, its
+    tokens in its key's total, the usage naming it by the digest form (was: refused)."""
+    dsn = postgres.database()
+    store = stores(dsn)
+    legacy = "Qwen 7B (Q4)"
+    usage = {"prompt_tokens": 5, "completion_tokens": 3}
+    for _ in range(2):
+        made = row_of(Trace(arrived=0.0, outcome="ok", usage=usage),
+                      Request(KEY, legacy, legacy, "small"), now=1.0)  # fmt: skip
+        assert store.record(made)
+    until(lambda: store.committed == 2, what="the rows committed")
+    assert store.spending(KEY) == Spent(16, 2)
+    db = open_postgres(dsn)
+    (line,) = queries.usage(db, days_ago(1), "model")
+    assert line.group == (digest_form(legacy),) and line.group[0].startswith("Qwen_7B__Q4_~")
+    assert (line.requests, line.prompt_tokens, line.completion_tokens) == (2, 10, 6)
     db.close()
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from supervisor.host.gateway.forward import Trace
+from supervisor.host.gateway.recording import Request, row_of
 from supervisor.host.gateway.settings import SettingsError, parse
 from supervisor.host.record.batch import totals_of
 from supervisor.host.record.database import Target, safe_dsn
@@ -29,6 +31,7 @@ from supervisor.host.record.row import (
     tokens_of,
 )
 from supervisor.protocol.documents import RunningEngine
+from supervisor.protocol.names import digest_form
 from tests.record_world import KEY, NOW, OTHER, row
 
 SECRET = "lucia_inf_" + "x" * 43
@@ -90,6 +93,32 @@ def test_a_row_refuses_what_is_not_its_kind(change: dict[str, Any], names: str) 
     for value in change.values():
         if isinstance(value, str) and len(value) > 10:
             assert value not in str(caught.value)  # the rule, never the value
+
+
+@pytest.mark.parametrize(
+    "name", ["Qwen 7B (Q4)", "模型", "Llama 3.1 8B (instruct)+v2@x", "x" * 300, "a..b", ""]
+)
+def test_a_name_outside_the_rule_is_kept_by_its_digest_form_never_dropped(name: str) -> None:
+    """Was: RowRefused for the model's name, the row only logged and never charged."""
+    trace = Trace(arrived=0.0, outcome="ok", usage={"prompt_tokens": 5, "completion_tokens": 3})
+    made = row_of(trace, Request("inference", name, name, "small"), now=1.0)
+    assert made.model == digest_form(name) != name and made.engine == "small"
+    assert made.tokens == 8 and made.key_id == "inference"
+    assert row(model=made.model).model == made.model  # a row takes a digest form as it is
+    with pytest.raises(RowRefused, match=r"^model"):
+        row(model=name)  # but never the name itself: only names.kept's forms
+
+
+@pytest.mark.parametrize("name", ["tiny", "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5:7b", "m@r+b"])
+def test_a_served_name_is_kept_as_it_is(name: str) -> None:
+    trace = Trace(arrived=0.0, outcome="ok")
+    made = row_of(trace, Request("inference", name, name, name), now=1.0)
+    assert (made.model, made.engine) == (name, name)
+
+
+def test_a_key_passed_by_mistake_is_still_refused_not_stored() -> None:
+    with pytest.raises(RowRefused, match=r"^key_id"):
+        row_of(Trace(arrived=0.0, outcome="ok"), Request(SECRET, "Qwen 7B (Q4)", "m", "e"), 1.0)
 
 
 @pytest.mark.parametrize("field", ["engine_version", "image_id", "weights_revision"])

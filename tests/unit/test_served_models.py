@@ -1,6 +1,7 @@
 """The model names each engine kind serves, as status.json's `models` says them in every state:
 the router's preset sections (or, before a sync current with the library, what the next sync
-would offer), vLLM's served names, TensorFold's `--name`."""
+would offer), vLLM's served names, TensorFold's `--name`; and the served-name rule the vLLM and
+TensorFold recipes hold theirs to (protocol.names)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from supervisor.engines.tensorfold.recipe import served_names as tensorfold_name
 from supervisor.engines.vllm.recipe import VllmRecipe
 from supervisor.engines.vllm.recipe import served_names as vllm_names
 from supervisor.library.models import Library, LibraryUnavailable, ReadyModel
+from supervisor.recipe.schema import RecipeError
 from tests.gguf_fixtures import add_model, break_magic, write_gguf, write_model
 from tests.support import MINIMAL_RECIPE
 
@@ -111,6 +113,41 @@ def test_the_shipped_vllm_recipes_serve_their_served_name() -> None:
         recipe = load(ROOT / "recipes" / name)
         assert isinstance(recipe, VllmRecipe)
         assert vllm_names(recipe) == (recipe.vllm.served_name,)
+
+
+@pytest.mark.parametrize(
+    ("served", "args", "why"),
+    [
+        ("Qwen 7B (Q4)", [], "vllm.served_name: Value error, 'Qwen 7B (Q4)' is not a served name"),
+        ("a/../b", [], "'a/../b' is not a served name: it has '..'"),
+        ("a//b", [], "'a//b' is not a served name: it has an empty part"),
+        ("ok", ["--served-model-name", "fine", "not fine"], "'not fine' is not a served name"),
+        ("ok", ["--served-model-name=modèle"], "'modèle' is not a served name"),
+    ],
+)
+def test_vllm_refuses_a_served_name_outside_the_rule(
+    served: str, args: list[str], why: str
+) -> None:
+    """Was: taken (the args unchecked, the served_name under a rule of its own with `..`)."""
+    text = VLLM.replace('"llama-small"', json.dumps(served)).replace("ARGS", json.dumps(args))
+    with pytest.raises(RecipeError) as caught:
+        parse(text)
+    assert why in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    ("command", "why"),
+    [
+        ('["tensorfold", "serve", "org/m", "--name", "Qwen 7B"]', "'Qwen 7B'"),
+        ('["tensorfold", "serve", "--name", "${N}"]', "'from settings'"),
+        ('["tensorfold", "serve", "--served-model-name=.x"]', "'.x'"),
+    ],
+)
+def test_tensorfold_refuses_a_served_name_outside_the_rule(command: str, why: str) -> None:
+    text = MINIMAL_RECIPE.replace("[run]", '[settings]\nN = "from settings"\n[run]')
+    with pytest.raises(RecipeError) as caught:
+        parse(text + f"command = {command}\n")
+    assert f"{why} is not a served name: it " in str(caught.value), caught.value
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from typing import Final, Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from supervisor.engines.flags import flag_values
+from supervisor.protocol import names
 from supervisor.recipe.schema import BuildTag, Commit, RecipeBase, Section
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -99,6 +100,16 @@ class TensorFoldRecipe(RecipeBase):
     @property
     def image_from_prepare(self) -> bool:
         return self.image.from_ == "prepare"
+
+    @model_validator(mode="after")
+    def _served_name(self) -> Self:
+        """The name it serves under (`served_names`) is a served name (protocol.names)."""
+        for name in served_names(self):
+            try:
+                names.check(name)
+            except ValueError as exc:
+                raise ValueError(f"the name it serves under (--name, else model): {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _prepare_makes_image(self) -> Self:

@@ -12,6 +12,7 @@ from supervisor.engines.flags import flag_values
 from supervisor.engines.vllm import account, cpu
 from supervisor.engines.vllm.preflight import NIGHTLY_COMMIT, Choices
 from supervisor.engines.vllm.tiers import DiskTier, Parallel, TierPlan, data_parallel
+from supervisor.protocol import names
 from supervisor.recipe import reference
 from supervisor.recipe.schema import (
     ByteSize,
@@ -104,7 +105,9 @@ class Vllm(Section):
     quantization: Literal["none", "fp8"] = "none"
     memory: int = Field(default=90, ge=10, le=95, description="percent of each GPU")
     nightly_commit: Commit | None = Field(default=None, description="the full pinned main commit")
-    served_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    served_name: Annotated[str, AfterValidator(names.check)] = Field(
+        description="the name requests give (protocol.names: a served name)"
+    )
     max_model_len: int = Field(ge=256)
     prefix_caching: bool = True
     tensor_parallel: int = Field(default=1, ge=1)
@@ -122,6 +125,16 @@ class Vllm(Section):
         description="the nvidia-smi the GPU preflight runs: a path where it is not on PATH; "
         "tests point it at a script printing a recorded card's outputs",
     )
+
+    @model_validator(mode="after")
+    def _served_names(self) -> Self:
+        """What `--served-model-name` of the extra arguments gives keeps the rule too."""
+        for name in flag_values(self.args, "--served-model-name", many=True):
+            try:
+                names.check(name)
+            except ValueError as exc:
+                raise ValueError(f"args --served-model-name: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _nightly_pinned(self) -> Self:

@@ -4,7 +4,9 @@ Only a request with a caller and a model the gateway routed is a row: a 401 has 
 a body that broke or names no known model has no name the record may keep (the client's text is
 never stored). The build and the weights revision are the engine's status.json's when the
 request was admitted; a revision that may be another model's (an engine serving several names
-whose status names another) is `unknown`, never a guess.
+whose status names another) is `unknown`, never a guess. The model and the engine are kept as
+`names.kept` gives them: a name outside the served-name rule (a GGUF a library held before the
+rule) is its digest form, never a reason to lose the row, so its tokens are charged as any.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from supervisor import logs
 from supervisor.host.gateway.forward import Trace
 from supervisor.host.record.row import Build, Row, RowRefused, refused, tokens_of
 from supervisor.protocol.documents import Status
+from supervisor.protocol.names import kept
 
 log = logs.get("gateway")
 
@@ -58,8 +61,8 @@ def row_of(trace: Trace, asked: Request, now: float) -> Row:
     return Row(
         at=trace.at,
         key_id=asked.key_id,
-        model=asked.asked,
-        engine=asked.engine,
+        model=kept(asked.asked),
+        engine=kept(asked.engine),
         build=build_of(trace.served_by, asked.model),
         outcome=outcome,
         prompt_tokens=prompt,

@@ -19,8 +19,9 @@ body_timeout_s = 60            # a request whose whole body has not come this lo
 owner_file = "~/.config/lucia/owner.key"
 inference_file = "~/.config/lucia/inference.key"
 
-[tiers]                        # aliases a request's `model` may name
-fast = "qwen2.5-0.5b"
+[tiers]                        # aliases a request's `model` may name: each a served name
+fast = "qwen2.5-0.5b"          # (protocol.names: letters, digits and . _ : @ + - /), the
+                               # model it names any name an engine serves
 
 [limits]                       # for every engine, unless [engines.NAME] says otherwise
 # running = 4                  # requests forwarded at once; unset (the default): as many as
@@ -100,6 +101,7 @@ from pydantic import (
 
 from supervisor.host.gateway.bounds import Bounds
 from supervisor.host.record.database import SQLITE_FILE, Target
+from supervisor.protocol import names
 
 SETTINGS_ENV: Final = "LUCIA_GATEWAY_SETTINGS"
 DEFAULT_ADDRESS: Final = "127.0.0.1"
@@ -296,6 +298,18 @@ class Settings(_Section):
     budget: Budget = Field(default_factory=Budget)
     record: Record = Field(default_factory=Record)
     page: Page = Field(default_factory=Page)
+
+    @field_validator("tiers")
+    @classmethod
+    def _aliases_are_served_names(cls, value: dict[str, str]) -> dict[str, str]:
+        """An alias is asked for and recorded as a model is: it keeps the served-name rule.
+        The model it names may be any an engine serves (one from before the rule too)."""
+        for alias in value:
+            try:
+                names.check(alias)
+            except ValueError as exc:
+                raise ValueError(f"alias {exc}") from None
+        return value
 
     def admission(self, engine: str, slots: int | None = None) -> Admission:
         """The engine's limits; `slots`: what it publishes it holds at once (None: nothing)."""

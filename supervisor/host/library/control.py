@@ -1,7 +1,8 @@
 """What the CLI asks of the library: add a download, retry, cancel, remove; partials swept.
 
-`add` resolves the revision, lists the commit's files and checks the free space itself, so that
-a refusal is immediate, then writes a Queued model.json into a new <guid>/. Retry, cancel and
+`add` resolves the revision, lists the commit's files and checks the names the router would
+serve them under and the free space itself, so that a refusal is immediate and writes nothing,
+then writes a Queued model.json into a new <guid>/. Retry, cancel and
 remove are applied at once when no queue runs (the CLI takes the lease for that moment);
 otherwise they are left as <guid>/control.json for the running queue, which owns every
 model.json it has taken.
@@ -20,7 +21,9 @@ from typing import Final, Literal, get_args
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.hub import Hub, HubRefused, check_repo, select
 from supervisor.host.library.lease import CatalogLease
+from supervisor.library import ggufcheck
 from supervisor.protocol.files import FileLock, read_text, write_atomic
+from supervisor.protocol.names import problem as name_problem
 
 MAX_QUEUE: Final = 16
 CONTROL: Final = "control.json"
@@ -57,6 +60,23 @@ def space_during(total: int, done: int, free: int) -> str | None:
     return space_problem(max(total - done, 0), free)
 
 
+def served_name_problem(files: list[mf.HubFile]) -> str | None:
+    """Why a download would give the router a name outside the served-name rule (pure): a
+    GGUF is served by its file name without `.gguf` (a split model by the prefix of its
+    shards; a file in a sub-folder by its own name), an mmproj file by none. None when every
+    name keeps it."""
+    for file in files:
+        base = file.path.rsplit("/", 1)[-1]
+        if not base.endswith(ggufcheck.SUFFIX) or ggufcheck.is_mmproj(base):
+            continue
+        served = ggufcheck.unit_name(base)
+        problem = name_problem(served)
+        if problem is not None:
+            return (f"{file.path!r} would be served as {served!r}, which is not a served name: "
+                    f"it {problem}")  # fmt: skip
+    return None
+
+
 def queue_problem(models: list[mf.Manifest], limit: int = MAX_QUEUE) -> str | None:
     active = sum(1 for m in models if m.state in mf.ACTIVE)
     if active >= limit:
@@ -89,6 +109,9 @@ def add(
     if not files:
         shown = " ".join(include) or "(everything)"
         raise HubRefused(f"no file of {repo} at {commit} matches --include {shown}")
+    problem = served_name_problem(files)
+    if problem:
+        raise Refused(f"{repo}: {problem}")
     root.mkdir(mode=0o750, parents=True, exist_ok=True)
     total = sum(f.size for f in files)
     problem = space_problem(total, free_bytes(root))

@@ -2,8 +2,12 @@
 
 Every string a row holds is a name checked against a rule with no room for prose (no spaces, a
 bounded length), and the key id must look like one (`owner`, `inference` or `key_` and 12 hex
-digits), so a key passed by mistake is refused, not stored. There is no field for a prompt, a
-completion or a message: a refusal is kept as its code (`refused:rate_limited`), never its text.
+digits), so a key passed by mistake is refused, not stored. The model and the engine are
+served names (protocol.names) or, for a name from before that rule (a GGUF a library already
+held, served still), its digest form: the gateway gives a row `names.kept(name)`, so no row is
+ever lost for its name, and its tokens are charged to its key as any other's. There is no
+field for a prompt, a completion or a message: a refusal is kept as its code
+(`refused:rate_limited`), never its text.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from datetime import UTC, date, datetime
 from typing import Any, Final
 
 from supervisor.host.keys import ID_PATTERN
+from supervisor.protocol import names
 from supervisor.protocol.documents import RunningEngine
 
 UNKNOWN: Final = "unknown"  # a build or weights revision the engine's status did not name
-NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
+NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")  # a build's names
 KEY_ID: Final = re.compile(rf"owner|inference|{ID_PATTERN.pattern}")
 PLAIN_OUTCOMES: Final = frozenset(
     {"ok", "engine_error", "engine_failed", "client_gone", "timed_out"}
@@ -40,6 +45,15 @@ def _name(field: str, value: object) -> str:
     if not isinstance(value, str) or not NAME.fullmatch(value):
         raise RowRefused(f"{field}: a name of letters, digits and ._:/@+- (at most 256)")
     return value
+
+
+def _served(field: str, value: object) -> str:
+    if isinstance(value, str) and names.is_kept(value):
+        return value
+    raise RowRefused(
+        f"{field}: a served name ({names.CHARACTERS}, at most {names.MAX_LENGTH}) or the "
+        "digest form of a name (names.kept)"
+    )
 
 
 def _count(field: str, value: object) -> int | None:
@@ -113,8 +127,8 @@ class Row:
 
     at: datetime
     key_id: str  # the caller's Identity.key_id, never the key
-    model: str  # the tier or model name asked for, as routed (a name the gateway knows)
-    engine: str
+    model: str  # the tier or model name asked for, as routed, as names.kept gives it
+    engine: str  # as names.kept gives it
     build: Build
     outcome: str
     prompt_tokens: int | None
@@ -131,8 +145,8 @@ class Row:
         object.__setattr__(self, "at", self.at.astimezone(UTC))
         if not isinstance(self.key_id, str) or not KEY_ID.fullmatch(self.key_id):
             raise RowRefused("key_id: owner, inference or key_ and 12 hex digits (a key's id)")
-        _name("model", self.model)
-        _name("engine", self.engine)
+        _served("model", self.model)
+        _served("engine", self.engine)
         if not isinstance(self.build, Build):
             raise RowRefused("build: a Build")
         check_outcome(self.outcome)
