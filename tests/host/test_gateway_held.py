@@ -1,21 +1,27 @@
-"""The bytes of request bodies the gateway holds at once (listen.bodies_bytes, bodies.py):
-bodies past the bound refused with 429 while most of them is still unsent, and their bytes
-given back however a request ends. Over raw sockets, so that a body can be held back; ordering
+"""The bytes of request bodies the gateway holds at once (listen.bodies_bytes, bodies.py), and
+where large bodies are parsed: bodies past the bound refused with 429 while most of them is
+still unsent, their bytes given back however a request ends, and the event loop answering
+while a 16 MiB body is parsed. Over raw sockets, so that a body can be held back; ordering
 only, never a clock: waits are on the gateway's own count, bounded only as a safety net."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from supervisor.host.gateway import body
 from supervisor.host.gateway.app import Gateway
-from supervisor.host.gateway.bodies import Bodies, decide, room
+from supervisor.host.gateway.bodies import PARSE_INLINE, Bodies, decide, room
+from supervisor.host.gateway.bounds import Bounds
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_BODIES_BYTES, SettingsError, parse
 from tests.host.gateway_world import AUTH, SETTINGS, World, world, write_status
@@ -234,3 +240,112 @@ def test_the_bound_is_a_setting_that_passes_the_largest_bodies() -> None:
     assert parse("[listen]\nbodies_bytes = 1048576", "gw.toml").listen.bodies_bytes == MIB
     with pytest.raises(SettingsError, match=r"listen\.bodies_bytes"):
         parse("[listen]\nbodies_bytes = 65536", "gw.toml")
+
+
+def test_the_loop_answers_while_a_large_body_parses(tmp_path: Path, monkeypatch: Any) -> None:
+    """A 16 MiB embeddings body's parse is held until `/v1/models` has answered: the models
+    come first, then the parse ends and the body is served. The gateway before parsed on the
+    event loop, which answered nothing until the parse gave up waiting."""
+    parsing, models_answered = asyncio.Event(), threading.Event()
+    order: list[str] = []
+    loops: list[asyncio.AbstractEventLoop] = []
+    prepare = body.prepare
+
+    def held_prepare(path: str, raw: bytes, limits: Bounds) -> body.Prepared:
+        loops[0].call_soon_threadsafe(parsing.set)
+        models_answered.wait(10)  # a safety net: on the loop it would never be set
+        order.append("parsed")
+        return prepare(path, raw, limits)
+
+    async def main() -> None:
+        loops.append(asyncio.get_running_loop())
+        async with world(tmp_path) as w, aiohttp.ClientSession(headers=AUTH) as s:
+            serving(w)
+            large = json.dumps({"model": "tiny", "input": "embed me"}).encode()
+            large += b" " * (body.ANY_LIMIT - len(large))
+            url = str(w.gateway.make_url("/v1/embeddings"))
+            post = asyncio.ensure_future(s.post(url, data=large))
+            await parsing.wait()
+            async with s.get(str(w.gateway.make_url("/v1/models"))) as models:
+                assert models.status == 200
+                order.append("models")
+            models_answered.set()
+            async with await post as served:
+                assert served.status == 200
+            assert w.upstream.bodies[0]["input"] == "embed me"
+
+    monkeypatch.setattr(body, "prepare", held_prepare)
+    asyncio.run(main())
+    assert order == ["models", "parsed"]
+
+
+@pytest.mark.parametrize(
+    ("size", "model", "on_the_loop"),
+    [(PARSE_INLINE, "tiny", True), (PARSE_INLINE + 1, "tiny", False),
+     (PARSE_INLINE + 1, "fast", False)],
+)  # fmt: skip
+def test_small_bodies_parse_on_the_loop_and_large_ones_beside_it(
+    tmp_path: Path, monkeypatch: Any, size: int, model: str, on_the_loop: bool
+) -> None:
+    """Each parse (the body's, and a tier alias's, which parses it again) on the loop's thread
+    up to PARSE_INLINE bytes, in another above it."""
+    threads: list[tuple[str, bool]] = []
+
+    def noting(name: str, work: Callable[..., body.Prepared]) -> Callable[..., body.Prepared]:
+        def noted(*args: Any) -> body.Prepared:
+            threads.append((name, threading.current_thread() is threading.main_thread()))
+            return work(*args)
+
+        return noted
+
+    monkeypatch.setattr(body, "prepare", noting("prepare", body.prepare))
+    monkeypatch.setattr(body, "with_model", noting("with_model", body.with_model))
+
+    async def main() -> None:
+        async with world(tmp_path) as w:
+            serving(w)
+            assert (await whole(w, chat_of(size, model)))[0] == 200
+            assert w.upstream.bodies[0]["model"] == "tiny"
+
+    asyncio.run(main())
+    renamed = [("with_model", on_the_loop)] if model == "fast" else []
+    assert threads == [("prepare", on_the_loop), *renamed]
+
+
+def test_a_request_gone_mid_parse_holds_its_bytes_until_the_parse_ends() -> None:
+    """Cancelled mid-parse, a request gives its bytes back only once the thread is done with
+    them; a parse not begun yet is dropped at once, and never runs."""
+    began, go = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def parse(which: int) -> int:
+        began.set()
+        go.wait(10)  # a safety net
+        ran.append(which)
+        return which
+
+    async def main() -> None:
+        bodies = Bodies(3 * MIB, 60, BOUNDS)
+
+        async def handler(_: web.Request) -> web.StreamResponse:
+            await bodies.off_loop(parse, 1)
+            return web.Response()
+
+        sized = {"Content-Length": str(MIB)}
+        request = make_mocked_request("POST", "/v1/embeddings", headers=sized)
+        first = asyncio.ensure_future(bodies.holding(handler)(request))
+        await asyncio.to_thread(began.wait, 10)
+        queued = asyncio.create_task(bodies.off_loop(parse, 2))
+        await asyncio.sleep(0)
+        first.cancel()
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued  # dropped while the first parse still runs
+        assert not first.done() and bodies.held == MIB
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert bodies.held == 0
+
+    asyncio.run(main())
+    assert ran == [1]

@@ -217,7 +217,7 @@ class Gateway:
         asked = prepared.model
         engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
         if model != asked:  # a tier alias: the engine knows the model's own name
-            prepared = body.with_model(prepared, model)
+            prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
         trace.served_by = engine.status
         sse: web.StreamResponse | None = None
@@ -342,6 +342,7 @@ def create_app(
     app.router.add_get(PAGE, to_page)
     app.add_subapp(PAGE, page.app())
     app.cleanup_ctx.append(gateway.forwarder.session)
+    app.cleanup_ctx.append(gateway.bodies.parsing)
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
     return app
