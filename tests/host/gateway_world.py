@@ -207,9 +207,10 @@ class World:
 
 async def serve_upstream(up: Upstream) -> TestServer:
     """The upstream listening on a port of its own (its url set); the caller closes it."""
-    engine_app = web.Application()
+    engine_app = web.Application(client_max_size=32 * 1024 * 1024)  # the largest bodies pass
     engine_app.router.add_post("/v1/chat/completions", up.handle)
     engine_app.router.add_post("/v1/completions", up.handle)
+    engine_app.router.add_post("/v1/embeddings", up.handle)
     engine = TestServer(engine_app, handler_cancellation=True)
     await engine.start_server()
     up.url = str(engine.make_url("")).rstrip("/")

@@ -21,11 +21,12 @@ from supervisor.host.gateway import body, recording
 from supervisor.host.gateway import budget as budgets
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.auth import Authenticator, Caller, allowed, check_bearer
+from supervisor.host.gateway.bodies import Bodies
 from supervisor.host.gateway.catalog import Catalog, Engine, route
 from supervisor.host.gateway.forward import Forwarder, Trace
 from supervisor.host.gateway.hostapi import HostApi
 from supervisor.host.gateway.idle import CHECK_S, IdleStop
-from supervisor.host.gateway.intake import answer_and_close, peer, read_body
+from supervisor.host.gateway.intake import answer_and_close, peer
 from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.reserve import Hold, Reservations
@@ -84,6 +85,8 @@ class Gateway:
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
         self.gates: dict[str, Gate] = {}
         self.forwarder = Forwarder()
+        self.bodies = Bodies(settings.listen.bodies_bytes, settings.listen.body_timeout_s,
+                             settings.limits.bounds)  # fmt: skip
         self.metrics = Metrics(self.counts)
         self.idle = IdleStop(
             data_dir, self.starter, self.gate, settings.idle.stop_after_s,
@@ -214,18 +217,13 @@ class Gateway:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         trace = Trace(arrived=asyncio.get_running_loop().time())
-        path = request.path
         stand = self.standing(request)
-        raw = await read_body(
-            request, body.limit(path), self.settings.listen.body_timeout_s,
-            lambda: body.too_large(path),
-        )  # fmt: skip
         room = self.reservations.room(stand)
-        prepared = body.prepare(path, raw, self.settings.limits.bounds, room)
+        prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
         asked = prepared.model
         engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
         if model != asked:  # a tier alias: the engine knows the model's own name
-            prepared = body.with_model(prepared, model)
+            prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
         trace.served_by = engine.status
         sse: web.StreamResponse | None = None
@@ -340,8 +338,8 @@ def create_app(
     app.on_response_prepare.append(gateway.say_unrecorded)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/budget", gateway.budget)
-    for path in body.FORWARDED:
-        app.router.add_post(path, gateway.forward)
+    for path in body.FORWARDED:  # each body's bytes held from before it is read to its end
+        app.router.add_post(path, gateway.bodies.holding(gateway.forward))
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)
@@ -353,6 +351,7 @@ def create_app(
     app.router.add_get(PAGE, to_page)
     app.add_subapp(PAGE, page.app())
     app.cleanup_ctx.append(gateway.forwarder.session)
+    app.cleanup_ctx.append(gateway.bodies.parsing)
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
     return app

@@ -14,6 +14,11 @@ header_timeout_s = 10          # a connection that has not sent a whole request'
 body_timeout_s = 60            # a request whose whole body has not come this long after its
                                # headers gets 408 and its connection is closed; the answer,
                                # however long it streams, is not bounded by it
+bodies_bytes = 268435456       # the bytes of request bodies held at once, over every client
+                               # (256 MiB: 16 of the largest, 16 MiB); each is counted from
+                               # before it is read (its Content-Length, else its route's limit)
+                               # to its request's end. One that would pass it: 429 bodies_busy
+                               # with Retry-After, unread, and its connection closed
 
 [keys]
 owner_file = "~/.config/lucia/owner.key"
@@ -108,6 +113,11 @@ DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0  # a slowloris holds a connection no longer than this
 DEFAULT_BODY_TIMEOUT_S: Final = 60.0  # 16 MiB, the largest body, at 2.3 Mbit/s
+# 16 of the largest bodies (16 MiB) at once. The process holds up to about twice the bytes
+# counted (a body as it is joined, or beside what goes upstream in its place) and the document
+# of the one body parsed at a time (16 MiB of token ids: about 100 MiB): under a GiB in all
+DEFAULT_BODIES_BYTES: Final = 256 * 1024 * 1024
+MIN_BODIES_BYTES: Final = 1024 * 1024  # below it, ordinary chats could never pass
 DEFAULT_RUNNING: Final = 4  # an engine that publishes no slots (yet, or an older worker)
 MAX_RUNNING: Final = 10_000
 DEFAULT_WAITING: Final = 64
@@ -167,6 +177,7 @@ class Listen(_Section):
     tls_key: FilePath | None = None
     header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
     body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600)
+    bodies_bytes: int = Field(default=DEFAULT_BODIES_BYTES, ge=MIN_BODIES_BYTES, le=2**40)
 
     @field_validator("address")
     @classmethod
