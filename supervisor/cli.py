@@ -77,7 +77,7 @@ def _cmd_request(args: argparse.Namespace) -> int:
         if problem is not None:
             _print_err(problem)
             return EXIT_USAGE
-    generation = host.request(data_dir, args.name, args.desired)
+    generation = host.request(data_dir, args.name, args.desired, "operator")
     print(generation, flush=True)
     if not args.wait:
         return EXIT_OK

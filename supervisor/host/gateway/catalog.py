@@ -1,8 +1,8 @@
 """What the engines serve, from their status.json files: the router's only source.
 
 The host never reads a recipe: each worker writes its engine's model names into status.json
-(`models`), in every state. A file is parsed again only when it was replaced (the worker writes
-it by rename) or changed.
+(`models`), in every state; desired.json says what was last asked of each, and by whom. A file
+is parsed again only when it was replaced (both are written by rename) or changed.
 """
 
 from __future__ import annotations
@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import Final
 
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.protocol import STALE_AFTER, STATUS, BadName, check_name, load_status
-from supervisor.protocol.documents import Status, utc_now
+from supervisor.host.gateway.starter import plan
+from supervisor.host.protocol import (
+    DESIRED,
+    STALE_AFTER,
+    STATUS,
+    BadName,
+    check_name,
+    load_status,
+    read_desired,
+)
+from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 _SHOWN: Final = 50  # model names listed in a 404
 
@@ -24,15 +33,15 @@ _SHOWN: Final = 50  # model names listed in a 404
 class Engine:
     name: str
     status: Status | None
+    desired: DesiredFile | None = None
 
     def fresh(self, now: datetime) -> bool:
         return self.status is not None and now - self.status.checked_at <= STALE_AFTER
 
     def url(self, now: datetime) -> str | None:
-        """Where it serves, when it does and its worker is alive."""
-        if self.status is None or self.status.state != "running" or not self.fresh(now):
-            return None
-        return self.status.url
+        """Where it serves: running, its worker alive, and nobody has asked it to stop."""
+        found = plan(self.desired, self.status, now)
+        return found.url if found.step == "ready" else None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -68,7 +77,7 @@ class Catalog:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self._seen: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        self._seen: dict[str, tuple[tuple[int, ...], Engine]] = {}
         self._names: dict[str, bool] = {}  # a directory entry's name: an engine's, or not
 
     def _engine_name(self, name: str) -> bool:
@@ -82,8 +91,9 @@ class Catalog:
         return known
 
     def engines(self) -> list[Engine]:
-        """Every engine with a status file, by name; one stat each (every request asks)."""
-        found: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        """Every engine with a status file, by name; a stat of its two files each (every
+        request asks)."""
+        found: dict[str, tuple[tuple[int, ...], Engine]] = {}
         root = str(self.data_dir)
         try:
             names = sorted(os.listdir(root))
@@ -96,20 +106,33 @@ class Catalog:
                 info = os.stat(os.path.join(root, name, STATUS))
             except OSError:
                 continue
-            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)  # each write is a new inode
+            stamp = _stamp(info) + _stamp(_stat(os.path.join(root, name, DESIRED)))
             known = self._seen.get(name)
             if known is not None and known[0] == stamp:
                 found[name] = known
             else:
-                found[name] = (stamp, Engine(name, load_status(self.data_dir / name)))
+                directory = self.data_dir / name
+                found[name] = (stamp, Engine(name, load_status(directory), read_desired(directory)))
         self._seen = found
         return [engine for _, engine in found.values()]
 
     def engine(self, name: str) -> Engine:
         """One engine, read now."""
         directory = self.data_dir / check_name(name)
-        return Engine(name, load_status(directory))
+        return Engine(name, load_status(directory), read_desired(directory))
 
     @staticmethod
     def now() -> datetime:
         return utc_now()
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _stamp(info: os.stat_result | None) -> tuple[int, ...]:
+    """A file's version: each write by rename is a new inode; (0, 0, 0) for none."""
+    return (info.st_ino, info.st_mtime_ns, info.st_size) if info is not None else (0, 0, 0)
