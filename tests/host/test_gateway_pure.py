@@ -11,7 +11,7 @@ import pytest
 
 from supervisor.host.gateway import body
 from supervisor.host.gateway.admission import decide
-from supervisor.host.gateway.catalog import Engine
+from supervisor.host.gateway.catalog import Engine, route
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import (
     DEFAULT_RUNNING,
@@ -277,6 +277,69 @@ URL = "http://e:1"
 RUNNING = status("running", 1, url=URL)
 STALE_RUNNING = status("running", 1, age_s=126, url=URL)  # the measured worker gone: 126 s
 STOPPED = status("stopped", 1)
+
+
+@pytest.mark.parametrize(
+    ("engines", "full", "chosen"),
+    [
+        ([engine("a", RUNNING)], set(), "a"),
+        # a worker gone silent is never chosen while another can serve (the measured 503s)
+        ([engine("a", STALE_RUNNING), engine("b", RUNNING)], set(), "b"),
+        ([engine("a", STALE_RUNNING), engine("b", STOPPED)], set(), "b"),  # b may be started
+        ([engine("a", STALE_RUNNING), engine("b", None)], set(), "a"),  # none can: the first
+        # serving with a free slot, then serving (its gate queues), then a start
+        ([engine("a", RUNNING), engine("b", RUNNING)], set(), "a"),
+        ([engine("a", RUNNING), engine("b", RUNNING)], {"a"}, "b"),
+        ([engine("a", RUNNING), engine("b", RUNNING)], {"a", "b"}, "a"),
+        ([engine("a", STOPPED), engine("b", RUNNING)], {"b"}, "b"),
+        (
+            [engine("a", STOPPED), engine("b", status("starting", 2), desired("running", 2))],
+            set(),
+            "b",
+        ),  # a start under way before a new one
+        # an operator's stop: never started on demand, and never served while it goes on
+        (
+            [engine("a", STOPPED, desired("stopped", 1, "operator")), engine("b", STOPPED)],
+            set(),
+            "b",
+        ),
+        (
+            [engine("a", RUNNING, desired("stopped", 2, "operator")), engine("b", STOPPED)],
+            set(),
+            "b",
+        ),
+        ([engine("a", STOPPED, desired("stopped", 1)), engine("b", STOPPED)], set(), "b"),
+        # the gateway's own stop (idle): it may be started again, like any stopped engine
+        (
+            [engine("a", STOPPED, desired("stopped", 1, "gateway")), engine("b", STALE_RUNNING)],
+            set(),
+            "a",
+        ),
+        # none can serve: the operator's stop says more than a silent worker
+        (
+            [engine("a", STALE_RUNNING), engine("b", STOPPED, desired("stopped", 1, "operator"))],
+            set(),
+            "b",
+        ),
+        # only the engines naming the model count
+        ([engine("a", RUNNING, models=("other",)), engine("b", STOPPED)], set(), "b"),
+    ],
+)
+def test_route_picks_the_engine_best_able_to_serve(
+    engines: list[Engine], full: set[str], chosen: str
+) -> None:
+    found, model = route("tiny", engines, {}, NOW, lambda e: e.name not in full)
+    assert (found.name, model) == (chosen, "tiny")
+    # the order the engines are listed in never matters, only their names
+    assert route("tiny", engines[::-1], {}, NOW, lambda e: e.name not in full)[0].name == chosen
+
+
+def test_route_resolves_a_tier_and_refuses_an_unknown_model_naming_those_there_are() -> None:
+    engines = [engine("a", RUNNING), engine("b", STOPPED, models=("big",))]
+    assert route("fast", engines, {"fast": "big"}, NOW)[0].name == "b"
+    with pytest.raises(Refusal) as refused:
+        route("nope", engines, {"fast": "big"}, NOW)
+    assert refused.value.status == 404 and "big, fast, tiny" in refused.value.message
 
 
 @pytest.mark.parametrize(

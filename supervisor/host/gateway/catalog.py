@@ -1,20 +1,27 @@
-"""What the engines serve, from their status.json files: the router's only source.
+"""What the engines serve, from their status.json files, and which of them a request goes to.
 
 The host never reads a recipe: each worker writes its engine's model names into status.json
 (`models`), in every state; desired.json says what was last asked of each, and by whom. A file
 is parsed again only when it was replaced (both are written by rename) or changed.
+
+Several engines may serve one model. A request goes to the first, by name, of the best kind
+there is (`route`): one serving with a slot free now, then one serving (its gate queues), then
+one whose start is under way, then one that may be started on demand (a fresh worker, and no
+operator's stop). Only when none of these exists does it go to an engine that cannot serve,
+whose refusal then says why: an operator's stop before a worker gone silent.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.starter import plan
+from supervisor.host.gateway.starter import Step, plan
 from supervisor.host.protocol import (
     DESIRED,
     STALE_AFTER,
@@ -27,6 +34,11 @@ from supervisor.host.protocol import (
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 _SHOWN: Final = 50  # model names listed in a 404
+
+
+# a request's engine, best first, by its start plan; "ready" splits by a free slot
+_RANK: Final[dict[Step, int]] = {"ready": 1, "follow": 2, "request": 3, "stopped": 4,
+                                 "unavailable": 5}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -55,13 +67,20 @@ class Engine:
         return sum(found.values()) if found else None
 
 
-def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Engine, str]:
+def route(
+    model: str,
+    engines: list[Engine],
+    tiers: dict[str, str],
+    now: datetime,
+    free: Callable[[Engine], bool] = lambda _: True,
+) -> tuple[Engine, str]:
     """Pure: the engine that serves `model` (a tier alias resolved first), and the model
-    name it knows; 404 naming the models that exist."""
+    name it knows; 404 naming the models that exist. Of several, the best kind (the module's
+    order; `free`: whether a serving engine would run a request at once), then by name."""
     name = tiers.get(model, model)
-    for engine in engines:
-        if name in engine.models:
-            return engine, name
+    serving = [engine for engine in engines if name in engine.models]
+    if serving:
+        return min(serving, key=lambda engine: (rank(engine, now, free), engine.name)), name
     known = sorted({m for engine in engines for m in engine.models} | set(tiers))
     shown = ", ".join(known[:_SHOWN]) + (", …" if len(known) > _SHOWN else "")
     raise Refusal(
@@ -70,6 +89,13 @@ def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Eng
         f"The model `{model}` does not exist or is not served here. Models: {shown or 'none'}",
         param="model",
     )
+
+
+def rank(engine: Engine, now: datetime, free: Callable[[Engine], bool]) -> int:
+    """Pure: 0 serving with a slot free, 1 serving, 2 starting, 3 may be started on demand,
+    4 stopped by an operator, 5 its worker unavailable."""
+    step = plan(engine.desired, engine.status, now).step
+    return 0 if step == "ready" and free(engine) else _RANK[step]
 
 
 class Catalog:
