@@ -15,7 +15,7 @@ from supervisor import paths
 from supervisor.host import commands, waiting
 from supervisor.host import protocol as host
 from supervisor.host.library import commands as library_commands
-from supervisor.protocol.documents import STATES, utc_now
+from supervisor.protocol.documents import STATES, DesiredFile, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.schemas import checked_in
 from supervisor.version import version
@@ -77,7 +77,7 @@ def _cmd_request(args: argparse.Namespace) -> int:
         if problem is not None:
             _print_err(problem)
             return EXIT_USAGE
-    generation = host.request(data_dir, args.name, args.desired)
+    generation = host.request(data_dir, args.name, args.desired, "operator")
     print(generation, flush=True)
     if not args.wait:
         return EXIT_OK
@@ -132,6 +132,9 @@ def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
         "answer": reading.answer,
         "requested": requested,
         "desired": desired.desired if desired else None,
+        # who wrote the request (operator, gateway; null: an older host's) and when
+        "requestedBy": desired.requested_by if desired else None,
+        "requestedAt": said_at(desired),
         "applied": status.generation if status else None,
         "heartbeatAge": round((now - status.checked_at).total_seconds(), 1) if status else None,
         "message": shown,
@@ -139,6 +142,13 @@ def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
         "refused": status.refused if status else None,
         "workerVersion": status.worker_version if status else None,
     }
+
+
+def said_at(desired: DesiredFile | None) -> str | None:
+    """The request's requestedAt as desired.json says it, or None."""
+    if desired is None or desired.requested_at is None:
+        return None
+    return str(desired.model_dump(mode="json", by_alias=True)["requestedAt"])
 
 
 def row_code(row: dict[str, object]) -> int:
@@ -168,12 +178,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return status_code(rows)
     if not rows:
         return EXIT_OK
-    header = ("NAME", "STATE", "REQ", "APPLIED", "AGE", "URL", "MESSAGE")
+    header = ("NAME", "STATE", "REQ", "BY", "APPLIED", "AGE", "URL", "MESSAGE")
     table = [header] + [
         (
             str(row["name"]),
             str(row["state"]),
             "-" if row["requested"] is None else str(row["requested"]),
+            str(row["requestedBy"] or "-"),
             "-" if row["applied"] is None else str(row["applied"]),
             "-" if row["heartbeatAge"] is None else f"{row['heartbeatAge']}s",
             str(row["url"] or "-"),

@@ -54,6 +54,16 @@ def _version(value: str) -> bytes:
     return _doc(f'{{"schemaVersion": {value}, "generation": 3, "desired": "running"}}')
 
 
+def _by(value: str) -> bytes:
+    return _doc(f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", '
+                f'"requestedBy": {value}}}')
+
+
+def _at(value: str) -> bytes:
+    return _doc(f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", '
+                f'"requestedBy": "operator", "requestedAt": {value}}}')
+
+
 def _document(name: str, content: bytes, *expect: str) -> Case:
     return Case(name, "document", expect, content)
 
@@ -131,6 +141,16 @@ INVALID: list[Case] = [
     _document("schema-version-string", _version('"1"'), "schemaVersion", '"1"'),
     _document("schema-version-bool", _version("true"), "schemaVersion", "true"),
     _document("schema-version-float", _version("1.0"), "schemaVersion", "1.0"),
+    _document("requested-by-root", _by('"root"'), "requestedBy", "root"),
+    _document("requested-by-capitalised", _by('"Operator"'), "requestedBy", "Operator"),
+    _document("requested-by-number", _by("1"), "requestedBy", "1"),
+    _document("requested-by-list", _by('["operator"]'), "requestedBy"),
+    _document("requested-at-timestamp", _at('"1700000000"'), "requestedAt", "1700000000"),
+    _document("requested-at-number", _at("1700000000"), "requestedAt", "1700000000"),
+    _document("requested-at-date-only", _at('"2026-11-30"'), "requestedAt", "2026-11-30"),
+    _document("requested-at-no-zone", _at('"2026-11-30T17:14:35"'), "requestedAt"),
+    _document("requested-at-space", _at('"2026-11-30 17:14:35Z"'), "requestedAt"),
+    _document("requested-at-february-30", _at('"2026-02-30T17:14:35Z"'), "requestedAt"),
     # the file itself is wrong
     _file("one-mebibyte", "bytes; the limit",
           content=VALID_TEXT.rstrip(b"\n") + b" " * (2**20 - len(VALID_TEXT)) + b"\n"),
@@ -163,6 +183,12 @@ VALID: list[tuple[str, bytes, int, str]] = [
      9, "stopped"),
     ("escaped-value", _doc('{"schemaVersion": 1, "generation": 5, "desired": "\\u0072unning"}'),
      5, "running"),
+    ("requested-by-operator", _at('"2026-11-30T17:14:35.239Z"'), 3, "stopped"),
+    ("requested-by-gateway", _doc('{"schemaVersion": 1, "generation": 4, "desired": "running", '
+                                  '"requestedBy": "gateway", '
+                                  '"requestedAt": "2026-11-30T18:14:35+01:00"}'), 4, "running"),
+    ("requested-null", _doc('{"schemaVersion": 1, "generation": 5, "desired": "stopped", '
+                            '"requestedBy": null, "requestedAt": null}'), 5, "stopped"),
 ]
 
 

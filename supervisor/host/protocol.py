@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -12,6 +13,7 @@ from supervisor.protocol.documents import (
     DesiredFile,
     DesiredState,
     InvalidDocument,
+    Requester,
     Status,
     dump,
     parse_desired,
@@ -59,17 +61,41 @@ def load_status(directory: Path) -> Status | None:
         return None
 
 
-def request(data_dir: Path, name: str, desired: DesiredState) -> int:
-    """Write the next generation of desired.json and return it; the first request is 1.
+class Superseded(Exception):
+    """desired.json no longer says what a conditional request was made on: someone asked since.
+    Nothing was written; `current` is the request on file now."""
+
+    def __init__(self, name: str, current: DesiredFile | None) -> None:
+        said = f"generation {current.generation} ({current.desired})" if current else "nothing"
+        super().__init__(f"{name}: desired.json says {said} now")
+        self.current = current
+
+
+def request(
+    data_dir: Path,
+    name: str,
+    desired: DesiredState,
+    by: Requester = "operator",
+    *,
+    only_if: Callable[[DesiredFile | None], bool] | None = None,
+) -> int:
+    """Write the next generation of desired.json, saying who asked (`by`) and when, and return
+    it; the first request is 1.
 
     A lock around read-increment-write means concurrent requesters never issue the same
     generation. The next generation is above the last request, the last applied status and the
     last one issued here, so a lost, hand-edited or restored desired.json (which the worker then
     answers) can neither make a new request look already answered nor reuse a number.
+
+    `only_if` makes the write conditional on the request on file, checked under the same lock:
+    when it says no, nothing is written and Superseded is raised. The gateway writes only so,
+    on what it read when it decided, so it never overwrites an operator's request made since.
     """
     directory = ensure_dir(engine_dir(data_dir, name))
     with FileLock(directory / _REQUEST_LOCK):
         previous = read_desired(directory)
+        if only_if is not None and not only_if(previous):
+            raise Superseded(name, previous)
         status = load_status(directory)
         generation = 1 + max(
             previous.generation if previous else 0,
@@ -77,7 +103,13 @@ def request(data_dir: Path, name: str, desired: DesiredState) -> int:
             _issued(directory),
         )
         document = DesiredFile.model_validate(
-            {"schemaVersion": SCHEMA_VERSION, "generation": generation, "desired": desired}
+            {
+                "schemaVersion": SCHEMA_VERSION,
+                "generation": generation,
+                "desired": desired,
+                "requestedBy": by,
+                "requestedAt": utc_now(),
+            }
         )
         write_atomic(directory / _ISSUED, f"{generation}\n".encode(), 0o600)
         write_atomic(directory / DESIRED, dump(document))

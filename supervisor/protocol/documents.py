@@ -19,9 +19,11 @@ from pydantic import (
     Field,
     PlainSerializer,
     RootModel,
+    SerializerFunctionWrapHandler,
     ValidationError,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -34,6 +36,8 @@ MAX_MODELS: Final = 1000
 MAX_SLOTS: Final = 100_000  # requests one model holds at once, as a worker publishes it
 
 DesiredState = Literal["running", "stopped"]
+Requester = Literal["operator", "gateway"]
+REQUESTERS: Final[tuple[Requester, ...]] = ("operator", "gateway")
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
 STATES: Final[tuple[State, ...]] = ("starting", "running", "stopping", "stopped", "failed")
 SETTLED: Final[dict[DesiredState, State]] = {"running": "running", "stopped": "stopped"}
@@ -53,6 +57,17 @@ UtcTime = Annotated[
     WithJsonSchema({"type": "string", "format": "date-time"}),
 ]
 
+# RFC 3339 as the host writes it, checked before parsing: `datetime.fromisoformat` alone would
+# take a date without a time, and pydantic's own parser a Unix timestamp in a string
+_REQUEST_TIME = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?"
+    r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+_REQUEST_TIME_SCHEMA: Final = {
+    "type": "string",
+    "format": "date-time",
+    "pattern": f"^{_REQUEST_TIME.pattern}$",
+}
 _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]")
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -72,13 +87,35 @@ def clean_message(text: str) -> str:
 
 
 class DesiredFile(BaseModel):
-    """desired.json: what the host asks for. Closed: nothing else can be said here."""
+    """desired.json: what the host asks for. Closed: nothing else can be said here.
+
+    `requestedBy` and `requestedAt` say who wrote this generation and when; the worker reads
+    neither (it does what `desired` says, whoever asked). Files from older hosts have neither:
+    such a `stopped` is read as an operator's (`operator_stop`), the reading that never starts
+    an engine someone may have stopped on purpose."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
 
     schema_version: Literal[1] = Field(alias="schemaVersion")
     generation: int = Field(ge=0, le=MAX_GENERATION)
     desired: DesiredState
+    requested_by: Requester | None = Field(
+        default=None,
+        alias="requestedBy",
+        description="Who wrote this generation: `operator` (the CLI, the host API, the page) or "
+        "`gateway` (a start on demand, an idle stop, a swap); absent (or null) in files from "
+        "older hosts, whose `stopped` counts as an operator's.",
+    )
+    requested_at: Annotated[
+        datetime | None,
+        PlainSerializer(_iso_utc, return_type=str, when_used="json-unless-none"),
+        WithJsonSchema({"anyOf": [_REQUEST_TIME_SCHEMA, {"type": "null"}]}),
+    ] = Field(
+        default=None,
+        alias="requestedAt",
+        description="When this generation was written, RFC 3339 (`2026-11-30T17:14:35.239Z`); "
+        "absent (or null) in files from older hosts.",
+    )
 
     @field_validator("schema_version", mode="before")
     @classmethod
@@ -87,6 +124,36 @@ class DesiredFile(BaseModel):
         if type(value) is not int:
             raise PydanticCustomError("literal_error", "Input should be 1")
         return value
+
+    @field_validator("requested_at", mode="plain")
+    @classmethod
+    def _request_time(cls, value: object) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, datetime) and value.tzinfo is not None:  # the host's own writes
+            return value
+        if isinstance(value, str) and _REQUEST_TIME.fullmatch(value):
+            try:
+                return datetime.fromisoformat(value).astimezone(UTC)
+            except (ValueError, OverflowError):
+                pass  # the 30th of February, hour 24, a year 10000 in UTC: said below
+        raise PydanticCustomError(
+            "datetime_type", "Input should be an RFC 3339 time, as 2026-11-30T17:14:35.239Z"
+        )
+
+    @model_serializer(mode="wrap")
+    def _unsaid_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a request that says no requester is written as an older host wrote it
+        data: dict[str, Any] = handler(self)
+        for key in ("requestedBy", "requestedAt", "requested_by", "requested_at"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+    @property
+    def operator_stop(self) -> bool:
+        """A stop only an operator may undo: any `stopped` the gateway did not write itself."""
+        return self.desired == "stopped" and self.requested_by != "gateway"
 
 
 class RunningEngine(BaseModel):

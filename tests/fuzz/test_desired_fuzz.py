@@ -35,6 +35,7 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,7 +66,12 @@ MAX_MESSAGE = 300
 JITER_MAX_DEPTH = 200  # pydantic's JSON parser refuses deeper nesting as "invalid JSON"
 
 KEYS = ("schemaVersion", "generation", "desired")
+OPTIONAL = ("requestedBy", "requestedAt")  # absent or null: not said
 WANTS = ("running", "stopped")
+REQUESTERS = ("operator", "gateway")
+# RFC 3339 as the contract takes it, with each part's range checked by hand below
+TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
+                  r"(?:Z|([+-])(\d\d):(\d\d))", re.ASCII)
 
 
 
@@ -84,9 +90,12 @@ def _reject_constant(name: str) -> Any:
     raise _Constant(name)
 
 
+Accepted = tuple[int, str, str | None, datetime | None]  # generation, desired, by whom, when
+
+
 @dataclass(frozen=True)
 class Verdict:
-    accepted: tuple[int, str] | None = None  # (generation, desired) when the contract holds
+    accepted: Accepted | None = None  # when the contract holds
     file_problem: str | None = None  # what files.read_text must say, when it must refuse
     problems: tuple[str, ...] = ()  # fragments, one of which a refusal must contain
 
@@ -129,7 +138,33 @@ def oracle(data: bytes) -> Verdict:
     problems += _schema_problems(fields)
     if problems:
         return Verdict(problems=tuple(problems))
-    return Verdict(accepted=(cast(int, fields["generation"]), cast(str, fields["desired"])))
+    return Verdict(accepted=(cast(int, fields["generation"]), cast(str, fields["desired"]),
+                             fields.get("requestedBy"), _time(fields.get("requestedAt"))))
+
+
+def _time(value: Any) -> datetime | None:
+    """An RFC 3339 time with a zone, every part in its range (no leap second); else None."""
+    match = TIME.fullmatch(value) if type(value) is str else None
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, sign, zone_h, zone_m = match.groups()[6:]
+    days = [31, 29 if year % 4 == 0 and (year % 100 != 0 or year % 400 == 0) else 28, 31, 30,
+            31, 30, 31, 31, 30, 31, 30, 31]  # fmt: skip
+    if not (year >= 1 and 1 <= month <= 12 and 1 <= day <= days[month - 1] and hour < 24
+            and minute < 60 and second < 60):
+        return None
+    offset = timedelta(0)
+    if sign is not None:
+        if int(zone_h) > 23 or int(zone_m) > 59:
+            return None
+        offset = (1 if sign == "+" else -1) * timedelta(hours=int(zone_h), minutes=int(zone_m))
+    micro = int((fraction or "0").ljust(6, "0"))
+    try:  # the instant must be one in UTC too (years 1 to 9999)
+        at = datetime(year, month, day, hour, minute, second, micro, timezone(offset))
+        return at.astimezone(UTC)
+    except OverflowError:
+        return None
 
 
 def _quoted(key: str) -> str:
@@ -140,7 +175,8 @@ def _quoted(key: str) -> str:
 def _schema_problems(fields: dict[str, Any]) -> list[str]:
     """The contract, field by field: exactly these keys, with exactly these types and values."""
     problems = [f"missing field {key!r}" for key in KEYS if key not in fields]
-    problems += [f"unknown field {_quoted(key)}" for key in fields if key not in KEYS]
+    problems += [f"unknown field {_quoted(key)}" for key in fields
+                 if key not in KEYS and key not in OPTIONAL]
     version, generation, want = (fields.get(key) for key in KEYS)
     if "schemaVersion" in fields and not (type(version) is int and version == 1):
         problems.append("schemaVersion: ")
@@ -150,6 +186,11 @@ def _schema_problems(fields: dict[str, Any]) -> list[str]:
         problems.append("generation: ")
     if "desired" in fields and not (type(want) is str and want in WANTS):
         problems.append("desired: ")
+    by, at = (fields.get(key) for key in OPTIONAL)
+    if by is not None and not (type(by) is str and by in REQUESTERS):
+        problems.append("requestedBy: ")
+    if at is not None and _time(at) is None:
+        problems.append("requestedAt: ")
     return problems
 
 
@@ -235,7 +276,8 @@ def check_document(path: Path, data: bytes) -> None:
         return
     event("accepted")
     assert isinstance(document, DesiredFile)
-    assert verdict.accepted == (document.generation, document.desired), (
+    got = (document.generation, document.desired, document.requested_by, document.requested_at)
+    assert verdict.accepted == got, (
         f"accepted what the contract refuses ({verdict.problems or verdict.file_problem}): "
         f"{data[:300]!r}"
     )
@@ -299,6 +341,24 @@ WANT_VARIANTS = [
     "\uff52\uff55\uff4e\uff4e\uff49\uff4e\uff47", "\u0155unning", "runn\u0456ng",
     "\u200brunning", "running\u2028", "🏃",
 ]  # fmt: skip
+REQUESTER_VARIANTS = [
+    "operator", "gateway", "Operator", "GATEWAY", " operator", "gateway\x00", "root", "worker",
+    "", "op\u0435rator",
+]  # fmt: skip
+TIME_VARIANTS = [
+    "2026-11-30T17:14:35.239Z", "2026-11-30T17:14:35Z", "2026-11-30T17:14:35.123456+01:00",
+    "2026-11-30T17:14:35-00:00", "2024-02-29T00:00:00Z", "0001-01-01T00:00:00Z",
+    "9999-12-31T23:59:59.999999Z", "2026-11-30T17:14:35.1234567Z", "2026-11-30T17:14:35.Z",
+    "2025-02-29T00:00:00Z", "2026-02-30T00:00:00Z", "2026-13-01T00:00:00Z",
+    "2026-00-10T00:00:00Z", "0000-01-01T00:00:00Z", "2026-11-30T24:00:00Z",
+    "2026-11-30T23:60:00Z", "2026-12-31T23:59:60Z", "2026-11-30T17:14:35+24:00",
+    "2026-11-30T17:14:35+01:60", "2026-11-30T17:14:35+0100", "9999-12-31T23:59:59-00:01",
+    "0001-01-01T00:00:00+00:01", "9999-12-31T23:59:59+00:01", "0001-01-01T00:00:00-00:01",
+    "2026-11-30T17:14:35+01",
+    "2026-11-30T17:14:35z", "2026-11-30t17:14:35Z", "2026-11-30 17:14:35Z", "2026-11-30T17:14Z",
+    "2026-11-30", "2026-11-30T17:14:35", "1700000000", "20261130T171435Z", "+2026-11-30T17:14:35Z",
+    "2026-11-30T17:14:35,5Z", "\uff12026-11-30T17:14:35Z", "2026-11-30T17:14:35Z\n",
+]  # fmt: skip
 WANT_ESCAPED = ['"\\u0072unning"', '"run\\u006Eing"', '"\\u0073topped"', '"stoppe\\u0064"']
 SPACES = ["", " ", "  ", "\n", "\t", "\r\n", " \n\t ", "\u00a0", "\x0b", "\x00"]
 
@@ -353,6 +413,7 @@ VALUE_TEXTS: st.SearchStrategy[str] = st.one_of(
     st.sampled_from(EDGE_TOKENS),
     st.sampled_from(WANT_ESCAPED),
     st.sampled_from(WANT_VARIANTS).map(json.dumps),
+    st.sampled_from(REQUESTER_VARIANTS + TIME_VARIANTS).map(json.dumps),
     (st.integers(MAX_GENERATION - 3, MAX_GENERATION + 3) | st.integers(-3, 10)).map(str),
     st.integers().map(str),
     st.integers(1, MAX_DIGITS).map(lambda n: "9" * n),
@@ -360,7 +421,8 @@ VALUE_TEXTS: st.SearchStrategy[str] = st.one_of(
     JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
     nested(),
 )
-EXTRA_KEYS = st.text(max_size=MAX_KEY) | st.sampled_from([*KEYS, "image", "command", ""])
+EXTRA_KEYS = st.text(max_size=MAX_KEY) | st.sampled_from([*KEYS, *OPTIONAL, "image", "command",
+                                                          ""])
 SPACE = st.sampled_from(SPACES[:7])
 LAYOUTS = st.sampled_from(["compact", "spaced", "indented", "mixed"])
 GENERATIONS = st.integers(0, MAX_GENERATION) | st.sampled_from([0, 1, 5, MAX_GENERATION])
@@ -385,6 +447,14 @@ ONE_IN_EIGHT = st.integers(0, 7)
 SMALL = st.integers(0, 3)
 INDEX = st.integers(0, 255)  # taken modulo the length it indexes
 WANT = st.sampled_from(WANTS)
+# what a host writes for who asked and when: each said, null or left out
+REQUESTER = st.sampled_from([*REQUESTERS, None]).map(json.dumps) | st.none()
+REQUEST_TIME = (
+    st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))]))
+    .map(lambda at: json.dumps(at.isoformat()))
+    | st.just("null")
+    | st.none()
+)
 
 
 @st.composite
@@ -395,6 +465,9 @@ def documents(draw: st.DrawFn) -> bytes:
         ["generation", '"generation"', str(draw(GENERATIONS))],
         ["desired", '"desired"', json.dumps(draw(WANT))],
     ]
+    for key, value in (("requestedBy", draw(REQUESTER)), ("requestedAt", draw(REQUEST_TIME))):
+        if value is not None:
+            members.append([key, json.dumps(key), value])
     for _ in range(draw(SMALL)):
         op = draw(OPS)
         if op == "extra" or not members:
@@ -519,7 +592,8 @@ def test_the_oracle_agrees_with_the_shared_corpus() -> None:
             verdict = oracle(case.content)
             assert verdict.accepted is None, case.name
     for name, content, generation, want in VALID:
-        assert oracle(content).accepted == (generation, want), name
+        accepted = oracle(content).accepted
+        assert accepted is not None and accepted[:2] == (generation, want), name
 
 
 # --- 2. the worker's intake: never an action on invalid input --------------------------------
@@ -620,7 +694,7 @@ class Scene:
                 assert status.message == before.message
             assert self._targets() == targets, "file_sd changed on invalid input"
             return
-        generation, want = verdict.accepted
+        generation, want = verdict.accepted[:2]
         assert self.refused is None and status.refused is None
         assert self.memory is not None
         assert (self.memory.generation, self.memory.desired) == (generation, want)

@@ -11,7 +11,7 @@ import pytest
 
 from supervisor.host.gateway import body
 from supervisor.host.gateway.admission import decide
-from supervisor.host.gateway.catalog import Engine
+from supervisor.host.gateway.catalog import Engine, route
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import (
     DEFAULT_RUNNING,
@@ -21,7 +21,7 @@ from supervisor.host.gateway.settings import (
     parse,
     running_bound,
 )
-from supervisor.host.gateway.starter import plan
+from supervisor.host.gateway.starter import operator_stop, plan
 from supervisor.host.gateway.usage import UsageFilter
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
@@ -222,9 +222,10 @@ def status(state: str, generation: int, age_s: float = 0, url: str | None = None
     )
 
 
-def desired(value: str, generation: int) -> DesiredFile:
+def desired(value: str, generation: int, by: str | None = None) -> DesiredFile:
+    said = {"requestedBy": by, "requestedAt": NOW - timedelta(minutes=5)} if by else {}
     return DesiredFile.model_validate(
-        {"schemaVersion": 1, "generation": generation, "desired": value}
+        {"schemaVersion": 1, "generation": generation, "desired": value, **said}
     )
 
 
@@ -234,12 +235,24 @@ def desired(value: str, generation: int) -> DesiredFile:
         (None, None, "unavailable", 0),
         (None, status("stopped", 0, age_s=61), "unavailable", 0),
         (desired("running", 2), status("running", 2, url="http://e:1"), "ready", 0),
-        (None, status("stopped", 0), "request", 0),
-        (desired("stopped", 4), status("stopped", 4), "request", 0),
+        (None, status("stopped", 0), "request", 0),  # nobody asked for anything
         (desired("running", 5), status("stopped", 4), "follow", 5),  # asked, not yet answered
         (desired("running", 5), status("starting", 5), "follow", 5),
         (desired("running", 5), status("failed", 5), "request", 0),  # a new try
-        (desired("stopped", 6), status("running", 5, url="http://e:1"), "request", 0),
+        (desired("running", 5, "operator"), status("stopped", 4), "follow", 5),
+        # the gateway's own stop (idle, swap): started again on demand, even mid-stop
+        (desired("stopped", 4, "gateway"), status("stopped", 4), "request", 0),
+        (desired("stopped", 6, "gateway"), status("stopping", 6), "request", 0),
+        (desired("stopped", 6, "gateway"), status("running", 5, url="http://e:1"), "request", 0),
+        # an operator's stop stands, settled or still in progress, worker fresh or not
+        (desired("stopped", 4, "operator"), status("stopped", 4), "stopped", 4),
+        (desired("stopped", 6, "operator"), status("stopping", 6), "stopped", 6),
+        (desired("stopped", 6, "operator"), status("running", 5, url="http://e:1"), "stopped", 6),
+        (desired("stopped", 6, "operator"), status("stopped", 6, age_s=61), "stopped", 6),
+        (desired("stopped", 6, "operator"), None, "stopped", 6),
+        # an older host's stop names no requester: an operator's
+        (desired("stopped", 4), status("stopped", 4), "stopped", 4),
+        (desired("stopped", 6), status("running", 5, url="http://e:1"), "stopped", 6),
     ],
 )
 def test_a_start_plan_follows_the_request_on_file(
@@ -247,6 +260,119 @@ def test_a_start_plan_follows_the_request_on_file(
 ) -> None:
     got = plan(request_, answer, NOW)
     assert (got.step, got.generation) == (step, generation)
+    assert (got.url == "http://e:1") is (step == "ready")
+
+
+def test_the_refusal_of_an_operators_stop_says_who_when_and_the_way_on() -> None:
+    refusal = operator_stop("demo-router", desired("stopped", 15, "operator"))
+    when = f"{NOW - timedelta(minutes=5):%Y-%m-%dT%H:%M:%S}"
+    assert (refusal.status, refusal.code) == (503, "model_not_loaded")
+    assert refusal.message.startswith(
+        f"engine demo-router is not loaded: stopped by an operator at {when}"
+    )
+    assert "(generation 15)" in refusal.message
+    assert "lucia-supervisor request demo-router running" in refusal.message
+    stopped = refusal.body()["stoppedBy"]
+    assert (stopped["requestedBy"], stopped["generation"]) == ("operator", 15)
+    assert stopped["requestedAt"].startswith(when) and stopped["requestedAt"].endswith("Z")
+    older = operator_stop("e", desired("stopped", 4))
+    assert "an older host's request" in older.message and "not recorded" in older.message
+    assert older.body()["stoppedBy"] == {
+        "requestedBy": "operator", "requestedAt": None, "generation": 4,
+    }  # fmt: skip
+
+
+def engine(name: str, answer: Status | None, request_: DesiredFile | None = None,
+           models: tuple[str, ...] = ("tiny",)) -> Engine:  # fmt: skip
+    if answer is not None:
+        answer = answer.model_copy(update={"models": models})
+    return Engine(name, answer, request_)
+
+
+URL = "http://e:1"
+RUNNING = status("running", 1, url=URL)
+STALE_RUNNING = status("running", 1, age_s=126, url=URL)  # the measured worker gone: 126 s
+STOPPED = status("stopped", 1)
+
+
+@pytest.mark.parametrize(
+    ("engines", "full", "chosen"),
+    [
+        ([engine("a", RUNNING)], set(), "a"),
+        # a worker gone silent is never chosen while another can serve (the measured 503s)
+        ([engine("a", STALE_RUNNING), engine("b", RUNNING)], set(), "b"),
+        ([engine("a", STALE_RUNNING), engine("b", STOPPED)], set(), "b"),  # b may be started
+        ([engine("a", STALE_RUNNING), engine("b", None)], set(), "a"),  # none can: the first
+        # serving with a free slot, then serving (its gate queues), then a start
+        ([engine("a", RUNNING), engine("b", RUNNING)], set(), "a"),
+        ([engine("a", RUNNING), engine("b", RUNNING)], {"a"}, "b"),
+        ([engine("a", RUNNING), engine("b", RUNNING)], {"a", "b"}, "a"),
+        ([engine("a", STOPPED), engine("b", RUNNING)], {"b"}, "b"),
+        (
+            [engine("a", STOPPED), engine("b", status("starting", 2), desired("running", 2))],
+            set(),
+            "b",
+        ),  # a start under way before a new one
+        # an operator's stop: never started on demand, and never served while it goes on
+        (
+            [engine("a", STOPPED, desired("stopped", 1, "operator")), engine("b", STOPPED)],
+            set(),
+            "b",
+        ),
+        (
+            [engine("a", RUNNING, desired("stopped", 2, "operator")), engine("b", STOPPED)],
+            set(),
+            "b",
+        ),
+        ([engine("a", STOPPED, desired("stopped", 1)), engine("b", STOPPED)], set(), "b"),
+        # the gateway's own stop (idle): it may be started again, like any stopped engine
+        (
+            [engine("a", STOPPED, desired("stopped", 1, "gateway")), engine("b", STALE_RUNNING)],
+            set(),
+            "a",
+        ),
+        # none can serve: the operator's stop says more than a silent worker
+        (
+            [engine("a", STALE_RUNNING), engine("b", STOPPED, desired("stopped", 1, "operator"))],
+            set(),
+            "b",
+        ),
+        # only the engines naming the model count
+        ([engine("a", RUNNING, models=("other",)), engine("b", STOPPED)], set(), "b"),
+    ],
+)
+def test_route_picks_the_engine_best_able_to_serve(
+    engines: list[Engine], full: set[str], chosen: str
+) -> None:
+    found, model = route("tiny", engines, {}, NOW, lambda e: e.name not in full)
+    assert (found.name, model) == (chosen, "tiny")
+    # the order the engines are listed in never matters, only their names
+    assert route("tiny", engines[::-1], {}, NOW, lambda e: e.name not in full)[0].name == chosen
+
+
+def test_route_resolves_a_tier_and_refuses_an_unknown_model_naming_those_there_are() -> None:
+    engines = [engine("a", RUNNING), engine("b", STOPPED, models=("big",))]
+    assert route("fast", engines, {"fast": "big"}, NOW)[0].name == "b"
+    with pytest.raises(Refusal) as refused:
+        route("nope", engines, {"fast": "big"}, NOW)
+    assert refused.value.status == 404 and "big, fast, tiny" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("answer", "request_", "url"),
+    [
+        (RUNNING, None, URL),
+        (RUNNING, desired("running", 1, "operator"), URL),
+        (STALE_RUNNING, None, None),
+        (RUNNING, desired("stopped", 2, "operator"), None),  # a stop under way: not served
+        (RUNNING, desired("stopped", 2, "gateway"), None),
+        (STOPPED, None, None),
+    ],
+)
+def test_an_engine_is_served_directly_only_while_it_runs_and_nobody_asked_it_to_stop(
+    answer: Status, request_: DesiredFile | None, url: str | None
+) -> None:
+    assert Engine("e", answer, request_).url(NOW) == url
 
 
 CONTENT = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'

@@ -200,6 +200,38 @@ def test_a_change_without_the_csrf_token_is_refused(tmp_path: Path) -> None:
     run(tmp_path, scenario)
 
 
+def test_a_stop_from_the_page_is_an_operators_and_the_page_says_who_asked(
+    tmp_path: Path,
+) -> None:
+    async def scenario(w: World, http: aiohttp.ClientSession) -> None:
+        write_status(w.data, "small", "running", url=w.upstream.url, generation=1)
+        _, body = await sign_in(w, http)
+        async with http.post(
+            url(w, "/api/engines/small"),
+            json={"desired": "stopped"},
+            headers={CSRF_HEADER: body["csrf"]},
+        ) as answer:
+            assert answer.status == 202
+            generation = (await answer.json())["generation"]
+        async with http.get(url(w, "/api/overview")) as answer:
+            (engine,) = (await answer.json())["engines"]
+        asked = engine["desired"]
+        assert (asked["desired"], asked["generation"], asked["requestedBy"]) == (
+            "stopped", generation, "operator")  # fmt: skip
+        assert asked["requestedAt"].endswith("Z")
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {INFERENCE_KEY}"}) as s,
+            s.post(str(w.gateway.make_url("/v1/chat/completions")),
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}) as r,
+        ):  # fmt: skip
+            assert r.status == 503
+            error = (await r.json())["error"]
+        assert "stopped by an operator" in error["message"]
+        assert w.desired().generation == generation
+
+    run(tmp_path, scenario)
+
+
 def test_an_inference_key_cannot_open_the_page(tmp_path: Path) -> None:
     async def scenario(w: World, http: aiohttp.ClientSession) -> None:
         status, body = await sign_in(w, http, INFERENCE_KEY)

@@ -42,6 +42,8 @@ SAMPLE: Final = 0.1
 ACK_BOUND: Final = 5.0
 STALE: Final = 20.0
 EDIT_GRACE: Final = 90.0  # a recipe edit reaches the engine within this (a replacement)
+_REQUIRED: Final = frozenset({"schemaVersion", "generation", "desired"})  # desired.json
+_SAID: Final = frozenset({"requestedBy", "requestedAt"})  # optional: who asked, and when
 CAUSES: Final = ("recipe-edit", "engine-kill", "engine-oom", "dockerd-restart")
 # faults during which a breach is expected: nothing is written, or Docker cannot be asked
 QUIET: Final = {
@@ -89,6 +91,18 @@ class EngineTruth:
     causes_since: float = 0.0  # when the current container was first seen
     requests: dict[int, Request] = field(default_factory=dict)  # generation -> what it reached
     judged: set[int] = field(default_factory=set)  # generations already found late or failing
+
+
+def desired_document(path: Path) -> dict[str, Any] | None:
+    """desired.json as a host wrote it: the three fields the contract needs, and who asked and
+    when (written since issue 36); None for anything else."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(value, dict) or not _REQUIRED <= set(value) <= _REQUIRED | _SAID:
+        return None
+    return value
 
 
 class Checker:
@@ -221,14 +235,7 @@ class Checker:
         return value
 
     def _desired(self, engine: EngineTruth) -> dict[str, Any] | None:
-        try:
-            value = json.loads(engine.desired.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        if not isinstance(value, dict) or set(value) != {"schemaVersion", "generation",
-                                                         "desired"}:
-            return None
-        return value
+        return desired_document(engine.desired)
 
     def _check_status(self, engine: EngineTruth, status: dict[str, Any],
                       desired: dict[str, Any] | None, file_sd: Any, now: float) -> None:

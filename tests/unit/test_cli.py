@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,14 @@ from supervisor.version import version
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
 URL = "http://172.17.0.1:8888"
+ASKED = datetime(2026, 11, 30, 17, 14, 35, 239000, tzinfo=UTC)
 
 
-def write_desired(data: Path, name: str, generation: int, desired: str = "running") -> None:
+def write_desired(
+    data: Path, name: str, generation: int, desired: str = "running", **said: Any
+) -> None:
     document = DesiredFile.model_validate(
-        {"schemaVersion": 1, "generation": generation, "desired": desired}
+        {"schemaVersion": 1, "generation": generation, "desired": desired, **said}
     )
     write_atomic(ensure_dir(data / name) / host.DESIRED, dump(document))
 
@@ -89,9 +92,9 @@ def engines(tmp_path: Path) -> Path:
     data = tmp_path / "data"
     write_desired(data, "current", 2)
     write_status(data, "current", 2, "running", message="serving qwen")
-    write_desired(data, "pending", 3, "stopped")
+    write_desired(data, "pending", 3, "stopped", requestedBy="operator", requestedAt=ASKED)
     write_status(data, "pending", 2, "running", message="serving still")
-    write_desired(data, "stale", 1)
+    write_desired(data, "stale", 1, requestedBy="gateway", requestedAt=ASKED)
     write_status(data, "stale", 1, "running", message="was serving", age=timedelta(minutes=5))
     write_desired(data, "unknown", 1)
     write_desired(data, "refused", 4)
@@ -122,6 +125,11 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert pending["state"] == "running (pending)"
     assert pending["answer"] == "pending"
     assert (pending["requested"], pending["applied"], pending["desired"]) == (3, 2, "stopped")
+    assert (pending["requestedBy"], pending["requestedAt"]) == (
+        "operator", "2026-11-30T17:14:35.239Z")  # fmt: skip
+    assert rows["stale"]["requestedBy"] == "gateway"
+    # an older host's request names no requester: said as such, not guessed
+    assert (current["requestedBy"], current["requestedAt"]) == (None, None)
     assert pending["url"] is None
     assert "waiting for generation 3" in pending["message"]
 
@@ -142,10 +150,13 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_status_text(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["status", "--data-dir", str(engines)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "REQ", "APPLIED", "AGE", "URL", "MESSAGE"]
+    assert lines[0].split() == [
+        "NAME", "STATE", "REQ", "BY", "APPLIED", "AGE", "URL", "MESSAGE"]  # fmt: skip
     by_name = {line.split()[0]: line for line in lines[1:]}
     assert sorted(by_name) == ["current", "pending", "refused", "stale", "unknown"]
-    assert by_name["current"].split()[1:4] == ["running", "2", "2"]
+    assert by_name["current"].split()[1:5] == ["running", "2", "-", "2"]
+    assert by_name["pending"].split()[3:6] == ["3", "operator", "2"]
+    assert by_name["stale"].split()[2:5] == ["1", "gateway", "1"]
     assert URL in by_name["current"] and by_name["current"].endswith("serving qwen")
     assert "running (pending)" in by_name["pending"]
     assert "waiting for generation 3" in by_name["pending"]
@@ -153,7 +164,7 @@ def test_status_text(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert by_name["stale"].split()[1] == "stale"
     assert "worker unavailable" in by_name["stale"]
     assert URL not in by_name["stale"]
-    assert by_name["unknown"].split()[1:5] == ["unknown", "1", "-", "-"]
+    assert by_name["unknown"].split()[1:6] == ["unknown", "1", "-", "-", "-"]
     # the columns line up: every row's STATE starts where the header's does
     column = lines[0].index("STATE")
     assert all(line[column - 2 : column] == "  " and line[column] != " " for line in lines)
@@ -368,6 +379,23 @@ def test_request_without_wait_returns_at_once(tmp_path: Path) -> None:
     run = run_cli("request", "tf", "stopped", "--data-dir", str(tmp_path / "data"),
                   "--recipes-dir", str(recipes))
     assert (run.returncode, run.stdout) == (0, "1\n")
+
+
+def test_a_request_from_the_command_line_is_an_operators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    before = utc_now() - timedelta(milliseconds=1)  # desired.json keeps milliseconds
+    assert cli.main(["request", "tf", "stopped", "--create", "--data-dir", str(data)]) == 0
+    written = host.read_desired(data / "tf")
+    assert written is not None and (written.desired, written.requested_by) == (
+        "stopped", "operator")  # fmt: skip
+    assert written.requested_at is not None and before <= written.requested_at <= utc_now()
+    assert written.operator_stop
+    capsys.readouterr()
+    cli.main(["status", "--json", "--data-dir", str(data)])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["requestedBy"] == "operator" and row["requestedAt"].endswith("Z")
 
 
 def test_the_default_timeout_outlasts_a_first_download() -> None:

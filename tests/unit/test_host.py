@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 
 from supervisor.host import protocol as host
-from supervisor.host.protocol import STALE_AFTER, BadName, classify, read_status, request
-from supervisor.protocol.documents import Status, dump, parse_desired
+from supervisor.host.protocol import (
+    STALE_AFTER,
+    BadName,
+    Superseded,
+    classify,
+    read_desired,
+    read_status,
+    request,
+)
+from supervisor.protocol.documents import DesiredFile, Status, dump, parse_desired, utc_now
 from supervisor.protocol.files import read_text, write_atomic
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
@@ -104,6 +112,43 @@ def test_first_request_is_one_and_requests_increment(tmp_path: Path) -> None:
     assert request(tmp_path, "tf", "stopped") == 3
     assert request(tmp_path, "other", "running") == 1  # counters are per engine
     assert desired_at(tmp_path) == (3, "stopped")
+
+
+def test_each_request_says_who_asked_and_when(tmp_path: Path) -> None:
+    before = utc_now() - timedelta(milliseconds=1)  # desired.json keeps milliseconds
+    request(tmp_path, "tf", "running", "gateway")
+    first = read_desired(tmp_path / "tf")
+    assert first is not None and first.requested_by == "gateway"
+    request(tmp_path, "tf", "stopped")  # an operator's, unless said otherwise
+    second = read_desired(tmp_path / "tf")
+    assert second is not None and (second.requested_by, second.desired) == ("operator", "stopped")
+    assert first.requested_at is not None and second.requested_at is not None
+    assert before <= first.requested_at <= second.requested_at <= utc_now()
+    assert second.operator_stop
+
+
+def test_a_conditional_request_never_overwrites_one_made_since(tmp_path: Path) -> None:
+    """The gateway writes on what it read: an operator's stop made in between stands."""
+    request(tmp_path, "tf", "stopped", "gateway")
+    seen = read_desired(tmp_path / "tf")
+    request(tmp_path, "tf", "stopped")  # the operator, between the gateway's look and write
+    with pytest.raises(Superseded) as refused:
+        request(tmp_path, "tf", "running", "gateway", only_if=lambda now: now == seen)
+    current = read_desired(tmp_path / "tf")
+    assert refused.value.current == current
+    assert current is not None and (current.generation, current.desired) == (2, "stopped")
+    assert "generation 2 (stopped)" in str(refused.value)
+    assert request(tmp_path, "tf", "running", "gateway", only_if=lambda now: now == current) == 3
+
+
+def test_no_request_on_file_is_a_condition_too(tmp_path: Path) -> None:
+    def nothing_yet(current: DesiredFile | None) -> bool:
+        return current is None
+
+    assert request(tmp_path, "tf", "running", "gateway", only_if=nothing_yet) == 1
+    with pytest.raises(Superseded):
+        request(tmp_path, "tf", "running", "gateway", only_if=nothing_yet)
+    assert desired_at(tmp_path) == (1, "running")
 
 
 def test_request_writes_mode_0640_and_no_temp_files(tmp_path: Path) -> None:

@@ -126,6 +126,38 @@ def test_dump_of_desired_is_what_parse_desired_reads() -> None:
     assert parse_desired(text) == document
 
 
+def test_who_asked_and_when_round_trip_in_utc() -> None:
+    at = datetime(2026, 11, 30, 18, 14, 35, 239000, tzinfo=timezone(timedelta(hours=1)))
+    document = DesiredFile.model_validate({"schemaVersion": 1, "generation": 15,
+                                           "desired": "stopped", "requestedBy": "operator",
+                                           "requestedAt": at})  # fmt: skip
+    text = dump(document).decode()
+    assert json.loads(text) == {
+        "schemaVersion": 1, "generation": 15, "desired": "stopped",
+        "requestedBy": "operator", "requestedAt": "2026-11-30T17:14:35.239Z",
+    }  # fmt: skip
+    assert parse_desired(text) == document
+
+
+@pytest.mark.parametrize(
+    ("extra", "operator_stop"),
+    [
+        ("", True),  # an older host's stop: the reading that starts nothing
+        (', "requestedBy": null', True),
+        (', "requestedBy": "operator"', True),
+        (', "requestedBy": "gateway"', False),  # an idle stop or a swap: the gateway's own
+    ],
+)
+@pytest.mark.parametrize("desired", ["stopped", "running"])
+def test_a_stop_the_gateway_did_not_write_is_an_operators(
+    extra: str, operator_stop: bool, desired: str
+) -> None:
+    document = parse_desired(
+        f'{{"schemaVersion": 1, "generation": 15, "desired": "{desired}"{extra}}}'
+    )
+    assert document.operator_stop is (operator_stop and desired == "stopped")
+
+
 # --- status.json ----------------------------------------------------------------------------------
 
 T0 = datetime(2024, 5, 1, 10, 0, 0, 123000, tzinfo=UTC)
@@ -410,6 +442,8 @@ SCHEMA_REJECTS = [
     "generation-string", "generation-negative", "generation-bool", "generation-2**53",
     "desired-paused", "desired-number", "schema-version-2", "schema-version-string",
     "schema-version-bool", "snake-case-field", "snake-case-extra", "list", "null",
+    "requested-by-root", "requested-by-number", "requested-at-timestamp", "requested-at-number",
+    "requested-at-date-only", "requested-at-no-zone", "requested-at-space",
 ]
 
 

@@ -4,11 +4,12 @@ The checker is the soak's oracle, so its own rules are tested too."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.soak.checker import excused
+from tests.soak.checker import desired_document, excused
 from tests.soak.liveness import (
     BOUND,
     DELAYS,
@@ -119,3 +120,23 @@ def test_reached_counts() -> None:
     assert reached_counts(requests) == {
         "requests": 4, "starting": 1, "running": 2, "stopping": 1, "stopped": 1, "failed": 1,
         "unanswered": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "read"),
+    [
+        ('{"schemaVersion": 1, "generation": 3, "desired": "running"}', True),  # older hosts
+        ('{"schemaVersion": 1, "generation": 3, "desired": "stopped", "requestedBy": "operator",'
+         ' "requestedAt": "2026-11-30T17:14:35.239Z"}', True),
+        ('{"schemaVersion": 1, "generation": 3, "desired": "running", "image": "x"}', False),
+        ('{"schemaVersion": 1, "desired": "running", "requestedBy": "gateway"}', False),
+        ("[]", False),
+        ("{", False),
+    ],
+)
+def test_the_checker_reads_desired_json_as_hosts_write_it(
+    tmp_path: Path, text: str, read: bool
+) -> None:
+    path = tmp_path / "desired.json"
+    path.write_text(text)
+    assert (desired_document(path) is not None) is read

@@ -19,7 +19,7 @@ from aiohttp import web
 from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway import body, recording
 from supervisor.host.gateway import budget as budgets
-from supervisor.host.gateway.admission import Gate
+from supervisor.host.gateway.admission import Gate, decide
 from supervisor.host.gateway.auth import Authenticator, Caller, allowed, check_bearer
 from supervisor.host.gateway.bodies import Bodies
 from supervisor.host.gateway.catalog import Catalog, Engine, route
@@ -110,6 +110,12 @@ class Gateway:
     def bound(self, engine: Engine) -> int:
         """How many requests the engine gets at once now (settings.running_bound)."""
         return self.settings.admission(engine.name, engine.slots).running
+
+    def free(self, engine: Engine) -> bool:
+        """Whether the engine would run a request at once now (route prefers such)."""
+        gate = self.gates.get(engine.name)
+        limits = self.settings.admission(engine.name, engine.slots)
+        return gate is None or decide(gate.running, gate.waiting, limits) == "run"
 
     def follow(self, engine: Engine) -> Gate:
         """The engine's gate, given the limits its status.json says now (its slots)."""
@@ -221,10 +227,11 @@ class Gateway:
         room = self.reservations.room(stand)
         prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
         asked = prepared.model
-        engine, model = route(asked, self.catalog.engines(), self.settings.tiers)
+        seen = Catalog.now()
+        engine, model = route(asked, self.catalog.engines(), self.settings.tiers, seen, self.free)
         if model != asked:  # a tier alias: the engine knows the model's own name
             prepared = await self.bodies.renamed(prepared, model)
-        url = engine.url(Catalog.now()) if engine.name not in self.idle.stopping else None
+        url = engine.url(seen) if engine.name not in self.idle.stopping else None
         trace.served_by = engine.status
         sse: web.StreamResponse | None = None
 

@@ -1,38 +1,59 @@
-"""What the engines serve, from their status.json files: the router's only source.
+"""What the engines serve, from their status.json files, and which of them a request goes to.
 
 The host never reads a recipe: each worker writes its engine's model names into status.json
-(`models`), in every state. A file is parsed again only when it was replaced (the worker writes
-it by rename) or changed.
+(`models`), in every state; desired.json says what was last asked of each, and by whom. A file
+is parsed again only when it was replaced (both are written by rename) or changed.
+
+Several engines may serve one model. A request goes to the first, by name, of the best kind
+there is (`route`): one serving with a slot free now, then one serving (its gate queues), then
+one whose start is under way, then one that may be started on demand (a fresh worker, and no
+operator's stop). Only when none of these exists does it go to an engine that cannot serve,
+whose refusal then says why: an operator's stop before a worker gone silent.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.protocol import STALE_AFTER, STATUS, BadName, check_name, load_status
-from supervisor.protocol.documents import Status, utc_now
+from supervisor.host.gateway.starter import Step, plan
+from supervisor.host.protocol import (
+    DESIRED,
+    STALE_AFTER,
+    STATUS,
+    BadName,
+    check_name,
+    load_status,
+    read_desired,
+)
+from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 _SHOWN: Final = 50  # model names listed in a 404
+
+
+# a request's engine, best first, by its start plan; "ready" splits by a free slot
+_RANK: Final[dict[Step, int]] = {"ready": 1, "follow": 2, "request": 3, "stopped": 4,
+                                 "unavailable": 5}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Engine:
     name: str
     status: Status | None
+    desired: DesiredFile | None = None
 
     def fresh(self, now: datetime) -> bool:
         return self.status is not None and now - self.status.checked_at <= STALE_AFTER
 
     def url(self, now: datetime) -> str | None:
-        """Where it serves, when it does and its worker is alive."""
-        if self.status is None or self.status.state != "running" or not self.fresh(now):
-            return None
-        return self.status.url
+        """Where it serves: running, its worker alive, and nobody has asked it to stop."""
+        found = plan(self.desired, self.status, now)
+        return found.url if found.step == "ready" else None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -46,13 +67,20 @@ class Engine:
         return sum(found.values()) if found else None
 
 
-def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Engine, str]:
+def route(
+    model: str,
+    engines: list[Engine],
+    tiers: dict[str, str],
+    now: datetime,
+    free: Callable[[Engine], bool] = lambda _: True,
+) -> tuple[Engine, str]:
     """Pure: the engine that serves `model` (a tier alias resolved first), and the model
-    name it knows; 404 naming the models that exist."""
+    name it knows; 404 naming the models that exist. Of several, the best kind (the module's
+    order; `free`: whether a serving engine would run a request at once), then by name."""
     name = tiers.get(model, model)
-    for engine in engines:
-        if name in engine.models:
-            return engine, name
+    serving = [engine for engine in engines if name in engine.models]
+    if serving:
+        return min(serving, key=lambda engine: (rank(engine, now, free), engine.name)), name
     known = sorted({m for engine in engines for m in engine.models} | set(tiers))
     shown = ", ".join(known[:_SHOWN]) + (", …" if len(known) > _SHOWN else "")
     raise Refusal(
@@ -63,12 +91,19 @@ def route(model: str, engines: list[Engine], tiers: dict[str, str]) -> tuple[Eng
     )
 
 
+def rank(engine: Engine, now: datetime, free: Callable[[Engine], bool]) -> int:
+    """Pure: 0 serving with a slot free, 1 serving, 2 starting, 3 may be started on demand,
+    4 stopped by an operator, 5 its worker unavailable."""
+    step = plan(engine.desired, engine.status, now).step
+    return 0 if step == "ready" and free(engine) else _RANK[step]
+
+
 class Catalog:
     """The engines of a data directory, re-read as their status files change."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self._seen: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        self._seen: dict[str, tuple[tuple[int, ...], Engine]] = {}
         self._names: dict[str, bool] = {}  # a directory entry's name: an engine's, or not
 
     def _engine_name(self, name: str) -> bool:
@@ -82,8 +117,9 @@ class Catalog:
         return known
 
     def engines(self) -> list[Engine]:
-        """Every engine with a status file, by name; one stat each (every request asks)."""
-        found: dict[str, tuple[tuple[int, int, int], Engine]] = {}
+        """Every engine with a status file, by name; a stat of its two files each (every
+        request asks)."""
+        found: dict[str, tuple[tuple[int, ...], Engine]] = {}
         root = str(self.data_dir)
         try:
             names = sorted(os.listdir(root))
@@ -96,20 +132,33 @@ class Catalog:
                 info = os.stat(os.path.join(root, name, STATUS))
             except OSError:
                 continue
-            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)  # each write is a new inode
+            stamp = _stamp(info) + _stamp(_stat(os.path.join(root, name, DESIRED)))
             known = self._seen.get(name)
             if known is not None and known[0] == stamp:
                 found[name] = known
             else:
-                found[name] = (stamp, Engine(name, load_status(self.data_dir / name)))
+                directory = self.data_dir / name
+                found[name] = (stamp, Engine(name, load_status(directory), read_desired(directory)))
         self._seen = found
         return [engine for _, engine in found.values()]
 
     def engine(self, name: str) -> Engine:
         """One engine, read now."""
         directory = self.data_dir / check_name(name)
-        return Engine(name, load_status(directory))
+        return Engine(name, load_status(directory), read_desired(directory))
 
     @staticmethod
     def now() -> datetime:
         return utc_now()
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _stamp(info: os.stat_result | None) -> tuple[int, ...]:
+    """A file's version: each write by rename is a new inode; (0, 0, 0) for none."""
+    return (info.st_ino, info.st_mtime_ns, info.st_size) if info is not None else (0, 0, 0)

@@ -3,7 +3,8 @@
 It reports whether each heartbeat is fresh, and writes requests through the protocol's host
 module.
 
-An engine the owner asks for is the operator's from then on: idle stop leaves it alone.
+An engine the owner asks for is the operator's from then on: idle stop leaves it alone, and
+one the owner stopped is not started on demand (the request says `requestedBy: operator`).
 """
 
 from __future__ import annotations
@@ -110,4 +111,4 @@ class HostApi:
 
 
 def request_state(data_dir: Path, name: str, desired: str) -> int:
-    return request(data_dir, name, "running" if desired == "running" else "stopped")
+    return request(data_dir, name, "running" if desired == "running" else "stopped", "operator")

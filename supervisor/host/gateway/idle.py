@@ -4,7 +4,9 @@ Idle stop: once nothing has run or waited on one for the configured time. Swap: 
 the gateway waits on is blocked for memory (the worker's `waitingFor: memory`), the engine it
 started that has been unused longest is stopped first, and the start is asked for again once
 that engine has stopped. Never an engine an operator started: the gateway stops only while
-desired.json still holds the very generation of `running` it wrote itself. Requests in flight
+desired.json still holds the very generation of `running` it wrote itself, checked again under
+the request lock as it writes. Its stops say `requestedBy: gateway`, so a later request may
+start the engine on demand again (an operator's stop may not be undone so). Requests in flight
 finish first: an engine with a request running or waiting is never stopped, and the look and
 the write happen with no await between them, so nothing is admitted in between.
 """
@@ -23,7 +25,7 @@ from aiohttp import web
 from supervisor import logs
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.starter import Starter
-from supervisor.host.protocol import engine_dir, load_status, read_desired, request
+from supervisor.host.protocol import Superseded, engine_dir, load_status, read_desired, request
 from supervisor.protocol.documents import DesiredFile, Status
 
 CHECK_S: Final = 1.0
@@ -126,12 +128,20 @@ class IdleStop:
         admitted between the look and the write (both are small file operations)."""
         look = self.look(engine, ours)
         if look is not None and should_stop(look, self.stop_after_s):
-            generation = self._stop(engine)
-            log.info("idle engine stopped", engine=engine, generation=generation,
-                     idle_s=round(look.idle_s, 1))  # fmt: skip
+            generation = self._stop(engine, ours)
+            if generation is not None:
+                log.info("idle engine stopped", engine=engine, generation=generation,
+                         idle_s=round(look.idle_s, 1))  # fmt: skip
 
-    def _stop(self, engine: str) -> int:
-        generation = request(self.data_dir, engine, "stopped")
+    def _stop(self, engine: str, ours: int) -> int | None:
+        """`stopped`, as the gateway, while desired.json still says its own `running`; None
+        (and the engine no longer the gateway's) when someone asked since."""
+        try:
+            generation = request(self.data_dir, engine, "stopped", "gateway",
+                                 only_if=lambda current: still_ours(ours, current))  # fmt: skip
+        except Superseded:
+            self.starter.started.pop(engine, None)
+            return None
         self.starter.started.pop(engine, None)
         self.stopping.add(engine)
         self.stopped += 1
@@ -146,7 +156,9 @@ class IdleStop:
             chosen = victim([look for look in looks if look is not None], blocked)
             if chosen is None:
                 return False
-            generation = self._stop(chosen.engine)
+            generation = self._stop(chosen.engine, chosen.ours)
+            if generation is None:
+                return False
             self.swapped += 1
             log.info("engine stopped for a start waiting for memory", engine=chosen.engine,
                      generation=generation, start=blocked)  # fmt: skip

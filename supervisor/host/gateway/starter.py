@@ -1,12 +1,21 @@
 """Start on demand: one request for `running` per start, shared by every caller waiting on it.
 
+Only an engine no operator stopped is started: one nobody asked to stop, or one the gateway
+stopped itself (idle stop, a swap). An operator's stop (the CLI, the host API, the page; and a
+`stopped` of an older host, which names no requester) stands until an operator starts the
+engine again: a request for it is answered 503 `model_not_loaded` naming who stopped it and
+when, also while that stop is still in progress. The gateway writes `running` only on the
+request it read when it decided (`request(..., only_if=...)`), so an operator's request made
+in between is never overwritten: the start is planned again on it.
+
 The start is a task of its own: a caller that goes away (a client that disconnects) stops
 waiting, never the start. The task reads status.json until it answers the generation it asked
 for; `failed` (which is also how the worker says a start waits for memory), `stopped`, or a
 worker whose heartbeat is older than 60 s end it with 503 `model_not_loaded` and the worker's
-message, and so does the load wait running out. With swap on (`free` set), a start the worker
-says waits for memory first has an unused engine the gateway started stopped, then is asked for
-again, so the worker tries at once rather than after its back-off.
+message, and so does the load wait running out. A new request on file meanwhile (an operator's
+stop or start) is planned again. With swap on (`free` set), a start the worker says waits for
+memory first has an unused engine the gateway started stopped, then is asked for again, so the
+worker tries at once rather than after its back-off.
 """
 
 from __future__ import annotations
@@ -17,26 +26,36 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.protocol import classify, engine_dir, load_status, read_desired, request
+from supervisor.host.protocol import (
+    Superseded,
+    classify,
+    engine_dir,
+    load_status,
+    read_desired,
+    request,
+)
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 POLL_S: Final = 0.25
 
-Step = Literal["ready", "request", "follow", "unavailable"]
+Step = Literal["ready", "request", "follow", "stopped", "unavailable"]
 
 
 @dataclass(frozen=True)
 class Plan:
     step: Step
-    generation: int = 0  # "follow": the request already written
+    generation: int = 0  # "follow": the request already written; "stopped": the operator's
     reason: str = ""
+    url: str = ""  # "ready": where it serves
 
 
 def plan(desired: DesiredFile | None, status: Status | None, now: datetime) -> Plan:
     """Pure: what a start needs, from the request on file and the worker's answer."""
+    if desired is not None and desired.operator_stop:
+        return Plan("stopped", desired.generation, "stopped by an operator")
     reading = classify(status, status.generation if status else 0, now)
     if reading.answer == "unavailable":
         return Plan("unavailable", reason=reading.reason)
@@ -46,7 +65,7 @@ def plan(desired: DesiredFile | None, status: Status | None, now: datetime) -> P
         and status.url
         and (desired is None or desired.desired == "running")
     ):
-        return Plan("ready")
+        return Plan("ready", url=status.url)
     if (
         desired is not None
         and desired.desired == "running"
@@ -57,8 +76,26 @@ def plan(desired: DesiredFile | None, status: Status | None, now: datetime) -> P
     return Plan("request")
 
 
-def not_loaded(engine: str, reason: str) -> Refusal:
-    return Refusal(503, "model_not_loaded", f"engine {engine} is not loaded: {reason}")
+def not_loaded(engine: str, reason: str, details: dict[str, Any] | None = None) -> Refusal:
+    return Refusal(
+        503, "model_not_loaded", f"engine {engine} is not loaded: {reason}", details=details
+    )
+
+
+def operator_stop(engine: str, desired: DesiredFile) -> Refusal:
+    """503 for an engine an operator stopped: who stopped it and when, and the way on; the
+    same in `stoppedBy` (`requestedBy` is `operator` for an older host's stop too)."""
+    said = desired.model_dump(mode="json", by_alias=True)
+    who = "an operator" if desired.requested_by else "an operator (an older host's request)"
+    when = f"at {said['requestedAt']}" if desired.requested_at else "at a time not recorded"
+    return not_loaded(
+        engine,
+        f"stopped by {who} {when} (generation {desired.generation}); it is not started on "
+        f"demand until an operator starts it: lucia-supervisor request {engine} running, "
+        f"Start on the page, or POST /api/host/engines/{engine}",
+        {"stoppedBy": {"requestedBy": "operator", "requestedAt": said.get("requestedAt"),
+                       "generation": desired.generation}},
+    )  # fmt: skip
 
 
 class Starter:
@@ -86,16 +123,36 @@ class Starter:
     async def _start(self, engine: str) -> str:
         directory = engine_dir(self.data_dir, engine)
         deadline = time.monotonic() + self.load_wait_s
-        status = load_status(directory)
-        step = plan(read_desired(directory), status, utc_now())
-        if step.step == "unavailable":
-            raise not_loaded(engine, step.reason)
-        if step.step == "ready" and status is not None and status.url:
-            return status.url
-        generation = step.generation
-        if step.step == "request":
-            generation = await self._request(engine)
         while True:
+            desired, status = read_desired(directory), load_status(directory)
+            step = plan(desired, status, utc_now())
+            if step.step == "stopped":
+                assert desired is not None
+                raise operator_stop(engine, desired)
+            if step.step == "unavailable":
+                raise not_loaded(engine, step.reason)
+            if step.step == "ready":
+                return step.url
+            if time.monotonic() >= deadline:
+                raise self._too_long(engine, status)
+            generation = step.generation
+            if step.step == "request":
+                try:
+                    generation = await self._request(engine, desired)
+                except Superseded:
+                    continue  # someone asked since: planned again on what they asked
+            url = await self._follow(engine, generation, deadline)
+            if url is not None:
+                return url
+
+    async def _follow(self, engine: str, generation: int, deadline: float) -> str | None:
+        """Where the engine serves once the worker answers `generation` with `running`; None
+        once another request is on file (the start is planned again on it)."""
+        directory = engine_dir(self.data_dir, engine)
+        while True:
+            desired = read_desired(directory)
+            if desired is None or desired.generation != generation:
+                return None
             status = load_status(directory)
             reading = classify(status, generation, utc_now())
             if reading.answer == "unavailable":
@@ -108,20 +165,30 @@ class Starter:
                     and self.free is not None
                     and await self.free(engine, deadline)
                 ):
-                    generation = await self._request(engine)
+                    try:
+                        generation = await self._request(engine, desired)
+                    except Superseded:
+                        return None
                     continue
                 if status.state in ("failed", "stopped", "stopping"):
                     raise not_loaded(engine, f"{status.state}: {status.message}")
             if time.monotonic() >= deadline:
-                raise not_loaded(
-                    engine,
-                    f"not ready within the load wait of {self.load_wait_s:g} s"
-                    + (f"; the worker says: {status.message}" if status else ""),
-                )
+                raise self._too_long(engine, status)
             await asyncio.sleep(self.poll_s)
 
-    async def _request(self, engine: str) -> int:
-        generation = await asyncio.to_thread(request, self.data_dir, engine, "running")
+    def _too_long(self, engine: str, status: Status | None) -> Refusal:
+        return not_loaded(
+            engine,
+            f"not ready within the load wait of {self.load_wait_s:g} s"
+            + (f"; the worker says: {status.message}" if status else ""),
+        )
+
+    async def _request(self, engine: str, seen: DesiredFile | None) -> int:
+        """`running`, as the gateway, only while desired.json still says what it read."""
+        generation = await asyncio.to_thread(
+            request, self.data_dir, engine, "running", "gateway",
+            only_if=lambda current: current == seen,
+        )  # fmt: skip
         self.requests_written += 1
         self.started[engine] = generation
         return generation

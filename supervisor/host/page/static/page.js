@@ -176,6 +176,14 @@ function planLine(item, plan, button, outdatedBy) {
   }
 }
 
+// what desired.json says was last asked, by whom and when (an older host's names no one)
+function asked(desired) {
+  const who = desired.requestedBy === "operator" ? "an operator"
+    : desired.requestedBy === "gateway" ? "the gateway" : "a host that did not say who";
+  const when = desired.requestedAt ? " at " + desired.requestedAt : "";
+  return desired.desired + " (generation " + desired.generation + "), by " + who + when;
+}
+
 function drawEngines(engines) {
   const box = $("engine-list");
   clear(box);
@@ -202,7 +210,7 @@ function drawEngines(engines) {
       field(list, "build", engine ? [engine.engineVersion, engine.image].filter(Boolean).join(" · ") : null);
       field(list, "weights", engine ? [engine.model, engine.modelRevision].filter(Boolean).join(" @ ") : null);
       field(list, "models", (status.models || []).join(", "));
-      field(list, "asked", row.desired ? row.desired.desired + " (generation " + row.desired.generation + ")" : null);
+      field(list, "asked", row.desired ? asked(row.desired) : null);
     }
     item.appendChild(list);
     if (status && status.message) item.appendChild(el("p", "message", status.message));
