@@ -70,25 +70,36 @@ def wait_answering(url: str, timeout: float = 60.0) -> None:
 # -- the fast upstream -----------------------------------------------------------------------
 
 
-def fast_chunks(tokens: int) -> tuple[list[bytes], bytes]:
-    """The SSE events of one streamed answer of `tokens` tokens, and its usage event."""
+def fast_chunks(tokens: int, counts: bool = False) -> tuple[list[bytes], bytes]:
+    """The SSE events of one streamed answer of `tokens` tokens, and its usage event; with
+    `counts`, every event carries a running count as llama-server's `timings_per_token` does."""
 
     def event(document: dict[str, object]) -> bytes:
         return b"data: " + json.dumps(document, separators=(",", ":")).encode() + b"\n\n"
 
+    def timings(generated: int) -> dict[str, object]:
+        if not counts:
+            return {}
+        return {"timings": {"cache_n": 0, "prompt_n": 8, "prompt_ms": 1.5,
+                            "prompt_per_token_ms": 0.19, "prompt_per_second": 5333.3,
+                            "predicted_n": generated, "predicted_ms": 0.3 * generated,
+                            "predicted_per_token_ms": 0.3,
+                            "predicted_per_second": 3333.3}}  # fmt: skip
+
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
     chunks = [
         event(
-            {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+            {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}],
+             **timings(index + 1)}
         )
-        for _ in range(tokens)
+        for index in range(tokens)
     ]
     usage = {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens}
     return chunks, event({**head, "choices": [], "usage": usage})
 
 
-def serve_fast(port: int, tokens: int, token_ms: float) -> None:
-    chunks, usage = fast_chunks(tokens)
+def serve_fast(port: int, tokens: int, token_ms: float, counts: bool = False) -> None:
+    chunks, usage = fast_chunks(tokens, counts)
     pause = token_ms / 1000
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -115,8 +126,10 @@ def serve_fast(port: int, tokens: int, token_ms: float) -> None:
 
 
 @contextmanager
-def fast_upstream(tokens: int, token_ms: float) -> Iterator[tuple[str, int]]:
-    """The fast upstream's url and pid, in a process of its own."""
+def fast_upstream(
+    tokens: int, token_ms: float, counts: bool = False
+) -> Iterator[tuple[str, int]]:
+    """The fast upstream's url and pid, in a process of its own; `counts`: see fast_chunks."""
     port = free_port()
     child = subprocess.Popen(
         [
@@ -127,6 +140,7 @@ def fast_upstream(tokens: int, token_ms: float) -> Iterator[tuple[str, int]]:
             str(port),
             str(tokens),
             str(token_ms),
+            *(["counts"] if counts else []),
         ],
         cwd=ROOT,
     )
@@ -246,11 +260,12 @@ waiting = {running}
 
 @contextmanager
 def gateway(
-    upstream: str, running: int, profile: Path | None, extra: str = ""
+    upstream: str, running: int, profile: Path | None, extra: str = "", root: Path = ROOT
 ) -> Iterator[tuple[str, int]]:
     """The real gateway service in its own process, in front of `upstream`; its url and pid.
     With `profile`, it runs under cProfile, whose figures are written there at its stop.
-    `extra` is appended to its settings (a `[record]` section, say)."""
+    `extra` is appended to its settings (a `[record]` section, say). `root`: the source tree
+    it runs from (another version's, for a baseline)."""
     with tempfile.TemporaryDirectory(prefix="lucia-bench-gateway-") as tmp:
         home = Path(tmp)
         data = home / "data"
@@ -275,8 +290,8 @@ def gateway(
             sys.executable, *wrap, "-m", "supervisor.cli", "gateway",
             "--settings", str(settings), "--data-dir", str(data),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(home)}
-        child = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+        env = {**os.environ, "PYTHONPATH": str(root), "XDG_CONFIG_HOME": str(home)}
+        child = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_answering(url + "/metrics")
@@ -290,4 +305,4 @@ def gateway(
 
 if __name__ == "__main__":
     if sys.argv[1] == "fast":
-        serve_fast(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+        serve_fast(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), "counts" in sys.argv)

@@ -12,7 +12,6 @@ from supervisor.protocol.documents import (
     SCHEMA_VERSION,
     DesiredFile,
     DesiredState,
-    InvalidDocument,
     Requester,
     Status,
     dump,
@@ -29,6 +28,7 @@ from supervisor.protocol.layout import STATUS as STATUS  # noqa: PLC0414
 from supervisor.protocol.layout import BadName as BadName  # noqa: PLC0414
 from supervisor.protocol.layout import check_name as check_name  # noqa: PLC0414
 from supervisor.protocol.layout import engine_dir as engine_dir  # noqa: PLC0414
+from supervisor.protocol.strictjson import InvalidDocument
 
 STALE_AFTER: Final = timedelta(seconds=60)
 _REQUEST_LOCK: Final = ".request.lock"

@@ -1,5 +1,4 @@
-"""Served names: the one rule for every name a request's `model` may give, and the form a name
-outside it is kept in.
+"""Served names: one rule for every name a request's `model` may give, and a digest form.
 
 A name becomes a served name where it enters: a GGUF the library adds (its file name without
 `.gguf`, or a split model's prefix), a vLLM or TensorFold recipe's served names, a tier alias

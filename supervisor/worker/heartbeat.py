@@ -18,7 +18,6 @@ from supervisor import logs, redaction
 from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
-    InvalidDocument,
     MemoryPlan,
     Status,
     TargetGroup,
@@ -27,6 +26,7 @@ from supervisor.protocol.documents import (
     parse_status,
     utc_now,
 )
+from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.version import version
 from supervisor.worker.plan import Answer
 from supervisor.worker.telemetry import FileSdWriter, Metrics

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.protocol import files
-from supervisor.protocol.documents import DesiredFile, InvalidDocument, parse_desired
+from supervisor.protocol.documents import DesiredFile, parse_desired
+from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.worker.memory import Memory, Reported, accept
 from supervisor.worker.plan import Decision, acknowledge
 

@@ -47,8 +47,9 @@ from supervisor.host.protocol import DESIRED, STATUS
 from supervisor.notify import Notifier
 from supervisor.protocol import documents as protocol
 from supervisor.protocol import files
-from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, InvalidDocument, TargetGroup
+from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, TargetGroup
 from supervisor.protocol.files import FileRefused
+from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.memory import Memory

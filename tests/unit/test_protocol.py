@@ -22,7 +22,6 @@ from supervisor.protocol.documents import (
     STATES,
     DesiredFile,
     FileSd,
-    InvalidDocument,
     RunningEngine,
     Status,
     TargetGroup,
@@ -32,6 +31,7 @@ from supervisor.protocol.documents import (
     parse_status,
 )
 from supervisor.protocol.files import FileRefused, read_text
+from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.schemas import checked_in
 from tests.corpus import INVALID, VALID, Case, materialise
 from tests.support import within

@@ -42,16 +42,20 @@ _USAGE: Final = b'"usage"'
 # a count's object, with the whitespace JSON allows (the engines send none)
 _TIMINGS: Final = re.compile(rb'"timings"\s*:\s*\{')
 _RUNNING: Final = re.compile(rb'"usage"\s*:\s*\{')
+_TIMINGS_EXACT: Final = b'"timings":{'
+_RUNNING_EXACT: Final = b'"usage":{'
 _NAME_BYTES: Final = 32  # the most bytes of one of those names that a chunk's end can split
 _MAY_END: Final = b"[]"  # a usage chunk's empty choices
 # an event's running usage, flat (vLLM's continuous usage has no nested object but a null)
 _RUNNING_FIELD: Final = re.compile(rb',\s*"usage"\s*:\s*\{[^{}]*\}')
 # an event that carries output: a chat or text completions choice, a responses delta
-_OUTPUT: Final = re.compile(rb'"choices":\[\{|"type":"response\.[a-z_]+\.delta"')
+_CHOICE: Final = b'"choices":[{'
 _DELTA: Final = re.compile(rb'"type":"response\.[a-z_]+\.delta"')
+_DELTA_END: Final = b'.delta"'
 _FINAL_RESPONSE: Final = ("response.completed", "response.incomplete", "response.failed")
 _DECODER: Final = json.JSONDecoder()
-_OBJECT_BYTES: Final = 4096  # a running count's object is a few hundred bytes
+_OBJECT_BYTES: Final = 4096  # a usage object, its details too
+_COUNT_BYTES: Final = 1024  # a running count's object is a few hundred bytes
 
 Source = Literal["engine", "engine_partial", "counted", "bound", "none"]
 # tokens a sequence an engine generates after the last event the gateway read of a stream that
@@ -113,17 +117,20 @@ def final_usage(event: bytes) -> tuple[dict[str, Any] | None, bool]:
     return None, False
 
 
-def _last(pattern: re.Pattern[bytes], data: bytes) -> int:
-    """Where the last match of `pattern` in data opens its object (`{`), else -1."""
-    at = -1
+def _last(pattern: re.Pattern[bytes], exact: bytes, data: bytes) -> int:
+    """Where the last match of `pattern` in data opens its object (`{`), else -1: `exact`, the
+    name as the engines send it (no whitespace), is searched first, from the end."""
+    at = data.rfind(exact)
+    if at >= 0:
+        return at + len(exact) - 1
     for match in pattern.finditer(data):
         at = match.end() - 1
     return at
 
 
-def _object(data: bytes, start: int) -> dict[str, Any] | None:
-    """The JSON object that starts at data[start], if it parses."""
-    text = data[start : start + _OBJECT_BYTES].decode(errors="ignore")
+def _object(data: bytes, start: int, most: int = _OBJECT_BYTES) -> dict[str, Any] | None:
+    """The JSON object that starts at data[start], within `most` bytes, if it parses."""
+    text = data[start : start + most].decode(errors="ignore")
     try:
         found, _ = _DECODER.raw_decode(text)
     except ValueError:
@@ -137,17 +144,17 @@ def _count(value: object) -> int | None:
 
 def running_counts(done: bytes) -> Counts | None:
     """Pure: the engine's running count at the last finished event in `done` that has one."""
-    timings_at = _last(_TIMINGS, done) if b'"timings"' in done else -1
-    usage_at = _last(_RUNNING, done) if _USAGE in done else -1
+    timings_at = _last(_TIMINGS, _TIMINGS_EXACT, done) if b'"timings"' in done else -1
+    usage_at = _last(_RUNNING, _RUNNING_EXACT, done) if _USAGE in done else -1
     if timings_at > usage_at:
-        timings = _object(done, timings_at)
+        timings = _object(done, timings_at, _COUNT_BYTES)
         if timings is not None:
             prompt, cached = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
             generated = _count(timings.get("predicted_n"))
             if prompt is not None and generated is not None:
                 return Counts(prompt + (cached or 0), generated, cached)
     if usage_at >= 0:
-        usage = _object(done, usage_at)
+        usage = _object(done, usage_at, _COUNT_BYTES)
         if usage is not None:
             prompt, generated = (
                 _count(usage.get("prompt_tokens")),
@@ -177,7 +184,8 @@ class UsageFilter:
         self.hide = hide  # the final usage chunk is not the client's
         self.strip = strip  # nor is each event's running usage
         self.usage: dict[str, Any] | None = None  # the engine's, for the whole answer
-        self.running: Counts | None = None  # the engine's, at the last event that passed
+        self._running: Counts | None = None  # the engine's, at the last event read
+        self._pending: bytes | None = None  # the last events read with a count, not parsed yet
         self.outputs = 0  # events that carried output
         self.delta_bytes = 0  # the UTF-8 bytes of /v1/responses' deltas, while no count came
         self._held = b""
@@ -217,16 +225,35 @@ class UsageFilter:
         return b"".join(out)
 
     def count(self, done: bytes) -> None:
-        """Take the running count and the output events of finished events, not passed on
-        (what was read from the engine after its client left)."""
-        self.outputs += len(_OUTPUT.findall(done))
+        """Note the running count of finished events, also of those not passed on (what was
+        read from the engine after its client left); while none came, their outputs. Only the
+        last events with a count are kept, and parsed when the count is asked for: the counts
+        only grow, and most events are never asked about."""
+        if _TIMINGS_EXACT in done or _RUNNING_EXACT in done:
+            self._pending = done
+        elif b'"timings"' in done or _USAGE in done:  # a count with whitespace: parsed now
+            self._take(done)
+        if self._pending is not None or self._running is not None:
+            return  # the engine counts: the outputs are not needed
+        self.outputs += done.count(_CHOICE)
+        if _DELTA_END in done:
+            self.outputs += len(_DELTA.findall(done))
+            self.delta_bytes += delta_bytes(done)
+
+    def _take(self, done: bytes) -> None:
         running = running_counts(done)
         if running is not None and (
-            self.running is None or running.completion >= self.running.completion
+            self._running is None or running.completion >= self._running.completion
         ):
-            self.running = running
-        if self.running is None and b'.delta"' in done:
-            self.delta_bytes += delta_bytes(done)
+            self._running = running
+
+    @property
+    def running(self) -> Counts | None:
+        """The engine's running count at the last event read that had one."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._take(pending)
+        return self._running
 
     def close(self) -> bytes:
         """What is left of an unfinished last event: passed on as it came."""
@@ -250,11 +277,11 @@ class UsageFilter:
         the last event read and its noticing that the gateway closed the stream."""
         if self.usage is not None:
             return self.usage, "engine"
-        if self.running is not None and whole:
-            return self.running.usage(), "engine"
+        running = self.running
+        if running is not None and whole:
+            return running.usage(), "engine"
         after = AFTER_CLOSE * sequences
-        if self.running is not None:
-            running = self.running
+        if running is not None:
             counts = Counts(running.prompt, running.completion + after, running.cached)
             return counts.usage(), "engine_partial"
         if self.outputs or not whole:  # also a stream left before its first output
@@ -273,7 +300,7 @@ class AnswerScan:
 
     def feed(self, data: bytes) -> None:
         joined = self._edge + data
-        at = _last(_RUNNING, joined) if _USAGE in joined else -1
+        at = _last(_RUNNING, _RUNNING_EXACT, joined) if _USAGE in joined else -1
         if at >= 0:
             self._found = joined[at : at + _OBJECT_BYTES]
         elif self._found is not None and len(self._found) < _OBJECT_BYTES:
