@@ -20,8 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
+
 from supervisor.protocol.documents import Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from tests.charge_cases import HELLO
 from tests.gateway_proc import Gateway, running_gateway
 
 ENGINE = "charged"
@@ -146,6 +149,36 @@ class Charges:
             prompt, completion,
         )  # fmt: skip
         self.table.append(charge)
+        return charge
+
+
+    def killed_mid_stream(self, model: str, tokens: int, kill: Callable[[], object]) -> Charge:
+        """A chat stream whose engine is killed (`kill`) after 8 events: its row, charged at
+        least the events the client got (the first is the role, no token), from the engine's
+        own running count. The engine's counters die with it: -1 in the table."""
+        client = self.gateway.client(timeout=300)
+        before = self.rows()
+        got = 0
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": HELLO}], max_tokens=tokens,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        try:
+            for _chunk in stream:
+                got += 1
+                if got == 8:
+                    kill()
+        except openai.APIError:
+            pass
+        deadline = time.monotonic() + 60
+        while self.rows() <= before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        outcome, source, prompt, completion = self.last_row()
+        charge = Charge(self.kind, "chat", "engine killed", outcome, source, -1, -1, prompt,
+                        completion)  # fmt: skip
+        self.table.append(charge)
+        assert (outcome, source) == ("engine_failed", "engine_partial"), charge
+        assert prompt > 0 and completion >= got - 1, (got, charge)
         return charge
 
 

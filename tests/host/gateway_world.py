@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -251,3 +251,25 @@ async def world(
 
 def settings_of(text: str) -> Settings:
     return parse(text, "test")
+
+
+def run(
+    tmp_path: Path,
+    scenario: Callable[[World], Awaitable[None]],
+    settings: str = SETTINGS,
+    upstream: Upstream | None = None,
+) -> None:
+    """The scenario against a gateway in front of `upstream` (a new Upstream if none)."""
+
+    async def main() -> None:
+        async with world(tmp_path, settings, upstream or Upstream()) as w:
+            await scenario(w)
+
+    asyncio.run(main())
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait for `check` to hold, at most 30 s."""
+    async with asyncio.timeout(30):
+        while not check():
+            await asyncio.sleep(0.01)

@@ -251,11 +251,11 @@ def test_the_loop_answers_while_a_large_body_parses(tmp_path: Path, monkeypatch:
     loops: list[asyncio.AbstractEventLoop] = []
     prepare = body.prepare
 
-    def held_prepare(path: str, raw: bytes, limits: Bounds) -> body.Prepared:
+    def held_prepare(path: str, raw: bytes, limits: Bounds, room: int | None) -> body.Prepared:
         loops[0].call_soon_threadsafe(parsing.set)
         models_answered.wait(10)  # a safety net: on the loop it would never be set
         order.append("parsed")
-        return prepare(path, raw, limits)
+        return prepare(path, raw, limits, room)
 
     async def main() -> None:
         loops.append(asyncio.get_running_loop())
@@ -265,7 +265,8 @@ def test_the_loop_answers_while_a_large_body_parses(tmp_path: Path, monkeypatch:
             large += b" " * (body.ANY_LIMIT - len(large))
             url = str(w.gateway.make_url("/v1/embeddings"))
             post = asyncio.ensure_future(s.post(url, data=large))
-            await parsing.wait()
+            async with asyncio.timeout(60):  # a parse that never began fails, never hangs
+                await parsing.wait()
             async with s.get(str(w.gateway.make_url("/v1/models"))) as models:
                 assert models.status == 200
                 order.append("models")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +17,18 @@ import pytest
 from supervisor import cli
 from supervisor.host.protocol import DESIRED, request
 from supervisor.protocol.files import write_atomic
-from tests.host.gateway_world import AUTH, OWNER, SETTINGS, Upstream, World, world, write_status
+from tests.host.gateway_world import (
+    AUTH,
+    OWNER,
+    SETTINGS,
+    World,
+    run,
+    until,
+    write_status,
+)
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 IDLE = SETTINGS + "[idle]\nstop_after_s = 0.2\n"
-
-
-def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]], settings: str = SETTINGS,
-        **upstream: Any) -> None:  # fmt: skip
-    async def main() -> None:
-        async with world(tmp_path, settings, Upstream(**upstream)) as w:
-            await scenario(w)
-
-    asyncio.run(main())
-
-
-async def until(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(30):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def chat(w: World, s: aiohttp.ClientSession) -> tuple[int, dict[str, Any]]:

@@ -5,7 +5,6 @@ local upstream; the test writes the workers' side."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,26 +13,19 @@ import aiohttp
 
 from supervisor.host.protocol import request
 from supervisor.protocol.documents import utc_now
-from tests.host.gateway_world import AUTH, SETTINGS, Upstream, World, world, write_status
+from tests.host.gateway_world import (
+    AUTH,
+    SETTINGS,
+    Upstream,
+    World,
+    run,
+    until,
+    write_status,
+)
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 ONE_AT_ONCE = SETTINGS.replace("running = 2", "running = 1")
 WORKER_GONE_S = 126  # the heartbeat age measured on the demo
-
-
-def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]], settings: str = SETTINGS,
-        upstream: Upstream | None = None) -> None:  # fmt: skip
-    async def main() -> None:
-        async with world(tmp_path, settings, upstream or Upstream()) as w:
-            await scenario(w)
-
-    asyncio.run(main())
-
-
-async def until(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(30):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def chat(w: World, s: aiohttp.ClientSession, **extra: Any) -> tuple[int, dict[str, Any]]:

@@ -4,7 +4,6 @@ started, end to end against the fast local upstream (the test writes the workers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +12,14 @@ import pytest
 from supervisor.host.gateway.idle import Look, victim
 from supervisor.host.protocol import request
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
-from tests.host.gateway_world import AUTH, SETTINGS, Upstream, World, world, write_status
+from tests.host.gateway_world import (
+    AUTH,
+    SETTINGS,
+    World,
+    run,
+    until,
+    write_status,
+)
 
 SWAP = SETTINGS + "[idle]\nswap = true\n"
 NOW = utc_now()
@@ -45,20 +51,6 @@ def look(engine: str, idle_s: float, busy: bool = False, ours: bool = True,
 def test_the_swap_victim(looks: list[Look], chosen: str | None) -> None:
     found = victim(looks, "big")
     assert (found.engine if found else None) == chosen
-
-
-def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]], settings: str) -> None:
-    async def main() -> None:
-        async with world(tmp_path, settings, Upstream()) as w:
-            await scenario(w)
-
-    asyncio.run(main())
-
-
-async def until(check: Callable[[], bool]) -> None:
-    async with asyncio.timeout(30):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def started_small(w: World, s: aiohttp.ClientSession) -> None:

@@ -8,17 +8,15 @@ processed, not those its cache held) and `llamacpp:tokens_predicted_total`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import docker
-import openai
 import pytest
 
-from tests.charge_cases import HELLO, LATE_WAYS, WAYS, cases
-from tests.charges import Charge, Charges, Counters, charging, read_counters
+from tests.charge_cases import LATE_WAYS, WAYS, cases
+from tests.charges import Charges, Counters, charging, read_counters
 from tests.fixtures import RUN_ID, TEST_LABEL, free_port
 from tests.gguf_fixtures import TinyLlama, write_llama
 from tests.llama_server import CONTAINER_DIR, CONTAINER_PORT
@@ -116,27 +114,4 @@ def test_a_stream_whose_engine_is_killed_is_charged_what_passed(
     """The engine's counters die with it: the row is charged at least the events the client
     got, each a token, from the engine's own running count."""
     container, _ = llama
-    client = charges.gateway.client(timeout=120)
-    before = charges.rows()
-    got = 0
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": HELLO}], max_tokens=3000,
-        stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    try:
-        for _chunk in stream:
-            got += 1
-            if got == 8:
-                container.kill()
-    except openai.APIError:
-        pass
-    deadline = time.monotonic() + 60
-    while charges.rows() <= before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    outcome, source, prompt, completion = charges.last_row()
-    assert (outcome, source) == ("engine_failed", "engine_partial")
-    assert prompt > 0 and completion >= got - 1  # the first event is the role, no token
-    charges.table.append(
-        Charge("llama-server", "chat", "engine killed", outcome, source, -1, -1, prompt,
-               completion)  # the engine's own count died with it
-    )  # fmt: skip
+    charges.killed_mid_stream(MODEL, LONG, container.kill)

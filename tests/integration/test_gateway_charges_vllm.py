@@ -10,14 +10,12 @@ The engine's own count is its /metrics: `vllm:prompt_tokens_total` and
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
-import openai
 import pytest
 
-from tests.charge_cases import HELLO, LATE_WAYS, WAYS, cases
-from tests.charges import Charge, Charges, Counters, charging, read_counters
+from tests.charge_cases import LATE_WAYS, WAYS, cases
+from tests.charges import Charges, Counters, charging, read_counters
 from tests.vllm_cpu import SERVED_NAME, VllmServer
 
 pytestmark = pytest.mark.docker
@@ -68,27 +66,4 @@ def test_a_stream_whose_engine_is_killed_is_charged_what_passed(
     """The engine's counters die with it: the row is charged at least the events the client
     got, from the engine's own running count. The last case of the module: it ends the
     server."""
-    client = charges.gateway.client(timeout=300)
-    before = charges.rows()
-    got = 0
-    stream = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": HELLO}], max_tokens=LONG,
-        stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    try:
-        for _chunk in stream:
-            got += 1
-            if got == 8:
-                vllm.container.kill()
-    except openai.APIError:
-        pass
-    deadline = time.monotonic() + 60
-    while charges.rows() <= before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    outcome, source, prompt, completion = charges.last_row()
-    assert (outcome, source) == ("engine_failed", "engine_partial")
-    assert prompt > 0 and completion >= got - 1  # the first event is the role, no token
-    charges.table.append(
-        Charge("vllm-cpu", "chat", "engine killed", outcome, source, -1, -1, prompt,
-               completion)  # the engine's own count died with it
-    )  # fmt: skip
+    charges.killed_mid_stream(SERVED_NAME, LONG, vllm.container.kill)
