@@ -49,6 +49,7 @@ from typing import Any, Final
 COMMIT_S: Final = 1.5  # a row is committed within 1 s of its request's end (writer.py says)
 WRITER_BACK_S: Final = 16.0  # the record's writer retries within 15 s once the database is back
 SAMPLE_S: Final = 0.5
+CLOCKS_S: Final = 0.1
 AFTER_CLOSE: Final = 16  # what an early-ended stream is charged past its engine's count
 UNROUTED: Final = frozenset({400, 401, 404, 408, 413})
 UNROUTED_CODES: Final = frozenset({"bodies_busy", "too_many_failures"})
@@ -173,7 +174,10 @@ def within_budget(rows: Sequence[Row], keys: Mapping[str, Mapping[str, Any]],
             continue
         total = sum(r.prompt + r.completion for r in found)
         last = max(r.at for r in admitted)
-        in_flight = sum(excess(r, key) for r in admitted if r.at + r.duration >= last)
+        # ended before the last admission: in its total (less CLOCKS_S, for a row's arrival on
+        # the wall clock and its duration on the event loop's)
+        in_flight = sum(excess(r, key) for r in admitted
+                        if r.at + r.duration >= last - CLOCKS_S)
         blind = sum(r.prompt + r.completion for r in found
                     if any(start <= r.at <= stop for start, stop in unknown))
         bound = key["budget"] + in_flight + blind
