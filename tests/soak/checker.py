@@ -366,14 +366,22 @@ class Checker:
         self.figures["to_running_p50"] = to_running[len(to_running) // 2] if to_running else None
         self.figures["to_running_max"] = to_running[-1] if to_running else None
         if self.front_door is not None and self.counters is not None:
-            violations, figures = frontdoor_check.judge(
-                self.front_door, self.counters.stop(), self.events,
-                {e.name: list(e.desired_seen.values()) for e in self.engines})
-            for violation in violations:
-                self._violate(violation)
-            self.figures["front_door"] = figures
+            self._judge_front_door(self.front_door, self.counters.stop(), now)
         self.verdict_path.write_text(json.dumps({"violations": self.violations,
                                                  "figures": self.figures}, indent=2))
+
+    def _judge_front_door(self, config: dict[str, Any], lives: frontdoor_check.Lives,
+                          now: float) -> None:
+        try:
+            violations, figures = frontdoor_check.judge(
+                config, lives, self.events,
+                {e.name: list(e.desired_seen.values()) for e in self.engines})
+        except Exception as exc:  # a front door that cannot be judged fails
+            violations, figures = [{"t": now, "engine": "gateway", "invariant": "front-door",
+                                    "detail": f"not judged: {exc!r}"[:300]}], None
+        for violation in violations:
+            self._violate(violation)
+        self.figures["front_door"] = figures
 
     def run(self) -> None:
         if self.counters is not None:

@@ -440,7 +440,7 @@ stop_grace = 5
               + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
               f"max {_ms(figures['to_running_max'])}")
         front = figures.get("front_door")
-        if front is not None:
+        if front:
             print(f"front door: {front['calls']} requests, {front['routed']} routed, "
                   f"{front['rows']} rows ({front['maybe']} a fault may have lost; "
                   f"{front['refused']} refusals; {front['left']} left early; sources "
