@@ -28,6 +28,7 @@ from typing import Any, Final
 import docker
 import jsonschema
 
+from tests.soak import frontdoor_check
 from tests.soak.liveness import (
     RETURN,
     TOLERANCE,
@@ -91,6 +92,7 @@ class EngineTruth:
     causes_since: float = 0.0  # when the current container was first seen
     requests: dict[int, Request] = field(default_factory=dict)  # generation -> what it reached
     judged: set[int] = field(default_factory=set)  # generations already found late or failing
+    desired_seen: dict[int, dict[str, Any]] = field(default_factory=dict)  # generation -> doc
 
 
 def desired_document(path: Path) -> dict[str, Any] | None:
@@ -121,6 +123,9 @@ class Checker:
         self._events_offset = 0
         self.violations: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {"worst_heartbeat_age": 0.0, "ack": [], "samples": 0}
+        self.front_door: dict[str, Any] | None = config.get("front_door")
+        self.counters = (None if self.front_door is None else frontdoor_check.Sampler(
+            Path(self.front_door["status"]), self.front_door["model"]))
 
     def _violate(self, violation: dict[str, Any]) -> None:
         """Record a violation, and say it at once: a long soak shows it when it happens."""
@@ -181,6 +186,7 @@ class Checker:
         file_sd = self._read_json(engine, engine.file_sd, self.file_sd_schema, now)
         if desired is not None:
             engine.seen_generation.setdefault(desired["generation"], now)
+            engine.desired_seen.setdefault(desired["generation"], desired)
             self._track(engine, desired, now)
         if status is not None:
             self._check_status(engine, status, desired, file_sd, now)
@@ -359,10 +365,27 @@ class Checker:
                             if r.desired == "running" and "running" in r.reached)
         self.figures["to_running_p50"] = to_running[len(to_running) // 2] if to_running else None
         self.figures["to_running_max"] = to_running[-1] if to_running else None
+        if self.front_door is not None and self.counters is not None:
+            self._judge_front_door(self.front_door, self.counters.stop(), now)
         self.verdict_path.write_text(json.dumps({"violations": self.violations,
                                                  "figures": self.figures}, indent=2))
 
+    def _judge_front_door(self, config: dict[str, Any], lives: frontdoor_check.Lives,
+                          now: float) -> None:
+        try:
+            violations, figures = frontdoor_check.judge(
+                config, lives, self.events,
+                {e.name: list(e.desired_seen.values()) for e in self.engines})
+        except Exception as exc:  # a front door that cannot be judged fails
+            violations, figures = [{"t": now, "engine": "gateway", "invariant": "front-door",
+                                    "detail": f"not judged: {exc!r}"[:300]}], None
+        for violation in violations:
+            self._violate(violation)
+        self.figures["front_door"] = figures
+
     def run(self) -> None:
+        if self.counters is not None:
+            self.counters.start()
         while not self.stop_path.exists():
             started = time.monotonic()
             self.sample()

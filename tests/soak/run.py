@@ -15,6 +15,13 @@ A failure prints the seed and the schedule up to the failure; the same seed repl
 installs the tensorfold engine with a recipe whose engine never becomes ready (it loads for
 longer than its ready timeout): every request for running fails with no fault to cause it, so
 the liveness invariants must report it. The product is the same; only the soak's recipe differs.
+
+    .venv/bin/python -m tests.soak.run --seconds 90 --seed 1 --max-stall 20 --front-door
+
+also runs the real gateway in front of the router, its record in PostgreSQL, and clients with
+keys of small budgets streaming through it (tests/soak/frontdoor.py); the schedule then also
+kills the gateway, stops the record's database and has an operator stop and start the router,
+and the checker judges the rows, the charges and the budgets (tests/soak/frontdoor_check.py).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import requests
 
 from tests import dockerd
 from tests.gguf_fixtures import add_model, write_llama
+from tests.soak.frontdoor import FrontDoor
 from tests.soak.schedule import Fault, draw
 from tests.standin import busybox_image, demo_recipe, free_port, recipe_repository
 from tests.system.harness import USER, as_user, copy_project, machine_settings, systemctl
@@ -49,7 +57,8 @@ from tests.system.harness import USER, as_user, copy_project, machine_settings, 
 ROOT = Path(__file__).resolve().parents[2]
 SETTLE = 240.0  # after the schedule: every engine answers its last request within this
 # faults that last a while run beside the next ones, so that faults overlap as on a real machine
-LASTING = ("worker-stop", "dockerd-stall", "disk-full", "bad-desired")
+LASTING = ("worker-stop", "dockerd-stall", "disk-full", "bad-desired", "record-down",
+           "operator-stop")
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -69,7 +78,7 @@ class SoakEngine:
 
 class Soak:
     def __init__(self, seed: int, seconds: float, max_stall: float,
-                 broken_engine: bool = False) -> None:
+                 broken_engine: bool = False, front_door: bool = False) -> None:
         self.seed, self.seconds, self.max_stall = seed, seconds, max_stall
         self.broken_engine = broken_engine
         self.run_id = uuid.uuid4().hex[:6]
@@ -91,6 +100,7 @@ class Soak:
         # must see whether a request replaced the damage meanwhile
         self.writing = threading.Lock()
         self.started: dict[float, float] = {}  # a fault's offset -> when it began
+        self.front = FrontDoor(self.work, self.cli, seed) if front_door else None
 
     # -- setting up, as an operator would --------------------------------------------------------
 
@@ -114,6 +124,16 @@ class Soak:
             self.request(engine, "running")
         for engine in self.engines:
             self.wait_answered(engine, 300)
+        if self.front is not None:
+            router = self.router
+            status = self.status(router)
+            models = status.get("models") if status else None
+            assert models, f"the router serves no model: {status}"
+            self.front.setup(str(models[0]))
+
+    @property
+    def router(self) -> SoakEngine:
+        return next(e for e in self.engines if e.kind == "llama-router")
 
     def _private_dockerd(self) -> None:
         """The private dockerd started, the router's image copied into it from the machine's,
@@ -286,6 +306,15 @@ stop_grace = 5
                 filler.unlink(missing_ok=True)
             case "bad-desired":
                 self._damage(engine, p["how"], p["pause"])
+            case "gateway-kill" if self.front is not None:
+                self.front.kill_gateway()
+            case "record-down" if self.front is not None:
+                with self.front.record_down():
+                    time.sleep(p["pause"])
+            case "operator-stop":
+                self.request(engine, "stopped")
+                time.sleep(p["pause"])
+                self.request(engine, "running")
         self._event(fault, start, time.time(), stops=stops)
 
     def _damage(self, engine: SoakEngine, how: str, pause: float) -> None:
@@ -337,10 +366,13 @@ stop_grace = 5
         oom = {e.name for e in self.engines if e.oom}
         schedule = [f if f.kind != "engine-oom" or f.engine in oom
                     else Fault(f.at, "engine-kill", f.engine, f.params)
-                    for f in draw(self.seed, self.seconds, names, max_stall=self.max_stall)]
+                    for f in draw(self.seed, self.seconds, names, max_stall=self.max_stall,
+                                  traffic=self.router.name if self.front else None)]
         print(f"soak {self.run_id}: seed {self.seed}, {self.seconds:g} s, "
               f"{len(schedule)} faults on {', '.join(names)}", flush=True)
         checker = self._start_checker()
+        if self.front is not None:
+            self.front.start_clients()
         started = time.monotonic()
         recoveries: list[float] = []
         done: list[Fault] = []
@@ -359,6 +391,10 @@ stop_grace = 5
             done.append(fault)
         for thread in lasting:
             thread.join()
+        if self.front is not None:
+            self.front.stop_clients()
+            self.front.wait_up(60)
+            time.sleep(2)  # the last rows committed (within 1 s of their requests' ends)
         for engine in self.engines:  # the last word: every engine asked to run, and answered
             self.request(engine, "running")
         for engine in self.engines:
@@ -381,6 +417,9 @@ stop_grace = 5
             "events": str(self.events), "stop": str(self.work / "stop"),
             "verdict": str(self.work / "verdict.json"), "secrets": [self.token],
         }
+        if self.front is not None:
+            config["front_door"] = {**self.front.config(), "engine": self.router.name,
+                                    "status": str(self.data / self.router.name / "status.json")}
         path = self.work / "checker.json"
         path.write_text(json.dumps(config))
         return subprocess.Popen([sys.executable, "-m", "tests.soak.checker", str(path)],
@@ -400,6 +439,14 @@ stop_grace = 5
               + ", ".join(f"{state} {n}" for state, n in reached.items())
               + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
               f"max {_ms(figures['to_running_max'])}")
+        front = figures.get("front_door")
+        if front:
+            print(f"front door: {front['calls']} requests, {front['routed']} routed, "
+                  f"{front['rows']} rows ({front['maybe']} a fault may have lost; "
+                  f"{front['refused']} refusals; {front['left']} left early; sources "
+                  f"{front['sources']}); completion tokens charged {front['charged']}, "
+                  f"generated {front['generated']} (allowance {front['allowance']}) over "
+                  f"{front['lives']} engine lives, {front['counter_samples']} samples")
         violations = verdict["violations"]
         if not settled:
             violations.append({"invariant": "settle", "detail": "not every engine answered "
@@ -413,7 +460,8 @@ stop_grace = 5
                   f"{violation['detail']}")
         print(f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
               f"--seed {self.seed} --max-stall {self.max_stall:g}"
-              f"{' --broken-engine' if self.broken_engine else ''}; "
+              f"{' --broken-engine' if self.broken_engine else ''}"
+              f"{' --front-door' if self.front else ''}; "
               "the schedule up to the first violation:")
         for fault in done:
             if self.started[fault.at] <= first:
@@ -425,6 +473,8 @@ stop_grace = 5
         if self.client is not None:
             self.dockerd.resume()  # ended during a stall or a restart
         (self.data / ".soak-filler").unlink(missing_ok=True)
+        if self.front is not None:
+            self.front.cleanup()
         for engine in self.engines:
             systemctl("stop", engine.unit, check=False)
         as_user(str(self.work / "src" / "install.sh"), "--uninstall", check=False)
@@ -447,7 +497,7 @@ def _stops(fault: Fault) -> bool:
         return bool(p["desired"] == "stopped")
     if fault.kind == "race":
         return "stopped" in (p["first"], p["second"])
-    return fault.kind == "burst"  # a burst always has a stop among its requests
+    return fault.kind in ("burst", "operator-stop")  # a burst always has a stop among them
 
 
 def _generation(request: Path | bytes | None) -> int:
@@ -475,9 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--broken-engine", action="store_true",
                         help="a tensorfold recipe whose engine never becomes ready: the "
                              "liveness invariants must fail")
+    parser.add_argument("--front-door", action="store_true",
+                        help="the real gateway, its record in PostgreSQL, and clients with "
+                             "budgeted keys streaming through it; their faults and invariants")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine)
+    soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine, args.front_door)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ended from outside: clean up too
     with machine_settings(soak.home):  # the test user's memory settings, not its defaults
         try:

@@ -29,6 +29,14 @@ KINDS: Final = (
 WEIGHTS: Final = (8, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 2)
 _BAD: Final = ("truncated", "garbage", "directory")
 MACHINE_WIDE: Final = ("dockerd-restart", "dockerd-stall", "disk-full")  # engine "*"
+# the front door's (run.py --front-door): drawn beside the others, and each once more at a drawn
+# time, so that every short soak has them
+FRONT_DOOR: Final = (
+    "gateway-kill",  # SIGKILL to the gateway (systemd restarts it)
+    "record-down",  # the record's database stopped at once, a pause, started again
+    "operator-stop",  # an operator stops the engine clients use, a pause, starts it again
+)
+FRONT_WEIGHTS: Final = (1, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -47,21 +55,39 @@ class Fault:
 
 
 def draw(seed: int, seconds: float, engines: tuple[str, ...], *,
-         gap: tuple[float, float] = (3.0, 9.0), max_stall: float = 90.0) -> list[Fault]:
+         gap: tuple[float, float] = (3.0, 9.0), max_stall: float = 90.0,
+         traffic: str | None = None) -> list[Fault]:
     """Faults at random gaps until `seconds`, leaving the last fifth for the system to settle
-    (every generation must be answered by the end)."""
+    (every generation must be answered by the end). `traffic`: the engine the front door's
+    clients use; given, the front door's faults are drawn too (a seed without it draws the
+    schedule it always drew)."""
     rng = random.Random(seed)
+    kinds, weights = KINDS, WEIGHTS
+    if traffic is not None:
+        kinds, weights = KINDS + FRONT_DOOR, WEIGHTS + FRONT_WEIGHTS
     faults: list[Fault] = []
     at = rng.uniform(*gap)
     end = seconds * 0.8
     while at < end:
-        kind = rng.choices(KINDS, WEIGHTS)[0]
-        engine = rng.choice(engines)
-        if kind in MACHINE_WIDE:
-            engine = "*"
-        faults.append(Fault(round(at, 1), kind, engine, _params(rng, kind, max_stall)))
+        kind = rng.choices(kinds, weights)[0]
+        faults.append(_fault(rng, at, kind, engines, traffic, max_stall))
         at += rng.uniform(*gap)
+    if traffic is not None:
+        extra = random.Random(seed + 1)
+        faults += [_fault(extra, extra.uniform(0.1, 0.8) * seconds, kind, engines, traffic,
+                          max_stall) for kind in FRONT_DOOR]
+        faults.sort(key=lambda f: f.at)
     return faults
+
+
+def _fault(rng: random.Random, at: float, kind: str, engines: tuple[str, ...],
+           traffic: str | None, max_stall: float) -> Fault:
+    engine = rng.choice(engines)
+    if kind in MACHINE_WIDE or kind in ("gateway-kill", "record-down"):
+        engine = "*"
+    elif kind == "operator-stop" and traffic is not None:
+        engine = traffic
+    return Fault(round(at, 1), kind, engine, _params(rng, kind, max_stall))
 
 
 def _params(rng: random.Random, kind: str, max_stall: float) -> dict[str, Any]:
@@ -81,6 +107,8 @@ def _params(rng: random.Random, kind: str, max_stall: float) -> dict[str, Any]:
             return {"pause": round(rng.uniform(2.0, max_stall), 1)}
         case "disk-full":
             return {"pause": round(rng.uniform(1.0, 5.0), 1)}
+        case "record-down" | "operator-stop":
+            return {"pause": round(rng.uniform(1.0, 8.0), 1)}
         case "bad-desired":
             return {"how": rng.choice(_BAD), "pause": round(rng.uniform(0.5, 3.0), 1)}
     return {}

@@ -10,6 +10,17 @@ from typing import Any
 import pytest
 
 from tests.soak.checker import desired_document, excused
+from tests.soak.frontdoor_check import (
+    COMMIT_S,
+    WRITER_BACK_S,
+    Lives,
+    Row,
+    all_charged,
+    one_row,
+    started_by_traffic,
+    windows,
+    within_budget,
+)
 from tests.soak.liveness import (
     BOUND,
     DELAYS,
@@ -140,3 +151,120 @@ def test_the_checker_reads_desired_json_as_hosts_write_it(
     path = tmp_path / "desired.json"
     path.write_text(text)
     assert (desired_document(path) is not None) is read
+
+
+# -- the front door (tests/soak/frontdoor_check.py): each invariant fails on a table that breaks it
+
+GATEWAY_KILL = {"kind": "gateway-kill", "engine": "*", "start": 200.0, "end": 203.0}
+RECORD_DOWN = {"kind": "record-down", "engine": "*", "start": 300.0, "end": 305.0}
+KEY = {"budget": 100, "prompt_estimate": 30, "max_tokens": 10}
+
+
+def _call(start: float, status: int | None = 200, key: str = "k", code: str = "",
+          end: float | None = None) -> dict[str, Any]:
+    return {"key": key, "start": start, "end": start + 1 if end is None else end,
+            "status": status, "code": code, "max_tokens": 8, "left": False}
+
+
+def _row(at: float, key: str = "k", prompt: int = 0, completion: int = 0,
+         outcome: str = "ok", duration: float = 1.0, engine: str = "r") -> Row:
+    return Row(at, key, engine, outcome, "engine", prompt, completion, duration)
+
+
+CALLS = [_call(10), _call(20), _call(30, 404), _call(40, None),
+         _call(50, 429, code="bodies_busy"), _call(60, 429, code="budget_exceeded")]
+KILLED = [*CALLS, _call(199.5)]  # in flight when the gateway was killed
+
+
+@pytest.mark.parametrize(("calls", "rows", "events", "fails"), [
+    (CALLS, [10, 20, 60], [], False),  # unrouted calls owe no row; a budget refusal does
+    (CALLS, [10, 20], [], True),  # a generation with no row
+    (CALLS, [10, 20, 60, 60], [], True),  # a generation with two rows
+    (KILLED, [10, 20, 60], [GATEWAY_KILL], False),  # the kill may have lost its row
+    (KILLED, [10, 20, 60, 199.5], [GATEWAY_KILL], False),  # or not
+    (KILLED, [10, 20, 60, 199.5, 199.5], [GATEWAY_KILL], True),  # but not written twice
+    (KILLED, [10, 20], [GATEWAY_KILL], True),  # and a sure one is still owed
+    (KILLED, [10, 20, 60], [], True),  # no kill: its row is owed
+])
+def test_every_generation_has_exactly_one_row(calls: list[dict[str, Any]], rows: list[float],
+                                              events: list[dict[str, Any]], fails: bool) -> None:
+    problems = one_row(calls, [_row(at) for at in rows], windows(events))
+    assert bool(problems) is fails, problems
+
+
+@pytest.mark.parametrize(("generated", "rows", "calls", "events", "fails"), [
+    (100, [_row(1, completion=60), _row(2, completion=40)], [], [], False),
+    (101, [_row(1, completion=60), _row(2, completion=40)], [], [], True),  # a token uncharged
+    (100, [_row(1, completion=60), _row(2, completion=40, engine="other")], [], [], True),
+    (108, [_row(1, completion=100)], [_call(301)], [RECORD_DOWN], False),  # its row lost
+    (109, [_row(1, completion=100)], [_call(301)], [RECORD_DOWN], True),  # past its bound
+    (108, [_row(1, completion=100)], [_call(301)], [], True),  # no fault to lose it
+])
+def test_every_token_generated_is_charged(generated: int, rows: list[Row],
+                                          calls: list[dict[str, Any]],
+                                          events: list[dict[str, Any]], fails: bool) -> None:
+    problem, _ = all_charged(generated, rows, "r", calls, windows(events))
+    assert (problem is not None) is fails, problem
+
+
+UNKNOWN = [(300.0 - COMMIT_S, 305.0 + WRITER_BACK_S)]
+
+
+TWO = [_row(1, prompt=20, completion=10)] * 2  # 60 of the budget of 100, ended at 2
+
+
+@pytest.mark.parametrize(("rows", "unknown", "fails"), [
+    ([*TWO, _row(5, prompt=30, completion=10)], [], False),  # spent all of it
+    # two within their bounds, in flight at once: a burst spent past the budget
+    ([*TWO, _row(4, prompt=30, completion=10), _row(5, prompt=30, completion=10)], [], True),
+    # the last request in flight cost past its bound: a longer prompt, a stream left early
+    ([*TWO, _row(5, prompt=35, completion=26)], [], False),
+    ([*TWO, _row(4, prompt=10, completion=10), _row(5, prompt=35, completion=26)], [], True),
+    # an excess that ended before the last admission was in the total it was admitted beside
+    ([_row(1, prompt=40, completion=10), _row(2, prompt=30, completion=10),
+      _row(5, prompt=10, completion=10)], [], True),
+    ([_row(1, prompt=40, completion=10, duration=5), _row(2, prompt=30, completion=10),
+      _row(5, prompt=10, completion=10)], [], False),
+    # refusals are no admission
+    ([*TWO, _row(5, prompt=30, completion=10), _row(9, outcome="refused:budget_exceeded")],
+     [], False),
+    # admitted while no budget was known: all it cost may pass the budget
+    ([*TWO, _row(301, prompt=30, completion=10), _row(302, prompt=30, completion=10)],
+     UNKNOWN, False),
+    ([*TWO, _row(301, prompt=30, completion=10), _row(302, prompt=30, completion=10)], [], True),
+])
+def test_no_key_spends_past_its_budget_and_reservations(
+        rows: list[Row], unknown: list[tuple[float, float]], fails: bool) -> None:
+    problems = within_budget(rows, {"k": KEY}, unknown)
+    assert bool(problems) is fails, problems
+
+
+def _doc(generation: int, desired: str, by: str | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"generation": generation, "desired": desired}
+    if by is not None:
+        doc["requestedBy"] = by
+    return doc
+
+
+@pytest.mark.parametrize(("seen", "fails"), [
+    ([_doc(1, "stopped", "operator"), _doc(2, "running", "gateway")], True),
+    ([_doc(1, "stopped", None), _doc(2, "running", "gateway")], True),  # an older host's stop
+    ([_doc(1, "stopped", "operator"), _doc(2, "running", "operator"),
+      _doc(3, "running", "gateway")], False),
+    ([_doc(1, "stopped", "gateway"), _doc(2, "running", "gateway")], False),  # its own stop
+    ([_doc(3, "running", "gateway"), _doc(1, "stopped", "operator")], False),  # by generation
+    # a generation missed between: whoever wrote it is unknown, so the next is not judged
+    ([_doc(1, "stopped", "operator"), _doc(3, "running", "gateway")], False),
+    ([_doc(1, "stopped", "operator"), _doc(2, "stopped", "gateway"),
+      _doc(3, "running", "gateway")], True),  # the gateway's word is no operator's start
+])
+def test_no_engine_an_operator_stopped_is_started_by_traffic(seen: list[dict[str, Any]],
+                                                             fails: bool) -> None:
+    assert bool(started_by_traffic(seen)) is fails
+
+
+def test_an_engines_counts_are_summed_over_its_lives() -> None:
+    lives = Lives()
+    for prompt, generated in ((10, 5), (30, 20), (4, 2), (8, 7)):  # killed after (30, 20)
+        lives.add(prompt, generated)
+    assert lives.total_generated == 27
