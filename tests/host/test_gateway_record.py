@@ -210,34 +210,31 @@ def test_a_model_named_outside_the_rule_is_recorded_by_its_digest_and_charged(
         serving(w.data, w.upstream.url, models=(LEGACY,))
         client = openai.AsyncOpenAI(base_url=w.base, api_key=INFERENCE_KEY, max_retries=0)
         messages: Any = [{"role": "user", "content": "hi"}]
-        answer = await client.chat.completions.create(model=LEGACY, messages=messages)
-        assert answer.usage is not None and answer.usage.total_tokens == 8  # under 10
         stream = await client.chat.completions.create(model=LEGACY, messages=messages,
                                                       stream=True)  # fmt: skip
         async for _chunk in stream:
-            pass
-        with pytest.raises(openai.RateLimitError) as refused:  # 16 spent: over the budget
+            pass  # 5 + 40 tokens: under 60
+        with pytest.raises(openai.RateLimitError) as refused:  # 15 left: less than its bound
             await client.chat.completions.create(model=LEGACY, messages=messages)
         assert refused.value.code == "budget_exceeded"
         async with aiohttp.ClientSession(headers=AUTH) as s:
             async with s.get(f"{w.base}/budget") as r:
                 standing = await r.json()
             async with asyncio.timeout(30):
-                while store.committed < 3:
+                while store.committed < 2:
                     await asyncio.sleep(0.02)
             url = str(w.gateway.make_url("/api/host/usage"))
             async with s.get(url, params={"by": "model"}, headers=OWNER) as r:
                 figures = await r.json()
-        assert (standing["spent_tokens"], standing["remaining_tokens"]) == (16, 0)
+        assert (standing["spent_tokens"], standing["remaining_tokens"]) == (45, 15)
         assert [(g["model"], g["requests"], g["promptTokens"], g["completionTokens"])
-                for g in figures["groups"]] == [(kept, 3, 10, 6)]  # fmt: skip
-        assert [b["model"] for b in w.upstream.bodies] == [LEGACY, LEGACY], "its own name"
+                for g in figures["groups"]] == [(kept, 2, 5, 40)]  # fmt: skip
+        assert [b["model"] for b in w.upstream.bodies] == [LEGACY], "its own name"
 
     with structlog.testing.capture_logs() as logs:
-        path = run(tmp_path, scenario, BUDGETED)
+        path = run(tmp_path, scenario, BUDGETED, Upstream(chunks=40))
     assert [(r["model"], r["engine"], r["outcome"], r["prompt_tokens"]) for r in rows(path)] == [
-        (kept, "small", "ok", 5), (kept, "small", "ok", 5),
-        (kept, "small", "refused:budget_exceeded", None)]  # fmt: skip
+        (kept, "small", "ok", 5), (kept, "small", "refused:budget_exceeded", None)]  # fmt: skip
     assert not [e for e in logs if e["event"] == "request not recorded"], logs
 
 
