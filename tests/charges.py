@@ -25,7 +25,7 @@ import openai
 from supervisor.protocol.documents import Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from tests.charge_cases import HELLO
-from tests.gateway_proc import Gateway, running_gateway
+from tests.gateway_proc import Gateway, metric, running_gateway
 
 ENGINE = "charged"
 LATE = "late"
@@ -43,19 +43,11 @@ class Counters:
     busy: float = 0.0
 
 
-def metric_sum(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def read_counters(url: str, prompt: str, generated: str, busy: tuple[str, ...]) -> Counters:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    held = sum(metric_sum(text, name) for name in busy)
-    return Counters(metric_sum(text, prompt), metric_sum(text, generated), held)
+    held = sum(metric(text, name) for name in busy)
+    return Counters(metric(text, prompt), metric(text, generated), held)
 
 
 @dataclass(frozen=True)

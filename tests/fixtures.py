@@ -584,6 +584,15 @@ class EngineFactory:
             self.discard(engine)
 
 
+def own_recipe_factory(client: docker.DockerClient, base_image: str, directory: Path,
+                       request: pytest.FixtureRequest) -> EngineFactory:  # fmt: skip
+    """An EngineFactory under `directory` on a recipe repository of its own (the template's,
+    tagged `recipe 0.7.0`), for a module's engines."""
+    recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
+    repo = RecipeRepo(directory / "recipe-repo")
+    return EngineFactory(client, base_image, directory, lambda: repo, request)
+
+
 @pytest.fixture
 def make_engine(
     client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,

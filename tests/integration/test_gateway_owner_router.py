@@ -37,10 +37,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from supervisor.protocol.documents import Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
-from tests.fixtures import CLI, REPO_TEMPLATE, ROOT, Engine, EngineFactory, RecipeRepo
+from tests.fixtures import CLI, ROOT, Engine, own_recipe_factory
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
-from tests.standin import recipe_repository
 from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.docker
@@ -63,9 +62,7 @@ def router(
 ) -> Iterator[Engine]:
     """A llama-router engine serving `tiny`, its worker running, nothing asked of it yet."""
     directory = tmp_path_factory.mktemp("gateway-owner")
-    recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
-    repo = RecipeRepo(directory / "recipe-repo")
-    factory = EngineFactory(client, base_image, directory, lambda: repo, request)
+    factory = own_recipe_factory(client, base_image, directory, request)
     engine = factory(kind="llama-router", models_max=1, defaults={"ctx-size": 1024})
     engine.models_dir.mkdir(exist_ok=True)
     write_llama(add_model(engine.models_dir, "Ready") / "tiny.gguf", TinyLlama(context=256))

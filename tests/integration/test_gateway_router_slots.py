@@ -23,10 +23,9 @@ import docker
 import openai
 import pytest
 
-from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
+from tests.fixtures import Engine, own_recipe_factory
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
-from tests.standin import recipe_repository
 
 pytestmark = pytest.mark.docker
 
@@ -48,9 +47,7 @@ def router(client: docker.DockerClient, base_image: str,
     """A llama-router engine serving `tiny` with llama-server's auto slots in a cache of
     ctx-size cells, running."""
     directory = tmp_path_factory.mktemp("gateway-slots")
-    recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
-    repo = RecipeRepo(directory / "recipe-repo")
-    factory = EngineFactory(client, base_image, directory, lambda: repo, request)
+    factory = own_recipe_factory(client, base_image, directory, request)
     engine = factory(kind="llama-router", models_max=1, load_on_startup=("tiny",),
                      defaults={"ctx-size": request.param})
     engine.models_dir.mkdir(exist_ok=True)

@@ -53,13 +53,12 @@ from tests.browser import (
     until,
     visible,
 )
-from tests.fixtures import REPO_TEMPLATE, Engine, EngineFactory, RecipeRepo
+from tests.fixtures import Engine, own_recipe_factory
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, add_model, write_llama
 from tests.host.gateway_world import write_status
 from tests.host.library_world import GGUF, REPO, cli_env, hub_of, make_repo, serve
 from tests.hub_standin import Hub
-from tests.standin import recipe_repository
 from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.docker
@@ -80,9 +79,7 @@ def router(
 ) -> Iterator[Engine]:
     """A llama-router engine with one tiny model, its worker running and the engine stopped."""
     directory = tmp_path_factory.mktemp("page-router")
-    recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
-    repo = RecipeRepo(directory / "recipe-repo")
-    factory = EngineFactory(client, base_image, directory, lambda: repo, request)
+    factory = own_recipe_factory(client, base_image, directory, request)
     engine = factory(kind="llama-router", models_max=1)
     engine.models_dir.mkdir(exist_ok=True)
     write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf", TinyLlama())

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from tests.gateway_proc import metric
+
 COMMIT_S: Final = 1.5  # a row is committed within 1 s of its request's end (writer.py says)
 WRITER_BACK_S: Final = 16.0  # the record's writer retries within 15 s once the database is back
 SAMPLE_S: Final = 0.5
@@ -254,16 +256,8 @@ class Sampler:
                 text = answer.read().decode()
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return (_metric(text, "llamacpp:prompt_tokens_total"),
-                _metric(text, "llamacpp:tokens_predicted_total"))
-
-
-def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        return (metric(text, "llamacpp:prompt_tokens_total"),
+                metric(text, "llamacpp:tokens_predicted_total"))
 
 
 def judge(config: Mapping[str, Any], lives: Lives, events: Sequence[Mapping[str, Any]],
