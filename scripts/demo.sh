@@ -8,9 +8,10 @@
 # llama-router recipe on the real llama-server (Debian's llama.cpp-tools, built by machine.sh)
 # with a tiny llama model generated here, answering a chat completion on the gateway address.
 # Last, the lucia gateway (systemctl --user start lucia-gateway) on 127.0.0.1: an issued key,
-# and the official openai client gets a chat completion from the router's model after its engine
-# was stopped: the gateway starts it on demand; then 16 chats at once, all answered, as many at
-# once as the router's slots hold (its status.json `slots`).
+# and the official openai client: a chat for the router's model after an operator stopped its
+# engine is refused 503 naming who stopped it (traffic never undoes an operator's stop), and
+# answered once the operator starts it again, the gateway waiting for the start; then 16 chats
+# at once, all answered, as many at once as the router's slots hold (its status.json `slots`).
 # Run as root; safe to run again: the workers are restarted (`systemctl --user restart`), so that
 # a new version and changed recipes take effect; a running engine whose recipe did not change is
 # adopted, not restarted, and one whose recipe changed is replaced.
@@ -287,12 +288,39 @@ say "systemctl --user restart lucia-gateway (Type=notify: returns once it listen
 "$as_user" systemctl --user restart lucia-gateway
 "$as_user" systemctl --user --no-pager --lines=0 status lucia-gateway
 
-say "lucia-supervisor request $router stopped --wait: the model's engine is stopped"
+say "lucia-supervisor request $router stopped --wait: an operator stops the model's engine"
 "$as_user" "$cli" request "$router" stopped --wait --timeout 120
 "$as_user" "$cli" status "$router"
 
-say "the official openai client, through the gateway on $gateway_url: a chat completion from tiny, whose engine is stopped"
+say "the official openai client, through the gateway on $gateway_url: a chat for tiny, whose engine an operator stopped"
+OPENAI_API_KEY=$demo_key "$root/.venv/bin/python" - "$gateway_url" <<'PY'
+import os
+import sys
+
+import openai
+
+client = openai.OpenAI(
+    base_url=sys.argv[1] + "/v1", api_key=os.environ["OPENAI_API_KEY"], timeout=60, max_retries=0
+)
+for model in client.models.list():
+    extra = model.model_extra or {}
+    print(f"model {model.id}: engine {extra.get('engine')}, state {extra.get('state')}")
+try:
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+    )
+except openai.APIStatusError as error:
+    if error.status_code != 503 or "by an operator" not in error.message:
+        sys.exit(f"refused, but not for the operator's stop: {error.status_code} {error.message}")
+    print(f"{error.status_code}: {error.message}")
+else:
+    sys.exit("answered: traffic started an engine an operator stopped")
+PY
+"$as_user" "$cli" status "$router"
+
+say "lucia-supervisor request $router running: the operator starts it again; the same chat waits for the start"
 gateway_asked=$(date +%s)
+"$as_user" "$cli" request "$router" running
 OPENAI_API_KEY=$demo_key "$root/.venv/bin/python" - "$gateway_url" <<'PY'
 import os
 import sys
@@ -303,14 +331,11 @@ import openai
 client = openai.OpenAI(
     base_url=sys.argv[1] + "/v1", api_key=os.environ["OPENAI_API_KEY"], timeout=600, max_retries=0
 )
-for model in client.models.list():
-    extra = model.model_extra or {}
-    print(f"model {model.id}: engine {extra.get('engine')}, state {extra.get('state')}")
 began = time.monotonic()
 answer = client.chat.completions.create(
     model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
 )
-print(f"answered in {time.monotonic() - began:.1f} s (the gateway started the engine and waited)")
+print(f"answered in {time.monotonic() - began:.1f} s (the gateway waited for the start)")
 print(answer.model_dump_json(include={"model", "object", "usage"}))
 print("content:", repr(answer.choices[0].message.content), "(random weights)")
 PY
@@ -358,7 +383,7 @@ if failed:
     sys.exit(f"not every chat was answered 200: {'; '.join(failed)}")
 PY
 unset demo_key
-say "the engine the gateway started: lucia-supervisor status $router"
+say "the engine the operator started: lucia-supervisor status $router"
 "$as_user" "$cli" status "$router"
 journalctl -t lucia-gateway -n 4 --no-pager -o cat
 
