@@ -28,6 +28,8 @@ from typing import Any
 import docker
 import pytest
 
+from supervisor.host.protocol import request as host_request
+from supervisor.protocol.documents import Requester
 from tests.engine_dirs import EngineDirs
 from tests.gguf_fixtures import add_model
 from tests.gpu_recordings import fake_nvidia_smi
@@ -432,7 +434,11 @@ class Engine(EngineDirs):
         with contextlib.closing(docker.from_env(timeout=30)) as cli:
             return str(cli.networks.get(self.network).attrs["IPAM"]["Config"][0]["Gateway"])
 
-    def request(self, desired: str) -> int:
+    def request(self, desired: str, by: Requester = "operator") -> int:
+        """The next generation, as an operator writes it (the CLI), or as the gateway does
+        (`by="gateway"`: a stop for idling, after which traffic may start it again)."""
+        if by == "gateway":
+            return host_request(self.data_dir, self.name, desired, "gateway")  # type: ignore[arg-type]
         # as the host application, which knows its engines: no recipe or status may exist yet
         out = subprocess.run([*CLI, "request", self.name, desired, "--create", "--data-dir",
                               str(self.data_dir)], cwd=ROOT, check=True, capture_output=True,

@@ -65,9 +65,10 @@ def router(client: docker.DockerClient, base_image: str,
     FRESH.extend(engine.wait_status(
         lambda s: _checked(s) - state_since(stopped) > 6, timeout=60, what="heartbeats")[
             "models"])
-    # one run syncs the library into the preset; stopped again, the preset's models remain
+    # one run syncs the library into the preset; stopped again, the preset's models remain: by
+    # the gateway, as it stops an engine it started once idle, so that traffic may start it
     engine.wait_state(engine.request("running"), "running", timeout=120)
-    engine.wait_state(engine.request("stopped"), "stopped", timeout=120)
+    engine.wait_state(engine.request("stopped", by="gateway"), "stopped", timeout=120)
     yield engine
     factory.close()
 
