@@ -24,7 +24,6 @@ import structlog
 from packaging.requirements import Requirement
 
 from supervisor.host.library import job
-from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import space_during, strays
 from supervisor.host.library.hub import Hub, HubRefused
 from supervisor.host.library.runner import Runner
@@ -36,7 +35,6 @@ from tests.host.library_world import (
     make_repo,
     queue,
     running,
-    wait_for,
     wait_state,
 )
 
@@ -182,15 +180,18 @@ def test_the_space_check_speaks_once_more_is_written_than_the_hub_listed(
 ) -> None:
     """A mirror sends more than it listed, and the disk fills: the check that compared the
     free space with `total - done` (negative by then) said nothing, and hf wrote on."""
-    program = fake_hf(tmp_path, "(local / 'extra.bin').write_bytes(b'x' * 3 * 2**20)\n"
+    pidfile = tmp_path / "hf.pid"
+    program = fake_hf(tmp_path, f"Path({str(pidfile)!r}).write_text(str(os.getpid()))\n"
+                      "(local / 'extra.bin').write_bytes(b'x' * 3 * 2**20)\n"
                       "time.sleep(5)\n")  # fmt: skip
     monkeypatch.setattr(job, "free_bytes", lambda path: 0 if (path / "extra.bin").exists()
                         else 2**40)  # fmt: skip
     with hub_of(repo) as hub:
         queued = queue(root, hub)
         with running(root, program=str(program)):
-            pid = wait_for("the child", lambda: mf.load(root, queued.id).pid)
             model = wait_state(root, queued.id, "Ready", "Failed")
+    # The child names itself: the download may end before its record's pid is ever read.
+    pid = int(pidfile.read_text())
     assert model.message.startswith("the disk filled during the download: not enough disk "
                                     "space: "), model.message  # fmt: skip
     assert "no byte is free" in model.message
