@@ -169,10 +169,11 @@ def llama_image() -> str:
 
 @contextmanager
 def llama_upstream(
-    run_id: str, slots: int, image: str | None = None
+    run_id: str, slots: int, image: str | None = None, threads: int | None = None
 ) -> Iterator[tuple[str, int | None]]:
     """The real llama-server with a tiny llama model, on 127.0.0.1; its url (no pid: it runs
-    in its container). `image`: scripts/llama-server-image.sh's unless given."""
+    in its container). `image`: scripts/llama-server-image.sh's unless given; `threads`:
+    llama-server's own default (every core, polling) unless given."""
     from tests.gguf_fixtures import write_llama
 
     image = image or llama_image()
@@ -189,6 +190,7 @@ def llama_upstream(
             "--model", "/models/tiny.gguf", "--alias", MODEL,
             "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
             "--parallel", str(slots), "--ctx-size", str(256 * slots),
+            *(["--threads", str(threads)] if threads else []),
         ]  # fmt: skip
         subprocess.run(args, check=True, capture_output=True, timeout=120)
         try:
