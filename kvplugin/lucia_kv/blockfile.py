@@ -49,6 +49,10 @@ class Short(Exception):
     """A block file shorter than its length says (truncated), or without a length."""
 
 
+class Oversize(Exception):
+    """A block file larger than any block can be (damaged, or sparse): never read into memory."""
+
+
 class Unsynced(OSError):
     """The block file is complete and in place under its name, but the directory's fsync
     failed (a crash may lose the name): the caller counts the file as written."""
@@ -142,10 +146,17 @@ def read(dir_fd: int, name: str, direct: bool) -> bytes:
     return read_with(dir_fd, name, direct, bytes)
 
 
-def read_with(dir_fd: int, name: str, direct: bool, use: Callable[[memoryview], T]) -> T:
+def read_with(
+    dir_fd: int,
+    name: str,
+    direct: bool,
+    use: Callable[[memoryview], T],
+    limit: int | None = None,
+) -> T:
     """What `use` makes of the payload of a block file, handed to it as a view of this
     thread's read buffer: valid only until `use` returns, so `use` keeps nothing of it
-    (no copy is made here). Raises Missing or Short."""
+    (no copy is made here). Raises Missing, Short, or Oversize for a file of more than
+    `limit` bytes (the buffer is sized from the file's size only below it)."""
     try:
         fd, used_direct = _open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, direct, dir_fd)
     except FileNotFoundError:
@@ -154,6 +165,8 @@ def read_with(dir_fd: int, name: str, direct: bool, use: Callable[[memoryview], 
         size = os.fstat(fd).st_size
         if size < LENGTH_BYTES:
             raise Short(f"{name}: {size} bytes")
+        if limit is not None and size > limit:
+            raise Oversize(f"{name}: {size} bytes, a block file is at most {limit}")
         rounded = -(-size // ALIGN) * ALIGN
         buffer = _buffer(rounded)
         got = _read_into(fd, buffer, rounded, direct=used_direct, name=name, dir_fd=dir_fd)

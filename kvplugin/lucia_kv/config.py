@@ -26,6 +26,7 @@ _DEFAULTS: Final[Mapping[str, int | float]] = {
     "queue_blocks": 1024,
     "rebuild_max_entries": 1_000_000,
     "rebuild_max_seconds": 30.0,
+    "retry_seconds": 5.0,
     "data_parallel_size": 1,
 }
 
@@ -50,7 +51,8 @@ class StoreConfig:
     writers: int = 2
     queue_blocks: int = 1024
     rebuild_max_entries: int = 1_000_000
-    rebuild_max_seconds: float = 30.0
+    rebuild_max_seconds: float = 30.0  # then the rest is indexed while the engine serves
+    retry_seconds: float = 5.0  # the first back-off before a tier that failed is tried again
     metrics_file: Path | None = None
     data_parallel_size: int = 1  # vLLM's --data-parallel-size (a dense model's ranks say 1)
     rank: str = ""  # the parallel rank's share (for_rank), "" for a whole engine
@@ -139,7 +141,8 @@ def resolve(
 
     Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
     shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
-    queue_blocks, rebuild_max_entries, rebuild_max_seconds, metrics_file, data_parallel_size."""
+    queue_blocks (per tier), rebuild_max_entries, rebuild_max_seconds, retry_seconds,
+    metrics_file, data_parallel_size."""
     extra = {} if extra is None else extra
     environ = os.environ if environ is None else environ
     space = str(_setting("namespace", extra, environ) or "")
@@ -165,6 +168,7 @@ def resolve(
         queue_blocks=int(numbers["queue_blocks"]),
         rebuild_max_entries=int(numbers["rebuild_max_entries"]),
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
+        retry_seconds=float(numbers["retry_seconds"]),
         metrics_file=Path(str(metrics)) if metrics else None,
         data_parallel_size=int(numbers["data_parallel_size"]),
     )

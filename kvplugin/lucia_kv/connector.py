@@ -304,14 +304,12 @@ class LuciaTierConnector(KVConnectorBase_V1):
             self._pins.setdefault(load.request_id, []).extend(keys)
             failed: int | None = None
             for position, (block_id, key) in enumerate(load.blocks):
-                # after a failure the rest is still read: a damaged copy is found and removed
-                # now, so the recomputed block is saved in its place
-                data = self._store.load(key)
+                # after a failure the rest is still read: a damaged copy (of the wrong length
+                # too) is found and removed now, so the recomputed block is saved in its place
+                data = self._load(key, size)
                 if failed is not None:
                     continue
-                if data is not None and len(data) != size:
-                    log.warning("a KV block of %d bytes, expected %d: not loaded", len(data), size)
-                if data is None or len(data) != size:
+                if data is None:
                     failed = position
                 else:
                     found.append((block_id, data))
@@ -402,6 +400,16 @@ class LuciaTierConnector(KVConnectorBase_V1):
             return None
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, LuciaStepMetadata) else None
+
+    def _load(self, key: bytes, size: int) -> bytes | None:
+        """A block from the store, or None: whatever a tier does is a miss, recomputed, never
+        the model runner's end (the store switches a failing tier off itself)."""
+        assert self._store is not None
+        try:
+            return self._store.load(key, size)
+        except Exception:
+            log.exception("a KV block load failed; it is recomputed")
+            return None
 
     def _unpin(self, request_id: str) -> None:
         keys = self._pins.pop(request_id, None)

@@ -18,16 +18,26 @@ HELP: Final = {
     "written_bytes": "Bytes of block files written to this tier.",
     "writes": "Block files written to this tier.",
     "evictions": "Least recently used blocks removed to make room.",
-    "corrupt": "Blocks that failed to open (reason: auth, short, missing); a miss, removed.",
+    "corrupt": (
+        "Blocks that failed to open (reason: auth, short, missing, size, error); a miss, removed."
+    ),
     "stale_key": "Blocks sealed under a rotated-out cache key; a miss, removed.",
-    "skipped_writes": "Writes not made (reason: pinned, too_big, queue_full, error).",
+    "skipped_writes": (
+        "Writes not made (reason: pinned, too_big, queue_full, off, no_space)."
+    ),
+    "tier_off": (
+        "Times this tier was switched off after a fault (reason: the errno's name, such as "
+        "erofs or eio, or unsafe); the engine serves on, the tier is tried again later."
+    ),
+    "tier_on": "Times this tier opened again after a fault, rebuilt from its directory.",
     "promotions": "Blocks copied into this faster tier after a read from a slower one.",
     "requests_unkeyable": (
         "Requests the tiers skipped (no lookup, no save): what shapes their KV has no name "
         "that lasts a restart."
     ),
 }
-REASONED: Final = frozenset({"corrupt", "skipped_writes"})  # the counters with a reason label
+# the counters with a reason label
+REASONED: Final = frozenset({"corrupt", "skipped_writes", "tier_off"})
 UNTIERED: Final = frozenset({"requests_unkeyable"})  # counted per engine, not per tier
 PREFIX: Final = "lucia_kv_"
 Labels = tuple[tuple[str, str], ...]

@@ -29,7 +29,11 @@ _CONTAINER = re.compile(r"containers/([0-9a-f]{64})/")
 
 
 class OwnerError(Exception):
-    """The lock file cannot be opened; str() names it and why."""
+    """The lock file cannot be opened; str() names it and why, errno the OS error's number."""
+
+    def __init__(self, message: str, number: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = number
 
 
 class Taken(OwnerError):
@@ -71,7 +75,7 @@ def claim(directory: Path) -> Owner:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise OwnerError(f"the owner lock {path}: {exc.strerror}") from None
+        raise OwnerError(f"the owner lock {path}: {exc.strerror}", exc.errno) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -86,9 +90,13 @@ def claim(directory: Path) -> Owner:
         ) from None
     except OSError as exc:
         os.close(fd)
-        raise OwnerError(f"the owner lock {path}: {exc.strerror}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (holder() + "\n").encode(), 0)
+        raise OwnerError(f"the owner lock {path}: {exc.strerror}", exc.errno) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (holder() + "\n").encode(), 0)
+    except OSError as exc:  # a full or failing disk: the lock is not kept, nor its descriptor
+        os.close(fd)
+        raise OwnerError(f"the owner lock {path}: {exc.strerror}", exc.errno) from None
     return Owner(fd, directory)
 
 

@@ -1,53 +1,38 @@
-"""The block store over the tiers: write-through, promotion on read, background writers.
+"""The block store over the tiers: write-through, promotion on read, a writer per tier.
 
-Tiers are ordered fastest first (shm, nvme, hdd). A save is queued and written by background
-threads to every tier (the HDD pool and the NVMe hot copy, and shared memory where there is
-one), each copy sealed under its own nonce. A load reads the fastest tier that holds the block;
-one that does not open (damaged, truncated, gone, or sealed under another key) is removed,
-counted, and the next tier is tried; a block read from a slower tier is queued for copying into
-the faster ones. Lookups consult the in-memory index only, never the disk.
+Tiers are ordered fastest first (shm, nvme, hdd). A save is queued for every tier that lacks the
+block and written by that tier's own writers (lucia_kv.slot), each copy sealed under its own
+nonce. A load reads the fastest tier that holds the block; one that does not open (damaged,
+truncated, oversized, of the wrong length, gone, or sealed under another key) is removed,
+counted, and the next tier is tried; a block read from a slower tier is queued for copying
+into the faster ones. Lookups consult the in-memory index only, never the disk.
+
+A tier is an optimisation: a fault on one (an I/O error, a read-only remount, its directory
+gone) switches it off for this engine and it is tried again later (lucia_kv.health); a disk
+that something else filled makes the tier fit itself to what the disk holds. Nothing a tier
+does reaches the engine as an error: the block is a miss, and vLLM recomputes it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from . import blockfile, owner
 from .config import StoreConfig
 from .metrics import Metrics
-from .sealing import BlockSealer, Corrupt, Sealer, StaleKey
+from .sealing import HEADER_BYTES, TAG_BYTES, BlockSealer, Corrupt, Sealer, StaleKey
+from .slot import Count, Job, Opening, Slot, Write
 from .tier import Tier, Written
 
 log = logging.getLogger("lucia_kv")
 METRICS_EVERY = 5.0  # seconds between metrics-file writes while writers are busy
-
-
-@dataclass(frozen=True)
-class _Write:
-    key: bytes
-    data: bytes
-    tiers: tuple[Tier, ...]
-    promotion: bool
-
-
-@dataclass(frozen=True)
-class _Remove:
-    tier: Tier
-    names: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Count:
-    """Rewrite the metrics file (queued after reads, which write nothing else)."""
-
-
-_Job = _Write | _Remove | _Count | None
+SEAL_BYTES = HEADER_BYTES + TAG_BYTES  # what sealing adds to a block's bytes
 
 
 def block_name(key: bytes) -> str:
@@ -71,43 +56,41 @@ class Store:
         self._sealer = sealer or Sealer(
             config.key, config.namespace, config.plugin_version, config.rank
         )
-        self.tiers = tuple(Tier(spec, fault) for spec in config.tiers)
+        opening = Opening(
+            config.rebuild_max_entries, config.rebuild_max_seconds, config.retry_seconds, fault
+        )
+        slots: list[Slot] = []
         try:  # one store per directory: a second would keep its own index and cap
-            self._owners = owner.claim_all(spec.directory for spec in config.tiers)
-        except owner.OwnerError:
-            for tier in self.tiers:
-                tier.close()
+            for spec in config.tiers:
+                slots.append(Slot(spec, opening, self.metrics, config.queue_blocks))
+        except owner.Taken:
+            for slot in slots:
+                slot.stop()
             raise
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max(1, config.queue_blocks))
+        self._slots = tuple(slots)
         self._metrics_at = 0.0
         self._metrics_lock = threading.Lock()
         self._file_lock = threading.Lock()  # one file write at a time: the last has the latest
         self._busy = 0  # jobs a writer took and has not finished
         self._closed = False
         self._count_queued = threading.Event()
-        leftovers = []
-        for tier in self.tiers:
-            rebuilt = tier.rebuild(config.rebuild_max_entries, config.rebuild_max_seconds)
-            if rebuilt.evicted:
-                self.metrics.add("evictions", tier.name, rebuilt.evicted)
-            if rebuilt.leftovers:
-                log.warning(
-                    "tier %s: %d blocks past the index bound (%d entries, %.0f s) are removed",
-                    tier.name,
-                    len(rebuilt.leftovers),
-                    config.rebuild_max_entries,
-                    config.rebuild_max_seconds,
-                )
-                leftovers.append(_Remove(tier, rebuilt.leftovers))
-            log.info("tier %s: %d blocks indexed", tier.name, rebuilt.indexed)
-        self._threads = [
-            threading.Thread(target=self._work, name=f"lucia-kv-writer-{n}", daemon=True)
-            for n in range(config.writers)
-        ]
-        for thread in self._threads:
-            thread.start()
-        for job in leftovers:
-            self._queue.put(job)
+        for slot in self._slots:
+            slot.start(config.writers, self._write, self._taken, self._job_done)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers that are on now, fastest first."""
+        found = []
+        for slot in self._slots:
+            with slot.using() as tier:
+                if tier is not None:
+                    found.append(tier)
+        return tuple(found)
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Every configured tier's place, on or off, fastest first."""
+        return self._slots
 
     # --- the scheduler's side: index only -----------------------------------------------------
 
@@ -115,8 +98,7 @@ class Store:
         """How many leading keys some tier holds (index only; no disk I/O)."""
         count = 0
         for key in keys:
-            name = block_name(key)
-            if not any(tier.contains(name) for tier in self.tiers):
+            if not self._held(block_name(key), on_disk=False):
                 break
             count += 1
         return count
@@ -126,46 +108,64 @@ class Store:
         that reads the tiers but does not own their index."""
         count = 0
         for key in keys:
-            name = block_name(key)
-            if not any(tier.contains(name) or tier.on_disk(name) for tier in self.tiers):
+            if not self._held(block_name(key), on_disk=True):
                 break
             count += 1
         return count
+
+    def _held(self, name: str, *, on_disk: bool) -> bool:
+        for slot in self._slots:
+            with slot.using() as tier:
+                if tier is None:
+                    continue
+                try:
+                    if tier.contains(name) or (on_disk and tier.on_disk(name)):
+                        return True
+                except OSError as exc:
+                    slot.fault(exc, "looking a block up")
+        return False
 
     # --- pins ----------------------------------------------------------------------------------
 
     def pin(self, keys: Iterable[bytes]) -> None:
         """Keep these blocks from eviction (an active request) until unpinned as often."""
-        for key in keys:
-            for tier in self.tiers:
-                tier.pin(block_name(key))
+        names = [block_name(key) for key in keys]
+        for slot in self._slots:
+            with slot.using() as tier:
+                if tier is not None:
+                    for name in names:
+                        tier.pin(name)
 
     def unpin(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            for tier in self.tiers:
-                tier.unpin(block_name(key))
+        names = [block_name(key) for key in keys]
+        for slot in self._slots:
+            with slot.using() as tier:
+                if tier is not None:
+                    for name in names:
+                        tier.unpin(name)
 
     # --- the worker's side ---------------------------------------------------------------------
 
-    def load(self, key: bytes) -> bytes | None:
-        """The block's bytes from the fastest tier whose copy opens, or None (a miss)."""
+    def load(self, key: bytes, size: int | None = None) -> bytes | None:
+        """The block's bytes from the fastest tier whose copy opens, or None (a miss). With
+        `size`, a copy of any other length is damaged: removed, and the next tier tried."""
         name = block_name(key)
-        for position, tier in enumerate(self.tiers):
-            if not tier.contains(name):
-                self.metrics.add("misses", tier.name)
-                continue
-            tier.pin(name)
-            try:
-                data = self._open(tier, key, name)
-            finally:
-                tier.unpin(name)
+        limit = None if size is None else blockfile.disk_size(size + SEAL_BYTES)
+        for position, slot in enumerate(self._slots):
+            with slot.using() as tier:
+                data = None
+                if tier is not None and tier.contains(name):
+                    tier.pin(name)
+                    try:
+                        data = self._open(slot, tier, key, name, size, limit)
+                    finally:
+                        tier.unpin(name)
             if data is None:
-                self.metrics.add("misses", tier.name)
+                self.metrics.add("misses", slot.name)
                 continue
-            self.metrics.add("hits", tier.name)
-            faster = tuple(t for t in self.tiers[:position] if not t.contains(name))
-            if faster:
-                self._enqueue(_Write(key, data, faster, promotion=True))
+            self.metrics.add("hits", slot.name)
+            for faster in self._slots[:position]:
+                self._enqueue(faster, name, Write(key, data, promotion=True))
             self._count_later()
             return data
         self._count_later()
@@ -183,28 +183,47 @@ class Store:
             return
         self._count_queued.set()
         try:
-            self._queue.put_nowait(_Count())
+            self._slots[0].queue.put_nowait(Count())
         except queue.Full:
             self._count_queued.clear()  # the writers are busy and will write it anyway
 
-    def _open(self, tier: Tier, key: bytes, name: str) -> bytes | None:
+    def _open(  # noqa: PLR0917
+        self, slot: Slot, tier: Tier, key: bytes, name: str, size: int | None, limit: int | None
+    ) -> bytes | None:
+        """The block's bytes from one tier, or None, the copy removed and counted, when it does
+        not open; a fault of the tier itself switches it off."""
         try:
-            return tier.read_with(name, lambda record: self._opened(tier, key, record))
+            data = tier.read_with(name, lambda record: self._opened(tier, key, record), limit)
         except blockfile.Missing:
             reason = "missing"
         except blockfile.Short:
             reason = "short"
+        except blockfile.Oversize:
+            reason = "size"
         except Corrupt:
             reason = "auth"
         except StaleKey:
-            tier.discard(name)
-            self.metrics.add("stale_key", tier.name)
-            return None
+            reason = "stale_key"
         except OSError as exc:
-            log.warning("tier %s: reading a block failed: %s", tier.name, exc.strerror)
+            slot.warn("read", "reading a block failed: %s", exc.strerror)
             reason = "error"
-        tier.discard(name)
-        self.metrics.add("corrupt", tier.name, reason=reason)
+        else:
+            if size is None or len(data) == size:
+                try:
+                    tier.touch(name)
+                except OSError as exc:  # the block is good, the disk is not
+                    slot.fault(exc, "stamping a block read")
+                return data
+            slot.warn("size", "a block of %d bytes, %d expected: removed", len(data), size)
+            reason = "size"
+        try:
+            tier.discard(name)
+        except OSError as exc:
+            slot.fault(exc, "removing a block that did not open")
+        if reason == "stale_key":
+            self.metrics.add("stale_key", slot.name)
+        else:
+            self.metrics.add("corrupt", slot.name, reason=reason)
         return None
 
     def _opened(self, tier: Tier, key: bytes, record: memoryview) -> bytes:
@@ -214,66 +233,53 @@ class Store:
         return self._sealer.open(key, record)
 
     def save(self, key: bytes, data: bytes) -> bool:
-        """Queue a block for every tier that lacks it; False when the queue is full (the
-        block is not cached, counted as skipped)."""
-        missing = tuple(tier for tier in self.tiers if not tier.contains(block_name(key)))
-        if not missing:
-            return True
-        return self._enqueue(_Write(key, bytes(data), missing, promotion=False))
+        """Queue a block for every tier that lacks it; False when a tier's queue is full or the
+        tier is off (the block is not cached there, counted as skipped)."""
+        name = block_name(key)
+        job = Write(key, bytes(data), promotion=False)
+        queued = True
+        for slot in self._slots:
+            queued = self._enqueue(slot, name, job) and queued
+        return queued
 
-    def _enqueue(self, job: _Write) -> bool:
+    def _enqueue(self, slot: Slot, name: str, job: Write) -> bool:
+        """Queue a write for one tier that lacks the block; False when it is not queued."""
         if self._closed:
             return False
+        with slot.using() as tier:
+            if tier is None:
+                self.metrics.add("skipped_writes", slot.name, reason="off")
+                return False
+            if tier.contains(name):
+                return True
         try:
-            self._queue.put_nowait(job)
+            slot.queue.put_nowait(job)
         except queue.Full:
-            for tier in job.tiers:
-                self.metrics.add("skipped_writes", tier.name, reason="queue_full")
+            self.metrics.add("skipped_writes", slot.name, reason="queue_full")
             return False
         return True
 
     def flush(self) -> None:
         """Wait until every queued write is done."""
-        self._queue.join()
+        for slot in self._slots:
+            slot.queue.join()
 
     def close(self) -> None:
         """Finish the queued writes, stop the writers, release the tiers and their locks."""
         if self._closed:
             return
         self._closed = True
-        self._queue.join()
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            thread.join()
+        for slot in self._slots:
+            slot.stop()
         self._write_metrics()
-        for tier in self.tiers:
-            tier.close()
-        for owned in self._owners:
-            owned.release()
 
     # --- the writers ---------------------------------------------------------------------------
 
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            with self._metrics_lock:
-                self._busy += 1
-            try:
-                if job is None:
-                    return
-                if isinstance(job, _Count):
-                    self._count_queued.clear()
-                elif isinstance(job, _Remove):
-                    for name in job.names:
-                        job.tier.discard(name)
-                else:
-                    self._write(job)
-            except Exception:
-                log.exception("a KV-cache writer job failed")
-            finally:
-                self._job_done()
-                self._queue.task_done()
+    def _taken(self, job: Job) -> None:
+        with self._metrics_lock:
+            self._busy += 1
+        if isinstance(job, Count):
+            self._count_queued.clear()
 
     def _job_done(self) -> None:
         """Rewrite the metrics file when this was the last job running with none queued (so
@@ -281,43 +287,53 @@ class Store:
         with self._metrics_lock:
             self._busy -= 1
             now = time.monotonic()
-            idle = self._busy == 0 and self._queue.empty()
+            idle = self._busy == 0 and all(slot.queue.empty() for slot in self._slots)
             if not idle and now - self._metrics_at < METRICS_EVERY:
                 return
             self._metrics_at = now
         self._write_metrics()
 
-    def _write(self, job: _Write) -> None:
+    def _write(self, slot: Slot, tier: Tier, job: Write) -> None:
+        """One block into one tier (a writer's job); OSError for a fault of the tier."""
         name = block_name(job.key)
-        for tier in job.tiers:
-            record = self._sealer.seal(job.key, job.data)
+        record = self._sealer.seal(job.key, job.data)
 
-            def evicted(count: int, tier: Tier = tier) -> None:
-                self.metrics.add("evictions", tier.name, count)
+        def evicted(count: int) -> None:
+            self.metrics.add("evictions", slot.name, count)
 
+        for attempt in (1, 2):
             try:
                 result = tier.write(name, record, on_evict=evicted)
             except blockfile.Unsynced as exc:
-                log.warning(
-                    "tier %s: a block is written but the directory's fsync failed: %s "
-                    "(a crash may lose it)",
-                    tier.name,
-                    exc.strerror,
-                )
+                slot.warn(
+                    "dirsync", "a block is written but the directory's fsync failed: %s "
+                    "(a crash may lose it)", exc.strerror,
+                )  # fmt: skip
                 result = Written.WRITTEN
             except OSError as exc:
-                log.warning("tier %s: writing a block failed: %s", tier.name, exc.strerror)
-                self.metrics.add("skipped_writes", tier.name, reason="error")
-                continue
-            if result is Written.WRITTEN:
-                self.metrics.add("writes", tier.name)
-                self.metrics.add("written_bytes", tier.name, blockfile.disk_size(len(record)))
-                if job.promotion:
-                    self.metrics.add("promotions", tier.name)
-            elif result is Written.SKIPPED:
-                self.metrics.add("skipped_writes", tier.name, reason="pinned")
-            elif result is Written.TOO_BIG:
-                self.metrics.add("skipped_writes", tier.name, reason="too_big")
+                if exc.errno != errno.ENOSPC:
+                    raise
+                gone = tier.fit_disk(blockfile.disk_size(len(record)))
+                if gone:
+                    self.metrics.add("evictions", slot.name, gone)
+                if attempt == 1 and gone:
+                    continue  # room was made: the block is written once more
+                self.metrics.add("skipped_writes", slot.name, reason="no_space")
+                slot.warn(
+                    "space", "the disk is full though the tier's cap left room (something "
+                    "else fills it): the tier now holds at most %d bytes", tier.disk_cap or 0,
+                )  # fmt: skip
+                return
+            break
+        if result is Written.WRITTEN:
+            self.metrics.add("writes", slot.name)
+            self.metrics.add("written_bytes", slot.name, blockfile.disk_size(len(record)))
+            if job.promotion:
+                self.metrics.add("promotions", slot.name)
+        elif result is Written.SKIPPED:
+            self.metrics.add("skipped_writes", slot.name, reason="pinned")
+        elif result is Written.TOO_BIG:
+            self.metrics.add("skipped_writes", slot.name, reason="too_big")
 
     def _write_metrics(self) -> None:
         path = self.config.metrics_file

@@ -206,13 +206,14 @@ class _Together(Store):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         together = threading.Barrier(2)
-        done = self._queue.task_done
+        (slot,) = self.slots
+        done = slot.queue.task_done
 
         def task_done() -> None:
             together.wait(timeout=60)
             done()
 
-        self._queue.task_done = task_done  # type: ignore[method-assign]
+        slot.queue.task_done = task_done  # type: ignore[method-assign]
 
 
 def test_the_metrics_file_has_the_last_counts_when_two_writers_finish_together(
