@@ -1,11 +1,15 @@
-"""The vLLM server's own answers, read over HTTP: readiness and the version it reports."""
+"""The vLLM server's own answers, read over HTTP: readiness, its version, its tiers' state."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Final
 
 TIMEOUT: Final = 2.0
@@ -53,3 +57,72 @@ class Versions:
         if found is not None:
             self._seen = (container_id, found)
         return found
+
+
+_SAMPLE: Final = re.compile(
+    r'^lucia_kv_tier_(off|on)_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$', re.MULTILINE
+)
+_LABEL: Final = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_REASON: Final = re.compile(r"[a-z0-9_]{1,32}")
+TIERS_EVERY: Final = 10.0  # seconds between two reads of the engine's /metrics for the tiers
+
+
+def tiers_off(metrics: str) -> dict[str, tuple[str, ...]]:
+    """The KV tiers the plugin has switched off, from vLLM's /metrics text: a tier is off while
+    it was switched off more often than it opened again (summed over the engine's ranks), with
+    the reasons it was switched off for (errno names, such as erofs)."""
+    offs: dict[str, float] = {}
+    ons: dict[str, float] = {}
+    reasons: dict[str, set[str]] = {}
+    for match in _SAMPLE.finditer(metrics):
+        labels = dict(_LABEL.findall(match["labels"]))
+        tier, value = labels.get("tier", ""), float(match["value"])
+        if not tier or value <= 0:
+            continue
+        if match[1] == "off":
+            offs[tier] = offs.get(tier, 0) + value
+            reason = labels.get("reason", "")
+            if _REASON.fullmatch(reason):
+                reasons.setdefault(tier, set()).add(reason)
+        else:
+            ons[tier] = ons.get(tier, 0) + value
+    return {tier: tuple(sorted(reasons.get(tier, ()))) for tier, count in offs.items()
+            if count > ons.get(tier, 0)}  # fmt: skip
+
+
+def tiers_note(off: dict[str, tuple[str, ...]]) -> str:
+    """What the status message says of tiers that are off: `tier nvme off: read-only file
+    system` (the reasons in the errno's own words)."""
+    parts = []
+    for tier in sorted(off):
+        words = "; ".join(_words(reason) for reason in off[tier]) or "a fault"
+        parts.append(f"tier {tier} off: {words}")
+    return ", ".join(parts)
+
+
+def _words(reason: str) -> str:
+    number = getattr(errno, reason.upper(), None) if reason.startswith("e") else None
+    return os.strerror(number).lower() if isinstance(number, int) else reason.replace("_", " ")
+
+
+class TierWatch:
+    """Which tiers the running engine has switched off, read from its /metrics at most every
+    TIERS_EVERY seconds (the last answer is kept in between; none while it does not answer)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._read_at = float("-inf")
+        self._note = ""
+
+    def note(self, base: str) -> str:
+        now = self._clock()
+        if now - self._read_at < TIERS_EVERY:
+            return self._note
+        self._read_at = now
+        try:
+            status, body = get(base + "/metrics")
+        except (OSError, urllib.error.URLError):
+            self._note = ""
+            return ""
+        self._note = tiers_note(tiers_off(body.decode(errors="replace"))) if status == 200 else ""
+        return self._note
