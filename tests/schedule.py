@@ -45,6 +45,7 @@ VLLM_MODULES = frozenset({
 LUCIA_MODULES = frozenset({
     "tests/system/test_gateway_unit.py",
     "tests/system/test_installed_tiers.py",
+    "tests/system/test_installed_vllm_tier_faults.py",
     "tests/system/test_installed_vllm_tiers.py",
     "tests/system/test_models_unit.py",
     "tests/system/test_systemd.py",
