@@ -24,6 +24,7 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DEFAULTS: Final[Mapping[str, int | float]] = {
     "writers": 2,
     "queue_blocks": 1024,
+    "queue_bytes": 256 * 1024 * 1024,
     "rebuild_max_entries": 1_000_000,
     "rebuild_max_seconds": 30.0,
     "retry_seconds": 5.0,
@@ -50,6 +51,7 @@ class StoreConfig:
     key: bytes = field(repr=False)  # the 32 bytes the hex digits name
     writers: int = 2
     queue_blocks: int = 1024
+    queue_bytes: int = 256 * 1024 * 1024  # every tier's queued blocks, each counted once
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0  # then the rest is indexed while the engine serves
     retry_seconds: float = 5.0  # the first back-off before a tier that failed is tried again
@@ -141,7 +143,7 @@ def resolve(
 
     Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
     shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
-    queue_blocks (per tier), rebuild_max_entries, rebuild_max_seconds, retry_seconds,
+    queue_blocks (per tier), queue_bytes, rebuild_max_entries, rebuild_max_seconds, retry_seconds,
     metrics_file, data_parallel_size."""
     extra = {} if extra is None else extra
     environ = os.environ if environ is None else environ
@@ -166,6 +168,7 @@ def resolve(
         key=_read_key(extra, environ),
         writers=int(numbers["writers"]),
         queue_blocks=int(numbers["queue_blocks"]),
+        queue_bytes=int(numbers["queue_bytes"]),
         rebuild_max_entries=int(numbers["rebuild_max_entries"]),
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
         retry_seconds=float(numbers["retry_seconds"]),

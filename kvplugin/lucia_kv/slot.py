@@ -30,11 +30,52 @@ from .tier import Tier, TierError
 log = logging.getLogger("lucia_kv")
 
 
+class Budget:
+    """The bytes of the blocks queued for writing, at most `limit` (each block counted once,
+    however many tiers' queues hold it); thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Hold `size` more bytes, or False when that would pass the limit (a block larger
+        than the whole limit is held only while nothing else is)."""
+        with self._lock:
+            if self.used and self.used + size > self.limit:
+                return False
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+
+class Ticket:
+    """One block's bytes held in a Budget until every tier's writer is done with it."""
+
+    __slots__ = ("_budget", "_left", "_lock", "_size")
+
+    def __init__(self, budget: Budget, size: int, holders: int) -> None:
+        self._budget, self._size, self._left = budget, size, holders
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._budget.give(self._size)
+
+
 @dataclass(frozen=True)
 class Write:
     key: bytes
     data: bytes
     promotion: bool
+    ticket: Ticket | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +241,8 @@ class Slot:
             except Exception:
                 log.exception("a KV-cache writer job for tier %s failed", self.name)
             finally:
+                if isinstance(job, Write) and job.ticket is not None:
+                    job.ticket.done()
                 done()
                 self.queue.task_done()
 

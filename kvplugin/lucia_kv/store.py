@@ -27,7 +27,7 @@ from . import blockfile, owner
 from .config import StoreConfig
 from .metrics import Metrics
 from .sealing import HEADER_BYTES, TAG_BYTES, BlockSealer, Corrupt, Sealer, StaleKey
-from .slot import Count, Job, Opening, Slot, Write
+from .slot import Budget, Count, Job, Opening, Slot, Ticket, Write
 from .tier import Tier, Written
 
 log = logging.getLogger("lucia_kv")
@@ -68,6 +68,7 @@ class Store:
                 slot.stop()
             raise
         self._slots = tuple(slots)
+        self._queued = Budget(config.queue_bytes)  # the blocks waiting for a writer, in bytes
         self._metrics_at = 0.0
         self._metrics_lock = threading.Lock()
         self._file_lock = threading.Lock()  # one file write at a time: the last has the latest
@@ -164,8 +165,7 @@ class Store:
                 self.metrics.add("misses", slot.name)
                 continue
             self.metrics.add("hits", slot.name)
-            for faster in self._slots[:position]:
-                self._enqueue(faster, name, Write(key, data, promotion=True))
+            self._queue_write(self._slots[:position], name, key, data, promotion=True)
             self._count_later()
             return data
         self._count_later()
@@ -233,31 +233,42 @@ class Store:
         return self._sealer.open(key, record)
 
     def save(self, key: bytes, data: bytes) -> bool:
-        """Queue a block for every tier that lacks it; False when a tier's queue is full or the
-        tier is off (the block is not cached there, counted as skipped)."""
-        name = block_name(key)
-        job = Write(key, bytes(data), promotion=False)
-        queued = True
-        for slot in self._slots:
-            queued = self._enqueue(slot, name, job) and queued
-        return queued
+        """Queue a block for every tier that lacks it; False when it is not queued for one of
+        them (a full queue, the queued bytes at their bound, or the tier off: counted as
+        skipped)."""
+        return self._queue_write(self._slots, block_name(key), key, bytes(data), promotion=False)
 
-    def _enqueue(self, slot: Slot, name: str, job: Write) -> bool:
-        """Queue a write for one tier that lacks the block; False when it is not queued."""
+    def _queue_write(
+        self, slots: Sequence[Slot], name: str, key: bytes, data: bytes, promotion: bool
+    ) -> bool:
+        """Queue a write for each of these tiers that lacks the block; its bytes are held in
+        the queue's byte bound until the last of them has written it."""
         if self._closed:
             return False
-        with slot.using() as tier:
-            if tier is None:
-                self.metrics.add("skipped_writes", slot.name, reason="off")
-                return False
-            if tier.contains(name):
-                return True
-        try:
-            slot.queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.add("skipped_writes", slot.name, reason="queue_full")
+        wanted, ok = [], True
+        for slot in slots:
+            with slot.using() as tier:
+                if tier is None:
+                    self.metrics.add("skipped_writes", slot.name, reason="off")
+                    ok = False
+                elif not tier.contains(name):
+                    wanted.append(slot)
+        if not wanted:
+            return ok
+        if not self._queued.take(len(data)):
+            for slot in wanted:
+                self.metrics.add("skipped_writes", slot.name, reason="queue_full")
             return False
-        return True
+        ticket = Ticket(self._queued, len(data), len(wanted))
+        job = Write(key, data, promotion, ticket)
+        for slot in wanted:
+            try:
+                slot.queue.put_nowait(job)
+            except queue.Full:
+                self.metrics.add("skipped_writes", slot.name, reason="queue_full")
+                ticket.done()
+                ok = False
+        return ok
 
     def flush(self) -> None:
         """Wait until every queued write is done."""

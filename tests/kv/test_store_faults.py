@@ -292,3 +292,35 @@ def test_a_slow_tier_never_holds_a_fast_one(tmp_path: Path) -> None:
     finally:
         gate.set()
         store.close()
+
+
+def test_the_queued_blocks_are_bounded_in_bytes(tmp_path: Path) -> None:
+    """The write queue was bounded in blocks only: 1024 of them, 16 GiB at a CPU block size.
+    Now every queued block's bytes count against queue_bytes, once however many tiers hold it."""
+    settings = replace(config(tmp_path, {"nvme": 64 * PAGE, "hdd": 64 * PAGE}, writers=1),
+                       queue_bytes=3 * SIZE)  # fmt: skip
+    store = Store(settings)
+    gate = threading.Event()
+    try:
+        for slot in store.slots:  # both tiers' writers are held inside their first job
+            with slot.using() as tier:
+                assert tier is not None
+                write = tier.write
+
+                def held(*args: Any, write: Any = write, **kwargs: Any) -> Any:
+                    gate.wait(30)
+                    return write(*args, **kwargs)
+
+                tier.write = held  # type: ignore[method-assign]
+        accepted = [store.save(block_key(n), payload(n, SIZE)) for n in range(10)]
+        assert accepted == [True] * 3 + [False] * 7
+        assert store.metrics.get("skipped_writes", "nvme", reason="queue_full") == 7
+        assert store.metrics.get("skipped_writes", "hdd", reason="queue_full") == 7
+        gate.set()
+        store.flush()
+        assert store.metrics.get("writes") == 6  # three blocks, each on both tiers
+        assert store.save(block_key(20), payload(20, SIZE))  # the bytes were given back
+        store.flush()
+    finally:
+        gate.set()
+        store.close()
