@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -286,3 +287,75 @@ def test_a_namespace_a_running_engine_mounts_is_kept(tmp_path: Path) -> None:
     old = _namespace_with(root, "b" * 32, 4096, 100)
     removed = kv.prune(root, current.name, cap=GIB, reserve=GIB, keep=frozenset({running.name}))
     assert removed == [old] and running.is_dir()
+
+
+# -- two workers making one root at once ---------------------------------------------------------
+
+def _another_worker_first(monkeypatch: pytest.MonkeyPatch, mode: int = 0o700,
+                          kind: str = "directory") -> list[str]:
+    """Each missing directory on the way to a root is made by another worker just before this
+    one's mkdir (the interleaving two workers started together can run in): this one's mkdir
+    then finds it there."""
+    real = os.mkdir
+    raced: list[str] = []
+
+    def mkdir(path: str | Path, mode_: int = 0o777, *, dir_fd: int | None = None) -> None:
+        if dir_fd is None and not os.path.lexists(path):
+            raced.append(str(path))
+            if kind == "directory":
+                real(path, 0o700)
+                os.chmod(path, mode)
+            else:
+                Path(path).write_bytes(b"")
+        real(path, mode_, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    return raced
+
+
+def test_a_root_another_worker_makes_at_the_same_time_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raced = _another_worker_first(monkeypatch)
+    directory = kv.prepare(tmp_path / "a" / "b" / "nvme", SPACE)
+    assert raced == [str(tmp_path / "a"), str(tmp_path / "a" / "b"), str(tmp_path / "a" / "b" /
+                                                                           "nvme")]
+    assert directory == tmp_path / "a" / "b" / "nvme" / SPACE and directory.is_dir()
+    assert all(mode(Path(path)) == 0o700 for path in raced)
+
+
+@pytest.mark.parametrize(("made", "needle"), [
+    ({"mode": 0o755}, "appeared with owner .* and mode 0755; it must be owned by uid .* with "
+                      "mode 0700"),
+    ({"kind": "file"}, "appeared and is not a directory"),
+])
+def test_a_root_that_appears_open_to_others_or_not_a_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: dict[str, object], needle: str
+) -> None:
+    _another_worker_first(monkeypatch, **made)  # type: ignore[arg-type]
+    with pytest.raises(TierRefused, match=needle):
+        kv.prepare(tmp_path / "nvme", SPACE)
+
+
+def test_workers_making_one_root_at_once_all_take_it(tmp_path: Path) -> None:
+    """A real race: threads released together make the same deep root, round after round."""
+    for round_ in range(40):
+        root = tmp_path / str(round_) / "x" / "y" / "nvme"
+        start = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def make(root: Path = root, start: threading.Barrier = start,
+                 errors: list[BaseException] = errors) -> None:
+            start.wait()
+            try:
+                kv.prepare(root, SPACE)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=make) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [], errors
+        assert mode(root) == 0o700 and (root / SPACE).is_dir()

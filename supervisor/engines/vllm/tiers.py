@@ -196,16 +196,50 @@ def _open_dir(path: Path, dir_fd: int | None = None) -> int:
         raise TierRefused(f"{path}: {exc.strerror}") from None
 
 
-def _make_root(root: Path) -> None:
-    """Create the tier root and any missing parents with mode 0700."""
+def _make_root(root: Path, uid: int) -> None:
+    """Create the tier root and any missing parents with mode 0700. Another worker may create
+    one at the same time (two engines on one root, started together): that one must be a real
+    directory of the worker's user, closed to group and others (as the tier plugin's are)."""
     missing = []
     here = root
     while not os.path.lexists(here):
         missing.append(here)
         here = here.parent
     for path in reversed(missing):
-        os.mkdir(path, 0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            _check_made_by_another(path, uid)
+            continue
         os.chmod(path, 0o700, follow_symlinks=False)  # whatever the umask says
+
+
+def _check_made_by_another(path: Path, uid: int) -> None:
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise TierRefused(f"{path} appeared and is not a directory; tier paths must be real "
+                          "directories")
+    if info.st_uid != uid or info.st_mode & 0o077:
+        raise TierRefused(
+            f"{path} appeared with owner {info.st_uid} and mode "
+            f"{stat.S_IMODE(info.st_mode):04o}; it must be owned by uid {uid} with mode 0700"
+        )
+
+
+def open_root(root: Path, uid: int | None = None) -> int:
+    """The tier root, created owner-only where missing, opened and checked (a real directory
+    of the worker's user, closed to others): its descriptor, for the caller to close."""
+    if not root.is_absolute():
+        raise TierRefused(f"{root} must be an absolute path")
+    owner = os.geteuid() if uid is None else uid
+    _make_root(root, owner)
+    fd = _open_dir(root)
+    try:
+        _check(fd, root, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def prepare(root: Path, space: str, uid: int | None = None) -> Path:
@@ -215,13 +249,9 @@ def prepare(root: Path, space: str, uid: int | None = None) -> Path:
     group or others. Returns the namespace directory (what is mounted)."""
     if not _NAMESPACE.fullmatch(space):
         raise TierRefused(f"{space!r} is not a namespace")
-    if not root.is_absolute():
-        raise TierRefused(f"{root} must be an absolute path")
     owner = os.geteuid() if uid is None else uid
-    _make_root(root)
-    root_fd = _open_dir(root)
+    root_fd = open_root(root, owner)
     try:
-        _check(root_fd, root, owner)
         directory = root / space
         created = True
         try:
