@@ -212,6 +212,8 @@ def test_a_library_model_is_served_from_its_mount() -> None:
 VM = VLLM_MINIMAL
 KEYED = '[secrets]\nLUCIA_KV_KEY = "/run/kv.key"\n'
 SHM_FITS = VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\nmemory = "26g"')
+IPC_HOST_SHM = (SHM_FITS.replace('port = 8000', 'port = 8000\nipc = "host"')
+                + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED)
 VLLM_BAD = [
     ("channel", VM.replace('[vllm]\n', '[vllm]\nchannel = "beta"\n'), "vllm.channel"),
     ("quantization", VM.replace('[vllm]\n', '[vllm]\nquantization = "int4"\n'),
@@ -254,6 +256,8 @@ VLLM_BAD = [
      + KEYED, "run.memory"),
     ("unknown vllm key", VM.replace('[vllm]\n', '[vllm]\ngpu_memory_utilization = 0.9\n'),
      "unknown key"),
+    # the offload would be in the host's /dev/shm, which no prune ever reaches
+    ("shm offload with the host's ipc", IPC_HOST_SHM, 'tiers.shm_bytes with run.ipc = "host"'),
 ]
 
 
@@ -268,6 +272,18 @@ VLLM_BAD = [
 def test_any_tier_with_the_key_is_accepted(tiers: str) -> None:
     recipe = parse(SHM_FITS + f"[tiers]\n{tiers}\n" + KEYED)
     assert recipe.tiers.any and "LUCIA_KV_KEY" in recipe.secrets  # type: ignore[attr-defined]
+
+
+def test_the_host_ipc_with_an_shm_offload_is_refused_naming_both_and_alone_is_accepted() -> None:
+    with pytest.raises(RecipeError) as info:
+        parse(IPC_HOST_SHM, "bad.toml")
+    assert str(info.value) == (
+        'bad.toml: Value error, tiers.shm_bytes with run.ipc = "host" puts the offload in the '
+        "/dev/shm of the host, never pruned: remove run.ipc or tiers.shm_bytes"
+    )
+    disks = IPC_HOST_SHM.replace('shm_bytes = "8GiB"', 'nvme = { path = "/n", max_bytes = "1GiB" }')
+    assert parse(disks).run.ipc == "host"  # the disk tiers are directories of their own
+    assert parse(IPC_HOST_SHM.replace('ipc = "host"', 'ipc = "private"')).tiers.any  # type: ignore[attr-defined]
 
 
 def test_the_data_parallel_size_reaches_the_namespace_and_the_plugin() -> None:

@@ -19,12 +19,14 @@ import pytest
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import Observed, Prerequisite, StepContext
+from supervisor.engines.loader import parse
 from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import loop
 from supervisor.worker.memory import BACKOFF
 from supervisor.worker.plan import Answer
+from tests.unit.test_recipe import IPC_HOST_SHM
 
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
 TAKEN = "port 9001 on 172.30.0.1 is taken by another program"
@@ -281,12 +283,22 @@ def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
     assert shown[-1].message == "serving at http://172.30.0.1:9001"
 
 
+def _refusal(text: str) -> str:
+    """What the real recipe loader says of a recipe text it refuses."""
+    with pytest.raises(RecipeError) as refused:
+        parse(text, "lucia-x.toml")
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("nvme", [
+    "lucia-x.toml: tiers.nvme.path: '~/kv/nvme' must be an absolute path",
+    _refusal(IPC_HOST_SHM),  # the shm offload in the host's /dev/shm
+], ids=["a tier path", "the host ipc with an shm offload"])
 def test_a_refused_recipe_reload_is_in_the_status_until_a_valid_one_is_loaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvme: str
 ) -> None:
     runtime = FakeRuntime(container=_container("c1", SPEC))
     engine = FakeEngine(runtime)
-    nvme = "lucia-x.toml: tiers.nvme.path: '~/kv/nvme' must be an absolute path"
     loads: list[Exception] = []  # what the next reloads raise; none: the recipe is valid
 
     def load() -> object:
@@ -305,7 +317,8 @@ def test_a_refused_recipe_reload_is_in_the_status_until_a_valid_one_is_loaded(
         loads.append(RecipeError(nvme))
         os.kill(os.getpid(), signal.SIGHUP)
         _until("the refusal", lambda: shown[-1].message == refused)
-        _until("status.json saying it", lambda: refused in worker.heartbeat.path.read_text())
+        _until("status.json saying it",
+               lambda: json.loads(worker.heartbeat.path.read_text())["message"] == refused)
         on_disk.append(json.loads(worker.heartbeat.path.read_text()))
         os.kill(os.getpid(), signal.SIGHUP)  # the recipe is fixed: a valid one is loaded
         _until("the refusal gone", lambda: shown[-1].message == serving)

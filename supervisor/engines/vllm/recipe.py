@@ -193,6 +193,11 @@ class VllmRecipe(RecipeBase):
                 "(a 0600 file holding 64 hex digits: openssl rand -hex 32)"
             )
         if tiers.shm_bytes is not None:
+            if self.run.ipc == "host":  # the host's /dev/shm: shared, outlives it, never pruned
+                raise ValueError(
+                    'tiers.shm_bytes with run.ipc = "host" puts the offload in the /dev/shm of '
+                    "the host, never pruned: remove run.ipc or tiers.shm_bytes"
+                )
             shm = parse_bytes(self.run.shm_size) if self.run.shm_size else None
             memory = parse_bytes(self.run.memory) if self.run.memory else None
             if not isinstance(shm, int) or shm <= tiers.shm_bytes:
