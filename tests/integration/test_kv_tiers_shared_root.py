@@ -1,5 +1,9 @@
 """Two real vLLM 0.32.0 CPU engines, each through its own worker, on one pair of tier roots.
 
+First, with no engine: a container that carries a namespace's label (created, never started)
+keeps that namespace from a prune through the real Docker listing, and once it is removed the
+namespace goes.
+
 Engine A (a vllm-cpu recipe with NVMe and HDD tiers on the shared roots, `prefix_caching =
 false`) answers a 2000-token prompt and its blocks go to its namespace on both tiers. Then, in
 this order, each leaving what the next needs:
@@ -7,9 +11,10 @@ this order, each leaving what the next needs:
   the owner lock A's store holds: `failed`, the message naming A's container; A serves on;
 - engine B, A's recipe with another cache key (another namespace) and caps of 4 MiB, starts on
   the same roots: its prune wants every byte of other namespaces gone (it promises B its whole
-  cap), yet A's namespace and every block of it stay, since A's store holds its lock; A then
-  answers the prompt from its tiers;
-- once A is stopped (its lock released), a prune for B on the same roots removes A's namespace.
+  cap), yet A's namespace and every block of it stay, since A's container names it and A's store
+  holds its lock; A then answers the prompt from its tiers;
+- once A is stopped (its container removed, its lock released), a prune for B on the same roots,
+  listing the real containers, removes A's namespace.
 """
 
 from __future__ import annotations
@@ -27,11 +32,11 @@ from typing import Any
 import docker
 import pytest
 
-from supervisor.engines.vllm import tier_image
-from supervisor.engines.vllm import tiers as kv_tiers
+from supervisor.docker.runtime import Runtime
+from supervisor.engines.vllm import namespaces, tier_image
 from supervisor.recipe.schema import parse_bytes
 from tests import http_json
-from tests.fixtures import REPO_TEMPLATE, RUN_ID, Engine, _repo
+from tests.fixtures import REPO_TEMPLATE, RUN_ID, TEST_LABEL, Engine, _repo
 from tests.gguf_fixtures import add_model
 from tests.integration.test_kv_tiers_worker import (
     BLOCK_NAME,
@@ -173,7 +178,7 @@ def shared(
             space,
             cold,
             {t: block_names(d) for t, d in dirs.items()},
-            (dirs["nvme"] / kv_tiers.OWNER_LOCK).read_text(),
+            (dirs["nvme"] / namespaces.OWNER_LOCK).read_text(),
             make,
             root,
         )
@@ -197,6 +202,29 @@ def discard(client: docker.DockerClient, engine: Engine) -> None:
             proc.wait()
     for container in client.containers.list(all=True, filters={"name": engine.container}):
         container.remove(force=True)
+
+
+def test_a_namespace_a_created_container_names_is_kept_until_the_container_goes(
+    client: docker.DockerClient, base_image: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "nvme"
+    current, labelled = "c" * 32, os.urandom(16).hex()
+    for space in (current, labelled):
+        (root / space).mkdir(mode=0o700, parents=True)
+        (root / space / "block").write_bytes(os.urandom(8192))
+    made = client.containers.create(
+        base_image, ["true"], name=f"lucia-test-{RUN_ID}-kv-label",
+        labels={TEST_LABEL: RUN_ID, namespaces.LABEL: labelled},
+    )  # fmt: skip
+    try:
+        listed = namespaces.named(Runtime())
+        assert labelled in listed  # a container never started still names its namespace
+        gone = namespaces.prune(root, current, 4096, 4096, lambda: namespaces.named(Runtime()))
+        assert gone == [] and (root / labelled / "block").exists()
+    finally:
+        made.remove(force=True)
+    gone = namespaces.prune(root, current, 4096, 4096, lambda: namespaces.named(Runtime()))
+    assert gone == [root / labelled]
 
 
 def a_serves(shared: Shared, container_id: str) -> None:
@@ -259,7 +287,7 @@ def test_another_namespaces_start_on_the_root_leaves_a_held_one_whole_and_a_read
         assert directory.is_dir(), f"B's start removed A's {tier} namespace {directory}"
         # (A's worker makes its namespace directory again, empty, when it is gone)
         assert shared.blocks[tier] <= block_names(directory), f"A's {tier} blocks are gone"
-        assert (directory / kv_tiers.OWNER_LOCK).read_text() == shared.lock_line
+        assert (directory / namespaces.OWNER_LOCK).read_text() == shared.lock_line
     assert b"old KV-cache namespace removed" not in b.worker_output()
     print(f"\nB on the same roots (caps {SMALL}): A's namespace kept, {held} bytes held")
     assert len(b.complete([5, 6, 7, 8] * 40, max_tokens=4).token_ids) == 4
@@ -285,6 +313,7 @@ def test_once_a_is_stopped_a_prune_for_b_removes_as_namespace(shared: Shared) ->
     shared.a.stop()
     small = int(str(parse_bytes(SMALL)))
     for tier, root in shared.roots.items():
-        gone = kv_tiers.prune(root, space_b, small, small, frozenset({space_b}))
+        gone = namespaces.prune(root, space_b, small, small,
+                                lambda: namespaces.named(Runtime()))
         assert gone == [root / shared.space], (tier, gone)
         assert sorted(p.name for p in root.iterdir()) == [space_b]

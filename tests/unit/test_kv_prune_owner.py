@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lucia_kv import owner
 
-from supervisor.engines.vllm import tiers as kv
+from supervisor.engines.vllm import namespaces as kv
 from tests.kv.owner_child import child_store
 
 GIB = 1024**3
@@ -47,9 +47,9 @@ def test_a_namespace_a_live_store_holds_survives_prune_and_a_free_one_goes(
     with child_store("x", live), child_store("x", live_rank / "rank0"):
         for age, directory in enumerate((plain, closed, live_rank, live), start=1):
             _age(directory, 100 * age)
-        removed = kv.prune(root, current.name, cap=GIB, reserve=GIB)  # every byte is wanted
+        removed = kv.prune(root, current.name, GIB, GIB, frozenset)  # every byte is wanted
         assert removed == [closed, plain]
         assert live.is_dir() and (live_rank / "rank0").is_dir() and current.is_dir()
     # once their engines are gone, they are old namespaces like any other
-    assert kv.prune(root, current.name, cap=GIB, reserve=GIB) == [live, live_rank]
+    assert kv.prune(root, current.name, GIB, GIB, frozenset) == [live, live_rank]
     assert os.listdir(root) == [current.name]

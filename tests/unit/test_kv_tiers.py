@@ -246,49 +246,6 @@ def test_bad_inputs(root: Path, space: str, needle: str) -> None:
         kv.prepare(root, space)
 
 
-# -- old namespaces ------------------------------------------------------------------------------
-
-def _namespace_with(root: Path, name: str, size: int, age: int) -> Path:
-    """A namespace directory holding one file of size bytes, last changed age seconds ago."""
-    directory = root / name
-    directory.mkdir(mode=0o700)
-    (directory / "block").write_bytes(os.urandom(size))
-    when = 1_700_000_000 - age
-    os.utime(directory, (when, when))
-    return directory
-
-
-def test_old_namespaces_are_removed_oldest_first_once_the_cap_needs_their_room(
-    tmp_path: Path,
-) -> None:
-    root = tmp_path / "tier"
-    root.mkdir(mode=0o700)
-    current = _namespace_with(root, "c" * 32, 64 * 1024, 0)
-    oldest = _namespace_with(root, "a" * 32, 64 * 1024, 300)
-    older = _namespace_with(root, "b" * 32, 64 * 1024, 200)
-    newer = _namespace_with(root, "d" * 32, 64 * 1024, 100)
-    (root / "not-a-namespace").mkdir()
-    held = sum(kv._bytes(p) for p in (oldest, older, newer))
-    one = kv._bytes(oldest)
-    # room for the current namespace's cap and all the others: nothing goes
-    assert kv.prune(root, current.name, cap=10 * held, reserve=9 * held) == []
-    # room for one old namespace beside the current cap: the two oldest go, the newest stays
-    removed = kv.prune(root, current.name, cap=1024**3, reserve=1024**3 - one)
-    assert removed == [oldest, older]
-    assert sorted(os.listdir(root)) == sorted([current.name, newer.name, "not-a-namespace"])
-    assert (current / "block").exists()
-
-
-def test_a_namespace_a_running_engine_mounts_is_kept(tmp_path: Path) -> None:
-    root = tmp_path / "tier"
-    root.mkdir(mode=0o700)
-    current = _namespace_with(root, "c" * 32, 4096, 0)
-    running = _namespace_with(root, "a" * 32, 4096, 500)
-    old = _namespace_with(root, "b" * 32, 4096, 100)
-    removed = kv.prune(root, current.name, cap=GIB, reserve=GIB, keep=frozenset({running.name}))
-    assert removed == [old] and running.is_dir()
-
-
 # -- two workers making one root at once ---------------------------------------------------------
 
 def _another_worker_first(monkeypatch: pytest.MonkeyPatch, mode: int = 0o700,

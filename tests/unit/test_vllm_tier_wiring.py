@@ -13,7 +13,7 @@ import pytest
 
 from supervisor.docker import labels
 from supervisor.docker.runtime import Progress, Runtime
-from supervisor.docker.spec import BuildRequest, Image
+from supervisor.docker.spec import BuildRequest, Container, Image
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage, PulledImage
 from supervisor.engines.loader import parse
@@ -80,6 +80,9 @@ class Images(Runtime):
 
     def container(self, name: str) -> None:
         return None
+
+    def containers(self, label: str | list[str], running: bool = True) -> list[Container]:
+        return []
 
     def build(self, request: BuildRequest, progress: Progress, cancel: threading.Event) -> Image:
         assert request.context is not None

@@ -25,7 +25,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
-from supervisor.engines.vllm import account, cpu, probes, secretfiles, tier_image
+from supervisor.engines.vllm import account, cpu, namespaces, probes, secretfiles, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
@@ -48,7 +48,7 @@ from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
 
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
-NAMESPACE_LABEL: Final = "lucia.vllm.kv-namespace"  # the KV-cache namespace it mounts
+NAMESPACE_LABEL: Final = namespaces.LABEL  # the KV-cache namespace it mounts
 log = logs.get("vllm")
 
 
@@ -73,6 +73,7 @@ class Vllm(ContainerEngine):
         self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
+        self._starting = namespaces.Starting()  # namespaces held from a Check to its start
         if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
             self.memory.measure = lambda machine: guard.measure(
@@ -213,19 +214,9 @@ class Vllm(ContainerEngine):
     # -- old namespaces ------------------------------------------------------------------------
 
     def _prune(self, space: str, ctx: StepContext | None = None) -> None:
-        """Old namespaces go once the cap needs their room; never one our engine still mounts."""
-        keep = set()
-        with contextlib.suppress(Exception):
-            running = self.runtime.container(self.container_name)
-            if running is not None and running.running and NAMESPACE_LABEL in running.labels:
-                keep.add(running.labels[NAMESPACE_LABEL])
-        for tier in self.recipe.tier_plan().disks:
-            gone = kv_tiers.prune(tier.root, space, tier.max_bytes, tier.max_bytes,
-                                  frozenset(keep))
-            for path in gone:
-                log.info("old KV-cache namespace removed", tier=tier.name, namespace=path.name)
-                if ctx is not None:
-                    ctx.progress(f"KV-cache tier {tier.name}: removed old namespace {path.name}")
+        """Old namespaces go once the cap needs their room; never one a container names, a
+        worker is starting or a store holds (namespaces.py)."""
+        namespaces.prune_tiers(self.runtime, self.recipe.tier_plan().disks, space, ctx)
 
     def model_manifest(self) -> str:
         model = self.recipe.vllm.model
@@ -263,12 +254,7 @@ class Vllm(ContainerEngine):
                 self._fitted = need
                 ctx.progress(f"run.memory fits this machine (limit {budget.limit} bytes)")
             case TierDirectories(space):
-                for tier in self.recipe.tier_plan().disks:
-                    try:
-                        made = kv_tiers.prepare(tier.root, space)
-                    except kv_tiers.TierRefused as exc:
-                        raise Permanent(f"KV-cache tier {tier.name}: {exc}") from None
-                    ctx.progress(f"KV-cache tier {tier.name}: {made}")
+                self._starting.hold_tiers(self.recipe.tier_plan().disks, space, ctx)
                 self._prune(space, ctx)
             case TierImage():
                 launch = self._launch()
@@ -288,6 +274,8 @@ class Vllm(ContainerEngine):
         if names:
             secrets = self.secrets()
             secretfiles.write(self._secrets_root, {n: secrets[n] for n in names})
+        if disks := self.recipe.tier_plan().disks:  # made again, held from prunes till the start
+            self._starting.hold_tiers(disks, spec.labels[NAMESPACE_LABEL], ctx)
         if self.cpu:
             return
         ctx.progress("checking the GPU again before the start")
@@ -385,7 +373,12 @@ class Vllm(ContainerEngine):
                  "served_name": self.recipe.vllm.served_name}
         return (self.target_group(endpoint, group),)
 
+    def abandoned(self, running: str | None) -> None:
+        self._starting.release()  # the start will not run: its namespace is an old one again
+        super().abandoned(running)
+
     def started(self, container_id: str | None) -> None:
+        self._starting.release()  # the container, if made, names the namespace from now on
         super().started(container_id)
         if container_id is not None and self._namespace is not None:
             self._prune(self._namespace)  # the replaced engine's namespace, once it has gone

@@ -20,7 +20,7 @@ key being written anywhere), the KV layout (from the model's config.json), the p
 configuration and the engine arguments that change what a block holds (the quantization, the
 extra `vllm serve` arguments). Only the current namespace's directory is mounted, so the engine
 never sees blocks of another; old namespaces are removed, oldest first, once the tier's cap
-needs their room (`prune`), and never one whose owner lock an engine's store holds.
+needs their room, and never one an engine holds, names or is starting on (namespaces.py).
 
 The cache key is 64 hex digits (32 random bytes, `openssl rand -hex 32`); the plugin refuses
 anything else with the same rule, so a recipe is refused here before an engine starts.
@@ -28,16 +28,13 @@ anything else with the same rule, so a recipe is refused here before an engine s
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
 import os
 import re
-import shutil
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
@@ -45,7 +42,6 @@ from typing import Final
 KEY_CONTEXT: Final = b"lucia-supervisor kv-cache key id v1"
 SHM_ROOT: Final = "/dev/shm/lucia-kv"
 CONTAINER_ROOT: Final = "/kv"
-OWNER_LOCK: Final = ".lucia-kv-owner"  # the plugin's lock file (lucia_kv.owner.LOCK_NAME)
 KEY_RULE: Final = (
     "the cache key must be exactly 64 hex digits (32 random bytes: openssl rand -hex 32)"
 )
@@ -278,78 +274,3 @@ def stale(root: Path, space: str) -> list[Path]:
     except FileNotFoundError:
         return []
     return [root / name for name in names if _NAMESPACE.fullmatch(name) and name != space]
-
-
-def _bytes(path: Path) -> int:
-    """What a namespace directory holds on disk (its files' allocated bytes, links not
-    followed)."""
-    total = 0
-    for top, dirs, names in os.walk(path, followlinks=False):
-        for name in (*names, *dirs):
-            try:
-                info = os.lstat(os.path.join(top, name))
-            except FileNotFoundError:
-                continue
-            total += info.st_blocks * 512 if not stat.S_ISDIR(info.st_mode) else 0
-    return total
-
-
-@contextlib.contextmanager
-def _unowned(path: Path) -> Iterator[bool]:
-    """Whether no engine's store holds an owner lock in a namespace directory (its own, or a
-    rank's below it). The locks are held here until the block ends, so no store takes one
-    while the namespace is removed; a lock file that does not open counts as held."""
-    held: list[int] = []
-    free = True
-    try:
-        for top, _dirs, names in os.walk(path, followlinks=False):
-            if OWNER_LOCK not in names:
-                continue
-            try:
-                fd = os.open(
-                    os.path.join(top, OWNER_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-                )
-            except FileNotFoundError:
-                continue
-            except OSError:
-                free = False
-                break
-            held.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                free = False
-                break
-        yield free
-    finally:
-        for fd in held:
-            os.close(fd)
-
-
-def prune(
-    root: Path, space: str, cap: int, reserve: int, keep: frozenset[str] = frozenset()
-) -> list[Path]:
-    """Remove other namespaces under a tier root, oldest (last changed) first, while the room
-    the current one is promised (reserve, its cap) and the others' bytes exceed the tier's cap.
-    Namespaces in keep (one a running engine still mounts) and those whose owner lock a store
-    holds (another engine's, live) are never removed. Returns what was removed."""
-    others = []
-    for path in stale(root, space):
-        if path.name in keep or path.is_symlink() or not path.is_dir():
-            continue
-        others.append((path.stat().st_mtime_ns, path, _bytes(path)))
-    others.sort(key=lambda found: (found[0], found[1].name))
-    held = sum(size for _, _, size in others) + sum(
-        _bytes(root / name) for name in keep if name != space and (root / name).is_dir()
-    )
-    removed = []
-    for _, path, size in others:
-        if reserve + held <= cap:
-            break
-        with _unowned(path) as free:
-            if not free:
-                continue
-            shutil.rmtree(path)
-        held -= size
-        removed.append(path)
-    return removed
