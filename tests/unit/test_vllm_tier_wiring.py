@@ -5,6 +5,7 @@ the command, the plugin's version and the device's block size in the namespace."
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -214,6 +215,46 @@ def test_a_current_tier_image_is_not_built_again(tmp_path: Path) -> None:
     assert runtime.builds == []
 
 
+def test_a_plugin_changed_on_disk_is_what_the_next_build_installs_and_then_current(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade writes the plugin's new files under a running worker: the worker goes on
+    with the image it has until a build is due (here a new base image), that build installs
+    the files as they are now, and the next observation finds its image current."""
+    source = tmp_path / "kvplugin"
+    shutil.copytree(tier_image.SOURCE, source,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    read = tier_image.read_plugin
+    monkeypatch.setattr(tier_image, "read_plugin", lambda: read(source))  # the installed copy
+    runtime = Images(base_images())
+    found = engine(tmp_path, runtime)
+    found.make(TierImage(f"{BASE}-tiers"), ctx())
+    assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
+    first = runtime.images[f"{BASE}-tiers"].labels[labels.TIERS_DIGEST]
+    assert found.notes() == f"KV-cache tier plugin lucia-kv-tiers 0.1.0 (files {first[:19]})"
+    pyproject = source / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"'))
+    with (source / "lucia_kv" / "connector.py").open("a") as connector:
+        connector.write("# upgraded\n")
+    assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
+    runtime.images[BASE] = Image("sha256:" + "c" * 64, {})  # a pull brought a new base
+    assert found.prerequisites().missing == (TierImage(f"{BASE}-tiers"),)
+    found.make(TierImage(f"{BASE}-tiers"), ctx())
+    built = runtime.builds[-1][0].labels
+    assert built[labels.TIERS_VERSION] == "0.1.1" and built[labels.TIERS_DIGEST] != first
+    for _ in range(3):  # the observations after that build: no other build is asked for
+        assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
+    assert len(runtime.builds) == 2
+    assert found.identity(Image(BASE_ID, {})).plugin_version == "0.1.1"
+    assert found.notes() == ("KV-cache tier plugin lucia-kv-tiers 0.1.1 "
+                             f"(files {built[labels.TIERS_DIGEST][:19]})")
+
+
+def test_without_tiers_the_status_names_no_plugin(tmp_path: Path) -> None:
+    found = engine(tmp_path, Images(base_images()), recipe_text(tmp_path, tiers=""))
+    assert found.prerequisites().missing == () and found.notes() == ""
+
+
 def test_a_failed_build_names_the_next_step_and_leaves_no_context(tmp_path: Path) -> None:
     runtime = Images(base_images(), fail=True)
     found = engine(tmp_path, runtime)
@@ -270,10 +311,9 @@ def test_the_namespace_names_the_plugins_version_and_the_base_not_the_tier_image
     tiered = Image("sha256:" + "7" * 64, tier_image.labels(plugin, BASE_ID))
     assert found.namespace(tiered) == found.namespace(base)  # a rebuild keeps the blocks
     monkeypatch.setattr(tier_image, "plugin", lambda: replace(plugin, version="0.2.0"))
-    assert found.identity(base).plugin_version == "0.2.0"
-    newer = found.namespace(base)
-    monkeypatch.undo()
-    assert newer != found.namespace(base)
+    upgraded = engine(tmp_path, Images(base_images()))  # a worker started after the upgrade
+    assert upgraded.identity(base).plugin_version == "0.2.0"
+    assert upgraded.namespace(base) != found.namespace(base)
 
 
 def test_without_tiers_the_plugin_version_is_not_in_the_namespace(tmp_path: Path) -> None:

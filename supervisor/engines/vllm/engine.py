@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Final
@@ -73,6 +74,8 @@ class Vllm(ContainerEngine):
         self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
+        self._plugin = tier_image.Current()  # read once, and again by each build
+        self._tier_image: Mapping[str, str] = {}  # the labels of the tier image it runs on
         self._starting = namespaces.Starting()  # namespaces held from a Check to its start
         if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
             smi = recipe.vllm.nvidia_smi
@@ -128,14 +131,14 @@ class Vllm(ContainerEngine):
             if need is not None and need != self._fitted:  # a pull only for a start that fits
                 return Prerequisites((MemoryFit(need),))
             return Prerequisites((PulledImage(launch.image),))
-        found = EngineImage(launch.image, image)
+        found, self._tier_image = EngineImage(launch.image, image), {}
         if self.recipe.tiers.any:  # the base plus the plugin, rebuilt for another base or version
             ref = tier_image.tag(launch.image)
-            built, plugin = self.runtime.image(ref), tier_image.plugin()
+            built, plugin = self.runtime.image(ref), self._plugin.get()
             if built is None or plugin is None or not tier_image.current(plugin, image.id,
                                                                          built.labels):
                 return Prerequisites((TierImage(ref),))
-            found = EngineImage(ref, built)
+            found, self._tier_image = EngineImage(ref, built), built.labels
         hf = self.recipe.vllm.model.hf
         if hf is not None and not self._downloaded():
             return Prerequisites((ModelDownload(hf.id, hf.revision),))
@@ -152,7 +155,7 @@ class Vllm(ContainerEngine):
         """Everything that makes an old block wrong, for the namespace (a tier image counts as
         its base; the plugin's version only when there are tiers)."""
         recipe, tiers = self.recipe, self.recipe.tiers
-        plugin = tier_image.plugin() if tiers.any else None
+        plugin = self._plugin.get() if tiers.any else None
         return kv_tiers.Identity(
             model_manifest=self.model_manifest(),
             image_digest=image.labels.get(labels.TIERS_BASE, image.id),
@@ -260,8 +263,8 @@ class Vllm(ContainerEngine):
                 launch = self._launch()
                 assert launch is not None  # the step comes after the base image is there
                 site = tier_image.SITE_PACKAGES if self.cpu else tier_image.GPU_SITE_PACKAGES
-                tier_image.build(self.runtime, launch.image, self.state_dir / "tier-build", ctx,
-                                 site)
+                self._plugin.build(self.runtime, launch.image, self.state_dir / "tier-build",
+                                   ctx, site)  # the plugin read afresh: an upgrade's
             case ModelDownload():
                 self._download(what, ctx)
             case _:
@@ -372,6 +375,9 @@ class Vllm(ContainerEngine):
         group = {"model": self.recipe.model or self.recipe.vllm.served_name,
                  "served_name": self.recipe.vllm.served_name}
         return (self.target_group(endpoint, group),)
+
+    def notes(self) -> str:
+        return tier_image.note(self._tier_image)  # the plugin of the image it runs on
 
     def abandoned(self, running: str | None) -> None:
         self._starting.release()  # the start will not run: its namespace is an old one again

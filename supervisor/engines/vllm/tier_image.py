@@ -111,18 +111,44 @@ def read_plugin(source: Path = SOURCE) -> Plugin:
     return Plugin(version, requires, requires_python, files)
 
 
-@functools.cache
-def _installed_plugin() -> Plugin:
-    return read_plugin()
-
-
 def plugin() -> Plugin | None:
-    """The plugin beside this supervisor (read once, from its own metadata); None while it
-    cannot be read (the build then says why)."""
+    """The plugin beside this supervisor, as its files are now; None while it cannot be read
+    (the build then says why)."""
     try:
-        return _installed_plugin()
+        return read_plugin()
     except PluginUnreadable:
         return None
+
+
+class Current:
+    """The plugin an engine compares its tier image with: read at the first ask, then again by
+    each build, which installs what it read. An upgrade (install.sh) that changes the plugin's
+    files under a running worker is read by the next build, and the image that build makes is
+    current from then on: the files are not read at every observation, nor the image rebuilt
+    at each."""
+
+    def __init__(self) -> None:
+        self._plugin: Plugin | None = None
+
+    def get(self) -> Plugin | None:
+        if self._plugin is None:
+            self._plugin = plugin()
+        return self._plugin
+
+    def build(self, runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
+              site: str = SITE_PACKAGES) -> Image:
+        """build() with the plugin read afresh, kept as the current one."""
+        self._plugin = plugin()
+        return build(runtime, base_ref, work, ctx, site, plugin=self._plugin)
+
+
+def note(image_labels: Mapping[str, str]) -> str:
+    """Pure: the tier image's plugin as the status names it (its version and files), or ""
+    for an image without one."""
+    version, files = image_labels.get(TIERS_VERSION), image_labels.get(TIERS_DIGEST, "")
+    if not version:
+        return ""
+    return f"KV-cache tier plugin {DISTRIBUTION} {version} (files {files[:19]})"
 
 
 def _record_line(path: str, data: bytes) -> str:
@@ -254,17 +280,18 @@ def transfer_config(settings: Mapping[str, str | int] | None = None) -> str:
 
 
 def build(runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
-          site: str = SITE_PACKAGES) -> Image:
+          site: str = SITE_PACKAGES, *, plugin: Plugin | None = None) -> Image:
     """Build `tag(base_ref)` FROM base_ref's image from a context written fresh under work
-    (removed after), its output lines the heartbeat's message. A plugin that cannot be read or a
-    failed build is a BuildFailed that says what to do next."""
+    (removed after), its output lines the heartbeat's message; with plugin, or the plugin read
+    now. A plugin that cannot be read or a failed build is a BuildFailed that says what to do
+    next."""
     target = tag(base_ref)
     what = f"adding the KV cache tiers to {base_ref} ({target})"
     base = runtime.image(base_ref)
     if base is None:
         raise Blocked(f"the engine image {base_ref} is missing; it is pulled again")
     try:
-        plugin = read_plugin()
+        plugin = plugin or read_plugin()
     except PluginUnreadable as exc:
         raise BuildFailed(what, [str(exc), NEXT_STEP]) from None
     ctx.progress(MESSAGE)
