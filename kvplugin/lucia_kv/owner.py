@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-LOCK_NAME: Final = ".lucia-kv-owner"  # the supervisor's tiers.OWNER_LOCK names the same file
+LOCK_NAME: Final = ".lucia-kv-owner"  # the supervisor's namespaces.OWNER_LOCK names the same file
 _CONTAINER = re.compile(r"containers/([0-9a-f]{64})/")
 
 

@@ -74,6 +74,7 @@ class Vllm(ContainerEngine):
         self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
+        self._off = probes.TierWatch()  # the KV tiers the running engine switched off
         self._plugin = tier_image.Current()  # read once, and again by each build
         self._tier_image: Mapping[str, str] = {}  # the labels of the tier image it runs on
         self._starting = namespaces.Starting()  # namespaces held from a Check to its start
@@ -361,10 +362,8 @@ class Vllm(ContainerEngine):
 
     def ready(self) -> bool:
         """`/health` answers 200 (the engine loaded), then `/v1/models` lists the served name."""
-        if self.endpoint is None:
-            return False
-        return probes.ready(self.endpoint.url, self.recipe.run.ready_path,
-                            self.recipe.vllm.served_name)
+        return self.endpoint is not None and probes.ready(
+            self.endpoint.url, self.recipe.run.ready_path, self.recipe.vllm.served_name)
 
     def version(self, container: Container | None) -> str | None:
         if container is None or not container.running or self.endpoint is None:
@@ -376,8 +375,9 @@ class Vllm(ContainerEngine):
                  "served_name": self.recipe.vllm.served_name}
         return (self.target_group(endpoint, group),)
 
-    def notes(self) -> str:
-        return tier_image.note(self._tier_image)  # the plugin of the image it runs on
+    def notes(self) -> str:  # the plugin of the image it runs on; the tiers the engine has off
+        url = self.endpoint.url if self.endpoint and self.recipe.tiers.any else None
+        return "; ".join(filter(None, (tier_image.note(self._tier_image), self._off.note(url))))
 
     def abandoned(self, running: str | None) -> None:
         self._starting.release()  # the start will not run: its namespace is an old one again

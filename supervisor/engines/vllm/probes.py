@@ -114,7 +114,10 @@ class TierWatch:
         self._read_at = float("-inf")
         self._note = ""
 
-    def note(self, base: str) -> str:
+    def note(self, base: str | None) -> str:
+        """What the status says of the tiers of the engine at `base` (None: no engine)."""
+        if base is None:
+            return ""
         now = self._clock()
         if now - self._read_at < TIERS_EVERY:
             return self._note
