@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from . import blockfile, owner
 from .config import StoreConfig
@@ -130,20 +130,19 @@ class Store:
 
     def pin(self, keys: Iterable[bytes]) -> None:
         """Keep these blocks from eviction (an active request) until unpinned as often."""
-        names = [block_name(key) for key in keys]
-        for slot in self._slots:
-            with slot.using() as tier:
-                if tier is not None:
-                    for name in names:
-                        tier.pin(name)
+        self._each_on(keys, Tier.pin)
 
     def unpin(self, keys: Iterable[bytes]) -> None:
+        self._each_on(keys, Tier.unpin)
+
+    def _each_on(self, keys: Iterable[bytes], step: Callable[[Tier, str], None]) -> None:
+        """`step` for each block on each tier that is on."""
         names = [block_name(key) for key in keys]
         for slot in self._slots:
             with slot.using() as tier:
                 if tier is not None:
                     for name in names:
-                        tier.unpin(name)
+                        step(tier, name)
 
     # --- the worker's side ---------------------------------------------------------------------
 

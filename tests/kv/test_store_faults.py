@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from lucia_kv.store import Store, block_name
 from lucia_kv.tier import UNLINK
 
 from tests.kv.support import block_key, config, flip_one_byte, payload
+from tests.loop_disk import ext4, fs_error, remount
 
 PAGE = blockfile.ALIGN
 SIZE = 100  # a block's bytes in these tests
@@ -38,37 +38,10 @@ def until(what: str, check: Callable[[], object], timeout: float = 30.0) -> None
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB ext4 on a loop device of the test's own, mounted under tmp_path as a disk
-    that meets an error is (errors=remount-ro)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    image = tmp_path / "disk.img"
-    with image.open("wb") as handle:
-        handle.truncate(4 * 2**20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    subprocess.run(["mount", "-o", "errors=remount-ro", device, str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-        subprocess.run(["losetup", "-d", device], check=False)
-
-
-def device_of(mount: Path) -> str:
-    return subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mount)], check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-
-
-def fs_error(mount: Path) -> None:
-    """An ext4 error, as an I/O error under it makes one: the kernel remounts it read-only."""
-    name = Path(device_of(mount)).name
-    Path(f"/sys/fs/ext4/{name}/trigger_fs_error").write_text("lucia-kv test\n")
-
-
-def remount(mount: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], check=True)
+    """A 4 MiB ext4 of the test's own, mounted under tmp_path as a disk that meets an error is
+    (errors=remount-ro)."""
+    with ext4(tmp_path / "disk", tmp_path / "disk.img", 4 * 2**20, "errors=remount-ro"):
+        yield tmp_path / "disk"
 
 
 def test_a_failed_removal_of_a_damaged_block_is_a_miss_and_the_tier_goes_off(

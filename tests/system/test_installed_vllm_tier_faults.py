@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import docker
 import pytest
 
+from tests.loop_disk import ext4, fs_error
 from tests.system.harness import Installation, as_user
 from tests.system.vllm_tiers import FULL_BLOCKS, Served, complete, installed_engine
 from tests.vllm_cpu import wait_for as wait_until
@@ -33,24 +33,13 @@ SETTINGS = {"LUCIA_KV_REBUILD_MAX_SECONDS": "0", "LUCIA_KV_RETRY_SECONDS": "1"}
 
 
 @contextlib.contextmanager
-def loop_disk(mount: Path, image: Path) -> Iterator[Path]:
-    """A 96 MiB ext4 on a loop device, mounted at `mount` (owner-only; install.sh's chown makes
+def nvme_disk(mount: Path, image: Path) -> Iterator[Path]:
+    """A 96 MiB ext4 mounted at `mount` errors=remount-ro, owner-only (install.sh's chown makes
     it the test user's)."""
-    mount.mkdir()
-    with image.open("wb") as handle:
-        handle.truncate(96 * 2**20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    try:
-        subprocess.run(["mount", "-o", "errors=remount-ro", device, str(mount)], check=True)
+    with ext4(mount, image, 96 * 2**20, "errors=remount-ro"):
         (mount / "lost+found").rmdir()
         mount.chmod(0o700)
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-        subprocess.run(["losetup", "-d", device], check=False)
-        image.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +50,9 @@ def engine(installation: Installation, client: docker.DockerClient, vllm_cpu_ima
     image = tmp_path_factory.mktemp("nvme-disk") / "nvme.img"
     with installed_engine(
         installation, client, vllm_cpu_image, tiny_llama_dir, label="kvfault",
-        settings=SETTINGS, prepare=lambda work: loop_disk(work / "kv-nvme", image),
+        settings=SETTINGS, prepare=lambda work: nvme_disk(work / "kv-nvme", image),
     ) as served:  # fmt: skip
         yield served
-
-
-def fs_error(mount: Path) -> None:
-    """An ext4 error, as an I/O error under it makes one: the kernel remounts it read-only."""
-    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mount)], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
-    Path(f"/sys/fs/ext4/{Path(device).name}/trigger_fs_error").write_text("lucia test\n")
 
 
 def test_the_engine_serves_on_through_every_fault_of_its_tiers(
