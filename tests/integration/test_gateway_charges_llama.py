@@ -114,4 +114,4 @@ def test_a_stream_whose_engine_is_killed_is_charged_what_passed(
     """The engine's counters die with it: the row is charged at least the events the client
     got, each a token, from the engine's own running count."""
     container, _ = llama
-    charges.killed_mid_stream(MODEL, LONG, container.kill)
+    charges.killed_mid_stream(MODEL, LONG, container)

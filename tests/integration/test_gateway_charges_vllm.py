@@ -66,4 +66,4 @@ def test_a_stream_whose_engine_is_killed_is_charged_what_passed(
     """The engine's counters die with it: the row is charged at least the events the client
     got, from the engine's own running count. The last case of the module: it ends the
     server."""
-    charges.killed_mid_stream(SERVED_NAME, LONG, vllm.container.kill)
+    charges.killed_mid_stream(SERVED_NAME, LONG, vllm.container)
