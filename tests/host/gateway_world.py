@@ -97,7 +97,7 @@ class Upstream:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     status: int = 200
     url: str = ""
-    answer_after: asyncio.Event | None = None  # a plain answer waits for it before its headers
+    answer_after: asyncio.Event | None = None  # an answer waits for it before its headers
     linger: asyncio.Event | None = None  # a stream's end waits for it after [DONE]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -114,9 +114,9 @@ class Upstream:
             "completion_tokens": self.chunks,
             "total_tokens": 5 + self.chunks,
         }
+        if self.answer_after is not None:
+            await self.answer_after.wait()
         if not document.get("stream"):
-            if self.answer_after is not None:
-                await self.answer_after.wait()
             answer = {
                 "id": "c1",
                 "object": "chat.completion",

@@ -267,3 +267,36 @@ def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(
         asyncio.run(main())
     said = [e for e in logs if e["event"] == UNRECORDED]
     assert said and "a-file" in said[0]["where"], logs
+
+
+@pytest.mark.parametrize(
+    ("bound", "expected"),
+    [({"max_tokens": 300}, 300), ({}, None)],  # None: the n_predict the gateway set
+)
+def test_a_stream_past_its_deadline_before_its_answer_began_costs_its_bound(
+    tmp_path: Path, bound: dict[str, int], expected: int | None
+) -> None:
+    """Was: its prompt's estimate and one token, though an engine may go on generating for a
+    while before it notices the closed connection (llama-server did 1,823 tokens on a loaded
+    machine). What it generated is unknown: it costs every token it may generate."""
+
+    async def scenario(w: World, store: Store) -> None:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with (
+            aiohttp.ClientSession(headers=AUTH) as s,
+            s.post(f"{w.base}/chat/completions", json={**chat, **bound}) as r,
+        ):
+            assert r.status == 504 and (await r.json())["error"]["code"] == "timeout"
+        async with asyncio.timeout(30):
+            while store.committed < 1:
+                await asyncio.sleep(0.02)
+
+    answer_after = asyncio.Event()  # never set: the engine's answer never begins
+    short = SETTINGS.replace("max_wait_s = 30", "max_wait_s = 30\ndeadline_s = 0.3")
+    upstream = Upstream(answer_after=answer_after)
+    path = run(tmp_path, scenario, short, upstream)
+    (row,) = rows(path)
+    sent = upstream.bodies[0]
+    limit = expected if expected is not None else sent["n_predict"]
+    assert (row["outcome"], row["usage_source"]) == ("timed_out", "bound"), row
+    assert row["completion_tokens"] == limit and row["prompt_tokens"] > 0, (row, sent)

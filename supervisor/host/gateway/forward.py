@@ -147,11 +147,17 @@ class Forwarder:
         deadline_s: float,
         trace: Trace,
     ) -> web.StreamResponse:
-        """Forward; `sse` is the client's stream when it was opened already (a start). A plain
-        request sent whose whole answer was never read (a client that left, the deadline, an
-        engine that broke off) costs its bound: what the engine generated for it is unknown. A
-        stream whose answer never began costs its prompt's estimate and a token a sequence:
-        both engines begin a stream's answer with its first token."""
+        """Forward; `sse` is the client's stream when it was opened already (a start).
+
+        A plain request sent whose whole answer was never read (a client that left, the
+        deadline, an engine that broke off) costs its bound: what the engine generated for it
+        is unknown. So does a stream whose answer never began, unless its engine broke off: an
+        engine may notice late that a connection closed before its answer's first event, and
+        generates on until then (tests/integration/test_gateway_charges_llama.py saw
+        llama-server generate 1,823 tokens on a loaded machine after the deadline closed one).
+        A stream its engine broke off before it began costs its prompt's estimate and a token
+        a sequence: both engines begin a stream's answer with its first token, and a broken
+        engine generates no more."""
         trace.response = sse
         try:
             async with asyncio.timeout(deadline_s):
@@ -170,7 +176,7 @@ class Forwarder:
             return response
         finally:
             if trace.posted and trace.usage_source == "none" and not trace.delivered:
-                if prepared.stream:
+                if prepared.stream and trace.outcome == "engine_failed":
                     counts = Counts(prepared.prompt_estimate, prepared.sequences)
                     trace.usage, trace.usage_source = counts.usage(), "counted"
                 else:
