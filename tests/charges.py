@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import openai
 from docker.models.containers import Container
@@ -150,10 +151,8 @@ class Charges:
         charged at least the events the client got (the first is the role, no token), from the
         engine's own running count. The engine's counters die with it: -1 in the table.
 
-        The engine is first held to 5% of one CPU: unthrottled, a small model generates the
-        whole answer into the sockets' buffers before a busy client has read 8 events, and the
-        kill would come after the end it means to cut."""
-        engine.update(cpu_period=100_000, cpu_quota=5_000)
+        The engine is first held back (`held_back`): it is killed, never let go."""
+        engine.update(**HELD_BACK)
         client = self.gateway.client(timeout=300)
         before = self.rows()
         got = 0
@@ -178,6 +177,22 @@ class Charges:
         assert (outcome, source) == ("engine_failed", "engine_partial"), charge
         assert prompt > 0 and completion >= got - 1, (got, charge)
         return charge
+
+
+# 5% of one CPU: unthrottled, a small model generates a whole long answer into the sockets'
+# buffers before a busy client has read a few events, and a client that leaves, or a kill,
+# comes after the end it means to cut
+HELD_BACK: Final = {"cpu_period": 100_000, "cpu_quota": 5_000}
+
+
+@contextmanager
+def held_back(engine: Container) -> Iterator[None]:
+    """The engine (a docker container) on 5% of one CPU while the block runs."""
+    engine.update(**HELD_BACK)
+    try:
+        yield
+    finally:
+        engine.update(cpu_quota=-1)
 
 
 def write_table(table: list[Charge]) -> None:

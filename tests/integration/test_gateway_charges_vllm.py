@@ -11,11 +11,12 @@ The engine's own count is its /metrics: `vllm:prompt_tokens_total` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 
 from tests.charge_cases import LATE_WAYS, WAYS, cases
-from tests.charges import Charges, Counters, charging, read_counters
+from tests.charges import Charges, Counters, charging, held_back, read_counters
 from tests.vllm_cpu import SERVED_NAME, VllmServer
 
 pytestmark = pytest.mark.docker
@@ -44,11 +45,15 @@ def charges(vllm: VllmServer,
 
 @pytest.mark.parametrize(("route", "way"), cases(("chat", "completions", "responses")))
 def test_each_way_of_asking_is_charged_what_vllm_generated(
-    charges: Charges, route: str, way: str
+    charges: Charges, vllm: VllmServer, route: str, way: str
 ) -> None:
     model = f"{SERVED_NAME}-late" if way in LATE_WAYS else SERVED_NAME
     client = charges.gateway.client(timeout=300)
-    charge = charges.measure(route, way, lambda: WAYS[way](client, route, model, LONG))
+    slow: AbstractContextManager[None] = nullcontext()
+    if way == "left mid-stream":
+        slow = held_back(vllm.container)
+    with slow:  # a client that leaves leaves before the end
+        charge = charges.measure(route, way, lambda: WAYS[way](client, route, model, LONG))
     assert charge.under == 0, charge
     assert charge.charged_prompt > 0 and charge.charged_completion >= charge.engine_generated
     if way not in LATE_WAYS:  # one past its deadline may end before the engine began it
