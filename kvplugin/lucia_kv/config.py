@@ -25,6 +25,7 @@ _DEFAULTS: Final[Mapping[str, int | float]] = {
     "writers": 2,
     "queue_blocks": 1024,
     "queue_bytes": 256 * 1024 * 1024,
+    "buffer_bytes": 256 * 1024 * 1024,
     "rebuild_max_entries": 1_000_000,
     "rebuild_max_seconds": 30.0,
     "retry_seconds": 5.0,
@@ -52,6 +53,7 @@ class StoreConfig:
     writers: int = 2
     queue_blocks: int = 1024
     queue_bytes: int = 256 * 1024 * 1024  # every tier's queued blocks, each counted once
+    buffer_bytes: int = 256 * 1024 * 1024  # the host buffer of a step's moves (whole blocks)
     rebuild_max_entries: int = 1_000_000
     rebuild_max_seconds: float = 30.0  # then the rest is indexed while the engine serves
     retry_seconds: float = 5.0  # the first back-off before a tier that failed is tried again
@@ -143,8 +145,8 @@ def resolve(
 
     Settings: namespace, key_file (or LUCIA_KV_KEY), <tier>_dir and <tier>_bytes for the tiers
     shm, nvme and hdd (a tier without a directory or with 0 bytes is off), writers,
-    queue_blocks (per tier), queue_bytes, rebuild_max_entries, rebuild_max_seconds, retry_seconds,
-    metrics_file, data_parallel_size."""
+    queue_blocks (per tier), queue_bytes, buffer_bytes, rebuild_max_entries, rebuild_max_seconds,
+    retry_seconds, metrics_file, data_parallel_size."""
     extra = {} if extra is None else extra
     environ = os.environ if environ is None else environ
     space = str(_setting("namespace", extra, environ) or "")
@@ -160,6 +162,11 @@ def resolve(
     for name in ("writers", "data_parallel_size"):
         if numbers[name] < 1:
             raise ConfigError(f"{name} must be at least 1")
+    if numbers["buffer_bytes"] < 1:
+        raise ConfigError(
+            "buffer_bytes must be at least 1 (the host buffer a step's KV blocks pass through; "
+            "it holds at least one block)"
+        )
     metrics = _setting("metrics_file", extra, environ)
     return StoreConfig(
         namespace=space,
@@ -169,6 +176,7 @@ def resolve(
         writers=int(numbers["writers"]),
         queue_blocks=int(numbers["queue_blocks"]),
         queue_bytes=int(numbers["queue_bytes"]),
+        buffer_bytes=int(numbers["buffer_bytes"]),
         rebuild_max_entries=int(numbers["rebuild_max_entries"]),
         rebuild_max_seconds=float(numbers["rebuild_max_seconds"]),
         retry_seconds=float(numbers["retry_seconds"]),

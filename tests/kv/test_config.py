@@ -63,6 +63,9 @@ def test_key_never_shows_in_repr(tmp_path: Path) -> None:
         ({}, {"LUCIA_KV_NVME_DIR": "relative/dir"}, "absolute path"),
         ({"nvme_bytes": 0, "hdd_bytes": 0}, {}, "no tier"),
         ({"writers": 0}, {}, "writers must be at least 1"),
+        ({"buffer_bytes": 0}, {}, "buffer_bytes must be at least 1"),
+        ({}, {"LUCIA_KV_BUFFER_BYTES": "big"}, "buffer_bytes must be a number"),
+        ({}, {"LUCIA_KV_BUFFER_BYTES": "-4096"}, "buffer_bytes must not be negative"),
     ],
 )
 def test_bad_settings_are_refused_clearly(
@@ -179,3 +182,18 @@ def test_the_data_parallel_size_comes_from_the_environment(tmp_path: Path) -> No
     assert found.data_parallel_size == 4
     with pytest.raises(ConfigError, match="data_parallel_size must be at least 1"):
         resolve({}, env(tmp_path, LUCIA_KV_DATA_PARALLEL_SIZE="0"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "more", "expected"),
+    [
+        ({}, {}, 256 * 1024 * 1024),
+        ({}, {"LUCIA_KV_BUFFER_BYTES": "1048576"}, 1048576),
+        ({"buffer_bytes": 65536}, {"LUCIA_KV_BUFFER_BYTES": "1048576"}, 65536),
+    ],
+    ids=["default", "environment", "extra config wins"],
+)
+def test_the_host_buffer_is_a_setting(
+    tmp_path: Path, extra: dict[str, object], more: dict[str, str], expected: int
+) -> None:
+    assert resolve(extra, env(tmp_path, **more)).buffer_bytes == expected

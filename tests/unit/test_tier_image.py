@@ -330,3 +330,11 @@ def test_the_transfer_config_selects_the_connector_with_recompute() -> None:
 def test_the_transfer_config_refuses_what_is_no_setting(name: str) -> None:
     with pytest.raises(ValueError, match=f"not a tier setting for --kv-transfer-config: {name}"):
         tier_image.transfer_config({name: "x"})
+
+
+@pytest.mark.parametrize(
+    "settings", [{"buffer_bytes": 64 << 20}, {"queue_bytes": 1 << 30, "buffer_bytes": 1 << 20}]
+)
+def test_the_transfer_config_passes_the_plugins_byte_bounds(settings: dict[str, int]) -> None:
+    extra = json.loads(tier_image.transfer_config(settings))["kv_connector_extra_config"]
+    assert extra == settings
