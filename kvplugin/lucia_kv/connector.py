@@ -7,8 +7,9 @@ are lucia_kv.config's. The scheduler side
 finds how many leading full blocks of a prompt the tiers hold (a stat per block, no reads) and
 plans loads and saves; the worker side loads blocks into vLLM's paged KV before the forward
 (a block that does not load is reported, so vLLM recomputes it) and queues the step's full
-blocks for the store's background writers after it, each way a step's blocks at once through
-lucia_kv.transfer (one copy and one wait per step, on the GPU too). The worker side reports
+blocks for the store's background writers after it, each way a host buffer of blocks at a time
+(lucia_kv.batches: at most `buffer_bytes` held at once) through lucia_kv.transfer (one copy and
+one wait per step, on the GPU too, while a step's blocks fit the buffer). The worker side reports
 the store's counters to vLLM after each step (LuciaKVStats), and vLLM's API server adds them to
 its own /metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine, tier[, reason]}.
 
@@ -36,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import report
+from . import batches, report
 from .config import ConfigError, StoreConfig, for_rank, resolve, tiers
 from .extras import RequestExtras
 from .metrics import HELP, REASONED, UNTIERED, exposed, label_names
@@ -288,7 +289,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
                 raise ValueError(
                     f"KV cache {name} of shape {tuple(cache.shape)} has no block dim"
                 ) from None
-        self._blocks = Blocks(layers)
+        self._blocks = Blocks(layers, buffer_bytes=self._config.buffer_bytes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -296,30 +297,13 @@ class LuciaTierConnector(KVConnectorBase_V1):
             return
         for finished in plan.finished:
             self._unpin(finished)
-        size = self._blocks.block_bytes
-        found: list[tuple[int, bytes]] = []  # every request's blocks up to its first failure
         for load in plan.loads:
             keys = [key for _, key in load.blocks]
             self._store.pin(keys)
             self._pins.setdefault(load.request_id, []).extend(keys)
-            failed: int | None = None
-            for position, (block_id, key) in enumerate(load.blocks):
-                # after a failure the rest is still read: a damaged copy (of the wrong length
-                # too) is found and removed now, so the recomputed block is saved in its place
-                data = self._load(key, size)
-                if failed is not None:
-                    continue
-                if data is None:
-                    failed = position
-                else:
-                    found.append((block_id, data))
-            if failed is not None:
-                self._load_errors.update(b for b, _ in load.blocks[failed:])
-        try:
-            self._blocks.load(found)  # the step's blocks in one copy and one wait
-        except (RuntimeError, ValueError) as exc:  # recomputed, never the engine's end
-            log.warning("%d KV blocks not loaded: %s", len(found), exc)
-            self._load_errors.update(block_id for block_id, _ in found)
+        size = self._blocks.block_bytes
+        requests = [load.blocks for load in plan.loads]
+        self._load_errors |= batches.load(self._blocks, requests, lambda k: self._load(k, size))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -343,15 +327,7 @@ class LuciaTierConnector(KVConnectorBase_V1):
             self._store.pin(keys)
             self._pins.setdefault(save.request_id, []).extend(keys)
             blocks.extend(save.blocks)
-        if not blocks:
-            return
-        try:
-            found = self._blocks.save([block_id for block_id, _ in blocks])  # one copy, one wait
-        except (RuntimeError, ValueError) as exc:  # a cache, never the engine's end
-            log.warning("%d KV blocks not saved: %s", len(blocks), exc)
-            return
-        for (_, key), data in zip(blocks, found, strict=True):
-            self._store.save(key, data)
+        batches.save(self._blocks, blocks, self._store.save)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for request_id in finished_req_ids:
