@@ -4,7 +4,9 @@ Bytes out equal the bytes of the old per-block copy (`old_extract` below, the co
 algorithm before the batched transfer: stored blocks must stay readable), a save then a load
 into a zeroed cache gives back exactly the blocks saved and leaves every other block alone, on
 every layout, dtype and block-id subset here. Runs on the CPU always and on CUDA where torch
-sees a device; needs only torch (`python -m pytest tests/kv/test_transfer.py`).
+sees a device; needs only torch (`python -m pytest tests/kv/test_transfer.py`). On CUDA a step
+also waits once per host buffer of blocks and pins its buffer once (tests/kv/test_staging.py
+checks the same on the CPU through a recording of the copies).
 """
 
 from __future__ import annotations
@@ -228,3 +230,44 @@ def test_layers_that_disagree_are_refused() -> None:
         Blocks([(torch.zeros(4, 3), 0), (torch.zeros(5, 3), 0)])
     with pytest.raises(ValueError, match="no byte view"):
         Blocks([(torch.zeros(4, 3, 2).transpose(1, 2), 0)])
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available())"
+)
+@pytest.mark.parametrize(("buffer_blocks", "count", "waits"), [(5, 3, 1), (5, NUM_BLOCKS, 3)])
+def test_on_cuda_a_step_waits_once_per_buffer_and_pins_its_buffer_once(
+    monkeypatch: pytest.MonkeyPatch, buffer_blocks: int, count: int, waits: int
+) -> None:
+    """torch's own copies: the waits counted at the stream's synchronize, the pinned buffers
+    at the host allocator (torch.cuda.host_memory_stats: handouts, cached or new)."""
+    layers = registered(SHAPES["vllm 0.32 CPU / LBHNC"](3, torch.bfloat16, "cuda", 8))
+    size = Blocks(layers).block_bytes
+    blocks = Blocks(layers, buffer_bytes=buffer_blocks * size)
+    syncs: list[object] = []
+    synchronize = torch.cuda.Stream.synchronize
+
+    def counted(stream: object) -> None:
+        syncs.append(stream)
+        synchronize(stream)
+
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: syncs.append("device"))
+
+    def handouts() -> int | None:
+        """Pinned blocks handed out so far; None where this torch does not count them."""
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()
+        found = stats.get("active_requests.allocated")
+        return None if found is None else int(found)
+
+    ids = list(range(count))
+    for step in range(3):
+        before, syncs[:] = handouts(), []
+        saved = blocks.save(ids)
+        blocks.load(list(zip(ids, saved, strict=True)))
+        assert len(syncs) == 2 * waits, f"step {step}: a save and a load"
+        after = handouts()
+        if before is not None and after is not None:
+            pinned = after - before
+            assert pinned >= 1 if step == 0 else pinned == 0, f"step {step}: {pinned} pinned"
+        assert saved == [old_extract(layers, block_id) for block_id in ids]
