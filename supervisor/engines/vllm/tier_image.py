@@ -59,7 +59,7 @@ _PATH = re.compile(r"/[A-Za-z0-9._/-]+")
 # settings that are argv once in --kv-transfer-config; the key never is
 _SETTINGS: Final = frozenset(
     {"namespace", "key_file", "metrics_file", "writers", "queue_blocks", "queue_bytes",
-     "rebuild_max_entries", "rebuild_max_seconds", "retry_seconds"}
+     "buffer_bytes", "rebuild_max_entries", "rebuild_max_seconds", "retry_seconds"}
     | {f"{tier}_{what}" for tier in ("shm", "nvme", "hdd") for what in ("dir", "bytes")}
 )  # fmt: skip
 
