@@ -31,6 +31,7 @@ class Budget:
     limit: int
     reserves: int
     held: tuple[Holding, ...] = ()
+    host: bool = True  # the limit is host memory (MemTotal or a fixed figure), not the GPUs'
 
     @property
     def held_total(self) -> int:
@@ -90,6 +91,12 @@ def _amount(value: int, show: Callable[[int], str]) -> str:
     return f"{show(value)} GiB" if show is gib else show(value)
 
 
+def _of_which(need: EngineNeed) -> str:
+    """The need's named shares, e.g. " (of which the context cache's host buffers 512.0 MiB)"."""
+    said = ", ".join(f"{name} {size(value)}" for name, value in need.shares if value)
+    return f" (of which {said})" if said else ""
+
+
 def check(need: EngineNeed, budget: Budget) -> Verdict:
     """The plan's check against the limit, the reserves and what others hold."""
     left = budget.left
@@ -104,7 +111,8 @@ def check(need: EngineNeed, budget: Budget) -> Verdict:
     if budget.held:
         advice += f" or stop {_names([h.name for h in budget.held])}"
     message = (
-        f"{need.subject} {AFTER}: needs {_amount(need.need, show)}, {_amount(left, show)} left "
+        f"{need.subject} {AFTER}: needs {_amount(need.need, show)}{_of_which(need)}, "
+        f"{_amount(left, show)} left "
         f"({', '.join(details)}). {advice}."
     )
     alone = need.need <= budget.limit - budget.reserves  # fits once the others let go
@@ -118,7 +126,8 @@ def check_now(need: EngineNeed, available: int, reserves: int, releasing: int = 
         return Fits(need, left)
     freed = f", freed by the replacement {gib(releasing)}" if releasing else ""
     message = (
-        f"{need.subject} {AFTER} in the memory free now: needs {gib(need.need)} GiB, "
+        f"{need.subject} {AFTER} in the memory free now: needs {gib(need.need)} GiB"
+        f"{_of_which(need)}, "
         f"{gib(left)} GiB left (available {gib(available)}, reserves {gib(reserves)}{freed}). "
         f"{need.lower} or free memory outside lucia."
     )

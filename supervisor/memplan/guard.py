@@ -41,7 +41,8 @@ class Room:
 
     @property
     def budget(self) -> Budget:
-        return Budget(self.memory.limit, self.settings.reserves.total, self.held)
+        return Budget(self.memory.limit, self.settings.reserves.total, self.held,
+                      self.memory.source != "gpu")
 
 
 def load_settings() -> MachineSettings:

@@ -55,6 +55,7 @@ class EngineNeed:
     engine: str
     models: tuple[ModelNeed, ...]
     lower: str = "Lower CONTEXT"  # the refusal's advice, before "or stop <others>"
+    shares: tuple[tuple[str, int], ...] = ()  # named parts of the need a refusal says
 
     @property
     def need(self) -> int:

@@ -23,6 +23,7 @@ import docker
 import pytest
 
 from supervisor.engines import registry
+from supervisor.engines.vllm.recipe import PLUGIN_BUFFER_BYTES, PLUGIN_QUEUE_BYTES
 from tests.conformance.driver import Kind
 from tests.corpus import INVALID, materialise
 from tests.fixtures import ROOT, Engine, age, free_port, http_status, state_since
@@ -363,6 +364,13 @@ def _bytes(size: str) -> int:
     return int(size[:-1]) * {"m": 1024**2, "g": 1024**3}[size[-1]]
 
 
+def _memory_limit(engine: Engine, kind: Kind) -> int:
+    """Docker's limit for the edited run.memory: a vLLM engine with [tiers] (the GPU recipe's,
+    or the CPU one's a test gives) holds the tier plugin's staging buffer and write queue too."""
+    tiers = kind.name == "vllm" and (engine.vllm_device != "cpu" or bool(engine.tiers_extra))
+    return _bytes(kind.edited_memory) + (PLUGIN_BUFFER_BYTES + PLUGIN_QUEUE_BYTES if tiers else 0)
+
+
 Edit = Callable[[Engine, Kind], None]
 EDITS: dict[str, tuple[Edit, Callable[[Any, Engine, Kind], bool]]] = {
     "environment": (lambda e, k: _edit_environment(e),
@@ -372,7 +380,7 @@ EDITS: dict[str, tuple[Edit, Callable[[Any, Engine, Kind], bool]]] = {
     "volume": (lambda e, k: _edit_volume(e),
                lambda c, e, k: any(m["Destination"] == "/extra" for m in c.attrs["Mounts"])),
     "memory limit": (_edit_memory_limit, lambda c, e, k: c.attrs["HostConfig"]["Memory"]
-                     == _bytes(k.edited_memory)),
+                     == _memory_limit(e, k)),
     "shm": (_edit_shm,
             lambda c, e, k: c.attrs["HostConfig"]["ShmSize"] == _bytes(k.edited_shm)),
 }

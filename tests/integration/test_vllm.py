@@ -22,6 +22,7 @@ import docker
 import pytest
 
 from supervisor.engines.vllm import preflight as pf
+from supervisor.engines.vllm.recipe import PLUGIN_BUFFER_BYTES, PLUGIN_QUEUE_BYTES
 from tests.docker_witness import DockerWitness
 from tests.fixtures import RUN_ID, Engine
 from tests.gpu_recordings import fake_nvidia_smi
@@ -177,7 +178,10 @@ def _tiers(container: Any, engine: Engine) -> tuple[str, dict[str, str]]:
     assert env["LUCIA_KV_SHM_DIR"] == f"/dev/shm/lucia-kv/{space}"
     assert env["LUCIA_KV_SHM_BYTES"] == str(16 * 1024**2)
     assert container.attrs["HostConfig"]["ShmSize"] == 64 * 1024**2
-    assert container.attrs["HostConfig"]["Memory"] == 512 * 1024**2
+    # run.memory (512m) plus the tier plugin's staging buffer and write queue it is told to hold
+    buffers = PLUGIN_BUFFER_BYTES + PLUGIN_QUEUE_BYTES
+    assert container.attrs["HostConfig"]["Memory"] == 512 * 1024**2 + buffers
+    assert int(env["LUCIA_KV_BUFFER_BYTES"]) + int(env["LUCIA_KV_QUEUE_BYTES"]) == buffers
     for tier in ("kv-nvme", "kv-hdd"):
         for path in (engine.root / tier, engine.root / tier / space):
             info = os.stat(path)

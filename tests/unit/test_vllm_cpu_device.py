@@ -111,10 +111,10 @@ def test_the_plan_counts_the_cpu_containers_limit(tmp_path: Path) -> None:
 
 def test_the_plan_counts_a_gpu_recipes_share_of_the_limit() -> None:
     recipe = parsed((ROOT / "recipes" / "vllm.toml").read_text())
-    planned = KIND.memory(recipe, Budget(80 * GIB, 2 * GIB), 2.0)
+    planned = KIND.memory(recipe, Budget(80 * GIB, 2 * GIB, host=False), 2.0)  # limit = "gpu"
     assert planned.verdict is not None and planned.verdict.need.need == 72 * GIB
     assert planned.fits
-    assert memory.gpu_need(recipe, 100 * GIB).need == 90 * GIB
+    assert memory.gpu_need(recipe, 100 * GIB, host=False).need == 90 * GIB
 
 
 def test_the_shipped_cpu_recipe_loads_and_is_planned() -> None:

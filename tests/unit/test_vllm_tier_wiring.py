@@ -300,6 +300,36 @@ def test_the_run_spec_gives_the_tiers_in_the_environment_and_the_key_as_a_file(
     assert KEY not in repr(spec)
 
 
+@pytest.mark.parametrize(
+    ("extra", "buffers"),
+    [("", 512 * 1024**2), ('buffer_bytes = "1g"\nqueue_bytes = "64m"', (1024 + 64) * 1024**2)],
+)
+def test_the_containers_memory_limit_holds_the_plugins_buffers_it_is_given(
+    tmp_path: Path, extra: str, buffers: int
+) -> None:
+    """Docker's limit is run.memory (6g) plus the staging buffer and write queue the plugin is
+    told to hold; without tiers it is run.memory alone."""
+    runtime = Images(base_images())
+    found = engine(tmp_path, runtime, recipe_text(tmp_path, extra=extra))
+    for _ in range(3):
+        for step in found.prerequisites().missing:
+            found.make(step, ctx())
+    ready = found.prerequisites()
+    assert ready.image is not None
+    spec = found.run_spec(ready.image, Endpoint("172.17.0.1", 8123))
+    assert spec.memory == f"{6 * 1024**3 + buffers}b"
+    env = spec.environment
+    given = int(env["LUCIA_KV_BUFFER_BYTES"]) + int(env["LUCIA_KV_QUEUE_BYTES"])
+    assert given == buffers
+    need = found.memory_need()
+    assert need is not None and need.need == 6 * 1024**3 + buffers
+    plain = engine(tmp_path / "plain", Images(base_images()), recipe_text(tmp_path / "plain", ""))
+    image = plain.prerequisites().image
+    assert image is not None
+    bare = plain.run_spec(image, Endpoint("172.17.0.1", 8123))
+    assert bare.memory == f"{6 * 1024**3}b" and "LUCIA_KV_QUEUE_BYTES" not in bare.environment
+
+
 def test_the_namespace_names_the_plugins_version_and_the_base_not_the_tier_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -314,7 +314,8 @@ class Vllm(ContainerEngine):
             return None
         # the share of the limit the plan measures: the GPUs' memory on a GPU server, the
         # unified memory on a Spark (its GPU reports none)
-        return vllm_memory.gpu_need(self.recipe, self.memory.measure(guard.load_settings()).limit)
+        measured = self.memory.measure(guard.load_settings())
+        return vllm_memory.gpu_need(self.recipe, measured.limit, host=measured.source != "gpu")
 
     def engine_args(self) -> tuple[str, ...]:
         """The layout's flags, then the connector when there are tiers: its settings are in the

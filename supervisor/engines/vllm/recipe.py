@@ -35,6 +35,10 @@ GPU_DEFAULT_SEQS: Final = 256
 _MAX_NUM_SEQS: Final = ("--max-num-seqs", "--max_num_seqs")
 _BATCHED_TOKENS: Final = ("--max-num-batched-tokens", "--max_num_batched_tokens")
 _PERFORMANCE_MODE: Final = ("--performance-mode", "--performance_mode")
+# The tier plugin's own defaults (kvplugin/lucia_kv/config.py `_DEFAULTS`), mirrored here only:
+# the engine is given these whatever the plugin defaults to, and the memory plan counts them.
+PLUGIN_BUFFER_BYTES: Final = 256 * 1024**2  # its staging buffer
+PLUGIN_QUEUE_BYTES: Final = 256 * 1024**2  # the blocks waiting to be written to the tiers
 
 
 class HfModel(Section):
@@ -74,6 +78,13 @@ class Tiers(Section):
     nvme: DiskTierSpec | None = None
     hdd: DiskTierSpec | None = None
     key_secret: str = Field(default="LUCIA_KV_KEY", description="the [secrets] entry of the key")
+    buffer_bytes: ByteSize = Field(
+        default=PLUGIN_BUFFER_BYTES, description="the plugin's staging buffer in host memory"
+    )
+    queue_bytes: ByteSize = Field(
+        default=PLUGIN_QUEUE_BYTES,
+        description="the blocks waiting to be written to the tiers, each counted once",
+    )
     kv_dtype: str = "auto"
     block_size: int | None = Field(
         default=None,
@@ -84,6 +95,12 @@ class Tiers(Section):
     @property
     def any(self) -> bool:
         return self.shm_bytes is not None or self.nvme is not None or self.hdd is not None
+
+    @property
+    def host_bytes(self) -> int:
+        """What the plugin holds in the container's memory besides the shm tier (its staging
+        buffer and write queue); 0 with the tiers off."""
+        return self.buffer_bytes + self.queue_bytes if self.any else 0
 
 
 class Vllm(Section):
@@ -180,9 +197,10 @@ class VllmRecipe(RecipeBase):
 
     @property
     def memory_limit(self) -> int | None:
-        """The container's memory limit in bytes, when the recipe gives one."""
+        """The container's memory limit in bytes, when the recipe gives one: run.memory (which
+        holds /dev/shm and so the shm tier) plus the tier plugin's host buffers."""
         found = parse_bytes(self.run.memory) if self.run.memory else None
-        return found if isinstance(found, int) else None
+        return found + self.tiers.host_bytes if isinstance(found, int) else None
 
     @model_validator(mode="after")
     def _tiers_fit(self) -> Self:
@@ -290,13 +308,14 @@ class VllmRecipe(RecipeBase):
             if spec is not None
         )
         shm = parse_bytes(self.run.shm_size) if self.run.shm_size else 0
-        memory = parse_bytes(self.run.memory) if self.run.memory else 0
         return TierPlan(
             t.shm_bytes or 0,
             int(shm),  # type: ignore[call-overload]
-            int(memory),  # type: ignore[call-overload]
+            self.memory_limit or 0,
             disks,
             data_parallel(self.vllm.args),
+            t.buffer_bytes,
+            t.queue_bytes,
         )
 
 

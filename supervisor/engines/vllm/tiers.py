@@ -10,6 +10,7 @@ environment, where each tier is, its cap, the namespace and the cache key:
     LUCIA_KV_NVME_DIR    /kv/nvme (the namespace's dir)   LUCIA_KV_NVME_BYTES  its cap
     LUCIA_KV_HDD_DIR     /kv/hdd                          LUCIA_KV_HDD_BYTES   its cap
     LUCIA_KV_DATA_PARALLEL_SIZE  --data-parallel-size, where over 1: a directory per rank
+    LUCIA_KV_BUFFER_BYTES  its staging buffer     LUCIA_KV_QUEUE_BYTES  its write queue's bytes
     LUCIA_KV_KEY_FILE    a read-only 0400 file holding the cache key (secretfiles.py): the
                          key is never in the environment, the arguments or a log
 
@@ -133,9 +134,11 @@ class DiskTier:
 class TierPlan:
     shm_bytes: int  # the offload's cap inside /dev/shm
     shm_size: int  # the container's /dev/shm
-    memory: int  # the container's memory limit (shm pages count against it)
+    memory: int  # the container's memory limit (shm pages and the buffers count against it)
     disks: tuple[DiskTier, ...]
     data_parallel: int = 1  # vLLM's dense data-parallel ranks each report a size of 1
+    buffer_bytes: int = 0  # the plugin's staging buffer in host memory; 0: its own default
+    queue_bytes: int = 0  # the blocks waiting for the tiers' writers; 0: its own default
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ def container(plan: TierPlan, space: str, key_identity: str) -> ContainerTiers:
     }
     if plan.data_parallel > 1:
         env["LUCIA_KV_DATA_PARALLEL_SIZE"] = str(plan.data_parallel)
+    for name, value in (("BUFFER", plan.buffer_bytes), ("QUEUE", plan.queue_bytes)):
+        if value:  # what the memory plan counted is what the plugin holds
+            env[f"LUCIA_KV_{name}_BYTES"] = str(value)
     volumes = []
     for tier in plan.disks:
         target = f"{CONTAINER_ROOT}/{tier.name}"
