@@ -106,7 +106,7 @@ class Charges:
             ).fetchone()
         return str(found[0]), str(found[1]), int(found[2] or 0), int(found[3] or 0)
 
-    def idle(self, timeout: float = 120) -> Counters:
+    def idle(self, timeout: float = 600) -> Counters:
         """The engine's counters once it holds no request and they stopped moving: an engine
         counts a request it cancelled when it notices, and a request past the gateway's
         deadline may still run there."""

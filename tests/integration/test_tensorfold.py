@@ -27,7 +27,9 @@ def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
     engine: Engine = make_engine(build_args={"SLOW": "4"})
     proc = engine.start_worker()
     generation = engine.request("running")
-    first = engine.wait_status(lambda s: s["generation"] == generation, timeout=5)
+    # the first status of the generation says starting: acknowledged before the 4 s build
+    # ends (no timed bound: a loaded machine starts the worker itself slowly)
+    first = engine.wait_status(lambda s: s["generation"] == generation, timeout=60)
     assert first["state"] == "starting"
     assert first["url"] is None
     status = engine.wait_state(generation, "running", timeout=120)
