@@ -52,6 +52,12 @@ class RequestExtras:
         self._embeds.pop(request_id, None)
 
 
+def skips_reading(request: Any) -> bool:
+    """Whether vLLM has the request skip reading cached KV (vllm/v1/request.py: set for prompt
+    logprobs and some pooling requests, whose answer needs every prompt token computed)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
 def request_extras(
     request: Any, block_size: int, mm_by_content: bool, embeds: tuple[bytes, ...] | None = None
 ) -> Extras | None:

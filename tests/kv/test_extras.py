@@ -6,7 +6,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from lucia_kv.extras import RequestExtras, mm_named_by_content, request_extras
+from lucia_kv.extras import (
+    RequestExtras,
+    mm_named_by_content,
+    request_extras,
+    skips_reading,
+)
 from lucia_kv.scheduling import Extras
 
 
@@ -137,3 +142,17 @@ def test_prompt_embeddings_are_keyed_per_block_by_their_bytes_and_positions() ->
     assert mixed is not None
     assert mixed.embeds[0] == _expected(embeds[:BLOCK], mask[:BLOCK])
     assert mixed.embeds[0] != digests.embeds[0]  # which positions are embeddings is keyed
+
+
+@pytest.mark.parametrize(
+    ("request_", "skips"),
+    [
+        (_request(skip_reading_prefix_cache=True), True),  # prompt logprobs, some pooling
+        (_request(skip_reading_prefix_cache=False), False),
+        (_request(), False),  # a vLLM without the attribute
+    ],
+)
+def test_a_request_vllm_has_skip_reading_cached_kv_is_read_as_such(
+    request_: SimpleNamespace, skips: bool
+) -> None:
+    assert skips_reading(request_) is skips
