@@ -32,7 +32,7 @@ class Extras:
     thing after a restart (lucia_kv.extras reads them from a vLLM request)."""
 
     salt: str | None = None  # the request's cache_salt
-    lora: tuple[str, str] | None = None  # the adapter's name and path
+    lora: tuple[str, str] | None = None  # the adapter's name and its files' digest
     mm: tuple[tuple[str, int, int], ...] = ()  # (content hash, offset, length) by offset
     embeds: tuple[bytes, ...] = ()  # per block: SHA-256 of its prompt embeddings' rows
 
@@ -54,7 +54,7 @@ def block_extras(extras: Extras, index: int, block_size: int) -> bytes:
     start, end = index * block_size, (index + 1) * block_size
     fields = []
     if extras.lora is not None:
-        fields += [_field(b"L", _text(extras.lora[0])), _field(b"P", _text(extras.lora[1]))]
+        fields += [_field(b"L", _text(extras.lora[0])), _field(b"D", _text(extras.lora[1]))]
     for identifier, offset, length in extras.mm:
         if offset < end and offset + length > start:
             where = struct.pack("<qq", offset - start, length)

@@ -109,11 +109,11 @@ def _field(tag: bytes, value: bytes) -> bytes:
 def test_a_blocks_extras_are_tagged_length_prefixed_fields_of_what_touches_it() -> None:
     extras = Extras(
         salt="tenant-a",
-        lora=("sql", "/adapters/sql"),
+        lora=("sql", "5e1f" * 16),
         mm=(("img1", 5, 6),),  # positions 5..10: blocks 1 and 2 of 4 tokens
         embeds=(b"e0" * 16, b"e1" * 16),
     )
-    lora = _field(b"L", b"sql") + _field(b"P", b"/adapters/sql")
+    lora = _field(b"L", b"sql") + _field(b"D", b"5e1f" * 16)
     assert block_extras(extras, 0, BS) == lora + _field(b"S", b"tenant-a") + _field(
         b"E", b"e0" * 16
     )
