@@ -16,7 +16,10 @@ its own /metrics (LuciaPromMetrics) as lucia_kv_<name>_total{model_name, engine,
 A block's key chains the engine's seed (parallel layout, KV dtype), the token ids up to it and
 the extras vLLM's own prefix cache keys it with (cache salt, LoRA adapter, multimodal items,
 prompt embeddings: lucia_kv.scheduling, read by lucia_kv.extras); a request whose extras have no
-name that lasts a restart skips the tiers (lucia_kv_requests_unkeyable_total).
+name that lasts a restart skips the tiers (lucia_kv_requests_unkeyable_total). A request vLLM
+has skip reading cached KV (`skip_reading_prefix_cache`: prompt logprobs, some pooling requests)
+matches nothing in the tiers, as vLLM's own offloading connectors do, and is saved as any other
+(lucia_kv_requests_read_skipped_total).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import batches, report
 from .config import ConfigError, StoreConfig, for_rank, resolve, tiers
-from .extras import RequestExtras
+from .extras import RequestExtras, skips_reading
 from .metrics import HELP, REASONED, UNTIERED, exposed, label_names
 from .scheduling import Scheduling, StepPlan, seed
 from .store import Store, probe
@@ -228,11 +231,13 @@ class LuciaTierConnector(KVConnectorBase_V1):
         if extras is None:
             self._scheduling.unkeyable(request.request_id)
             return 0, False
+        rid, computed = request.request_id, num_computed_tokens
+        if skips_reading(request):  # its answer needs every prompt token computed: saved only
+            return self._scheduling.read_skipped(rid, computed, extras), False
         # the ids vLLM computes the KV of (a prompt of embeddings: 0s, its digests in extras)
         prompt = list(request.all_token_ids[: request.num_prompt_tokens])
         keys = self._scheduling.prompt_keys(prompt, extras)
         hits = probe(self._config, keys)
-        rid, computed = request.request_id, num_computed_tokens
         return self._scheduling.matched(rid, computed, keys, hits, extras), False
 
     def update_state_after_alloc(
@@ -272,11 +277,16 @@ class LuciaTierConnector(KVConnectorBase_V1):
     # --- worker side ---------------------------------------------------------------------------
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Also count the requests the scheduler found unkeyable: on rank 0, in its store."""
+        """Also count the requests the scheduler found unkeyable or told to skip reads: on
+        rank 0, in its store."""
         super().bind_connector_metadata(connector_metadata)
         plan = self._plan()
-        if plan is not None and plan.unkeyable and self._rank == 0 and self._store is not None:
+        if plan is None or self._rank != 0 or self._store is None:
+            return
+        if plan.unkeyable:
             self._store.count("requests_unkeyable", plan.unkeyable)
+        if plan.read_skipped:
+            self._store.count("requests_read_skipped", plan.read_skipped)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         blocks = self._kv_cache_config.num_blocks

@@ -35,10 +35,15 @@ HELP: Final = {
         "Requests the tiers skipped (no lookup, no save): what shapes their KV has no name "
         "that lasts a restart."
     ),
+    "requests_read_skipped": (
+        "Requests given nothing from the tiers because vLLM has them skip reading cached KV "
+        "(prompt logprobs, some pooling requests); their blocks are still saved."
+    ),
 }
 # the counters with a reason label
 REASONED: Final = frozenset({"corrupt", "skipped_writes", "tier_off"})
-UNTIERED: Final = frozenset({"requests_unkeyable"})  # counted per engine, not per tier
+# counted per engine, not per tier
+UNTIERED: Final = frozenset({"requests_unkeyable", "requests_read_skipped"})
 PREFIX: Final = "lucia_kv_"
 Labels = tuple[tuple[str, str], ...]
 

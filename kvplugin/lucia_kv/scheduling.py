@@ -8,6 +8,8 @@ first block, the LoRA adapter on every block, a multimodal item on the blocks it
 range overlaps, the prompt embeddings of the block's positions). So a key names exactly one
 prefix as the model saw it. Only full blocks are keyed, loaded or saved. A request whose extras
 cannot be named the same way after a restart is not keyed at all: no lookup, no load, no save.
+A request vLLM has skip reading cached KV (prompt logprobs, some pooling requests) matches
+nothing in the tiers, and its blocks are saved as any other request's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Extras:
     thing after a restart (lucia_kv.extras reads them from a vLLM request)."""
 
     salt: str | None = None  # the request's cache_salt
-    lora: tuple[str, str] | None = None  # the adapter's name and path
+    lora: tuple[str, str] | None = None  # the adapter's name and its files' digest
     mm: tuple[tuple[str, int, int], ...] = ()  # (content hash, offset, length) by offset
     embeds: tuple[bytes, ...] = ()  # per block: SHA-256 of its prompt embeddings' rows
 
@@ -52,7 +54,7 @@ def block_extras(extras: Extras, index: int, block_size: int) -> bytes:
     start, end = index * block_size, (index + 1) * block_size
     fields = []
     if extras.lora is not None:
-        fields += [_field(b"L", _text(extras.lora[0])), _field(b"P", _text(extras.lora[1]))]
+        fields += [_field(b"L", _text(extras.lora[0])), _field(b"D", _text(extras.lora[1]))]
     for identifier, offset, length in extras.mm:
         if offset < end and offset + length > start:
             where = struct.pack("<qq", offset - start, length)
@@ -100,6 +102,7 @@ class StepPlan:
     saves: list[Transfer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     unkeyable: int = 0  # requests the tiers skipped since the last plan (their extras)
+    read_skipped: int = 0  # requests matched to nothing since the last plan (vLLM's word)
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Scheduling:
         self._finished: list[str] = []
         self._unkeyable: set[str] = set()  # skipped requests not yet finished
         self._new_unkeyable = 0  # of them, those the next plan counts
+        self._read_skipped: set[str] = set()  # requests told to skip reads, not yet finished
+        self._new_read_skipped = 0  # of them, those the next plan counts
 
     def prompt_keys(self, prompt: Sequence[int], extras: Extras = NO_EXTRAS) -> list[bytes]:
         """Keys of the prompt's full blocks, leaving at least one token for vLLM to compute."""
@@ -140,6 +145,15 @@ class Scheduling:
         tokens = hits * self.block_size
         self._matched[request_id] = (local_tokens, keys, extras)
         return max(0, tokens - local_tokens)
+
+    def read_skipped(self, request_id: str, local_tokens: int, extras: Extras = NO_EXTRAS) -> int:
+        """Record a request vLLM has skip reading cached KV: it matches 0 tokens (no lookup,
+        no load), its blocks are saved as any other's, and the next plan counts it once."""
+        self._matched[request_id] = (local_tokens, [], extras)
+        if request_id not in self._read_skipped:
+            self._read_skipped.add(request_id)
+            self._new_read_skipped += 1
+        return 0
 
     def unkeyable(self, request_id: str) -> None:
         """A request whose extras have no stable name: the tiers skip it (no lookup, load or
@@ -185,9 +199,14 @@ class Scheduling:
                     self.unkeyable(request_id)
                 elif request_id in self._requests and request_id not in self._unkeyable:
                     self._requests[request_id].extras = extras
-        plan = StepPlan(finished=self._finished, unkeyable=self._new_unkeyable)
+        plan = StepPlan(
+            finished=self._finished,
+            unkeyable=self._new_unkeyable,
+            read_skipped=self._new_read_skipped,
+        )
         self._finished = []
         self._new_unkeyable = 0
+        self._new_read_skipped = 0
         for request_id, new_blocks, replace, computed, scheduled_tokens in scheduled:
             known = self._requests.get(request_id)
             if known is None:
@@ -220,6 +239,7 @@ class Scheduling:
     def finished(self, request_id: str) -> None:
         self._matched.pop(request_id, None)
         self._unkeyable.discard(request_id)
+        self._read_skipped.discard(request_id)
         if self._requests.pop(request_id, None) is not None:
             self._finished.append(request_id)
 

@@ -6,8 +6,10 @@ the tiny model, with the NVMe and HDD tiers bind-mounted from a tmp dir: one wit
 no prefix cache, asked the prompt twice (cold, then from the tiers), then under two cache salts
 (each its own blocks); one with vLLM's own ExampleConnector (which writes the plaintext KV of
 the same prompt) for the encryption check; and the tiered one again, a restart, asked the prompt
-under the first salt. The store's counters are read from vLLM's own /metrics and compared with
-the metrics file.
+under the first salt. Before that first server stops, the prompt with prompt logprobs under a
+salt of its own, twice (cold, then with its blocks in the tiers), then without them (from the
+tiers): vLLM has such a request skip reading cached KV, so the tiers give it nothing. The
+store's counters are read from vLLM's own /metrics and compared with the metrics file.
 Reuse after a restart and damaged blocks are proven through the worker
 (test_kv_tiers_worker.py); vLLM's aggregation of every counter, corrupt included, in the image
 by kv_stats_in_vllm.py.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -54,6 +57,7 @@ READ_SIDE = frozenset(
 TRANSFER_LOG = re.compile(r"KV Transfer metrics: (.*)$", re.M)  # vLLM's log, every 10 s
 SHORT_PROMPT = [5, 6, 7, 8]  # under one block: nothing for the store to load or save
 SALTS = ("tenant-a", "tenant-b")
+LOGPROBS_SALT = "prompt-logprobs"  # blocks of its own: the first ask is cold
 EXTERNAL = "external_kv_transfer"  # vLLM's source of the prompt tokens a connector gave
 
 
@@ -89,6 +93,7 @@ class Run:
     by_source: dict[str, float]
     seconds_to_health: float
     metrics: str = ""  # the /metrics text right after the answer
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # where they were asked for
     counted: Counted | None = None
     logs: str = ""
 
@@ -103,6 +108,8 @@ class Runs:
     salted: tuple[Run, ...] = ()  # the prompt under SALTS, after `repeated`, on its server
     restarted: Run | None = None  # the prompt under SALTS[0], on the tiered server started again
     block_files: list[Path] = field(default_factory=list)  # the unsalted prompt's
+    # under LOGPROBS_SALT: with prompt logprobs cold, again with the blocks stored, without
+    logprobs: tuple[Run, ...] = ()
 
 
 def _build(runtime: Runtime, request: Any) -> tuple[Any, list[str], float]:
@@ -322,9 +329,9 @@ def _serve(
     )  # fmt: skip
 
 
-def _ask(server: VllmServer, salt: str | None = None) -> Run:
-    """The server's answer to the prompt (under a cache salt), and where its prompt tokens came
-    from so far."""
+def _ask(server: VllmServer, salt: str | None = None, prompt_logprobs: int | None = None) -> Run:
+    """The server's answer to the prompt (under a cache salt, with prompt logprobs), and where
+    its prompt tokens came from so far."""
     body: dict[str, Any] = {
         "model": SERVED_NAME,
         "prompt": PROMPT,
@@ -335,6 +342,8 @@ def _ask(server: VllmServer, salt: str | None = None) -> Run:
     }
     if salt is not None:
         body["cache_salt"] = salt
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     answer = server.post("/v1/completions", body, timeout=600)
     assert answer.status == 200, answer.body[-2000:]
     choice = answer.json()["choices"][0]
@@ -344,6 +353,8 @@ def _ask(server: VllmServer, salt: str | None = None) -> Run:
     run = Run(
         tuple(choice["token_ids"]), choice["text"], by_source, server.seconds_to_health, metrics
     )
+    if prompt_logprobs is not None:
+        run.prompt_logprobs = choice["prompt_logprobs"]
     print(f"\n/health in {run.seconds_to_health:.1f} s; prompt tokens by source {by_source}")
     return run
 
@@ -400,6 +411,20 @@ def runs(
             "every block of the salted prompt on NVMe and HDD",
         )
     salted.append(_ask(server, SALTS[1]))
+    took = [repeated, *salted]
+    computed = sum(  # the salted prompts computed, not loaded: blocks of their own
+        after.by_source.get(EXTERNAL, 0.0) == before.by_source.get(EXTERNAL, 0.0)
+        for before, after in itertools.pairwise(took)
+    )
+    stored = 2 * FULL_BLOCKS * (1 + computed)
+    wait_for(lambda: len(_block_files(work)) >= stored, "every salted block on NVMe and HDD")
+    logprobs = [_ask(server, LOGPROBS_SALT, prompt_logprobs=1)]
+    wait_for(
+        lambda: len(_block_files(work)) >= stored + 2 * FULL_BLOCKS,
+        "every block of the prompt-logprobs prompt on NVMe and HDD",
+    )
+    logprobs.append(_ask(server, LOGPROBS_SALT, prompt_logprobs=1))
+    logprobs.append(_ask(server, LOGPROBS_SALT))
     _stop(server)
 
     example_config = (
@@ -414,7 +439,9 @@ def runs(
     server = _serve(start_vllm_cpu, image, work, key, transfer)  # the tiered server again
     restarted = _ask(server, SALTS[0])
     _stop(server)
-    return Runs(work, key, cold, repeated, example, tuple(salted), restarted, block_files)
+    return Runs(
+        work, key, cold, repeated, example, tuple(salted), restarted, block_files, tuple(logprobs)
+    )
 
 
 def test_a_repeat_of_the_prompt_comes_from_the_tiers_with_the_same_answer(runs: Runs) -> None:
@@ -449,6 +476,44 @@ def test_another_cache_salt_takes_nothing_from_the_tiers_the_same_one_after_a_re
     assert took_again == FULL_BLOCKS * BLOCK_TOKENS >= 0.9 * len(PROMPT)
     assert tenant_a.token_ids == tenant_b.token_ids == runs.cold.token_ids
     assert runs.restarted.token_ids == runs.cold.token_ids
+
+
+def _logprob_of_each_token(run: Run) -> list[float]:
+    """The logprob of each prompt token after the first (the first has none), all present."""
+    assert run.prompt_logprobs is not None
+    assert len(run.prompt_logprobs) == len(PROMPT)
+    assert run.prompt_logprobs[0] is None
+    found = []
+    for position, (token, entry) in enumerate(zip(PROMPT, run.prompt_logprobs, strict=True)):
+        if position == 0:
+            continue
+        assert entry is not None and str(token) in entry, f"position {position}: {entry}"
+        found.append(float(entry[str(token)]["logprob"]))
+    return found
+
+
+def test_prompt_logprobs_are_computed_whole_when_the_tiers_hold_the_prompt(runs: Runs) -> None:
+    """vLLM has a prompt-logprobs request skip reading cached KV (a prompt token whose KV was
+    loaded gets no logprob): with the prompt's blocks in the tiers, such a request takes
+    nothing from them, and its logprobs are the cold ones, every one there; a request without
+    them takes the blocks, which proves they were there to take."""
+    cold, warm, plain = runs.logprobs
+    before = runs.salted[-1].by_source.get(EXTERNAL, 0.0)
+    took_cold = cold.by_source.get(EXTERNAL, 0.0) - before
+    took_warm = warm.by_source.get(EXTERNAL, 0.0) - cold.by_source.get(EXTERNAL, 0.0)
+    took_plain = plain.by_source.get(EXTERNAL, 0.0) - warm.by_source.get(EXTERNAL, 0.0)
+    print(
+        f"\nfrom the tiers under {LOGPROBS_SALT}: {took_cold:.0f} tokens cold with prompt "
+        f"logprobs, {took_warm:.0f} again with them, {took_plain:.0f} without them"
+    )
+    assert took_plain == FULL_BLOCKS * BLOCK_TOKENS, "the tiers held the prompt's blocks"
+    assert took_cold == took_warm == 0.0
+    cold_logprobs, warm_logprobs = _logprob_of_each_token(cold), _logprob_of_each_token(warm)
+    assert warm_logprobs == pytest.approx(cold_logprobs, abs=1e-4)
+    assert warm.prompt_logprobs == cold.prompt_logprobs
+    assert cold.token_ids == warm.token_ids == plain.token_ids == runs.cold.token_ids
+    skipped = _total(_lucia(warm.metrics), "lucia_kv_requests_read_skipped_total")
+    assert skipped == 2.0, "each prompt-logprobs request counted once"
 
 
 def test_block_files_are_0600_and_tier_directories_0700(runs: Runs) -> None:
@@ -499,6 +564,7 @@ def test_vllms_metrics_has_the_stores_counters_from_the_start_on_every_tier(runs
         for tier in TIERS:
             assert (f"lucia_kv_{name}_total", (("tier", tier),)) in served, (name, tier)
     assert served[("lucia_kv_requests_unkeyable_total", ())] == 0.0, "untiered, at 0 too"
+    assert served[("lucia_kv_requests_read_skipped_total", ())] == 0.0
     assert "# TYPE lucia_kv_corrupt_total counter" in runs.cold.metrics
     assert "# HELP lucia_kv_hits_total Block reads served by this tier." in runs.cold.metrics
     assert _total(served, "lucia_kv_hits_total") == 0.0, "a cold server read no block"

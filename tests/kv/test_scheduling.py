@@ -109,11 +109,11 @@ def _field(tag: bytes, value: bytes) -> bytes:
 def test_a_blocks_extras_are_tagged_length_prefixed_fields_of_what_touches_it() -> None:
     extras = Extras(
         salt="tenant-a",
-        lora=("sql", "/adapters/sql"),
+        lora=("sql", "5e1f" * 16),
         mm=(("img1", 5, 6),),  # positions 5..10: blocks 1 and 2 of 4 tokens
         embeds=(b"e0" * 16, b"e1" * 16),
     )
-    lora = _field(b"L", b"sql") + _field(b"P", b"/adapters/sql")
+    lora = _field(b"L", b"sql") + _field(b"D", b"5e1f" * 16)
     assert block_extras(extras, 0, BS) == lora + _field(b"S", b"tenant-a") + _field(
         b"E", b"e0" * 16
     )
@@ -220,3 +220,34 @@ def test_a_request_that_turns_unkeyable_saves_nothing_more_and_is_counted() -> N
     assert (second.saves, second.unkeyable) == ([], 1)
     plan.finished("r")
     assert plan.step([], {}).finished == ["r"], "its pinned blocks are still released"
+
+
+@pytest.mark.parametrize(
+    ("local_tokens", "extras"),
+    [
+        (0, NO_EXTRAS),  # vLLM skips its own prefix cache too: nothing computed yet
+        (0, Extras(salt="tenant-a")),  # saved under the request's own keys
+        (4, NO_EXTRAS),  # a block vLLM already holds: saved from the next one on
+    ],
+)
+def test_a_request_told_to_skip_reads_matches_nothing_loads_nothing_and_is_saved(
+    local_tokens: int, extras: Extras
+) -> None:
+    """vLLM has a prompt-logprobs request skip reading cached KV (its answer needs every
+    prompt token computed): the tiers give it 0 tokens whatever they hold, and its full blocks
+    are saved as any other request's; the plan counts it once, however often it is asked."""
+    plan = Scheduling(BS, b"s")
+    prompt = list(range(13))
+    keys = chain(prompt, BS, b"s", extras=extras)
+    assert plan.read_skipped("r", local_tokens, extras) == 0
+    assert plan.read_skipped("r", local_tokens, extras) == 0  # retried: not placed at first
+    plan.allocated("r", [1, 2, 3, 4], external_tokens=0)
+    step = plan.step([("r", [1, 2, 3, 4], True, local_tokens, 13 - local_tokens)], {"r": prompt})
+    saved = tuple((block_id, keys[block_id - 1]) for block_id in (1, 2, 3)[local_tokens // BS :])
+    assert step.loads == []
+    assert [t.blocks for t in step.saves] == [saved]
+    assert (step.read_skipped, step.unkeyable) == (1, 0)
+    assert plan.step([("r", None, False, 13, 1)], {"r": [*prompt, 9]}).read_skipped == 0
+    plan.finished("r")
+    assert plan.read_skipped("r", 0) == 0  # an id used again is a new request: counted again
+    assert plan.step([], {}).read_skipped == 1
