@@ -14,7 +14,7 @@ import pytest
 
 from supervisor.docker import labels
 from supervisor.docker.runtime import Progress, Runtime
-from supervisor.docker.spec import BuildRequest, Container, Image
+from supervisor.docker.spec import BuildRequest, Container, Image, RunSpec
 from supervisor.engines.base import Endpoint, StepContext
 from supervisor.engines.container import EngineImage, PulledImage
 from supervisor.engines.loader import parse
@@ -280,17 +280,22 @@ def test_the_command_selects_the_connector_and_holds_no_key(tmp_path: Path) -> N
     assert "--block-size" not in command  # the CPU default, 128
 
 
-def test_the_run_spec_gives_the_tiers_in_the_environment_and_the_key_as_a_file(
-    tmp_path: Path,
-) -> None:
-    runtime = Images(base_images())
-    found = engine(tmp_path, runtime)
+def built_spec(found: Vllm) -> RunSpec:
+    """The engine's run spec once its prerequisites (the tier image) are made."""
     for _ in range(3):
         for step in found.prerequisites().missing:
             found.make(step, ctx())
     ready = found.prerequisites()
     assert ready.image is not None
-    spec = found.run_spec(ready.image, Endpoint("172.17.0.1", 8123))
+    return found.run_spec(ready.image, Endpoint("172.17.0.1", 8123))
+
+
+def test_the_run_spec_gives_the_tiers_in_the_environment_and_the_key_as_a_file(
+    tmp_path: Path,
+) -> None:
+    runtime = Images(base_images())
+    found = engine(tmp_path, runtime)
+    spec = built_spec(found)
     env = spec.environment
     assert env["LUCIA_KV_KEY_FILE"] == "/run/lucia-secrets/LUCIA_KV_KEY/value"
     assert (env["LUCIA_KV_NVME_DIR"], env["LUCIA_KV_HDD_DIR"]) == ("/kv/nvme", "/kv/hdd")
@@ -311,12 +316,7 @@ def test_the_containers_memory_limit_holds_the_plugins_buffers_it_is_given(
     told to hold; without tiers it is run.memory alone."""
     runtime = Images(base_images())
     found = engine(tmp_path, runtime, recipe_text(tmp_path, extra=extra))
-    for _ in range(3):
-        for step in found.prerequisites().missing:
-            found.make(step, ctx())
-    ready = found.prerequisites()
-    assert ready.image is not None
-    spec = found.run_spec(ready.image, Endpoint("172.17.0.1", 8123))
+    spec = built_spec(found)
     assert spec.memory == f"{6 * 1024**3 + buffers}b"
     env = spec.environment
     given = int(env["LUCIA_KV_BUFFER_BYTES"]) + int(env["LUCIA_KV_QUEUE_BYTES"])
