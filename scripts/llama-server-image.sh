@@ -74,10 +74,13 @@ private_apt() {
         "$@"
 }
 
-# The newest image built here before, as repository:tag, or nothing.
+# The images this script built: tagged in its own repository and labelled with the version.
+# Never an image built FROM one (an engine's, a test's): it inherits the label, not the tag.
+# The newest built here before, as repository:tag, or nothing.
 built_before() {
     # awk reads to the end (no early exit): under pipefail, a writer cut off early dies of SIGPIPE.
-    docker images --filter "label=$label" --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' \
+    docker images "$repository" --filter "label=$label" \
+        --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' \
         | sort -r | awk -F'\t' '$2 !~ /<none>/ && !found {print $2; found = 1}'
 }
 
@@ -104,7 +107,7 @@ fi
 tag=$(printf '%s' "$version" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-128)
 image=$repository:$tag
 
-existing=$(docker images -q --filter "label=$label=$version" | awk 'NR == 1')
+existing=$(docker images -q "$repository" --filter "label=$label=$version" | awk 'NR == 1')
 if [ -n "$existing" ]; then
     say "$package $version is already built"
     docker tag "$existing" "$image"
