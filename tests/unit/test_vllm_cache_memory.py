@@ -16,6 +16,7 @@ from supervisor.engines.vllm.recipe import (
     VllmRecipe,
 )
 from supervisor.memplan.fit import Budget
+from supervisor.recipe.schema import RecipeError
 
 MIB = 1024**2
 GIB = 1024**3
@@ -116,6 +117,15 @@ def test_buffer_and_queue_bytes_are_read_as_byte_sizes() -> None:
     assert Tiers().host_bytes == 0  # tiers off: the plugin is not loaded
 
 
+@pytest.mark.parametrize("setting", ["buffer_bytes = 0", 'queue_bytes = "0"', "buffer_bytes = -1"])
+def test_a_buffer_of_nothing_is_refused_naming_the_setting(setting: str) -> None:
+    """The plugin refuses a buffer or queue of nothing at its start: the recipe says so first,
+    and the running engine is never replaced by one that cannot start."""
+    with pytest.raises(RecipeError) as refused:
+        recipe("cpu", f"{NVME}\n{setting}")
+    assert f"tiers.{setting.split(maxsplit=1)[0]}" in str(refused.value), refused.value
+
+
 @pytest.mark.parametrize(
     ("name", "mirrored"),
     [("buffer_bytes", PLUGIN_BUFFER_BYTES), ("queue_bytes", PLUGIN_QUEUE_BYTES)],
@@ -131,7 +141,5 @@ def test_the_mirrored_defaults_are_the_plugins_own(
         {"namespace": "n", "nvme_dir": str(tmp_path), "nvme_bytes": 1},
         {"LUCIA_KV_KEY": "ab" * 32},
     )
-    if not hasattr(resolved, name):
-        pytest.skip(f"the plugin has no {name} setting yet")
     assert getattr(resolved, name) == mirrored
     assert getattr(Tiers(), name) == mirrored
