@@ -114,6 +114,25 @@ class _Request:
     extras: Extras | None = NO_EXTRAS  # None: no longer keyable, saves nothing more
 
 
+@dataclass
+class _CountedOnce:
+    """Requests counted once each until they finish: the ones held, and how many of them the
+    next plan has yet to count."""
+
+    held: set[str] = field(default_factory=set)
+    new: int = 0
+
+    def add(self, request_id: str) -> None:
+        if request_id not in self.held:
+            self.held.add(request_id)
+            self.new += 1
+
+    def take(self) -> int:
+        """The count the next plan says; 0 after it."""
+        count, self.new = self.new, 0
+        return count
+
+
 class Scheduling:
     """Tracks requests between the scheduler's calls and turns a step into a StepPlan."""
 
@@ -123,10 +142,8 @@ class Scheduling:
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, tuple[int, list[bytes], Extras]] = {}  # last lookup
         self._finished: list[str] = []
-        self._unkeyable: set[str] = set()  # skipped requests not yet finished
-        self._new_unkeyable = 0  # of them, those the next plan counts
-        self._read_skipped: set[str] = set()  # requests told to skip reads, not yet finished
-        self._new_read_skipped = 0  # of them, those the next plan counts
+        self._unkeyable = _CountedOnce()  # skipped requests not yet finished
+        self._read_skipped = _CountedOnce()  # requests told to skip reads, not yet finished
 
     def prompt_keys(self, prompt: Sequence[int], extras: Extras = NO_EXTRAS) -> list[bytes]:
         """Keys of the prompt's full blocks, leaving at least one token for vLLM to compute."""
@@ -150,9 +167,7 @@ class Scheduling:
         """Record a request vLLM has skip reading cached KV: it matches 0 tokens (no lookup,
         no load), its blocks are saved as any other's, and the next plan counts it once."""
         self._matched[request_id] = (local_tokens, [], extras)
-        if request_id not in self._read_skipped:
-            self._read_skipped.add(request_id)
-            self._new_read_skipped += 1
+        self._read_skipped.add(request_id)
         return 0
 
     def unkeyable(self, request_id: str) -> None:
@@ -162,13 +177,11 @@ class Scheduling:
         known = self._requests.get(request_id)
         if known is not None:
             known.extras = None
-        if request_id not in self._unkeyable:
-            self._unkeyable.add(request_id)
-            self._new_unkeyable += 1
+        self._unkeyable.add(request_id)
 
     def allocated(self, request_id: str, block_ids: Sequence[int], external_tokens: int) -> None:
         """After vLLM allocated blocks: plan the load of the external tokens."""
-        if request_id in self._unkeyable:
+        if request_id in self._unkeyable.held:
             return
         local, keys, extras = self._matched.pop(request_id, (0, [], NO_EXTRAS))
         first = local // self.block_size
@@ -197,16 +210,14 @@ class Scheduling:
                 extras = extras_of[request_id]
                 if extras is None:
                     self.unkeyable(request_id)
-                elif request_id in self._requests and request_id not in self._unkeyable:
+                elif request_id in self._requests and request_id not in self._unkeyable.held:
                     self._requests[request_id].extras = extras
         plan = StepPlan(
             finished=self._finished,
-            unkeyable=self._new_unkeyable,
-            read_skipped=self._new_read_skipped,
+            unkeyable=self._unkeyable.take(),
+            read_skipped=self._read_skipped.take(),
         )
         self._finished = []
-        self._new_unkeyable = 0
-        self._new_read_skipped = 0
         for request_id, new_blocks, replace, computed, scheduled_tokens in scheduled:
             known = self._requests.get(request_id)
             if known is None:
@@ -238,8 +249,8 @@ class Scheduling:
 
     def finished(self, request_id: str) -> None:
         self._matched.pop(request_id, None)
-        self._unkeyable.discard(request_id)
-        self._read_skipped.discard(request_id)
+        self._unkeyable.held.discard(request_id)
+        self._read_skipped.held.discard(request_id)
         if self._requests.pop(request_id, None) is not None:
             self._finished.append(request_id)
 
