@@ -41,8 +41,7 @@ class Room:
 
     @property
     def budget(self) -> Budget:
-        return Budget(self.memory.limit, self.settings.reserves.total, self.held,
-                      self.memory.source != "gpu")
+        return Budget(self.memory.limit, self.settings.reserves.total, self.held, self.memory.host)
 
 
 def load_settings() -> MachineSettings:

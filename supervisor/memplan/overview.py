@@ -87,7 +87,7 @@ def build(
     plans = []
     for recipe in recipes:
         others = tuple(h for h in held if h.name != recipe.name)
-        budget = Budget(memory.limit, settings.reserves.total, others, memory.source != "gpu")
+        budget = Budget(memory.limit, settings.reserves.total, others, memory.host)
         try:
             plans.append(planner(recipe, budget, settings.weight_multiplier))
         except (OSError, ValueError, LibraryUnavailable) as exc:

@@ -44,7 +44,7 @@ def preview(guard: Guard, need: Need, clock: Callable[[], datetime] = utc_now) -
     def plan(need: int | None, fits: bool, message: str) -> MemoryPlan:
         return _plan(memory, machine.reserves, clock(), need, fits=fits, message=message)
 
-    budget = Budget(memory.limit, reserves, held, memory.source != "gpu")
+    budget = Budget(memory.limit, reserves, held, memory.host)
     try:
         wanted = need(budget, machine.weight_multiplier)
     except (Permanent, OSError, ValueError, LibraryUnavailable) as exc:

@@ -33,6 +33,11 @@ class Memory:
     limit: int
     available: int
 
+    @property
+    def host(self) -> bool:
+        """Whether the limit is host memory (MemTotal or a fixed figure), not the GPUs'."""
+        return self.source != "gpu"
+
 
 def parse_meminfo(text: str) -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes from /proc/meminfo's text."""

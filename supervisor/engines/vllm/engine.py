@@ -315,7 +315,7 @@ class Vllm(ContainerEngine):
         # the share of the limit the plan measures: the GPUs' memory on a GPU server, the
         # unified memory on a Spark (its GPU reports none)
         measured = self.memory.measure(guard.load_settings())
-        return vllm_memory.gpu_need(self.recipe, measured.limit, host=measured.source != "gpu")
+        return vllm_memory.gpu_need(self.recipe, measured.limit, host=measured.host)
 
     def engine_args(self) -> tuple[str, ...]:
         """The layout's flags, then the connector when there are tiers: its settings are in the
