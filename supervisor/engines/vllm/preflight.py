@@ -7,7 +7,8 @@ main are published as `vllm/vllm-openai:nightly-<full commit>`
 (`.buildkite/scripts/push-nightly-builds.sh`); old nightly tags are pruned from Docker Hub, so
 the pinned nightly is named by its full 40-hex commit and, once pulled, recorded by digest.
 
-Arguments follow the image's entrypoint, `vllm serve`: the model comes first.
+Arguments follow the image's entrypoint, `vllm serve`: the model comes first. `arguments` is the
+one builder of vLLM's command line, a CPU image's too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CONTAINER_PORT: Final = 8000
 
 Channel = Literal["stable", "nightly"]
 Quantization = Literal["none", "fp8"]
+Device = Literal["gpu", "cpu"]  # the recipe's vllm.device
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,12 @@ def memory_refusal(facts: GpuFacts, share: int, reclaimable_mib: int = 0) -> Ref
     )
 
 
-def arguments(choices: Choices) -> tuple[str, ...]:
-    args = [choices.model]
+def arguments(choices: Choices, device: Device = "gpu") -> tuple[str, ...]:
+    """vLLM's command line, for either image: a GPU image's `vllm serve` takes the model first,
+    then the GPU's memory share and fp8; the CPU image's server takes the model as `--model` and
+    has neither (cpu.py). The order is the old one, so a running engine's command still matches."""
+    gpu = device == "gpu"
+    args = [choices.model] if gpu else ["--model", choices.model]
     if choices.revision:
         args += ["--revision", choices.revision]
     args += [
@@ -145,14 +151,16 @@ def arguments(choices: Choices) -> tuple[str, ...]:
         choices.served_name,
         "--max-model-len",
         str(choices.max_model_len),
-        "--gpu-memory-utilization",
-        f"{choices.memory_share / 100:.2f}",
+    ]
+    if gpu:
+        args += ["--gpu-memory-utilization", f"{choices.memory_share / 100:.2f}"]
+    args += [
         "--host",
         "0.0.0.0",  # noqa: S104 - inside the container; published on the gateway only
         "--port",
         str(choices.port),
     ]
-    if choices.quantization == "fp8":
+    if gpu and choices.quantization == "fp8":
         args += ["--quantization", "fp8"]
     args.append(
         "--enable-prefix-caching" if choices.prefix_caching else "--no-enable-prefix-caching"
