@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +24,14 @@ from supervisor.engines.base import (
     StepContext,
 )
 from supervisor.errors import Blocked, Permanent
+from supervisor.memplan import guard
 from supervisor.memplan.fit import Budget
 from supervisor.memplan.guard import Guard
+from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.need import EngineNeed
 from supervisor.memplan.preview import preview
+from supervisor.memplan.probe import Memory
+from supervisor.memplan.settings import MachineSettings
 from supervisor.protocol.documents import MemoryPlan, TargetGroup
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
@@ -82,10 +86,14 @@ class ContainerEngine:
         runtime: Runtime,
         state_dir: Path,
         data_dir: Path | None = None,
+        *,
+        measure: Callable[[MachineSettings], Memory] = guard.measure,
     ) -> None:
         self.name = name
-        # the memory plan's claims are shared through the data directory; none: not planned
-        self.memory = Guard.for_data_dir(name, data_dir, runtime) if data_dir else None
+        # the memory plan's claims are shared through the data directory; none: not planned.
+        # measure: how the plan measures this engine's memory (a GPU's, through its nvidia-smi)
+        ledger = Ledger.for_data_dir(data_dir) if data_dir else None
+        self.memory = Guard(name, ledger, runtime, measure) if ledger is not None else None
         self.base_recipe = recipe
         self.runtime = runtime
         self.state_dir = state_dir

@@ -1,6 +1,7 @@
 """vLLM on a GPU server: a GPU preflight before anything is pulled, the image it picks, the
 model's download, the KV-cache tier directories, and one `vllm serve` container; on a CPU
 server (`device = "cpu"`) the recipe's CPU image with no GPU read at all (engines/vllm/cpu.py).
+What differs between the two is the recipe's `Device`, chosen once when the engine is made.
 
 The order of the prerequisites is the guarantee: `Preflight` (nvidia-smi read, the guide's
 refusals) comes before the image pull, so a refused recipe pulls and starts nothing. A pass is
@@ -26,24 +27,18 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
-from supervisor.engines.vllm import account, cpu, namespaces, probes, secretfiles, tier_image
+from supervisor.engines.vllm import account, namespaces, probes, secretfiles, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tiers as kv_tiers
+from supervisor.engines.vllm.device import Device, choose, probe_gpu
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe, max_num_seqs, served_names
-from supervisor.engines.vllm.steps import (
-    MemoryFit,
-    Preflight,
-    TierDirectories,
-    TierImage,
-    reclaimable_mib,
-    refused,
-)
+from supervisor.engines.vllm.steps import MemoryFit, Preflight, TierDirectories, TierImage, refused
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
-from supervisor.memplan import guard, probe
+from supervisor.memplan import guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
 from supervisor.protocol.documents import TargetGroup
@@ -64,30 +59,25 @@ class Vllm(ContainerEngine):
         state_dir: Path,
         data_dir: Path | None = None,
     ) -> None:
-        super().__init__(name, recipe, runtime, state_dir, data_dir)
+        self.device: Device = choose(recipe)  # the memory plan measures through it
+        super().__init__(name, recipe, runtime, state_dir, data_dir, measure=self.device.measure)
         self.recipe = recipe
-        self.choices = recipe.preflight_choices()
+        self.choices = self.device.choices
         self._stamp = state_dir / "preflight.json"
         self._model_stamp = state_dir / "model.json"
         self._secrets_root = state_dir / "secrets"
         self._namespace: str | None = None  # of the spec last observed
-        self.cpu = recipe.vllm.device == "cpu"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
         self._off = probes.TierWatch()  # the KV tiers the running engine switched off
         self._plugin = tier_image.Current()  # read once, and again by each build
         self._tier_image: Mapping[str, str] = {}  # the labels of the tier image it runs on
         self._starting = namespaces.Starting()  # namespaces held from a Check to its start
-        if self.memory is not None and not self.cpu:  # a GPU limit: the recipe's nvidia-smi
-            smi = recipe.vllm.nvidia_smi
-            self.memory.measure = lambda machine: guard.measure(
-                machine, gpu=lambda: probe.nvidia_smi_query(nvidia_smi=smi)
-            )
 
     # -- the GPU -------------------------------------------------------------------------------
 
     def probe(self) -> gpu.GpuFacts | gpu.GpuUnavailable:
-        return gpu.probe(gpu.with_program(self.recipe.vllm.nvidia_smi))
+        return probe_gpu(self.recipe.vllm.nvidia_smi)
 
     def _choices_key(self) -> str:
         blob = json.dumps([repr(self.choices), self.recipe.vllm.nvidia_smi], sort_keys=True)
@@ -95,9 +85,7 @@ class Vllm(ContainerEngine):
 
     def _launch(self) -> pf.Launch | None:
         """What runs: on a CPU the recipe's image; on a GPU the last preflight's pass."""
-        if self.cpu:
-            return cpu.launch(self.choices, self.recipe.vllm.image)
-        return self._passed()
+        return self.device.launch(self._passed)
 
     def _passed(self) -> pf.Launch | None:
         """The launch of the last preflight that passed for these choices, if any."""
@@ -128,7 +116,7 @@ class Vllm(ContainerEngine):
             return Prerequisites((Preflight(),))
         image = self.runtime.image(launch.image)
         if image is None:
-            need = self.recipe.memory_limit if self.cpu and self.memory is not None else None
+            need = self.device.fit_before_pull(self.memory is not None)
             if need is not None and need != self._fitted:  # a pull only for a start that fits
                 return Prerequisites((MemoryFit(need),))
             return Prerequisites((PulledImage(launch.image),))
@@ -263,9 +251,8 @@ class Vllm(ContainerEngine):
             case TierImage():
                 launch = self._launch()
                 assert launch is not None  # the step comes after the base image is there
-                site = tier_image.SITE_PACKAGES if self.cpu else tier_image.GPU_SITE_PACKAGES
                 self._plugin.build(self.runtime, launch.image, self.state_dir / "tier-build",
-                                   ctx, site)  # the plugin read afresh: an upgrade's
+                                   ctx, self.device.site_packages)  # the plugin read afresh
             case ModelDownload():
                 self._download(what, ctx)
             case _:
@@ -280,16 +267,9 @@ class Vllm(ContainerEngine):
             secretfiles.write(self._secrets_root, {n: secrets[n] for n in names})
         if disks := self.recipe.tier_plan().disks:  # made again, held from prunes till the start
             self._starting.hold_tiers(disks, spec.labels[NAMESPACE_LABEL], ctx)
-        if self.cpu:
+        launch = self.device.recheck(ctx, self._replaced_share)
+        if launch is None:  # nothing to read again: a CPU
             return
-        ctx.progress("checking the GPU again before the start")
-        facts = self.probe()
-        replaced = self.runtime.container(self.container_name)
-        share = None
-        if replaced is not None and replaced.running and replaced.managed:
-            with contextlib.suppress(ValueError, KeyError):
-                share = int(replaced.labels[MEMORY_LABEL])
-        launch = refused(pf.decide(self.choices, facts, reclaimable_mib(facts, share)))
         ref = tier_image.tag(launch.image) if self.recipe.tiers.any else launch.image
         wanted = (ref, (*launch.args, *self.engine_args()))
         if wanted != (spec.labels.get(labels.IMAGE_REF), spec.command):
@@ -300,6 +280,14 @@ class Vllm(ContainerEngine):
                 "request again"
             )
 
+    def _replaced_share(self) -> int | None:
+        """The memory share the running engine this start replaces was started with."""
+        replaced = self.runtime.container(self.container_name)
+        if replaced is not None and replaced.running and replaced.managed:
+            with contextlib.suppress(ValueError, KeyError):
+                return int(replaced.labels[MEMORY_LABEL])
+        return None
+
     # -- run -----------------------------------------------------------------------------------
 
     def command(self) -> tuple[str, ...]:
@@ -308,14 +296,7 @@ class Vllm(ContainerEngine):
 
     def memory_need(self) -> EngineNeed | None:
         """The container's limit on a CPU; on a GPU the recipe's share of the memory limit."""
-        if self.cpu:
-            return vllm_memory.cpu_need(self.recipe)
-        if self.memory is None:
-            return None
-        # the share of the limit the plan measures: the GPUs' memory on a GPU server, the
-        # unified memory on a Spark (its GPU reports none)
-        measured = self.memory.measure(guard.load_settings())
-        return vllm_memory.gpu_need(self.recipe, measured.limit, host=measured.host)
+        return self.device.need(self.memory is not None)
 
     def engine_args(self) -> tuple[str, ...]:
         """The layout's flags, then the connector when there are tiers: its settings are in the
@@ -336,8 +317,7 @@ class Vllm(ContainerEngine):
             environment.setdefault("HF_HUB_OFFLINE", "1")
         if self.recipe.tiers.any:
             environment.update(tiers.environment)  # the key is a file among the secrets above
-        if self.cpu:
-            environment.update(cpu.environment(self.recipe.vllm.kv_cache_gib))
+        environment.update(self.device.environment)  # a CPU's KV cache space
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
