@@ -29,7 +29,6 @@ CONTAINER_PORT: Final = 8000
 
 Channel = Literal["stable", "nightly"]
 Quantization = Literal["none", "fp8"]
-Device = Literal["gpu", "cpu"]  # the recipe's vllm.device
 
 
 @dataclass(frozen=True)
@@ -138,10 +137,10 @@ def memory_refusal(facts: GpuFacts, share: int, reclaimable_mib: int = 0) -> Ref
     )
 
 
-def arguments(choices: Choices, device: Device = "gpu") -> tuple[str, ...]:
+def arguments(choices: Choices, device: Literal["gpu", "cpu"] = "gpu") -> tuple[str, ...]:
     """vLLM's command line, for either image: a GPU image's `vllm serve` takes the model first,
     then the GPU's memory share and fp8; the CPU image's server takes the model as `--model` and
-    has neither (cpu.py). The order is the old one, so a running engine's command still matches."""
+    has neither (cpu.py). The order is fixed: a start compares a running engine's command to it."""
     gpu = device == "gpu"
     args = [choices.model] if gpu else ["--model", choices.model]
     if choices.revision:
