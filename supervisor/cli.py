@@ -17,6 +17,8 @@ from supervisor.host import protocol as host
 from supervisor.host.library import commands as library_commands
 from supervisor.protocol.documents import STATES, DesiredFile, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.protocol.layout import DESIRED, SHARED_DIRS, STATUS, BadName, check_name, engine_dir
+from supervisor.protocol.reads import load_status, read_desired
 from supervisor.schemas import checked_in
 from supervisor.version import version
 
@@ -51,14 +53,14 @@ def known_engines(data_dir: Path, recipes: Path) -> set[str]:
     units = paths.units_dir()
     names |= {path.name[len("lucia-") : -len(".service")] for path in units.glob("lucia-*.service")}
     names.discard(GATEWAY)  # lucia-gateway.service is the gateway's, no engine's
-    names |= {name for name in _engine_names(data_dir) if (data_dir / name / host.STATUS).is_file()}
+    names |= {name for name in _engine_names(data_dir) if (data_dir / name / STATUS).is_file()}
     return names
 
 
 def unknown_engine(name: str, data_dir: Path, recipes: Path) -> str | None:
     """Why name is no engine of this machine, in one line; None when it is one."""
     recipe, unit = recipes / f"{name}.toml", paths.unit_file(name)
-    status = host.engine_dir(data_dir, name) / host.STATUS
+    status = engine_dir(data_dir, name) / STATUS
     if recipe.is_file() or (unit.is_file() and name != GATEWAY) or status.is_file():
         return None
     known = ", ".join(sorted(known_engines(data_dir, recipes))) or "none"
@@ -89,10 +91,10 @@ def _cmd_request(args: argparse.Namespace) -> int:
 
 def _cmd_wait(args: argparse.Namespace) -> int:
     data_dir = data_dir_from(args.data_dir)
-    directory = host.engine_dir(data_dir, args.name)
-    desired = host.read_desired(directory)
+    directory = engine_dir(data_dir, args.name)
+    desired = read_desired(directory)
     if desired is None:
-        _print_err(f"no valid request in {directory / host.DESIRED}; use 'request' first")
+        _print_err(f"no valid request in {directory / DESIRED}; use 'request' first")
         return EXIT_UNANSWERED
     return waiting.await_state(
         data_dir, args.name, desired.generation, args.state, args.timeout,
@@ -106,15 +108,15 @@ def _engine_names(data_dir: Path) -> list[str]:
     return sorted(
         entry.name
         for entry in data_dir.iterdir()
-        if entry.is_dir() and entry.name not in host.SHARED_DIRS and not entry.name.startswith(".")
+        if entry.is_dir() and entry.name not in SHARED_DIRS and not entry.name.startswith(".")
     )
 
 
 def status_row(data_dir: Path, name: str, now: datetime) -> dict[str, object]:
-    directory = host.engine_dir(data_dir, name)
-    desired = host.read_desired(directory)
+    directory = engine_dir(data_dir, name)
+    desired = read_desired(directory)
     requested = desired.generation if desired else None
-    status = host.load_status(directory)
+    status = load_status(directory)
     reading = host.classify(status, requested if requested is not None else -1, now)
     if status is None:
         state, shown = "unknown", f"{reading.reason} (systemctl --user start lucia-{name})"
@@ -292,8 +294,8 @@ def _positive(value: str) -> float:
 
 def _engine_name(value: str) -> str:
     try:
-        return host.check_name(value)
-    except host.BadName as exc:
+        return check_name(value)
+    except BadName as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

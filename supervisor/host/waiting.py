@@ -19,6 +19,7 @@ from watchfiles import watch
 
 from supervisor.host import protocol as host
 from supervisor.protocol.documents import State
+from supervisor.protocol.layout import engine_dir
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -125,7 +126,7 @@ def await_state(
     the worker retries by itself is shown and waited through); else 3: the worker is stale,
     none has written a status within no_status_after seconds, or the timeout passed.
     keep_waiting is the command that waits on (said on a timeout)."""
-    directory = host.engine_dir(data_dir, name)
+    directory = engine_dir(data_dir, name)
     started = time.monotonic()
     stream = sys.stderr
     terminal = stream.isatty()

@@ -17,6 +17,7 @@ import pytest
 from supervisor import cli
 from supervisor.host import protocol as host
 from supervisor.host import waiting
+from supervisor.protocol import layout, reads
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.version import version
@@ -32,7 +33,7 @@ def write_desired(
     document = DesiredFile.model_validate(
         {"schemaVersion": 1, "generation": generation, "desired": desired, **said}
     )
-    write_atomic(ensure_dir(data / name) / host.DESIRED, dump(document))
+    write_atomic(ensure_dir(data / name) / layout.DESIRED, dump(document))
 
 
 def write_status(
@@ -55,7 +56,7 @@ def write_status(
         checked_at=now - age,
         **extra,
     )
-    write_atomic(ensure_dir(data / name) / host.STATUS, dump(status))
+    write_atomic(ensure_dir(data / name) / layout.STATUS, dump(status))
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -359,7 +360,7 @@ def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
     # the request is not withdrawn; the operator is told how to keep waiting
     assert "the request goes on: keep waiting with: " in run.stderr
     assert f"lucia-supervisor wait tf --state running --data-dir {tmp_path}\n" in run.stderr
-    assert host.read_desired(tmp_path / "tf") is not None
+    assert reads.read_desired(tmp_path / "tf") is not None
 
 
 def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -> None:
@@ -387,7 +388,7 @@ def test_a_request_from_the_command_line_is_an_operators(
     data = tmp_path / "data"
     before = utc_now() - timedelta(milliseconds=1)  # desired.json keeps milliseconds
     assert cli.main(["request", "tf", "stopped", "--create", "--data-dir", str(data)]) == 0
-    written = host.read_desired(data / "tf")
+    written = reads.read_desired(data / "tf")
     assert written is not None and (written.desired, written.requested_by) == (
         "stopped", "operator")  # fmt: skip
     assert written.requested_at is not None and before <= written.requested_at <= utc_now()
@@ -443,7 +444,7 @@ def test_a_known_name_or_create_is_requested(known_by: str, tmp_path: Path, home
     run = run_cli("request", "tf", "running", "--data-dir", str(data),
                   "--recipes-dir", str(recipes), *extra)
     assert run.returncode == 0, run.stderr
-    assert host.read_desired(data / "tf") is not None
+    assert reads.read_desired(data / "tf") is not None
 
 
 def test_installed_recipes_make_a_name_known_without_any_option(
