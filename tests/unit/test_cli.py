@@ -17,6 +17,7 @@ import pytest
 from supervisor import cli
 from supervisor.host import protocol as host
 from supervisor.host import waiting
+from supervisor.host.commands import engines as engine_commands
 from supervisor.protocol import layout, reads
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
@@ -568,15 +569,14 @@ def test_status_lists_engines_not_the_shared_directories(tmp_path: Path) -> None
     for shared in ("telemetry", "memory", "record", "inference-keys"):
         (tmp_path / shared).mkdir()
     (tmp_path / "tf").mkdir()
-    assert cli._engine_names(tmp_path) == ["tf"]
+    assert engine_commands.engine_names(tmp_path) == ["tf"]
 
 
 def test_the_gateways_unit_names_no_engine(tmp_path: Path, home: Path) -> None:
-    from supervisor import cli
-
     data, recipes = tmp_path / "data", ensure_dir(tmp_path / "recipes")
     install_unit(home, "gateway")
     install_unit(home, "router")
-    assert cli.known_engines(data, recipes) == {"router"}
-    assert cli.unknown_engine("router", data, recipes) is None
-    assert "no engine named gateway" in (cli.unknown_engine("gateway", data, recipes) or "")
+    assert engine_commands.known_engines(data, recipes) == {"router"}
+    assert engine_commands.unknown_engine("router", data, recipes) is None
+    refused = engine_commands.unknown_engine("gateway", data, recipes)
+    assert "no engine named gateway" in (refused or "")
