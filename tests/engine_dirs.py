@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.host import protocol as host
+from supervisor.protocol import layout
 
 
 class EngineDirs:
@@ -27,7 +27,7 @@ class EngineDirs:
 
     @property
     def status_path(self) -> Path:
-        return self.dir / host.STATUS
+        return self.dir / layout.STATUS
 
     @property
     def recipe_path(self) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from watchfiles import watch
 
 from supervisor.host import protocol as host
+from supervisor.protocol import layout
 
 from ..engine import Engine
 from ..lab import Lab
@@ -45,7 +46,7 @@ class Listener:
     def __init__(self, lab: Lab) -> None:
         self.data = lab.tmp / "listener"
         self.name = "listener"
-        self.directory = host.engine_dir(self.data, self.name)
+        self.directory = layout.engine_dir(self.data, self.name)
         self.directory.mkdir(parents=True)
         self.wakes: queue.Queue[float] = queue.Queue()
         self.stop = threading.Event()
@@ -56,7 +57,7 @@ class Listener:
         for _ in watch(
             self.directory,
             stop_event=self.stop,
-            watch_filter=lambda _c, path: path.endswith(host.DESIRED),
+            watch_filter=lambda _c, path: path.endswith(layout.DESIRED),
             **self.settings,
         ):
             self.wakes.put(time.perf_counter())

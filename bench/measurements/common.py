@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MS = 1000.0
-HEARTBEAT = 15.0  # the worker's default heartbeat interval (supervisor/cli.py)
+HEARTBEAT = 15.0  # the worker's default heartbeat interval (supervisor/worker/commands.py)
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,11 @@ from supervisor.protocol.documents import (
     Requester,
     Status,
     dump,
-    parse_desired,
-    parse_status,
     utc_now,
 )
-from supervisor.protocol.files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
-
-# the layout's names, re-exported: the host side has always offered them
-from supervisor.protocol.layout import DESIRED as DESIRED  # noqa: PLC0414
-from supervisor.protocol.layout import SHARED_DIRS as SHARED_DIRS  # noqa: PLC0414
-from supervisor.protocol.layout import STATUS as STATUS  # noqa: PLC0414
-from supervisor.protocol.layout import BadName as BadName  # noqa: PLC0414
-from supervisor.protocol.layout import check_name as check_name  # noqa: PLC0414
-from supervisor.protocol.layout import engine_dir as engine_dir  # noqa: PLC0414
-from supervisor.protocol.strictjson import InvalidDocument
+from supervisor.protocol.files import FileLock, ensure_dir, read_text, write_atomic
+from supervisor.protocol.layout import DESIRED, engine_dir
+from supervisor.protocol.reads import load_status, read_desired
 
 STALE_AFTER: Final = timedelta(seconds=60)
 _REQUEST_LOCK: Final = ".request.lock"
@@ -44,21 +35,6 @@ class Reading:
     answer: Answer
     status: Status | None
     reason: str
-
-
-def read_desired(directory: Path) -> DesiredFile | None:
-    """The current request, or None when there is none or it cannot be read."""
-    try:
-        return parse_desired(read_text(directory / DESIRED))
-    except (FileNotFoundError, FileRefused, InvalidDocument):
-        return None
-
-
-def load_status(directory: Path) -> Status | None:
-    try:
-        return parse_status(read_text(directory / STATUS))
-    except (FileNotFoundError, FileRefused, InvalidDocument):
-        return None
 
 
 class Superseded(Exception):

@@ -17,13 +17,11 @@ from typing import Final, TextIO
 
 from watchfiles import watch
 
+from supervisor.console import EXIT_FAILED, EXIT_OK, EXIT_UNANSWERED
 from supervisor.host import protocol as host
 from supervisor.protocol.documents import State
+from supervisor.protocol.layout import engine_dir
 
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_UNANSWERED: Final = 3
-EXIT_CONFIG: Final = 78  # EX_CONFIG: restarting will not help until the file is fixed
 LINE_EVERY: Final = 5.0  # off a terminal: seconds between progress lines
 _CLEAR: Final = "\r\x1b[K"  # carriage return, then erase to the end of the line
 
@@ -125,7 +123,7 @@ def await_state(
     the worker retries by itself is shown and waited through); else 3: the worker is stale,
     none has written a status within no_status_after seconds, or the timeout passed.
     keep_waiting is the command that waits on (said on a timeout)."""
-    directory = host.engine_dir(data_dir, name)
+    directory = engine_dir(data_dir, name)
     started = time.monotonic()
     stream = sys.stderr
     terminal = stream.isatty()

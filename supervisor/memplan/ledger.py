@@ -7,53 +7,37 @@ decides with what the others hold, records its own claim when it fits, writes th
 atomically (files.write_atomic) and only then lets go of the lock. So two workers starting at
 once are serialised: the second sees the first one's claim.
 
-A claim is `{name, bytes, pid, pidStart, container, at}`. It holds while its engine runs (the
-caller passes the names of the running lucia engines it observed), or while the worker that
-made it is alive (same pid and the same start time in /proc/<pid>/stat, so a reused pid does
-not count) and no container is attached yet: a start in progress holds before its container
-exists. Once attached, a claim holds only while its engine runs, so an engine that stops or
-exits frees its memory with no release. A stopped worker's engine still runs and so still
-holds. A worker releases its claim when its start fails before a container exists, or when
-the start will not follow (a stop or a newer request came first).
+A claim (its format is protocol/claims.py: the host's page reads the file too) holds while its
+engine runs (the caller passes the names of the running lucia engines it observed), or while the
+worker that made it is alive (same pid and the same start time in /proc/<pid>/stat, so a reused
+pid does not count) and no container is attached yet: a start in progress holds before its
+container exists. Once attached, a claim holds only while its engine runs, so an engine that
+stops or exits frees its memory with no release. A stopped worker's engine still runs and so
+still holds. A worker releases its claim when its start fails before a container exists, or
+when the start will not follow (a stop or a newer request came first).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from supervisor.memplan.fit import Holding, Verdict
+from supervisor.protocol.claims import (
+    CLAIMS,
+    MAX_CLAIMS_FILE,
+    MEMORY_DIR,
+    Claim,
+    dump_claims,
+    parse_claims,
+)
 from supervisor.protocol.documents import utc_now
 from supervisor.protocol.files import FileLock, FileRefused, ensure_dir, read_text, write_atomic
 
-MEMORY_DIR: Final = "memory"
-CLAIMS: Final = "claims.json"
 LOCK: Final = ".claims.lock"
-MAX_CLAIMS_FILE: Final = 4 * 1024 * 1024
-
-
-class Claim(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    name: str = Field(min_length=1)
-    bytes: int = Field(ge=0)
-    pid: int = Field(ge=1)
-    pid_start: int = Field(ge=0, alias="pidStart")
-    container: str | None = None
-    at: str
-
-
-class _ClaimsFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    schema_version: int = Field(default=1, alias="schemaVersion")
-    claims: list[Claim] = Field(default_factory=list)
 
 
 def process_start(pid: int) -> int | None:
@@ -91,17 +75,15 @@ class Ledger:
         return FileLock(self.directory / LOCK)
 
     def _read(self) -> list[Claim]:
+        """The claims on file; an unreadable ledger holds nothing (the "now" check still
+        guards)."""
         try:
-            text = read_text(self.path, limit=MAX_CLAIMS_FILE)
-            return _ClaimsFile.model_validate_json(text).claims
-        except FileNotFoundError:
+            return parse_claims(read_text(self.path, limit=MAX_CLAIMS_FILE))
+        except (FileNotFoundError, FileRefused, ValueError):
             return []
-        except (FileRefused, ValidationError, ValueError):
-            return []  # an unreadable ledger holds nothing; the "now" check still guards
 
     def _write(self, claims: list[Claim]) -> None:
-        document = _ClaimsFile(claims=claims).model_dump(by_alias=True)
-        write_atomic(self.path, (json.dumps(document, indent=2) + "\n").encode())
+        write_atomic(self.path, dump_claims(claims))
 
     @staticmethod
     def _live(claims: list[Claim], running: Collection[str]) -> list[Claim]:

@@ -12,20 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeAlias
+from typing import Any, TypeAlias
 
-from supervisor.host import protocol as host
 from supervisor.library.models import LibraryUnavailable
 from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, size
 from supervisor.memplan.ledger import Ledger
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
+from supervisor.protocol.claims import HOLDING_STATES
+from supervisor.protocol.layout import BadName, engine_dir
+from supervisor.protocol.reads import load_status
 from supervisor.recipe.schema import Recipe
-
-# A status in one of these may have a container behind it, even with a stale heartbeat (a
-# stopped worker's engine still runs); stopped and failed ones have none.
-HOLDING_STATES: Final = frozenset({"starting", "running", "stopping"})
 
 
 def held_from_files(data_dir: Path) -> tuple[Holding, ...]:
@@ -37,8 +35,8 @@ def held_from_files(data_dir: Path) -> tuple[Holding, ...]:
     running = set()
     for claim in ledger.claims():
         try:
-            status = host.load_status(host.engine_dir(data_dir, claim.name))
-        except host.BadName:
+            status = load_status(engine_dir(data_dir, claim.name))
+        except BadName:
             continue
         if status is not None and status.state in HOLDING_STATES:
             running.add(claim.name)

@@ -1,6 +1,6 @@
 """What the machine has: its memory limit and what is available now, host or GPU.
 
-The host's figures come from /proc/meminfo (MemTotal, MemAvailable; kB there, bytes here). The
+The host's figures come from /proc/meminfo (MemTotal, MemAvailable, read by hw.meminfo). The
 GPU's come from a GpuQuery: any function returning (total, free) bytes summed over the GPUs the
 engines use; nvidia_smi_query() asks the GPU boundary (hw.gpu), which runs nvidia-smi.
 """
@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Literal
 
 from supervisor.hw import gpu
+from supervisor.hw.meminfo import MEMINFO, MeminfoUnreadable, read_meminfo
 from supervisor.memplan.settings import MachineSettings
-from supervisor.protocol.files import read_text
-
-MEMINFO: Final = Path("/proc/meminfo")
 
 GpuQuery = Callable[[], tuple[int, int]]
 
@@ -39,23 +37,12 @@ class Memory:
         return self.source != "gpu"
 
 
-def parse_meminfo(text: str) -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes from /proc/meminfo's text."""
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in {"MemTotal", "MemAvailable"}:
-            number, _, unit = rest.strip().partition(" ")
-            if not number.isdigit() or unit not in {"kB", ""}:
-                raise ProbeFailed(f"/proc/meminfo: cannot read {key}: {rest.strip()!r}")
-            found[key] = int(number) * (1024 if unit == "kB" else 1)
-    if len(found) != 2:
-        raise ProbeFailed("/proc/meminfo: MemTotal or MemAvailable is missing")
-    return found["MemTotal"], found["MemAvailable"]
-
-
 def host_memory(path: Path = MEMINFO) -> tuple[int, int]:
-    return parse_meminfo(read_text(path, limit=1024 * 1024))
+    """The host's (MemTotal, MemAvailable); ProbeFailed when /proc/meminfo does not say them."""
+    try:
+        return read_meminfo(path)
+    except MeminfoUnreadable as exc:
+        raise ProbeFailed(str(exc)) from None
 
 
 def parse_nvidia_smi(text: str) -> tuple[int, int]:

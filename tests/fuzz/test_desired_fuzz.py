@@ -43,12 +43,12 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from supervisor.host.protocol import DESIRED, STATUS
 from supervisor.notify import Notifier
 from supervisor.protocol import documents as protocol
 from supervisor.protocol import files
 from supervisor.protocol.documents import MAX_GENERATION, DesiredFile, TargetGroup
 from supervisor.protocol.files import FileRefused
+from supervisor.protocol.layout import DESIRED, STATUS
 from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request

@@ -23,9 +23,9 @@ from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
-from supervisor.host.protocol import read_desired
 from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
+from supervisor.protocol.reads import read_desired
 
 INFERENCE_KEY = "inference-key-" + "x" * 32
 OWNER_KEY = "owner-key-" + "y" * 32

@@ -15,8 +15,9 @@ import aiohttp
 import pytest
 
 from supervisor import cli
-from supervisor.host.protocol import DESIRED, request
+from supervisor.host.protocol import request
 from supervisor.protocol.files import write_atomic
+from supervisor.protocol.layout import DESIRED
 from tests.host.gateway_world import (
     AUTH,
     OWNER,

@@ -35,9 +35,9 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from supervisor import paths
 from supervisor.host.page.routes import COOKIE, COOKIE_PATH, CSRF_HEADER
-from supervisor.host.protocol import load_status
 from supervisor.memplan.preview import NOT_PLANNED
 from supervisor.protocol.documents import MemoryPlan
+from supervisor.protocol.reads import load_status
 from tests.browser import (
     RETRY,
     WAIT_S,

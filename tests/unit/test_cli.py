@@ -17,6 +17,8 @@ import pytest
 from supervisor import cli
 from supervisor.host import protocol as host
 from supervisor.host import waiting
+from supervisor.host.commands import engines as engine_commands
+from supervisor.protocol import layout, reads
 from supervisor.protocol.documents import DesiredFile, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.version import version
@@ -32,7 +34,7 @@ def write_desired(
     document = DesiredFile.model_validate(
         {"schemaVersion": 1, "generation": generation, "desired": desired, **said}
     )
-    write_atomic(ensure_dir(data / name) / host.DESIRED, dump(document))
+    write_atomic(ensure_dir(data / name) / layout.DESIRED, dump(document))
 
 
 def write_status(
@@ -55,7 +57,7 @@ def write_status(
         checked_at=now - age,
         **extra,
     )
-    write_atomic(ensure_dir(data / name) / host.STATUS, dump(status))
+    write_atomic(ensure_dir(data / name) / layout.STATUS, dump(status))
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -359,7 +361,7 @@ def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
     # the request is not withdrawn; the operator is told how to keep waiting
     assert "the request goes on: keep waiting with: " in run.stderr
     assert f"lucia-supervisor wait tf --state running --data-dir {tmp_path}\n" in run.stderr
-    assert host.read_desired(tmp_path / "tf") is not None
+    assert reads.read_desired(tmp_path / "tf") is not None
 
 
 def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -> None:
@@ -387,7 +389,7 @@ def test_a_request_from_the_command_line_is_an_operators(
     data = tmp_path / "data"
     before = utc_now() - timedelta(milliseconds=1)  # desired.json keeps milliseconds
     assert cli.main(["request", "tf", "stopped", "--create", "--data-dir", str(data)]) == 0
-    written = host.read_desired(data / "tf")
+    written = reads.read_desired(data / "tf")
     assert written is not None and (written.desired, written.requested_by) == (
         "stopped", "operator")  # fmt: skip
     assert written.requested_at is not None and before <= written.requested_at <= utc_now()
@@ -443,7 +445,7 @@ def test_a_known_name_or_create_is_requested(known_by: str, tmp_path: Path, home
     run = run_cli("request", "tf", "running", "--data-dir", str(data),
                   "--recipes-dir", str(recipes), *extra)
     assert run.returncode == 0, run.stderr
-    assert host.read_desired(data / "tf") is not None
+    assert reads.read_desired(data / "tf") is not None
 
 
 def test_installed_recipes_make_a_name_known_without_any_option(
@@ -567,15 +569,14 @@ def test_status_lists_engines_not_the_shared_directories(tmp_path: Path) -> None
     for shared in ("telemetry", "memory", "record", "inference-keys"):
         (tmp_path / shared).mkdir()
     (tmp_path / "tf").mkdir()
-    assert cli._engine_names(tmp_path) == ["tf"]
+    assert engine_commands.engine_names(tmp_path) == ["tf"]
 
 
 def test_the_gateways_unit_names_no_engine(tmp_path: Path, home: Path) -> None:
-    from supervisor import cli
-
     data, recipes = tmp_path / "data", ensure_dir(tmp_path / "recipes")
     install_unit(home, "gateway")
     install_unit(home, "router")
-    assert cli.known_engines(data, recipes) == {"router"}
-    assert cli.unknown_engine("router", data, recipes) is None
-    assert "no engine named gateway" in (cli.unknown_engine("gateway", data, recipes) or "")
+    assert engine_commands.known_engines(data, recipes) == {"router"}
+    assert engine_commands.unknown_engine("router", data, recipes) is None
+    refused = engine_commands.unknown_engine("gateway", data, recipes)
+    assert "no engine named gateway" in (refused or "")

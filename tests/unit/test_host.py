@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host import protocol as host
 from supervisor.host.protocol import (
     STALE_AFTER,
-    BadName,
     Superseded,
     classify,
-    read_desired,
     read_status,
     request,
 )
+from supervisor.protocol import layout, reads
 from supervisor.protocol.documents import DesiredFile, Status, dump, parse_desired, utc_now
 from supervisor.protocol.files import read_text, write_atomic
+from supervisor.protocol.layout import BadName
 
 CLI = Path(sys.executable).with_name("lucia-supervisor")
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -87,11 +86,11 @@ def test_stale_after_is_sixty_seconds() -> None:
 def test_read_status_reads_the_file_and_takes_time_as_a_parameter(tmp_path: Path) -> None:
     directory = tmp_path / "tf"
     directory.mkdir()
-    write_atomic(directory / host.STATUS, dump(heartbeat(5, timedelta(0))))
+    write_atomic(directory / layout.STATUS, dump(heartbeat(5, timedelta(0))))
     assert read_status(tmp_path, "tf", 5, now=NOW).answer == "current"
     assert read_status(tmp_path, "tf", 6, now=NOW).answer == "pending"
     assert read_status(tmp_path, "tf", 5, now=NOW + timedelta(seconds=61)).answer == "unavailable"
-    (directory / host.STATUS).write_text("{not json")
+    (directory / layout.STATUS).write_text("{not json")
     assert read_status(tmp_path, "tf", 5, now=NOW).answer == "unavailable"
     assert read_status(tmp_path, "other", 1, now=NOW).answer == "unavailable"
 
@@ -100,7 +99,7 @@ def test_read_status_reads_the_file_and_takes_time_as_a_parameter(tmp_path: Path
 
 
 def desired_at(data_dir: Path, name: str = "tf") -> tuple[int, str]:
-    document = parse_desired(read_text(data_dir / name / host.DESIRED))
+    document = parse_desired(read_text(data_dir / name / layout.DESIRED))
     return document.generation, document.desired
 
 
@@ -117,10 +116,10 @@ def test_first_request_is_one_and_requests_increment(tmp_path: Path) -> None:
 def test_each_request_says_who_asked_and_when(tmp_path: Path) -> None:
     before = utc_now() - timedelta(milliseconds=1)  # desired.json keeps milliseconds
     request(tmp_path, "tf", "running", "gateway")
-    first = read_desired(tmp_path / "tf")
+    first = reads.read_desired(tmp_path / "tf")
     assert first is not None and first.requested_by == "gateway"
     request(tmp_path, "tf", "stopped")  # an operator's, unless said otherwise
-    second = read_desired(tmp_path / "tf")
+    second = reads.read_desired(tmp_path / "tf")
     assert second is not None and (second.requested_by, second.desired) == ("operator", "stopped")
     assert first.requested_at is not None and second.requested_at is not None
     assert before <= first.requested_at <= second.requested_at <= utc_now()
@@ -130,11 +129,11 @@ def test_each_request_says_who_asked_and_when(tmp_path: Path) -> None:
 def test_a_conditional_request_never_overwrites_one_made_since(tmp_path: Path) -> None:
     """The gateway writes on what it read: an operator's stop made in between stands."""
     request(tmp_path, "tf", "stopped", "gateway")
-    seen = read_desired(tmp_path / "tf")
+    seen = reads.read_desired(tmp_path / "tf")
     request(tmp_path, "tf", "stopped")  # the operator, between the gateway's look and write
     with pytest.raises(Superseded) as refused:
         request(tmp_path, "tf", "running", "gateway", only_if=lambda now: now == seen)
-    current = read_desired(tmp_path / "tf")
+    current = reads.read_desired(tmp_path / "tf")
     assert refused.value.current == current
     assert current is not None and (current.generation, current.desired) == (2, "stopped")
     assert "generation 2 (stopped)" in str(refused.value)
@@ -156,7 +155,7 @@ def test_request_writes_mode_0640_and_no_temp_files(tmp_path: Path) -> None:
     request(tmp_path, "tf", "running")
     os.umask(0)
     request(tmp_path, "tf", "running")
-    path = tmp_path / "tf" / host.DESIRED
+    path = tmp_path / "tf" / layout.DESIRED
     assert path.stat().st_mode & 0o7777 == 0o640
     assert not [p for p in (tmp_path / "tf").iterdir() if p.name.endswith(".tmp")]
 
@@ -180,12 +179,13 @@ def test_request_goes_above_both_request_and_status(
     directory = tmp_path / "tf"
     directory.mkdir()
     if desired is not None:
-        (directory / host.DESIRED).write_bytes(desired)
+        (directory / layout.DESIRED).write_bytes(desired)
     if status_generation is not None:
-        write_atomic(directory / host.STATUS, dump(heartbeat(status_generation, timedelta(0))))
+        write_atomic(directory / layout.STATUS, dump(heartbeat(status_generation, timedelta(0))))
     assert request(tmp_path, "tf", "running") == expected
     assert desired_at(tmp_path) == (expected, "running")
-    assert classify(host.load_status(directory), expected, NOW).answer in {"pending", "unavailable"}
+    answer = classify(reads.load_status(directory), expected, NOW).answer
+    assert answer in {"pending", "unavailable"}
 
 
 def test_a_restored_older_request_never_makes_a_generation_reused(tmp_path: Path) -> None:
@@ -194,9 +194,9 @@ def test_a_restored_older_request_never_makes_a_generation_reused(tmp_path: Path
     for _ in range(41):
         request(tmp_path, "tf", "running")
     directory = tmp_path / "tf"
-    (directory / host.DESIRED).write_bytes(
+    (directory / layout.DESIRED).write_bytes(
         b'{"schemaVersion": 1, "generation": 38, "desired": "stopped"}')
-    write_atomic(directory / host.STATUS, dump(heartbeat(38, timedelta(0), "stopped")))
+    write_atomic(directory / layout.STATUS, dump(heartbeat(38, timedelta(0), "stopped")))
     assert request(tmp_path, "tf", "running") == 42
     (directory / ".generation").write_text("not a number\n")  # damaged: the files still count
     assert request(tmp_path, "tf", "running") == 43
@@ -206,9 +206,9 @@ def test_request_replaces_a_symlinked_desired(tmp_path: Path) -> None:
     outside = tmp_path / "outside.json"
     outside.write_text('{"schemaVersion": 1, "generation": 50, "desired": "running"}')
     (tmp_path / "tf").mkdir()
-    (tmp_path / "tf" / host.DESIRED).symlink_to(outside)
+    (tmp_path / "tf" / layout.DESIRED).symlink_to(outside)
     assert request(tmp_path, "tf", "stopped") == 1
-    assert not (tmp_path / "tf" / host.DESIRED).is_symlink()
+    assert not (tmp_path / "tf" / layout.DESIRED).is_symlink()
     assert outside.read_text().startswith('{"schemaVersion": 1, "generation": 50')
 
 
@@ -225,14 +225,14 @@ def test_bad_names_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(BadName, match="invalid engine name"):
         request(data, name, "running")
     with pytest.raises(BadName):
-        host.engine_dir(data, name)
+        layout.engine_dir(data, name)
     assert not data.exists()
 
 
 @pytest.mark.parametrize("name", GOOD_NAMES)
 def test_good_names_are_accepted(tmp_path: Path, name: str) -> None:
     assert request(tmp_path, name, "running") == 1
-    assert (tmp_path / name / host.DESIRED).is_file()
+    assert (tmp_path / name / layout.DESIRED).is_file()
 
 
 def test_twenty_concurrent_requesters_get_distinct_generations(tmp_path: Path) -> None:

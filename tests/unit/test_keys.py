@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli, paths
+from supervisor import cli, console, paths
 from supervisor.host import keys
 from supervisor.host.keys import IssuedKey, KeyRefused
 
@@ -251,15 +251,15 @@ def test_the_key_is_printed_once_and_never_listed_or_logged(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     data = ["--data-dir", str(tmp_path)]
-    assert cli.main(["keys", "create", "laptop", "--expires", "30d", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "create", "laptop", "--expires", "30d", *data]) == console.EXIT_OK
     created = capsys.readouterr()
     secret = created.out.strip()
     assert secret.startswith("lucia_inf_") and created.out == secret + "\n"
     assert secret not in created.err and "laptop" in created.err
-    assert cli.main(["keys", "list", *data]) == cli.EXIT_OK
-    assert cli.main(["keys", "list", "--json", *data]) == cli.EXIT_OK
-    assert cli.main(["keys", "revoke", "laptop", *data]) == cli.EXIT_OK
-    assert cli.main(["keys", "list", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "list", *data]) == console.EXIT_OK
+    assert cli.main(["keys", "list", "--json", *data]) == console.EXIT_OK
+    assert cli.main(["keys", "revoke", "laptop", *data]) == console.EXIT_OK
+    assert cli.main(["keys", "list", *data]) == console.EXIT_OK
     later = capsys.readouterr()
     digest = hashlib.sha256(secret.encode()).hexdigest()
     for text in (later.out, later.err, caplog.text, paths.keys_file(tmp_path).read_text()):
@@ -294,7 +294,7 @@ def test_command_refusals(
     message: str,
 ) -> None:
     for earlier in before:
-        assert cli.main([*earlier, "--data-dir", str(tmp_path)]) == cli.EXIT_OK
+        assert cli.main([*earlier, "--data-dir", str(tmp_path)]) == console.EXIT_OK
     capsys.readouterr()
     assert cli.main([*argv, "--data-dir", str(tmp_path)]) == code
     assert message in capsys.readouterr().err
@@ -307,7 +307,7 @@ def test_an_invalid_keys_file_is_a_configuration_error(
     path = paths.keys_file(tmp_path)
     path.parent.mkdir()
     path.write_text("{")
-    assert cli.main(["keys", *command, "--data-dir", str(tmp_path)]) == cli.EXIT_CONFIG
+    assert cli.main(["keys", *command, "--data-dir", str(tmp_path)]) == console.EXIT_CONFIG
     assert str(path) in capsys.readouterr().err
     assert path.read_text() == "{"
 
@@ -316,14 +316,14 @@ def test_a_keys_own_budget_is_kept_changed_and_given_back_to_the_default(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = ["--data-dir", str(tmp_path)]
-    assert cli.main(["keys", "create", "ci", "--budget", "5000", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "create", "ci", "--budget", "5000", *data]) == console.EXIT_OK
     (entry,) = keys.load(paths.keys_file(tmp_path))
     assert entry.budget == 5000
-    assert cli.main(["keys", "budget", "ci", "200", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "budget", "ci", "200", *data]) == console.EXIT_OK
     assert keys.load(paths.keys_file(tmp_path))[0].budget == 200
-    assert cli.main(["keys", "list", "--json", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "list", "--json", *data]) == console.EXIT_OK
     assert '"budget": "200"' in capsys.readouterr().out
-    assert cli.main(["keys", "budget", entry.id, "default", *data]) == cli.EXIT_OK
+    assert cli.main(["keys", "budget", entry.id, "default", *data]) == console.EXIT_OK
     assert keys.load(paths.keys_file(tmp_path))[0].budget is None
     # a keys.json from before budgets has none: every key the default
     text = paths.keys_file(tmp_path).read_text().replace('"budget": null', '"x": 1')

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.hw.meminfo import MeminfoUnreadable, parse_meminfo
 from supervisor.library.ggufmeta import read_metadata
 from supervisor.memplan.fit import Budget, Holding, check, check_now
 from supervisor.memplan.kv import KvShape, Layer, shape
 from supervisor.memplan.need import EngineNeed, figures, plan_model, planned_context
-from supervisor.memplan.probe import ProbeFailed, parse_meminfo, parse_nvidia_smi
+from supervisor.memplan.probe import ProbeFailed, parse_nvidia_smi
 from supervisor.memplan.router import Options, RouterModel, options, plan
 from tests.gguf_fixtures import write_model
 
@@ -153,7 +154,7 @@ def test_router_options_refused(defaults: dict[str, str | int | bool]) -> None:
 def test_meminfo_and_nvidia_smi() -> None:
     text = "MemTotal:       24576000 kB\nMemFree: 1 kB\nMemAvailable:   12288000 kB\n"
     assert parse_meminfo(text) == (24576000 * 1024, 12288000 * 1024)
-    with pytest.raises(ProbeFailed):
+    with pytest.raises(MeminfoUnreadable):
         parse_meminfo("MemTotal: 5 kB\n")
     assert parse_nvidia_smi("81559, 80000\n81559, 1000\n") == (2 * 81559 * MIB, 81000 * MIB)
     for bad in ("", "N/A, 5\n", "1, 2, 3\n"):

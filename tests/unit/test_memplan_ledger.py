@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.memplan.fit import Budget, Holding, Verdict, check
-from supervisor.memplan.ledger import LOCK, Claim, Ledger, process_start
+from supervisor.memplan.ledger import LOCK, Ledger, process_start
 from supervisor.memplan.need import EngineNeed, figures
+from supervisor.protocol.claims import Claim
 
 G = 1024**3
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.host.commands.models import progress_text, size
 from supervisor.host.library import manifest as mf
-from supervisor.host.library.commands import progress_text, size
 from supervisor.host.library.control import default_name, queue_problem, space_problem
 from supervisor.host.library.fetch import Rate, child_argv, child_env
 from supervisor.host.library.hub import HubRefused, check_repo, included, parse_tree, safe_path

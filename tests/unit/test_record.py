@@ -472,11 +472,11 @@ def test_a_target_is_one_place() -> None:
 def test_the_records_directory_is_no_engine(tmp_path: Path) -> None:
     """<data>/record/ holds the SQLite record: `status` lists no engine of that name, and no
     engine may take it."""
-    from supervisor import cli
+    from supervisor.host.commands.engines import engine_names
     from supervisor.protocol.layout import BadName, check_name
 
     (tmp_path / "record").mkdir()
     (tmp_path / "tf").mkdir()
-    assert cli._engine_names(tmp_path) == ["tf"]
+    assert engine_names(tmp_path) == ["tf"]
     with pytest.raises(BadName, match="shared"):
         check_name("record")

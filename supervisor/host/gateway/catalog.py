@@ -22,16 +22,10 @@ from typing import Final
 
 from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.starter import Step, plan
-from supervisor.host.protocol import (
-    DESIRED,
-    STALE_AFTER,
-    STATUS,
-    BadName,
-    check_name,
-    load_status,
-    read_desired,
-)
+from supervisor.host.protocol import STALE_AFTER
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
+from supervisor.protocol.layout import DESIRED, STATUS, BadName, check_name
+from supervisor.protocol.reads import load_status, read_desired
 
 _SHOWN: Final = 50  # model names listed in a 404
 

@@ -23,8 +23,10 @@ from supervisor.host.gateway.catalog import Catalog, Engine
 from supervisor.host.gateway.idle import IdleStop
 from supervisor.host.gateway.intake import read_body
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.protocol import BadName, check_name, engine_dir, read_desired, request
+from supervisor.host.protocol import request
 from supervisor.protocol.documents import dump
+from supervisor.protocol.layout import BadName, check_name, engine_dir
+from supervisor.protocol.reads import read_desired
 
 ENGINES: Final = "/api/host/engines"
 _BODY_LIMIT: Final = 64 * 1024

@@ -25,8 +25,10 @@ from aiohttp import web
 from supervisor import logs
 from supervisor.host.gateway.admission import Gate
 from supervisor.host.gateway.starter import Starter
-from supervisor.host.protocol import Superseded, engine_dir, load_status, read_desired, request
+from supervisor.host.protocol import Superseded, request
 from supervisor.protocol.documents import DesiredFile, Status
+from supervisor.protocol.layout import engine_dir
+from supervisor.protocol.reads import load_status, read_desired
 
 CHECK_S: Final = 1.0
 log = logs.get("gateway")

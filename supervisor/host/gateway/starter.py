@@ -29,15 +29,10 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.protocol import (
-    Superseded,
-    classify,
-    engine_dir,
-    load_status,
-    read_desired,
-    request,
-)
+from supervisor.host.protocol import Superseded, classify, request
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
+from supervisor.protocol.layout import engine_dir
+from supervisor.protocol.reads import load_status, read_desired
 
 POLL_S: Final = 0.25
 

@@ -1,9 +1,10 @@
 """The memory section: the workers' plans and the ledger's claims against the limit, from files.
 
-The host imports no memory plan (the layers put it below the plan), so this reads what the
+The host imports no memory plan (it knows no worker, engine or plan), so this reads what the
 workers wrote: each engine's status.json `memory` (its plan: the need of a start, whether it
 fits now and why not, the machine's limit and its source, the four reserves, when it was made),
-`<data>/memory/claims.json` (each engine's claimed bytes) and /proc/meminfo. The limit and the
+`<data>/memory/claims.json` (each engine's claimed bytes, read by protocol/claims.py) and
+/proc/meminfo (read by hw/meminfo.py, as the plan reads both). The limit and the
 reserves are the newest plan's; with no plan published yet, the limit is MemTotal and the
 reserves are unknown. An engine that holds memory (starting, running, stopping) counts with
 its claim; any other engine shows its planned need, which counts against nothing. Free is the
@@ -12,50 +13,15 @@ limit less the reserves and what is held, negative when they are over it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from supervisor.host.gateway.catalog import Catalog
+from supervisor.hw.meminfo import MEMINFO, MeminfoUnreadable, read_meminfo
+from supervisor.protocol.claims import HOLDING_STATES, MAX_CLAIMS_FILE, claims_path, held_claims
 from supervisor.protocol.documents import MemoryPlan, Status
 from supervisor.protocol.files import FileRefused, read_text
-
-CLAIMS: Final = Path("memory") / "claims.json"
-MEMINFO: Final = Path("/proc/meminfo")
-HOLDING: Final = frozenset({"starting", "running", "stopping"})
-RESERVES: Final = ("os", "services", "voice", "runtime")
-_LIMIT: Final = 4 * 1024 * 1024
-
-
-def parse_meminfo(text: str) -> tuple[int, int] | None:
-    """Pure: (MemTotal, MemAvailable) in bytes, or None when either is missing."""
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        number, _, unit = rest.strip().partition(" ")
-        if key in {"MemTotal", "MemAvailable"} and number.isdigit():
-            found[key] = int(number) * (1024 if unit == "kB" else 1)
-    if len(found) != 2:
-        return None
-    return found["MemTotal"], found["MemAvailable"]
-
-
-def parse_claims(text: str) -> list[tuple[str, int]]:
-    """Pure: the (name, bytes) of each well-formed claim; anything else is skipped."""
-    try:
-        document = json.loads(text)
-    except ValueError:
-        return []
-    claims = document.get("claims") if isinstance(document, dict) else None
-    found = []
-    for claim in claims if isinstance(claims, list) else []:
-        if not isinstance(claim, dict):
-            continue
-        name, size = claim.get("name"), claim.get("bytes")
-        if isinstance(name, str) and type(size) is int and size >= 0:
-            found.append((name, size))
-    return found
 
 
 def newest_plan(statuses: Mapping[str, Status | None]) -> tuple[str, MemoryPlan] | None:
@@ -110,11 +76,11 @@ def overview(
     newest = newest_plan(statuses)
     if newest is None and machine is None:
         return None
-    holding = {name for name, s in statuses.items() if s is not None and s.state in HOLDING}
+    holding = {name for name, s in statuses.items() if s is not None and s.state in HOLDING_STATES}
     held = [(name, size) for name, size in claims if name in holding]
     needs, unplanned = [], []
     for name, status in sorted(statuses.items()):
-        if status is None or status.state in HOLDING:
+        if status is None or status.state in HOLDING_STATES:
             continue
         if status.memory is None:
             unplanned.append(name)
@@ -127,7 +93,7 @@ def overview(
         name, chosen = newest
         limit, source = chosen.limit, chosen.limit_source
         plan = {"engine": name, "plannedAt": _at(chosen)}
-        reserves = {key: getattr(chosen.reserves, key) for key in RESERVES}
+        reserves = chosen.reserves.model_dump()
     reserved = sum(reserves.values()) if reserves else 0
     return {
         "limit": limit,
@@ -151,13 +117,15 @@ class LedgerMemory:
         self.catalog = Catalog(data_dir)
 
     def read(self) -> dict[str, Any] | None:
+        machine: tuple[int, int] | None
         try:
-            machine = parse_meminfo(read_text(self.meminfo, limit=_LIMIT))
-        except (OSError, FileRefused):
+            machine = read_meminfo(self.meminfo)
+        except (OSError, FileRefused, MeminfoUnreadable):
             machine = None
         try:
-            text = read_text(self.data_dir / CLAIMS, limit=_LIMIT)
+            text = read_text(claims_path(self.data_dir), limit=MAX_CLAIMS_FILE)
         except (OSError, FileRefused):
             text = "{}"
+        claims = [(held.name, held.bytes) for held in held_claims(text)]
         statuses = {engine.name: engine.status for engine in self.catalog.engines()}
-        return overview(statuses, parse_claims(text), machine)
+        return overview(statuses, claims, machine)

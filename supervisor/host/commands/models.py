@@ -14,27 +14,30 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Final, TypeAlias
+from typing import Final
 
 from supervisor import logs, paths
+from supervisor.console import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNANSWERED,
+    Subparsers,
+    print_err,
+)
 from supervisor.host.library import control
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.hub import Hub, HubRefused
 from supervisor.host.library.job import Settings, read_token
 from supervisor.host.library.lease import CatalogHeld, CatalogLease
 from supervisor.host.library.runner import Runner
-from supervisor.host.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_UNANSWERED, Progress
+from supervisor.host.waiting import Progress
 from supervisor.notify import Notifier
 
-Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 ENDED: Final = frozenset({"Ready", "Failed", "Canceled", "Interrupted"})
 ANSWER_WAIT: Final = 10.0
 LEASE_WAIT: Final = 5.0  # a CLI holds the lease for a moment to apply a request itself
 NO_SERVICE: Final = 60.0  # add --wait gives up after this long with no service running
-
-
-def _err(message: str) -> None:
-    print(f"lucia-supervisor: {message}", file=sys.stderr)
 
 
 def _root(args: argparse.Namespace) -> Path:
@@ -68,12 +71,12 @@ def _cmd_add(args: argparse.Namespace) -> int:
             root, hub, args.repo, args.revision, include=args.include or [], name=args.name
         )
     except (HubRefused, control.Refused, ValueError) as exc:
-        _err(str(exc))
+        print_err(str(exc))
         return EXIT_FAILED
     print(f"{model.id} {model.name}: queued {model.source.repo} at {model.source.commit} "
           f"({len(model.hub_files)} files, {size(model.bytes_total)})")  # fmt: skip
     if CatalogLease(root).holder() is None:
-        _err("the library's service is not running: systemctl --user start lucia-models")
+        print_err("the library's service is not running: systemctl --user start lucia-models")
     if not args.wait:
         return EXIT_OK
     return _follow(root, model.id)
@@ -88,7 +91,7 @@ def _follow(root: Path, guid: str) -> int:
             serviced = time.monotonic()
         elif time.monotonic() - serviced > NO_SERVICE:
             sys.stderr.write(shown.finish())
-            _err(f"no library service ran for {NO_SERVICE:g} s; the download waits Queued: "
+            print_err(f"no library service ran for {NO_SERVICE:g} s; the download waits Queued: "
                  "systemctl --user start lucia-models")  # fmt: skip
             return EXIT_UNANSWERED
         model = mf.load(root, guid)
@@ -122,7 +125,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     try:
         model = mf.find(_root(args), args.model)
     except LookupError as exc:
-        _err(str(exc))
+        print_err(str(exc))
         return EXIT_FAILED
     sys.stdout.write(mf.dump(model).decode())
     return EXIT_OK
@@ -135,10 +138,10 @@ def _cmd_request(args: argparse.Namespace) -> int:
         model = mf.find(root, args.model)
         applied = control.request(root, model.id, action)
     except (LookupError, control.Refused, FileNotFoundError) as exc:
-        _err(str(exc))
+        print_err(str(exc))
         return EXIT_FAILED
     if not applied and not _answered(root, model.id, action):
-        _err(f"the library's service has not taken the {action} of {model.name} yet; it will")
+        print_err(f"the library's service has not taken the {action} of {model.name} yet; it will")
         return EXIT_FAILED
     after = "removed" if action == "remove" else mf.load(root, model.id).state
     print(f"{model.id} {model.name}: {after}")
@@ -170,7 +173,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         changes = runner.start(wait=LEASE_WAIT)
     except CatalogHeld as exc:
         log.error("the model library refused to start", error=str(exc))
-        _err(str(exc))
+        print_err(str(exc))
         return EXIT_CONFIG
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

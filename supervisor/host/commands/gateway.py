@@ -1,4 +1,4 @@
-"""The host's own commands: the gateway, the inference keys it checks, and its record's usage.
+"""The gateway's commands: the gateway, the inference keys it checks, and its record's usage.
 
 They read and write the host's files only (the data directory, keys.json); none touches Docker,
 an engine or a worker.
@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import datetime
-from typing import TypeAlias
 
 from supervisor import paths
+from supervisor.console import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, Subparsers, print_err
 from supervisor.host import keys
-from supervisor.host.waiting import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from supervisor.protocol.documents import utc_now
-
-Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-
-
-def print_err(message: str) -> None:
-    print(f"lucia-supervisor: {message}", file=sys.stderr)
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
