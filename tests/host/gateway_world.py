@@ -18,12 +18,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from supervisor.host.gateway.app import GATEWAY, Gateway, Timing, create_app
-from supervisor.host.gateway.budget import Spending
 from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import Settings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
 from supervisor.host.protocol import read_desired
+from supervisor.host.proxy.budget import Spending
 from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 

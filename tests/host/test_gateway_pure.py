@@ -9,20 +9,19 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gateway import body
-from supervisor.host.gateway.admission import decide
-from supervisor.host.gateway.catalog import Engine, route
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import (
     DEFAULT_RUNNING,
     MAX_RUNNING,
-    Admission,
     SettingsError,
     parse,
     running_bound,
 )
-from supervisor.host.gateway.starter import operator_stop, plan
-from supervisor.host.gateway.usage import UsageFilter
+from supervisor.host.proxy import body
+from supervisor.host.proxy.admission import Admission, decide
+from supervisor.host.proxy.catalog import Engine, route
+from supervisor.host.proxy.starter import operator_stop, plan
+from supervisor.host.proxy.usage import UsageFilter
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 NOW = utc_now()

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.settings import Admission
+from supervisor.host.proxy.admission import Admission, Gate
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, Upstream, World, world, write_status
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

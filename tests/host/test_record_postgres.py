@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import structlog
 
-from supervisor.host.gateway.forward import Trace
 from supervisor.host.gateway.recording import Request, row_of
+from supervisor.host.proxy.forward import Trace
 from supervisor.host.record import batch, queries, schema
 from supervisor.host.record.database import Target, open_postgres, open_sqlite
 from supervisor.host.record.ledger import Spent

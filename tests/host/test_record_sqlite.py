@@ -127,9 +127,9 @@ def test_spent_counts_what_is_queued_before_it_is_committed(store_at: Any) -> No
 
 
 def test_the_gateways_budget_reads_the_store(store_at: Any) -> None:
-    """gateway.budget's standing and refusal, with the store as its Spending."""
-    from supervisor.host.gateway import budget as budgets
+    """proxy.budget's standing and refusal, with the store as its Spending."""
     from supervisor.host.keycheck import Identity
+    from supervisor.host.proxy import budget as budgets
 
     caller = Identity(KEY, "inference", "laptop", budget=1000)
     store = store_at(timing=Timing(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05))

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from supervisor.host.gateway.forward import Trace
 from supervisor.host.gateway.recording import Request, row_of
 from supervisor.host.gateway.settings import SettingsError, parse
+from supervisor.host.proxy.forward import Trace
 from supervisor.host.record.batch import totals_of
 from supervisor.host.record.database import Target, safe_dsn
 from supervisor.host.record.ledger import Ledger, Spent

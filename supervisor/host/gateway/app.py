@@ -17,27 +17,28 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
-from supervisor.host.gateway import body, recording
-from supervisor.host.gateway import budget as budgets
-from supervisor.host.gateway.admission import Gate, decide
-from supervisor.host.gateway.auth import Authenticator, Caller, allowed, check_bearer
-from supervisor.host.gateway.bodies import Bodies
-from supervisor.host.gateway.catalog import Catalog, Engine, route
-from supervisor.host.gateway.forward import Forwarder, Trace
-from supervisor.host.gateway.hostapi import HostApi
-from supervisor.host.gateway.idle import CHECK_S, IdleStop
-from supervisor.host.gateway.intake import answer_and_close, peer
-from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.reserve import Hold, Reservations
+from supervisor.host.gateway import recording
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
-from supervisor.host.gateway.starter import POLL_S, Starter
-from supervisor.host.gateway.usageapi import UsageApi
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
 from supervisor.host.page.sessions import Sessions
 from supervisor.host.page.sources import Sources
+from supervisor.host.proxy import body
+from supervisor.host.proxy import budget as budgets
+from supervisor.host.proxy.admission import Gate, decide
+from supervisor.host.proxy.bodies import Bodies
+from supervisor.host.proxy.catalog import Catalog, Engine, route
+from supervisor.host.proxy.forward import Forwarder, Trace
+from supervisor.host.proxy.hostapi import HostApi
+from supervisor.host.proxy.idle import CHECK_S, IdleStop
+from supervisor.host.proxy.metrics import CONTENT_TYPE, Metrics
+from supervisor.host.proxy.reserve import Hold, Reservations
+from supervisor.host.proxy.starter import POLL_S, Starter
+from supervisor.host.proxy.usageapi import UsageApi
+from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowed, check_bearer
+from supervisor.host.web.intake import answer_and_close, peer
+from supervisor.host.web.refusal import Refusal
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests

@@ -90,7 +90,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Final, Self
 
@@ -104,7 +103,8 @@ from pydantic import (
     model_validator,
 )
 
-from supervisor.host.gateway.bounds import Bounds
+from supervisor.host.proxy.admission import Admission
+from supervisor.host.proxy.bounds import Bounds
 from supervisor.host.record.database import SQLITE_FILE, Target
 from supervisor.protocol import names
 
@@ -287,16 +287,6 @@ def running_bound(engine_set: int | None, limits_set: int | None, slots: int | N
     if slots is not None and slots >= 1:
         return min(slots, MAX_RUNNING)
     return DEFAULT_RUNNING
-
-
-@dataclass(frozen=True)
-class Admission:
-    """One engine's resolved admission limits."""
-
-    running: int
-    waiting: int
-    max_wait_s: float
-    deadline_s: float
 
 
 class Settings(_Section):

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.host.gateway.catalog import Catalog
+from supervisor.host.proxy.catalog import Catalog
 from supervisor.protocol.documents import MemoryPlan, Status
 from supervisor.protocol.files import FileRefused, read_text
 

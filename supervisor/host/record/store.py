@@ -2,7 +2,7 @@
 
     store = Store.open(settings.record.target(data_dir), settings.record.retention_days)
     store.record(row)                 # never blocks, never raises; False: dropped (counted)
-    store.spent(identity.key_id, day) # tokens today: committed plus queued (gateway.budget's
+    store.spent(identity.key_id, day) # tokens today: committed plus queued (proxy.budget's
                                       # Spending); store.spending(...): Spent(tokens, requests)
                                       # or None when not known
     store.available, store.reason     # False and why: record nothing, enforce no budget
@@ -83,7 +83,7 @@ class Store:
         return self._ledger.spent(key_id, day or self.now().date())
 
     def spent(self, key_id: str, day: date | None = None) -> int:
-        """The gateway's budget reading (gateway.budget.Spending): the tokens of `spending`,
+        """The gateway's budget reading (proxy.budget.Spending): the tokens of `spending`,
         0 when they are not known. Memory only: never a database call."""
         found = self.spending(key_id, day)
         return found.tokens if found is not None else 0

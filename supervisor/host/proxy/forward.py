@@ -20,10 +20,10 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
-from supervisor.host.gateway.body import Prepared
-from supervisor.host.gateway.metrics import Outcome
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.usage import AnswerScan, Counts, Source, UsageFilter
+from supervisor.host.proxy.body import Prepared
+from supervisor.host.proxy.metrics import Outcome
+from supervisor.host.proxy.usage import AnswerScan, Counts, Source, UsageFilter
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import Status, utc_now
 
 SSE: Final = "text/event-stream"

@@ -23,9 +23,9 @@ from typing import Final
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.starter import Starter
 from supervisor.host.protocol import Superseded, engine_dir, load_status, read_desired, request
+from supervisor.host.proxy.admission import Gate
+from supervisor.host.proxy.starter import Starter
 from supervisor.protocol.documents import DesiredFile, Status
 
 CHECK_S: Final = 1.0

@@ -20,8 +20,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.starter import Step, plan
 from supervisor.host.protocol import (
     DESIRED,
     STALE_AFTER,
@@ -31,6 +29,8 @@ from supervisor.host.protocol import (
     load_status,
     read_desired,
 )
+from supervisor.host.proxy.starter import Step, plan
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 _SHOWN: Final = 50  # model names listed in a 404

@@ -4,10 +4,10 @@ Beyond either bound a request is refused at once with 429 and Retry-After; a wai
 out is refused the same way. The bound holds for every request, loaded engine or not: a
 request held while its engine starts counts as waiting too. Slots pass in arrival order.
 
-The running bound follows the engine (settings.running_bound): an engine started on demand
-publishes its slots once it runs, so a gate is given new limits as they change (`follow`). A
-higher bound hands its new slots to the waiters first in line at once; a lower one lets the
-running requests finish and starts none until fewer run than it allows.
+The running bound follows the engine (the gateway settings' running_bound): an engine started
+on demand publishes its slots once it runs, so a gate is given new limits as they change
+(`follow`). A higher bound hands its new slots to the waiters first in line at once; a lower
+one lets the running requests finish and starts none until fewer run than it allows.
 """
 
 from __future__ import annotations
@@ -21,11 +21,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.settings import Admission
+from supervisor.host.web.refusal import Refusal
 
 Verdict = Literal["run", "wait", "refuse"]
 RETRY_AFTER_S: Final = 1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One engine's resolved admission limits."""
+
+    running: int
+    waiting: int
+    max_wait_s: float
+    deadline_s: float
 
 
 def decide(running: int, waiting: int, limits: Admission) -> Verdict:

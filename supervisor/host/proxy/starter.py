@@ -28,7 +28,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.protocol import (
     Superseded,
     classify,
@@ -37,6 +36,7 @@ from supervisor.host.protocol import (
     read_desired,
     request,
 )
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 POLL_S: Final = 0.25

@@ -17,13 +17,13 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from supervisor.host.gateway import body
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.catalog import Catalog, Engine
-from supervisor.host.gateway.idle import IdleStop
-from supervisor.host.gateway.intake import read_body
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.protocol import BadName, check_name, engine_dir, read_desired, request
+from supervisor.host.proxy import body
+from supervisor.host.proxy.admission import Gate
+from supervisor.host.proxy.catalog import Catalog, Engine
+from supervisor.host.proxy.idle import IdleStop
+from supervisor.host.web.intake import read_body
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import dump
 
 ENGINES: Final = "/api/host/engines"

@@ -23,7 +23,6 @@ from supervisor.protocol.documents import FileSd, TargetGroup, dump
 from supervisor.protocol.files import ensure_dir, write_atomic
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
-METRICS_PATH: Final = "/metrics"
 TELEMETRY_DIR: Final = "telemetry"  # the workers' file_sd directory, shared
 TARGET_FILE: Final = "_gateway.json"
 Outcome = Literal["ok", "engine_error", "engine_failed", "refused", "timed_out", "client_gone"]
