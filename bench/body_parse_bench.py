@@ -30,11 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor.host.gateway.settings import Settings  # noqa: E402
+from supervisor.host.gateway.settings import GatewaySettings  # noqa: E402
 from supervisor.host.proxy import body  # noqa: E402
 from supervisor.host.proxy.bodies import PARSE_INLINE, Bodies  # noqa: E402
 
-LIMITS = Settings().limits.bounds
+LIMITS = GatewaySettings().limits.bounds
 EMBEDDINGS = "/v1/embeddings"
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 16 << 20)
 

@@ -17,7 +17,7 @@ from supervisor.host.gateway.settings import SettingsError, parse
 from supervisor.host.proxy.forward import Trace
 from supervisor.host.record.batch import totals_of
 from supervisor.host.record.database import Target, safe_dsn
-from supervisor.host.record.ledger import Ledger, Spent
+from supervisor.host.record.ledger import SpendingLedger, Spent
 from supervisor.host.record.queries import Line, percentile, pick, ranks
 from supervisor.host.record.report import BadSince, as_json, parse_since, table
 from supervisor.host.record.row import (
@@ -361,7 +361,7 @@ def test_the_table_by_key_names_each_key() -> None:
 
 
 def test_spent_is_committed_plus_queued_and_unknown_until_the_day_is_read() -> None:
-    ledger = Ledger(bound=10, batch=5)
+    ledger = SpendingLedger(bound=10, batch=5)
     first, second = row(NOW, prompt=10, completion=5), row(NOW, prompt=1, completion=1)
     assert ledger.put(first) and ledger.put(second)
     assert ledger.spent(KEY, NOW.date()) is None
@@ -378,14 +378,14 @@ def test_spent_is_committed_plus_queued_and_unknown_until_the_day_is_read() -> N
 
 
 def test_a_full_queue_drops_and_counts_and_says_so_once() -> None:
-    ledger = Ledger(bound=2, batch=2)
+    ledger = SpendingLedger(bound=2, batch=2)
     assert [ledger.put(row()) for _ in range(4)] == [True, True, False, False]
     assert ledger.dropped() == {"queue_full": 2}
     assert ledger.was_full() and not ledger.was_full()
 
 
 def test_the_writer_is_woken_by_a_first_row_and_by_a_whole_batch() -> None:
-    ledger = Ledger(bound=10, batch=3)
+    ledger = SpendingLedger(bound=10, batch=3)
     ledger.put(row())
     assert ledger.wake.is_set()
     ledger.wake.clear()
@@ -396,7 +396,7 @@ def test_the_writer_is_woken_by_a_first_row_and_by_a_whole_batch() -> None:
 
 
 def test_the_ledger_keeps_the_latest_two_days_and_forgets_them_all_when_told() -> None:
-    ledger = Ledger(bound=10, batch=5)
+    ledger = SpendingLedger(bound=10, batch=5)
     for offset in range(3):
         ledger.load_day(NOW.date() + timedelta(days=offset), {KEY: (offset, 1)})
     assert ledger.spent(KEY, NOW.date()) is None

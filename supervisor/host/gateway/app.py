@@ -18,7 +18,7 @@ from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway import recording
-from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
+from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
@@ -28,11 +28,11 @@ from supervisor.host.proxy import body
 from supervisor.host.proxy import budget as budgets
 from supervisor.host.proxy.admission import Gate, decide
 from supervisor.host.proxy.bodies import Bodies
-from supervisor.host.proxy.catalog import Catalog, Engine, route
+from supervisor.host.proxy.catalog import Catalog, CatalogEntry, route
 from supervisor.host.proxy.forward import Forwarder, Trace
 from supervisor.host.proxy.hostapi import HostApi
 from supervisor.host.proxy.idle import CHECK_S, IdleStop
-from supervisor.host.proxy.metrics import CONTENT_TYPE, Metrics
+from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics
 from supervisor.host.proxy.reserve import Hold, Reservations
 from supervisor.host.proxy.starter import POLL_S, Starter
 from supervisor.host.proxy.usageapi import UsageApi
@@ -57,7 +57,10 @@ def refusal_response(refusal: Refusal) -> web.Response:
 
 
 @dataclass(frozen=True)
-class Timing:
+class Intervals:
+    """How often the gateway keeps a waiting stream alive, polls a start, checks idling and
+    re-reads the engines' bounds."""
+
     keepalive_s: float = KEEPALIVE_S
     poll_s: float = POLL_S
     idle_check_s: float = CHECK_S
@@ -67,10 +70,10 @@ class Timing:
 class Gateway:
     def __init__(
         self,
-        settings: Settings,
+        settings: GatewaySettings,
         data_dir: Path,
         auth: Authenticator,
-        timing: Timing,
+        timing: Intervals,
         *,
         spending: budgets.Spending,
         recorder: recording.Recorder | None = None,
@@ -88,7 +91,7 @@ class Gateway:
         self.forwarder = Forwarder()
         self.bodies = Bodies(settings.listen.bodies_bytes, settings.listen.body_timeout_s,
                              settings.limits.bounds)  # fmt: skip
-        self.metrics = Metrics(self.counts)
+        self.metrics = GatewayMetrics(self.counts)
         self.idle = IdleStop(
             data_dir, self.starter, self.gate, settings.idle.stop_after_s,
             check_s=timing.idle_check_s, swap=settings.idle.swap,
@@ -108,17 +111,17 @@ class Gateway:
             gate = self.gates[engine] = Gate(engine, self.settings.admission(engine))
         return gate
 
-    def bound(self, engine: Engine) -> int:
+    def bound(self, engine: CatalogEntry) -> int:
         """How many requests the engine gets at once now (settings.running_bound)."""
         return self.settings.admission(engine.name, engine.slots).running
 
-    def free(self, engine: Engine) -> bool:
+    def free(self, engine: CatalogEntry) -> bool:
         """Whether the engine would run a request at once now (route prefers such)."""
         gate = self.gates.get(engine.name)
         limits = self.settings.admission(engine.name, engine.slots)
         return gate is None or decide(gate.running, gate.waiting, limits) == "run"
 
-    def follow(self, engine: Engine) -> Gate:
+    def follow(self, engine: CatalogEntry) -> Gate:
         """The engine's gate, given the limits its status.json says now (its slots)."""
         gate = self.gate(engine.name)
         gate.follow(self.settings.admission(engine.name, engine.slots))
@@ -198,7 +201,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     def _model_entry(
-        self, engine: Engine, model: str, tiers: list[str], now: Any
+        self, engine: CatalogEntry, model: str, tiers: list[str], now: Any
     ) -> dict[str, Any]:
         status = engine.status
         running = status.engine if status is not None else None
@@ -325,10 +328,10 @@ PAGE_OF: Final = web.AppKey("page", Page)
 
 
 def create_app(
-    settings: Settings,
+    settings: GatewaySettings,
     data_dir: Path,
     auth: Authenticator,
-    timing: Timing | None = None,
+    timing: Intervals | None = None,
     *,
     spending: budgets.Spending | None = None,
     recorder: recording.Recorder | None = None,
@@ -338,7 +341,7 @@ def create_app(
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
     (memory from the ledger if none)."""
     gateway = Gateway(
-        settings, data_dir, auth, timing or Timing(),
+        settings, data_dir, auth, timing or Intervals(),
         spending=spending or budgets.NoRecord(), recorder=recorder,
     )  # fmt: skip
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)

@@ -20,7 +20,7 @@ from aiohttp import web
 from supervisor.host.protocol import BadName, check_name, engine_dir, read_desired, request
 from supervisor.host.proxy import body
 from supervisor.host.proxy.admission import Gate
-from supervisor.host.proxy.catalog import Catalog, Engine
+from supervisor.host.proxy.catalog import Catalog, CatalogEntry
 from supervisor.host.proxy.idle import IdleStop
 from supervisor.host.web.intake import read_body
 from supervisor.host.web.refusal import Refusal
@@ -56,7 +56,7 @@ class HostApi:
         idle: IdleStop,
         body_timeout_s: float,
         *,
-        bound: Callable[[Engine], int],
+        bound: Callable[[CatalogEntry], int],
     ) -> None:
         self.data_dir = data_dir
         self.body_timeout_s = body_timeout_s
@@ -74,7 +74,7 @@ class HostApi:
         rows = [self.row(engine, now) for engine in self.catalog.engines()]
         return web.json_response({"engines": rows})
 
-    def row(self, engine: Engine, now: Any) -> dict[str, Any]:
+    def row(self, engine: CatalogEntry, now: Any) -> dict[str, Any]:
         desired = read_desired(engine_dir(self.data_dir, engine.name))
         gate = self.gates(engine.name)
         return {

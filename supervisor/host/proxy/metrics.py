@@ -56,7 +56,9 @@ class _Gates(Collector):
         yield waiting
 
 
-class Metrics:
+class GatewayMetrics:
+    """The gateway's own Prometheus metrics: requests, refusals, waits, times and tokens."""
+
     def __init__(self, counts: Counts) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry

@@ -6,7 +6,7 @@
                                       # Spending); store.spending(...): Spent(tokens, requests)
                                       # or None when not known
     store.available, store.reason     # False and why: record nothing, enforce no budget
-    store.close()                     # commits what is queued (within Timing.stop_s)
+    store.close()                     # commits what is queued (within WriterTuning.stop_s)
 
 `open` waits for the first try to open the database (at most CONNECT_S and a margin) so that
 the gateway can say at its start whether it records; it never raises for a database that fails:
@@ -23,9 +23,9 @@ from typing import Any, Final
 
 from supervisor import logs
 from supervisor.host.record.database import CONNECT_S, Target
-from supervisor.host.record.ledger import Ledger, Spent
+from supervisor.host.record.ledger import SpendingLedger, Spent
 from supervisor.host.record.row import Row
-from supervisor.host.record.writer import UNAVAILABLE, Health, Timing, Writer
+from supervisor.host.record.writer import UNAVAILABLE, Health, Writer, WriterTuning
 
 OPEN_WAIT_S: Final = CONNECT_S + 5.0
 
@@ -35,13 +35,13 @@ class Store:
         self,
         target: Target,
         retention_days: int,
-        timing: Timing | None = None,
+        timing: WriterTuning | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        self.timing = timing or Timing()
+        self.timing = timing or WriterTuning()
         self.target = target
         self.now = now
-        self._ledger = Ledger(self.timing.queue_rows, self.timing.batch_rows)
+        self._ledger = SpendingLedger(self.timing.queue_rows, self.timing.batch_rows)
         self._writer = Writer(target, retention_days, self._ledger, self.timing, now)
         self._closed = False
         self._lock = threading.Lock()
@@ -53,7 +53,7 @@ class Store:
         cls,
         target: Target,
         retention_days: int,
-        timing: Timing | None = None,
+        timing: WriterTuning | None = None,
         wait_s: float = OPEN_WAIT_S,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> Store:
@@ -77,7 +77,7 @@ class Store:
     def spending(self, key_id: str, day: date | None = None) -> Spent | None:
         """What a key spent on a UTC day (today by default), tokens and requests: committed
         plus queued. None when the day's totals are not known (the store is unavailable, or
-        the day began less than Timing.refresh_s ago): no budget can be enforced then."""
+        the day began less than WriterTuning.refresh_s ago): no budget can be enforced then."""
         if not self.health.available:
             return None
         return self._ledger.spent(key_id, day or self.now().date())
@@ -91,7 +91,7 @@ class Store:
     @property
     def health(self) -> Health:
         """The writer's word, unless a database call of its has gone unanswered for
-        Timing.stall_s: then unavailable (said once in the log), until the call returns."""
+        WriterTuning.stall_s: then unavailable (said once in the log), until the call returns."""
         if self._closed:
             return Health(False, "the record is closed")
         writer = self._writer
@@ -132,7 +132,8 @@ class Store:
         return self._ledger.queued
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop taking rows, commit what is queued (within Timing.stop_s), close the database."""
+        """Stop taking rows, commit what is queued (within WriterTuning.stop_s), close the
+        database."""
         self._closed = True
         self._writer.stop()
         self._writer.join(self.timing.stop_s + 5.0 if timeout_s is None else timeout_s)

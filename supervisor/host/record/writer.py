@@ -1,9 +1,9 @@
 """The record's one writer: a thread that commits the queued rows in batches, off the request path.
 
-It commits when a batch (Timing.batch_rows) is queued, or when the oldest queued row has waited
-Timing.flush_s (250 ms) since the last commit: a row recorded while the database keeps up is
-committed within flush_s plus the time of the commits ahead of it: COMMITTED_WITHIN_S (1 s)
-is the bound promised and tested. Between commits it re-reads
+It commits when a batch (WriterTuning.batch_rows) is queued, or when the oldest queued row has
+waited WriterTuning.flush_s (250 ms) since the last commit: a row recorded while the database
+keeps up is committed within flush_s plus the time of the commits ahead of it:
+COMMITTED_WITHIN_S (1 s) is the bound promised and tested. Between commits it re-reads
 today's per-key totals (every refresh_s: what other gateways on one PostgreSQL spent) and
 prunes rows past the retention, a batch at a time, while nothing waits.
 
@@ -29,7 +29,7 @@ from typing import Any, Final
 from supervisor import logs
 from supervisor.host.record import batch, schema
 from supervisor.host.record.database import Database, Target, connect, failures, one_line
-from supervisor.host.record.ledger import Ledger
+from supervisor.host.record.ledger import SpendingLedger
 from supervisor.host.record.row import epoch_us
 
 NOT_YET: Final = "not opened yet"
@@ -40,7 +40,9 @@ COMMITTED_WITHIN_S: Final = 1.0
 
 
 @dataclass(frozen=True)
-class Timing:
+class WriterTuning:
+    """The writer's pace and bounds: when it commits, retries, prunes, and gives up waiting."""
+
     flush_s: float = 0.25  # the longest a queued row waits for a commit to begin
     batch_rows: int = 500  # rows in one transaction at most; this many queued: commit now
     queue_rows: int = 20_000  # queued rows at most; more are dropped (counted)
@@ -64,8 +66,8 @@ class Writer(threading.Thread):
         self,
         target: Target,
         retention_days: int,
-        ledger: Ledger,
-        timing: Timing,
+        ledger: SpendingLedger,
+        timing: WriterTuning,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         super().__init__(name="lucia-record-writer", daemon=True)
