@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -237,18 +238,7 @@ class Gateway:
             prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(seen) if engine.name not in self.idle.stopping else None
         trace.served_by = engine.status
-        sse: web.StreamResponse | None = None
-
-        async def start() -> None:
-            nonlocal url, sse
-            if prepared.stream:
-                sse = await open_sse(request)
-            url = await self._wait_start(engine.name, sse)
-            self.idle.stopping.discard(engine.name)
-            now = self.catalog.engine(engine.name)  # as it is now: its slots, once it runs
-            trace.served_by = now.status
-            self.follow(now)
-
+        start = partial(self._start, request, engine.name, prepared.stream, trace)
         gate = self.follow(engine)
         hold: Hold | None = None
         try:
@@ -256,11 +246,12 @@ class Gateway:
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
             async with gate.slot(None if url else start) as admitted:
-                assert url is not None
+                target = url or admitted.before  # running already, or started on demand
+                assert target is not None
                 trace.admitted = asyncio.get_running_loop().time()
                 self.metrics.child(self.metrics.wait, engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
-                    request, url=url, prepared=prepared, engine=engine.name, sse=sse,
+                    request, url=target, prepared=prepared, engine=engine.name,
                     deadline_s=gate.limits.deadline_s, trace=trace,
                 )  # fmt: skip
         except (asyncio.CancelledError, ConnectionError):  # the client went away
@@ -270,6 +261,7 @@ class Gateway:
         except Refusal as refusal:
             trace.outcome = trace.outcome or "refused"
             trace.code = refusal.code
+            sse = trace.answer  # a start's stream: its client has the headers already
             if sse is None:
                 raise
             self.metrics.refused(refusal.code)
@@ -293,6 +285,21 @@ class Gateway:
         if outcome != "refused":
             m.child(m.duration, engine).observe(now - trace.arrived)
         m.usage(model, engine, trace.usage)
+
+    async def _start(
+        self, request: web.Request, engine: str, stream: bool, trace: Trace
+    ) -> str:
+        """Start an engine on demand, as a waiter in its gate: a stream's answer begins at once
+        (its client hears keep-alives while it waits); the engine's URL once it runs."""
+        sse = await open_sse(request) if stream else None
+        if sse is not None:
+            trace.began(sse)
+        url = await self._wait_start(engine, sse)
+        self.idle.stopping.discard(engine)
+        now = self.catalog.engine(engine)  # as it is now: its slots, once it runs
+        trace.served_by = now.status
+        self.follow(now)
+        return url
 
     async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:
         waiting = asyncio.ensure_future(self.starter.ready(engine))

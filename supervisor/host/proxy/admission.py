@@ -19,12 +19,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar
 
 from supervisor.host.web.refusal import Refusal
 
 Verdict = Literal["run", "wait", "refuse"]
 RETRY_AFTER_S: Final = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,11 @@ def too_busy(engine: str, running: int, waiting: int, waited: float, why: str) -
 
 
 @dataclass(frozen=True)
-class Admitted:
+class Admitted(Generic[T]):
+    """A slot taken: how long it was waited for, and what the awaited `before` gave."""
+
     waited_s: float
+    before: T | None = None
 
 
 class Gate:
@@ -94,26 +98,28 @@ class Gate:
 
     @asynccontextmanager
     async def slot(
-        self, before: Callable[[], Awaitable[None]] | None = None
-    ) -> AsyncIterator[Admitted]:
+        self, before: Callable[[], Awaitable[T]] | None = None
+    ) -> AsyncIterator[Admitted[T]]:
         """A running slot. `before` (a start on demand) is awaited first, as a waiter; its
-        own time does not count against the wait, which starts when it is done."""
+        own time does not count against the wait, which starts when it is done. What it gives
+        comes with the slot (`Admitted.before`)."""
         began = self.last_used = time.monotonic()
         verdict = decide(self.running, self.waiting, self.limits)
         if verdict == "refuse":
             raise too_busy(self.engine, self.running, self.waiting, 0.0, "the queue is full")
+        given: T | None = None
         if verdict == "run" and before is None:
             self.running += 1
         else:
             self.waiting += 1
             try:
                 if before is not None:
-                    await before()
+                    given = await before()
                 await self._wait_for_slot(began)
             finally:
                 self.waiting -= 1
         try:
-            yield Admitted(time.monotonic() - began)
+            yield Admitted(time.monotonic() - began, given)
         finally:
             self.last_used = time.monotonic()
             self._release()
