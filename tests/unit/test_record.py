@@ -30,6 +30,7 @@ from supervisor.host.record.row import (
     refused,
     tokens_of,
 )
+from supervisor.host.record.stall import Stall, Stalled
 from supervisor.protocol.documents import RunningEngine
 from supervisor.protocol.names import digest_form
 from tests.record_world import KEY, NOW, OTHER, row
@@ -480,3 +481,19 @@ def test_the_records_directory_is_no_engine(tmp_path: Path) -> None:
     assert cli._engine_names(tmp_path) == ["tf"]
     with pytest.raises(BadName, match="shared"):
         check_name("record")
+
+
+def test_a_stall_is_said_once_per_call_and_its_return_only_after_it_was() -> None:
+    stall = Stall(10.0)
+    assert stall.look(100.0) == Stalled(False, False)  # no call under way
+    stall.begin(100.0)
+    assert stall.look(110.0) == Stalled(False, False)  # slow, not stalled
+    assert stall.look(110.5) == Stalled(True, True)  # the first look to find it says it
+    assert stall.look(111.0) == Stalled(True, False)
+    assert stall.end(failed=False)  # it returned after its stall was said
+    assert stall.look(200.0) == Stalled(False, False)
+    stall.begin(200.0)
+    assert not stall.end(failed=False)  # a quick call: nothing to say
+    stall.begin(300.0)
+    assert stall.look(400.0).first
+    assert not stall.end(failed=True)  # a failure is said as such

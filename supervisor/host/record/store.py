@@ -15,7 +15,6 @@ the store is then unavailable and keeps trying by itself.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
@@ -44,7 +43,6 @@ class Store:
         self._ledger = SpendingLedger(self.timing.queue_rows, self.timing.batch_rows)
         self._writer = Writer(target, retention_days, self._ledger, self.timing, now)
         self._closed = False
-        self._lock = threading.Lock()
         self._log: Any = logs.get("record")
         self._where = {"backend": target.kind, "where": target.describe()}
 
@@ -94,18 +92,14 @@ class Store:
         WriterTuning.stall_s: then unavailable (said once in the log), until the call returns."""
         if self._closed:
             return Health(False, "the record is closed")
-        writer = self._writer
-        health, began = writer.health, writer.busy_since
-        if not (
-            health.available
-            and began is not None
-            and time.monotonic() - began > self.timing.stall_s
-        ):
+        health = self._writer.health
+        if not health.available:
+            return health
+        look = self._writer.stall.look(time.monotonic())
+        if not look.stalled:
             return health
         reason = f"the database has not answered for {self.timing.stall_s:g} s"
-        with self._lock:
-            said, writer.stall_said = writer.stall_said, True
-        if not said:
+        if look.first:
             self._log.warning(UNAVAILABLE, reason=reason, **self._where)
         return Health(False, reason)
 

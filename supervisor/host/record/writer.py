@@ -31,6 +31,7 @@ from supervisor.host.record import batch, schema
 from supervisor.host.record.database import Database, Target, connect, failures, one_line
 from supervisor.host.record.ledger import SpendingLedger
 from supervisor.host.record.row import epoch_us
+from supervisor.host.record.stall import Stall
 
 NOT_YET: Final = "not opened yet"
 UNAVAILABLE: Final = "record unavailable: rows are not recorded and budgets not enforced"
@@ -80,8 +81,7 @@ class Writer(threading.Thread):
         self.committed = 0  # rows committed by this writer
         self.tried = threading.Event()  # set once the first open was tried
         self._stopping = threading.Event()
-        self.busy_since: float | None = None  # when the database call under way began
-        self.stall_said = False  # the store said the call under way made it unavailable
+        self.stall = Stall(timing.stall_s)  # the call under way, which the store watches
         self._failures = failures()
         self._db: Database | None = None
         self._last_commit = float("-inf")
@@ -219,18 +219,16 @@ class Writer(threading.Thread):
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
-        """A database call: the store reads `busy_since` to tell a database that stopped
+        """A database call: the store looks at `stall` to tell a database that stopped
         answering (a frozen server, a lost network) from one that is slow."""
-        began = self.busy_since = time.monotonic()
+        began = time.monotonic()
+        self.stall.begin(began)
         try:
             yield
         except BaseException:
-            self.busy_since = None
-            self.stall_said = False  # the failure is said as such
+            self.stall.end(failed=True)  # the failure is said as such
             raise
-        self.busy_since = None
-        if self.stall_said:
-            self.stall_said = False
+        if self.stall.end(failed=False):
             took = round(time.monotonic() - began, 1)
             self._log.info("record available again", stalled_s=took, **self._where)
 
