@@ -1,6 +1,6 @@
 """Body parse benchmark: `.venv/bin/python bench/body_parse_bench.py [--runs N] [--at-once N]`.
 
-Where the gateway parses a request body (supervisor.host.gateway.bodies), measured two ways:
+Where the gateway parses a request body (supervisor.host.proxy.bodies), measured two ways:
 
 - what `body.prepare` costs per body size, for three shapes (an embeddings batch of token ids,
   the densest JSON a client sends; an embeddings batch of text; a chat of many messages),
@@ -30,11 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor.host.gateway import body  # noqa: E402
-from supervisor.host.gateway.bodies import PARSE_INLINE, Bodies  # noqa: E402
-from supervisor.host.gateway.settings import Settings  # noqa: E402
+from supervisor.host.gateway.settings import GatewaySettings  # noqa: E402
+from supervisor.host.proxy import body  # noqa: E402
+from supervisor.host.proxy.bodies import PARSE_INLINE, Bodies  # noqa: E402
 
-LIMITS = Settings().limits.bounds
+LIMITS = GatewaySettings().limits.bounds
 EMBEDDINGS = "/v1/embeddings"
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 16 << 20)
 

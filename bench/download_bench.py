@@ -32,7 +32,7 @@ from supervisor.host.library import fetch  # noqa: E402
 from supervisor.host.library import manifest as mf  # noqa: E402
 from supervisor.host.library.control import add  # noqa: E402
 from supervisor.host.library.hub import Hub as HubClient  # noqa: E402
-from supervisor.host.library.job import Job, Settings, download  # noqa: E402
+from supervisor.host.library.job import Job, QueueSettings, download  # noqa: E402
 from supervisor.host.library.runner import Runner  # noqa: E402
 from supervisor.host.library.verify import check_file, inspect  # noqa: E402
 
@@ -88,7 +88,7 @@ def hf_alone(url: str, out: Path) -> float:
 def library(url: str, root: Path, checks: list[float]) -> float:
     start = time.perf_counter()
     model = add(root, HubClient(url), REPO, COMMIT, include=[NAME], name=None)
-    final = download(root, model, Job(model.id), Settings(poll=0.5))
+    final = download(root, model, Job(model.id), QueueSettings(poll=0.5))
     elapsed = time.perf_counter() - start
     if final.state != "Ready":
         raise SystemExit(f"the library's download ended {final.state}: {final.message}")
@@ -119,7 +119,7 @@ def reinspection(models: int, work: Path) -> tuple[float, float, int]:
             hubFiles=[mf.HubFile(path=NAME, size=size, gitOid="0", verified=True)],
             files=[mf.FileName(name=NAME)],
         ))  # fmt: skip
-    runner = Runner(root, Settings())
+    runner = Runner(root, QueueSettings())
     times = []
     for _ in range(5):
         start = time.perf_counter()

@@ -43,7 +43,7 @@ from supervisor.host.record import batch, schema  # noqa: E402
 from supervisor.host.record.database import Database, Target, connect  # noqa: E402
 from supervisor.host.record.row import Build, Row, epoch_us  # noqa: E402
 from supervisor.host.record.store import Store  # noqa: E402
-from supervisor.host.record.writer import COMMITTED_WITHIN_S, Timing  # noqa: E402
+from supervisor.host.record.writer import COMMITTED_WITHIN_S, WriterTuning  # noqa: E402
 
 BATCH = 1000
 ROUNDS = 3
@@ -244,8 +244,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, \
             databases(Path(tmp), not args.no_postgres) as dbs:  # fmt: skip
         work = Path(tmp)
-        print(f"{machine()}; SQLite on {filesystem(work)}; flush {Timing().flush_s * 1000:g} ms, "
-              f"batch {Timing().batch_rows} rows, queue {Timing().queue_rows}")  # fmt: skip
+        tuning = WriterTuning()
+        print(f"{machine()}; SQLite on {filesystem(work)}; flush {tuning.flush_s * 1000:g} ms, "
+              f"batch {tuning.batch_rows} rows, queue {tuning.queue_rows}")  # fmt: skip
         print()
         print("The caller's cost (SQLite store, writer committing beside it):")
         table(caller_cost(dbs[0][1]("caller"), args.calls), ("what", "median ns", "p99 ns"))
@@ -256,7 +257,7 @@ def main() -> int:
             rates: dict[str, list[float]] = {"store": [], "floor": []}
             for round_ in range(ROUNDS):  # interleaved: a disk's moods fall on both
                 rates["store"].append(through_store(target(f"store{round_}"), args.rows))
-                rates["floor"].append(direct(db, args.rows, Timing().batch_rows))
+                rates["floor"].append(direct(db, args.rows, WriterTuning().batch_rows))
             store_rate, floor = (statistics.median(rates[k]) for k in ("store", "floor"))
             single = direct(db, 500, 1)
             db.close()

@@ -17,12 +17,12 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from supervisor.host.gateway.app import GATEWAY, Gateway, Timing, create_app
-from supervisor.host.gateway.budget import Spending
+from supervisor.host.gateway.app import GATEWAY, Gateway, Intervals, create_app
 from supervisor.host.gateway.recording import Recorder
-from supervisor.host.gateway.settings import Settings, parse
+from supervisor.host.gateway.settings import GatewaySettings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
+from supervisor.host.proxy.budget import Spending
 from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.protocol.reads import read_desired
@@ -235,7 +235,7 @@ async def world(
         parse(settings, "test"),
         data,
         keys or KEYS,
-        Timing(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02, bounds_s=0.02),
+        Intervals(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02, bounds_s=0.02),
         spending=spending,
         recorder=recorder,
         sources=sources,
@@ -249,7 +249,7 @@ async def world(
         await engine.close()
 
 
-def settings_of(text: str) -> Settings:
+def settings_of(text: str) -> GatewaySettings:
     return parse(text, "test")
 
 

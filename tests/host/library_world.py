@@ -16,7 +16,7 @@ from typing import Any
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.control import add
 from supervisor.host.library.hub import Hub as HubClient
-from supervisor.host.library.job import Settings
+from supervisor.host.library.job import QueueSettings
 from supervisor.host.library.runner import Runner
 from tests.gguf_fixtures import write_gguf
 from tests.hub_standin import Hub
@@ -71,7 +71,7 @@ def queue(
 @contextmanager
 def running(root: Path, **settings: Any) -> Iterator[Runner]:
     """The queue in a thread of this process; stopped (downloads Interrupted) on exit."""
-    runner = Runner(root, Settings(poll=0.1, **settings))
+    runner = Runner(root, QueueSettings(poll=0.1, **settings))
     runner.start()
     stop = threading.Event()
     thread = threading.Thread(target=runner.run, args=(stop,), daemon=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from supervisor.host.gateway.auth import allowed
+from supervisor.host.web.auth import allowed
 from tests.gateway_proc import running_gateway
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, World, stale, world, write_status
 

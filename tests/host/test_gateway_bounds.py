@@ -14,10 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from supervisor.host.gateway import body, settings
-from supervisor.host.gateway.bounds import TOKEN_FIELDS
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.gateway import settings
 from supervisor.host.gateway.settings import parse
+from supervisor.host.proxy import body
+from supervisor.host.proxy.bounds import TOKEN_FIELDS
+from supervisor.host.web.refusal import Refusal
 from tests.host.gateway_world import AUTH, Upstream, world, write_status
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from supervisor.host.gateway.budget import (
+from supervisor.host.keycheck import INFERENCE, Identity, KeyRing
+from supervisor.host.keycheck import OWNER as OWNER_IDENTITY
+from supervisor.host.keys import generate
+from supervisor.host.proxy.budget import (
     HEADER,
     NOT_RECORDING,
     limit_of,
@@ -22,9 +25,6 @@ from supervisor.host.gateway.budget import (
     resets_at,
     standing,
 )
-from supervisor.host.keycheck import INFERENCE, Identity, KeyRing
-from supervisor.host.keycheck import OWNER as OWNER_IDENTITY
-from supervisor.host.keys import generate
 from tests.host.gateway_world import (
     AUTH,
     INFERENCE_KEY,

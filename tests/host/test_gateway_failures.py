@@ -11,8 +11,8 @@ from pathlib import Path
 
 from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway.app import GATEWAY
-from supervisor.host.gateway.auth import check_bearer
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.web.auth import check_bearer
+from supervisor.host.web.refusal import Refusal
 from tests.gateway_proc import running_gateway
 from tests.host.gateway_world import INFERENCE_KEY, KEYS, OWNER_KEY, SETTINGS, world
 from tests.host.test_page import Clock

@@ -18,12 +18,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from supervisor.host.gateway import body
 from supervisor.host.gateway.app import Gateway
-from supervisor.host.gateway.bodies import PARSE_INLINE, Bodies, decide, room
-from supervisor.host.gateway.bounds import Bounds
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import DEFAULT_BODIES_BYTES, SettingsError, parse
+from supervisor.host.proxy import body
+from supervisor.host.proxy.bodies import PARSE_INLINE, Bodies, decide, room
+from supervisor.host.proxy.bounds import Bounds
+from supervisor.host.web.refusal import Refusal
 from tests.host.gateway_world import AUTH, SETTINGS, World, world, write_status
 
 MIB = 1024 * 1024

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.host.gateway.idle import Look, should_stop
-from supervisor.host.gateway.metrics import publish_target, target
 from supervisor.host.protocol import request
+from supervisor.host.proxy.idle import Look, should_stop
+from supervisor.host.proxy.metrics import publish_target, target
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, Upstream, World, world, write_status
 

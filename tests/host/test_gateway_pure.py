@@ -9,20 +9,19 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gateway import body
-from supervisor.host.gateway.admission import decide
-from supervisor.host.gateway.catalog import Engine, route
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.gateway.settings import (
     DEFAULT_RUNNING,
     MAX_RUNNING,
-    Admission,
     SettingsError,
     parse,
     running_bound,
 )
-from supervisor.host.gateway.starter import operator_stop, plan
-from supervisor.host.gateway.usage import UsageFilter
+from supervisor.host.proxy import body
+from supervisor.host.proxy.admission import Admission, decide
+from supervisor.host.proxy.catalog import CatalogEntry, route
+from supervisor.host.proxy.starter import operator_stop, plan
+from supervisor.host.proxy.usage import UsageFilter
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 
 NOW = utc_now()
@@ -206,8 +205,8 @@ def test_an_engines_slots_are_the_sum_over_its_models(
     slots: dict[str, int], expected: int | None
 ) -> None:
     found = status("running", 1, url="http://172.18.0.1:8080").model_copy(update={"slots": slots})
-    assert Engine("e", found).slots == expected
-    assert Engine("e", None).slots is None
+    assert CatalogEntry("e", found).slots == expected
+    assert CatalogEntry("e", None).slots is None
 
 
 def status(state: str, generation: int, age_s: float = 0, url: str | None = None) -> Status:
@@ -283,10 +282,10 @@ def test_the_refusal_of_an_operators_stop_says_who_when_and_the_way_on() -> None
 
 
 def engine(name: str, answer: Status | None, request_: DesiredFile | None = None,
-           models: tuple[str, ...] = ("tiny",)) -> Engine:  # fmt: skip
+           models: tuple[str, ...] = ("tiny",)) -> CatalogEntry:  # fmt: skip
     if answer is not None:
         answer = answer.model_copy(update={"models": models})
-    return Engine(name, answer, request_)
+    return CatalogEntry(name, answer, request_)
 
 
 URL = "http://e:1"
@@ -342,7 +341,7 @@ STOPPED = status("stopped", 1)
     ],
 )
 def test_route_picks_the_engine_best_able_to_serve(
-    engines: list[Engine], full: set[str], chosen: str
+    engines: list[CatalogEntry], full: set[str], chosen: str
 ) -> None:
     found, model = route("tiny", engines, {}, NOW, lambda e: e.name not in full)
     assert (found.name, model) == (chosen, "tiny")
@@ -372,7 +371,7 @@ def test_route_resolves_a_tier_and_refuses_an_unknown_model_naming_those_there_a
 def test_an_engine_is_served_directly_only_while_it_runs_and_nobody_asked_it_to_stop(
     answer: Status, request_: DesiredFile | None, url: str | None
 ) -> None:
-    assert Engine("e", answer, request_).url(NOW) == url
+    assert CatalogEntry("e", answer, request_).url(NOW) == url
 
 
 CONTENT = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'

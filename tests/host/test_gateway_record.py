@@ -17,9 +17,9 @@ import openai
 import pytest
 import structlog
 
-from supervisor.host.gateway.budget import HEADER, NOT_RECORDING
 from supervisor.host.gateway.service import UNRECORDED, Service
 from supervisor.host.gateway.settings import parse
+from supervisor.host.proxy.budget import HEADER, NOT_RECORDING
 from supervisor.host.record.database import Target
 from supervisor.host.record.store import Store
 from supervisor.protocol.documents import RunningEngine, Status, dump, utc_now

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.settings import Admission
+from supervisor.host.proxy.admission import Admission, Gate
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, Upstream, World, world, write_status
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -50,6 +49,25 @@ class Held:
 
         self.tasks.append(asyncio.create_task(one()))
         return index
+
+
+def test_what_a_start_gives_comes_with_its_slot_and_a_start_waits_as_a_waiter() -> None:
+    async def main() -> None:
+        gate = Gate("e", limits(1))
+        seen: list[int] = []
+
+        async def start() -> str:
+            seen.append(gate.waiting)  # the start is a waiter, not a running request
+            return "http://127.0.0.1:9"
+
+        async with gate.slot(start) as admitted:
+            assert admitted.before == "http://127.0.0.1:9"
+            assert gate.running == 1
+        async with gate.slot() as plain:
+            assert plain.before is None
+        assert seen == [1]
+
+    asyncio.run(main())
 
 
 def test_a_higher_bound_hands_its_new_slots_to_the_first_waiters_at_once() -> None:

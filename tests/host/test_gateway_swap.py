@@ -9,8 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from supervisor.host.gateway.idle import Look, victim
 from supervisor.host.protocol import request
+from supervisor.host.proxy.idle import Look, victim
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from tests.host.gateway_world import (
     AUTH,

@@ -1,4 +1,4 @@
-"""What a stream costs, read from the engines' own events (gateway/usage.py): pure tables over
+"""What a stream costs, read from the engines' own events (proxy/usage.py): pure tables over
 streams the real llama-server and the real vLLM CPU server sent (tests/data/streams/README.md).
 
 The end-to-end proof, the engines' own counters against the record's rows, is
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gateway.usage import AFTER_CLOSE, AnswerScan, UsageFilter, running_counts
+from supervisor.host.proxy.usage import AFTER_CLOSE, AnswerScan, UsageFilter, running_counts
 
 STREAMS = Path(__file__).resolve().parents[1] / "data" / "streams"
 NAMES = sorted(path.stem for path in STREAMS.glob("*.sse"))

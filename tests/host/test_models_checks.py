@@ -300,7 +300,7 @@ def test_token_files_a_killed_queue_left_are_removed_at_startup(root: Path) -> N
     left = tokens / ("a" * 32)
     left.write_text("hf_left_behind")
     left.chmod(0o400)
-    runner = Runner(root, job.Settings())
+    runner = Runner(root, job.QueueSettings())
     try:
         said = runner.start()
     finally:

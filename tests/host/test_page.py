@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 
 from supervisor.host.gateway.app import PAGE_OF
-from supervisor.host.gateway.auth import allowed
 from supervisor.host.gateway.service import Service
 from supervisor.host.gateway.settings import parse
 from supervisor.host.page import memory
@@ -21,6 +20,7 @@ from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.host.page.sessions import Sessions, SignInLimit
 from supervisor.host.record import batch
 from supervisor.host.record.database import open_sqlite
+from supervisor.host.web.auth import allowed
 from supervisor.protocol.claims import held_claims
 from tests.host.gateway_world import (
     INFERENCE_KEY,

@@ -17,28 +17,28 @@ from typing import Any
 import pytest
 import structlog
 
-from supervisor.host.gateway.forward import Trace
 from supervisor.host.gateway.recording import Request, row_of
+from supervisor.host.proxy.forward import Trace
 from supervisor.host.record import batch, queries, schema
 from supervisor.host.record.database import Target, open_postgres, open_sqlite
 from supervisor.host.record.ledger import Spent
 from supervisor.host.record.row import Build, refused
 from supervisor.host.record.store import Store
-from supervisor.host.record.writer import COMMITTED_WITHIN_S, UNAVAILABLE, Timing
+from supervisor.host.record.writer import COMMITTED_WITHIN_S, UNAVAILABLE, WriterTuning
 from supervisor.protocol.names import digest_form
 from tests.postgres import Cluster
 from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
 from tests.standin import free_port
 from tests.support import within
 
-FAST = Timing(backoff_s=0.05, backoff_max_s=0.5)
+FAST = WriterTuning(backoff_s=0.05, backoff_max_s=0.5)
 
 
 @pytest.fixture
 def stores() -> Iterator[Any]:
     opened: list[Store] = []
 
-    def make(dsn: str, retention_days: int = 0, timing: Timing = FAST) -> Store:
+    def make(dsn: str, retention_days: int = 0, timing: WriterTuning = FAST) -> Store:
         store = Store.open(Target(dsn=dsn), retention_days, timing)
         opened.append(store)
         return store
@@ -210,7 +210,7 @@ def test_a_frozen_postgresql_never_blocks_a_caller(postgres: Cluster, stores: An
     """A server that neither fails nor answers (SIGSTOP): the writer's call hangs, the callers
     do not; after stall_s the store is unavailable, until the call returns."""
     dsn = postgres.database()
-    timing = Timing(stall_s=1.0, queue_rows=200, backoff_s=0.05, backoff_max_s=0.5)
+    timing = WriterTuning(stall_s=1.0, queue_rows=200, backoff_s=0.05, backoff_max_s=0.5)
     with structlog.testing.capture_logs() as logs:
         store = stores(dsn, timing=timing)
         until(lambda: store.spending(KEY) is not None, what="today's totals read")
@@ -260,7 +260,7 @@ def test_old_rows_are_pruned_in_batches(postgres: Cluster, stores: Any) -> None:
         writer.record(row(days_ago(10 + n / 10), prompt=n))
     writer.record(row(prompt=1000))
     writer.close()
-    store = stores(dsn, retention_days=7, timing=Timing(prune_rows=4, backoff_s=0.05))
+    store = stores(dsn, retention_days=7, timing=WriterTuning(prune_rows=4, backoff_s=0.05))
     db = open_postgres(dsn)
     until(lambda: facts(db).ids == [1000], what="the prune")
     store.close()

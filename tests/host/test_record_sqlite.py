@@ -25,11 +25,11 @@ from supervisor.host.record.database import Target, open_reader, open_sqlite
 from supervisor.host.record.ledger import Spent
 from supervisor.host.record.row import Build, Row, RowRefused, refused, tokens_of
 from supervisor.host.record.store import Store
-from supervisor.host.record.writer import COMMITTED_WITHIN_S, Timing
+from supervisor.host.record.writer import COMMITTED_WITHIN_S, WriterTuning
 from supervisor.protocol.documents import RunningEngine
 from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
 
-FAST = Timing(backoff_s=0.05, backoff_max_s=0.5)
+FAST = WriterTuning(backoff_s=0.05, backoff_max_s=0.5)
 
 
 def rows_in(path: Path) -> int:
@@ -41,7 +41,9 @@ def rows_in(path: Path) -> int:
 def store_at(tmp_path: Path) -> Iterator[Any]:
     opened: list[Store] = []
 
-    def make(path: Path | None = None, retention_days: int = 0, timing: Timing = FAST) -> Store:
+    def make(
+        path: Path | None = None, retention_days: int = 0, timing: WriterTuning = FAST
+    ) -> Store:
         store = Store.open(Target(path=path or tmp_path / "record" / "record.sqlite3"),
                            retention_days, timing)  # fmt: skip
         opened.append(store)
@@ -115,7 +117,7 @@ def test_rows_and_totals_are_committed_together(tmp_path: Path, store_at: Any) -
 
 
 def test_spent_counts_what_is_queued_before_it_is_committed(store_at: Any) -> None:
-    slow = Timing(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05)
+    slow = WriterTuning(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05)
     store = store_at(timing=slow)
     until(lambda: store.spending(KEY) is not None, what="today's totals read")
     assert store.spending(KEY) == Spent(0, 0)
@@ -127,12 +129,12 @@ def test_spent_counts_what_is_queued_before_it_is_committed(store_at: Any) -> No
 
 
 def test_the_gateways_budget_reads_the_store(store_at: Any) -> None:
-    """gateway.budget's standing and refusal, with the store as its Spending."""
-    from supervisor.host.gateway import budget as budgets
+    """proxy.budget's standing and refusal, with the store as its Spending."""
     from supervisor.host.keycheck import Identity
+    from supervisor.host.proxy import budget as budgets
 
     caller = Identity(KEY, "inference", "laptop", budget=1000)
-    store = store_at(timing=Timing(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05))
+    store = store_at(timing=WriterTuning(flush_s=3600.0, batch_rows=10_000, backoff_s=0.05))
     spending: budgets.Spending = store
     now = datetime.now(UTC)
     assert budgets.standing(caller, 0, spending, now).spent == 0
@@ -169,7 +171,7 @@ def test_old_rows_and_their_days_totals_are_pruned_in_batches(
         writer.record(row(days_ago(n), prompt=1000 + n))
     writer.close()
     with structlog.testing.capture_logs() as logs:
-        store = store_at(path, retention_days=30, timing=Timing(prune_rows=7, backoff_s=0.05))
+        store = store_at(path, retention_days=30, timing=WriterTuning(prune_rows=7, backoff_s=0.05))
         until(lambda: rows_in(path) == 5, what="the prune")
         store.close()
     pruned = [(e["rows"], e["batches"]) for e in logs if e["event"] == "record pruned"]
@@ -315,7 +317,7 @@ def test_a_read_only_place_makes_the_store_unavailable_until_it_is_writable(
 def test_a_stop_interrupts_the_back_off(tmp_path: Path) -> None:
     (tmp_path / "a-file").touch()
     store = Store.open(Target(path=tmp_path / "a-file" / "r.sqlite3"), 0,
-                       Timing(backoff_s=3600.0, backoff_max_s=3600.0))  # fmt: skip
+                       WriterTuning(backoff_s=3600.0, backoff_max_s=3600.0))  # fmt: skip
     assert not store.available and "FileExistsError" in str(store.reason)
     store.close(timeout_s=30)
     assert not store._writer.is_alive()
@@ -329,7 +331,7 @@ def test_an_unexpected_error_in_the_writer_is_said_and_survived(tmp_path: Path) 
             raise RuntimeError("an error nobody expected")
         return datetime.now(UTC)
 
-    timing = Timing(refresh_s=0.01, backoff_s=0.05)
+    timing = WriterTuning(refresh_s=0.01, backoff_s=0.05)
     with structlog.testing.capture_logs() as logs:
         store = Store.open(Target(path=tmp_path / "r.sqlite3"), 0, timing, now=now)
         until(lambda: any(e["event"] == "record writer: an unexpected error" for e in logs))

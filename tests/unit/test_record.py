@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from supervisor.host.gateway.forward import Trace
 from supervisor.host.gateway.recording import Request, row_of
 from supervisor.host.gateway.settings import SettingsError, parse
+from supervisor.host.proxy.forward import Trace
 from supervisor.host.record.batch import totals_of
 from supervisor.host.record.database import Target, safe_dsn
-from supervisor.host.record.ledger import Ledger, Spent
+from supervisor.host.record.ledger import SpendingLedger, Spent
 from supervisor.host.record.queries import Line, percentile, pick, ranks
 from supervisor.host.record.report import BadSince, as_json, parse_since, table
 from supervisor.host.record.row import (
@@ -30,6 +30,7 @@ from supervisor.host.record.row import (
     refused,
     tokens_of,
 )
+from supervisor.host.record.stall import Stall, Stalled
 from supervisor.protocol.documents import RunningEngine
 from supervisor.protocol.names import digest_form
 from tests.record_world import KEY, NOW, OTHER, row
@@ -361,7 +362,7 @@ def test_the_table_by_key_names_each_key() -> None:
 
 
 def test_spent_is_committed_plus_queued_and_unknown_until_the_day_is_read() -> None:
-    ledger = Ledger(bound=10, batch=5)
+    ledger = SpendingLedger(bound=10, batch=5)
     first, second = row(NOW, prompt=10, completion=5), row(NOW, prompt=1, completion=1)
     assert ledger.put(first) and ledger.put(second)
     assert ledger.spent(KEY, NOW.date()) is None
@@ -378,14 +379,14 @@ def test_spent_is_committed_plus_queued_and_unknown_until_the_day_is_read() -> N
 
 
 def test_a_full_queue_drops_and_counts_and_says_so_once() -> None:
-    ledger = Ledger(bound=2, batch=2)
+    ledger = SpendingLedger(bound=2, batch=2)
     assert [ledger.put(row()) for _ in range(4)] == [True, True, False, False]
     assert ledger.dropped() == {"queue_full": 2}
     assert ledger.was_full() and not ledger.was_full()
 
 
 def test_the_writer_is_woken_by_a_first_row_and_by_a_whole_batch() -> None:
-    ledger = Ledger(bound=10, batch=3)
+    ledger = SpendingLedger(bound=10, batch=3)
     ledger.put(row())
     assert ledger.wake.is_set()
     ledger.wake.clear()
@@ -396,7 +397,7 @@ def test_the_writer_is_woken_by_a_first_row_and_by_a_whole_batch() -> None:
 
 
 def test_the_ledger_keeps_the_latest_two_days_and_forgets_them_all_when_told() -> None:
-    ledger = Ledger(bound=10, batch=5)
+    ledger = SpendingLedger(bound=10, batch=5)
     for offset in range(3):
         ledger.load_day(NOW.date() + timedelta(days=offset), {KEY: (offset, 1)})
     assert ledger.spent(KEY, NOW.date()) is None
@@ -480,3 +481,19 @@ def test_the_records_directory_is_no_engine(tmp_path: Path) -> None:
     assert engine_names(tmp_path) == ["tf"]
     with pytest.raises(BadName, match="shared"):
         check_name("record")
+
+
+def test_a_stall_is_said_once_per_call_and_its_return_only_after_it_was() -> None:
+    stall = Stall(10.0)
+    assert stall.look(100.0) == Stalled(False, False)  # no call under way
+    stall.begin(100.0)
+    assert stall.look(110.0) == Stalled(False, False)  # slow, not stalled
+    assert stall.look(110.5) == Stalled(True, True)  # the first look to find it says it
+    assert stall.look(111.0) == Stalled(True, False)
+    assert stall.end(failed=False)  # it returned after its stall was said
+    assert stall.look(200.0) == Stalled(False, False)
+    stall.begin(200.0)
+    assert not stall.end(failed=False)  # a quick call: nothing to say
+    stall.begin(300.0)
+    assert stall.look(400.0).first
+    assert not stall.end(failed=True)  # a failure is said as such

@@ -28,7 +28,7 @@ from supervisor.console import (
 from supervisor.host.library import control
 from supervisor.host.library import manifest as mf
 from supervisor.host.library.hub import Hub, HubRefused
-from supervisor.host.library.job import Settings, read_token
+from supervisor.host.library.job import QueueSettings, read_token
 from supervisor.host.library.lease import CatalogHeld, CatalogLease
 from supervisor.host.library.runner import Runner
 from supervisor.host.waiting import Progress
@@ -166,8 +166,8 @@ def _answered(root: Path, guid: str, action: str) -> bool:
 def _cmd_serve(args: argparse.Namespace) -> int:
     logs.configure()
     log = logs.get("models")
-    settings = Settings(parallel=args.parallel, stall_after=args.stall_after,
-                        token_file=paths.hf_token_file(args.token_file))  # fmt: skip
+    settings = QueueSettings(parallel=args.parallel, stall_after=args.stall_after,
+                             token_file=paths.hf_token_file(args.token_file))  # fmt: skip
     runner = Runner(_root(args), settings)
     try:
         changes = runner.start(wait=LEASE_WAIT)

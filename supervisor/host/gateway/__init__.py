@@ -1,1 +1,1 @@
-"""The gateway: an authenticated OpenAI-compatible /v1 in front of the engines."""
+"""The gateway: the host's HTTP server, assembling the /v1 proxy, the host API and the page."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -17,27 +18,28 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
-from supervisor.host.gateway import body, recording
-from supervisor.host.gateway import budget as budgets
-from supervisor.host.gateway.admission import Gate, decide
-from supervisor.host.gateway.auth import Authenticator, Caller, allowed, check_bearer
-from supervisor.host.gateway.bodies import Bodies
-from supervisor.host.gateway.catalog import Catalog, Engine, route
-from supervisor.host.gateway.forward import Forwarder, Trace
-from supervisor.host.gateway.hostapi import HostApi
-from supervisor.host.gateway.idle import CHECK_S, IdleStop
-from supervisor.host.gateway.intake import answer_and_close, peer
-from supervisor.host.gateway.metrics import CONTENT_TYPE, METRICS_PATH, Metrics
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.reserve import Hold, Reservations
-from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, Settings
-from supervisor.host.gateway.starter import POLL_S, Starter
-from supervisor.host.gateway.usageapi import UsageApi
+from supervisor.host.gateway import recording
+from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
 from supervisor.host.page.sessions import Sessions
 from supervisor.host.page.sources import Sources
+from supervisor.host.proxy import body
+from supervisor.host.proxy import budget as budgets
+from supervisor.host.proxy.admission import Gate, decide
+from supervisor.host.proxy.bodies import Bodies
+from supervisor.host.proxy.catalog import Catalog, CatalogEntry, route
+from supervisor.host.proxy.forward import Forwarder, Trace
+from supervisor.host.proxy.hostapi import HostApi
+from supervisor.host.proxy.idle import CHECK_S, IdleStop
+from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics
+from supervisor.host.proxy.reserve import Hold, Reservations
+from supervisor.host.proxy.starter import POLL_S, Starter
+from supervisor.host.proxy.usageapi import UsageApi
+from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowed, check_bearer
+from supervisor.host.web.intake import answer_and_close, peer
+from supervisor.host.web.refusal import Refusal
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests
@@ -56,7 +58,10 @@ def refusal_response(refusal: Refusal) -> web.Response:
 
 
 @dataclass(frozen=True)
-class Timing:
+class Intervals:
+    """How often the gateway keeps a waiting stream alive, polls a start, checks idling and
+    re-reads the engines' bounds."""
+
     keepalive_s: float = KEEPALIVE_S
     poll_s: float = POLL_S
     idle_check_s: float = CHECK_S
@@ -66,10 +71,10 @@ class Timing:
 class Gateway:
     def __init__(
         self,
-        settings: Settings,
+        settings: GatewaySettings,
         data_dir: Path,
         auth: Authenticator,
-        timing: Timing,
+        timing: Intervals,
         *,
         spending: budgets.Spending,
         recorder: recording.Recorder | None = None,
@@ -87,7 +92,7 @@ class Gateway:
         self.forwarder = Forwarder()
         self.bodies = Bodies(settings.listen.bodies_bytes, settings.listen.body_timeout_s,
                              settings.limits.bounds)  # fmt: skip
-        self.metrics = Metrics(self.counts)
+        self.metrics = GatewayMetrics(self.counts)
         self.idle = IdleStop(
             data_dir, self.starter, self.gate, settings.idle.stop_after_s,
             check_s=timing.idle_check_s, swap=settings.idle.swap,
@@ -107,17 +112,17 @@ class Gateway:
             gate = self.gates[engine] = Gate(engine, self.settings.admission(engine))
         return gate
 
-    def bound(self, engine: Engine) -> int:
+    def bound(self, engine: CatalogEntry) -> int:
         """How many requests the engine gets at once now (settings.running_bound)."""
         return self.settings.admission(engine.name, engine.slots).running
 
-    def free(self, engine: Engine) -> bool:
+    def free(self, engine: CatalogEntry) -> bool:
         """Whether the engine would run a request at once now (route prefers such)."""
         gate = self.gates.get(engine.name)
         limits = self.settings.admission(engine.name, engine.slots)
         return gate is None or decide(gate.running, gate.waiting, limits) == "run"
 
-    def follow(self, engine: Engine) -> Gate:
+    def follow(self, engine: CatalogEntry) -> Gate:
         """The engine's gate, given the limits its status.json says now (its slots)."""
         gate = self.gate(engine.name)
         gate.follow(self.settings.admission(engine.name, engine.slots))
@@ -197,7 +202,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     def _model_entry(
-        self, engine: Engine, model: str, tiers: list[str], now: Any
+        self, engine: CatalogEntry, model: str, tiers: list[str], now: Any
     ) -> dict[str, Any]:
         status = engine.status
         running = status.engine if status is not None else None
@@ -233,18 +238,7 @@ class Gateway:
             prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(seen) if engine.name not in self.idle.stopping else None
         trace.served_by = engine.status
-        sse: web.StreamResponse | None = None
-
-        async def start() -> None:
-            nonlocal url, sse
-            if prepared.stream:
-                sse = await open_sse(request)
-            url = await self._wait_start(engine.name, sse)
-            self.idle.stopping.discard(engine.name)
-            now = self.catalog.engine(engine.name)  # as it is now: its slots, once it runs
-            trace.served_by = now.status
-            self.follow(now)
-
+        start = partial(self._start, request, engine.name, prepared.stream, trace)
         gate = self.follow(engine)
         hold: Hold | None = None
         try:
@@ -252,11 +246,12 @@ class Gateway:
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
             async with gate.slot(None if url else start) as admitted:
-                assert url is not None
+                target = url or admitted.before  # running already, or started on demand
+                assert target is not None
                 trace.admitted = asyncio.get_running_loop().time()
                 self.metrics.child(self.metrics.wait, engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
-                    request, url=url, prepared=prepared, engine=engine.name, sse=sse,
+                    request, url=target, prepared=prepared, engine=engine.name,
                     deadline_s=gate.limits.deadline_s, trace=trace,
                 )  # fmt: skip
         except (asyncio.CancelledError, ConnectionError):  # the client went away
@@ -266,6 +261,7 @@ class Gateway:
         except Refusal as refusal:
             trace.outcome = trace.outcome or "refused"
             trace.code = refusal.code
+            sse = trace.answer  # a start's stream: its client has the headers already
             if sse is None:
                 raise
             self.metrics.refused(refusal.code)
@@ -289,6 +285,21 @@ class Gateway:
         if outcome != "refused":
             m.child(m.duration, engine).observe(now - trace.arrived)
         m.usage(model, engine, trace.usage)
+
+    async def _start(
+        self, request: web.Request, engine: str, stream: bool, trace: Trace
+    ) -> str:
+        """Start an engine on demand, as a waiter in its gate: a stream's answer begins at once
+        (its client hears keep-alives while it waits); the engine's URL once it runs."""
+        sse = await open_sse(request) if stream else None
+        if sse is not None:
+            trace.began(sse)
+        url = await self._wait_start(engine, sse)
+        self.idle.stopping.discard(engine)
+        now = self.catalog.engine(engine)  # as it is now: its slots, once it runs
+        trace.served_by = now.status
+        self.follow(now)
+        return url
 
     async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:
         waiting = asyncio.ensure_future(self.starter.ready(engine))
@@ -324,10 +335,10 @@ PAGE_OF: Final = web.AppKey("page", Page)
 
 
 def create_app(
-    settings: Settings,
+    settings: GatewaySettings,
     data_dir: Path,
     auth: Authenticator,
-    timing: Timing | None = None,
+    timing: Intervals | None = None,
     *,
     spending: budgets.Spending | None = None,
     recorder: recording.Recorder | None = None,
@@ -337,7 +348,7 @@ def create_app(
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
     (memory from the ledger if none)."""
     gateway = Gateway(
-        settings, data_dir, auth, timing or Timing(),
+        settings, data_dir, auth, timing or Intervals(),
         spending=spending or budgets.NoRecord(), recorder=recorder,
     )  # fmt: skip
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from supervisor import logs
-from supervisor.host.gateway.forward import Trace
+from supervisor.host.proxy.forward import Trace
 from supervisor.host.record.row import Build, Row, RowRefused, refused, tokens_of
 from supervisor.protocol.documents import Status
 from supervisor.protocol.names import kept

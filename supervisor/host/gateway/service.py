@@ -19,11 +19,11 @@ from aiohttp import web
 
 from supervisor import logs
 from supervisor.host.gateway.app import create_app, runner
-from supervisor.host.gateway.auth import Authenticator
-from supervisor.host.gateway.metrics import publish_target, target
-from supervisor.host.gateway.settings import Listen, Record, Settings, SettingsError
+from supervisor.host.gateway.settings import GatewaySettings, Listen, Record, SettingsError
 from supervisor.host.page.traffic import record_sources
+from supervisor.host.proxy.metrics import publish_target, target
 from supervisor.host.record.store import Store
+from supervisor.host.web.auth import Authenticator
 from supervisor.notify import Notifier
 
 WATCHDOG_IDLE_S: Final = 5.0  # how often the loop looks when there is no watchdog
@@ -52,7 +52,7 @@ def tls_context(listen: Listen) -> ssl.SSLContext | None:
 class Service:
     def __init__(
         self,
-        settings: Settings,
+        settings: GatewaySettings,
         data_dir: Path,
         auth: Authenticator,
         notifier: Notifier | None = None,

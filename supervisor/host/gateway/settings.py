@@ -90,7 +90,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Final, Self
 
@@ -104,7 +103,8 @@ from pydantic import (
     model_validator,
 )
 
-from supervisor.host.gateway.bounds import Bounds
+from supervisor.host.proxy.admission import Admission
+from supervisor.host.proxy.bounds import Bounds
 from supervisor.host.record.database import SQLITE_FILE, Target
 from supervisor.protocol import names
 
@@ -289,17 +289,9 @@ def running_bound(engine_set: int | None, limits_set: int | None, slots: int | N
     return DEFAULT_RUNNING
 
 
-@dataclass(frozen=True)
-class Admission:
-    """One engine's resolved admission limits."""
+class GatewaySettings(_Section):
+    """The whole settings file: each section, every key with its default."""
 
-    running: int
-    waiting: int
-    max_wait_s: float
-    deadline_s: float
-
-
-class Settings(_Section):
     listen: Listen = Field(default_factory=Listen)
     keys: Keys = Field(default_factory=Keys)
     tiers: dict[str, str] = Field(default_factory=dict)
@@ -351,18 +343,18 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {message}"
 
 
-def parse(text: str, origin: str) -> Settings:
+def parse(text: str, origin: str) -> GatewaySettings:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{origin}: not valid TOML: {exc}") from None
     try:
-        return Settings.model_validate(data)
+        return GatewaySettings.model_validate(data)
     except ValidationError as exc:
         raise SettingsError(f"{origin}: {_first_error(exc)}") from None
 
 
-def load(value: str | None = None) -> Settings:
+def load(value: str | None = None) -> GatewaySettings:
     """The settings from the file named, or the default place; raises SettingsError."""
     path, named = settings_file(value)
     try:
@@ -371,7 +363,7 @@ def load(value: str | None = None) -> Settings:
     except FileNotFoundError:
         if named:
             raise SettingsError(f"{path}: no such settings file") from None
-        return Settings()
+        return GatewaySettings()
     except OSError as exc:
         raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
     if len(raw) > _MAX_FILE:

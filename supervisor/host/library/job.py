@@ -36,7 +36,7 @@ WRITE_EVERY: Final = 1.0
 
 
 @dataclass(frozen=True)
-class Settings:
+class QueueSettings:
     """The queue's settings: downloads at once, the stall time, the poll, the token file."""
 
     parallel: int = 2
@@ -102,7 +102,7 @@ def _prepare(root: Path, model: mf.Manifest) -> mf.Manifest:
     return model.model_copy(update={"hub_files": files})
 
 
-def download(root: Path, model: mf.Manifest, job: Job, settings: Settings) -> mf.Manifest:
+def download(root: Path, model: mf.Manifest, job: Job, settings: QueueSettings) -> mf.Manifest:
     """Run one download to its end; every transition saved; the final manifest returned."""
     log = logs.get("models").bind(model=model.id, name=model.name)
     local = mf.files_dir(root, model.id)

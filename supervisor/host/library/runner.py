@@ -18,7 +18,7 @@ from typing import Final
 from supervisor import logs
 from supervisor.host.library import control
 from supervisor.host.library import manifest as mf
-from supervisor.host.library.job import Job, Settings, download, sweep_tokens
+from supervisor.host.library.job import Job, QueueSettings, download, sweep_tokens
 from supervisor.host.library.lease import CatalogLease
 from supervisor.host.library.verify import reinspect
 from supervisor.protocol.files import remove_stale_temps
@@ -29,7 +29,7 @@ JOIN_TIMEOUT: Final = 10.0
 class Runner:
     """The one process that runs a library's queue (it holds the lease)."""
 
-    def __init__(self, root: Path, settings: Settings) -> None:
+    def __init__(self, root: Path, settings: QueueSettings) -> None:
         self.root = root
         self.settings = settings
         self.lease = CatalogLease(root)

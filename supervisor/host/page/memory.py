@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.host.gateway.catalog import Catalog
+from supervisor.host.proxy.catalog import Catalog
 from supervisor.hw.meminfo import MEMINFO, MeminfoUnreadable, read_meminfo
 from supervisor.protocol.claims import HOLDING_STATES, MAX_CLAIMS_FILE, claims_path, held_claims
 from supervisor.protocol.documents import MemoryPlan, Status

@@ -28,16 +28,16 @@ from aiohttp import web
 
 from supervisor import paths
 from supervisor.host import keys
-from supervisor.host.gateway.auth import Authenticator
-from supervisor.host.gateway.hostapi import HostApi
-from supervisor.host.gateway.intake import peer, read_body
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.library.control import ACTIONS
 from supervisor.host.page.memory import outdated_by
 from supervisor.host.page.models import Library, LibraryRefused
 from supervisor.host.page.origin import foreign
 from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
 from supervisor.host.page.sources import Sources, section
+from supervisor.host.proxy.hostapi import HostApi
+from supervisor.host.web.auth import Authenticator
+from supervisor.host.web.intake import peer, read_body
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import utc_now
 
 PREFIX: Final = "/page"

@@ -28,7 +28,9 @@ class Spent:
     requests: int
 
 
-class Ledger:
+class SpendingLedger:
+    """The rows queued for the writer, and each key's spending: committed plus queued."""
+
     def __init__(self, bound: int, batch: int) -> None:
         self.bound = bound
         self.batch = batch

@@ -2,11 +2,11 @@
 
     store = Store.open(settings.record.target(data_dir), settings.record.retention_days)
     store.record(row)                 # never blocks, never raises; False: dropped (counted)
-    store.spent(identity.key_id, day) # tokens today: committed plus queued (gateway.budget's
+    store.spent(identity.key_id, day) # tokens today: committed plus queued (proxy.budget's
                                       # Spending); store.spending(...): Spent(tokens, requests)
                                       # or None when not known
     store.available, store.reason     # False and why: record nothing, enforce no budget
-    store.close()                     # commits what is queued (within Timing.stop_s)
+    store.close()                     # commits what is queued (within WriterTuning.stop_s)
 
 `open` waits for the first try to open the database (at most CONNECT_S and a margin) so that
 the gateway can say at its start whether it records; it never raises for a database that fails:
@@ -15,7 +15,6 @@ the store is then unavailable and keeps trying by itself.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
@@ -23,9 +22,9 @@ from typing import Any, Final
 
 from supervisor import logs
 from supervisor.host.record.database import CONNECT_S, Target
-from supervisor.host.record.ledger import Ledger, Spent
+from supervisor.host.record.ledger import SpendingLedger, Spent
 from supervisor.host.record.row import Row
-from supervisor.host.record.writer import UNAVAILABLE, Health, Timing, Writer
+from supervisor.host.record.writer import UNAVAILABLE, Health, Writer, WriterTuning
 
 OPEN_WAIT_S: Final = CONNECT_S + 5.0
 
@@ -35,16 +34,15 @@ class Store:
         self,
         target: Target,
         retention_days: int,
-        timing: Timing | None = None,
+        timing: WriterTuning | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        self.timing = timing or Timing()
+        self.timing = timing or WriterTuning()
         self.target = target
         self.now = now
-        self._ledger = Ledger(self.timing.queue_rows, self.timing.batch_rows)
+        self._ledger = SpendingLedger(self.timing.queue_rows, self.timing.batch_rows)
         self._writer = Writer(target, retention_days, self._ledger, self.timing, now)
         self._closed = False
-        self._lock = threading.Lock()
         self._log: Any = logs.get("record")
         self._where = {"backend": target.kind, "where": target.describe()}
 
@@ -53,7 +51,7 @@ class Store:
         cls,
         target: Target,
         retention_days: int,
-        timing: Timing | None = None,
+        timing: WriterTuning | None = None,
         wait_s: float = OPEN_WAIT_S,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> Store:
@@ -77,13 +75,13 @@ class Store:
     def spending(self, key_id: str, day: date | None = None) -> Spent | None:
         """What a key spent on a UTC day (today by default), tokens and requests: committed
         plus queued. None when the day's totals are not known (the store is unavailable, or
-        the day began less than Timing.refresh_s ago): no budget can be enforced then."""
+        the day began less than WriterTuning.refresh_s ago): no budget can be enforced then."""
         if not self.health.available:
             return None
         return self._ledger.spent(key_id, day or self.now().date())
 
     def spent(self, key_id: str, day: date | None = None) -> int:
-        """The gateway's budget reading (gateway.budget.Spending): the tokens of `spending`,
+        """The gateway's budget reading (proxy.budget.Spending): the tokens of `spending`,
         0 when they are not known. Memory only: never a database call."""
         found = self.spending(key_id, day)
         return found.tokens if found is not None else 0
@@ -91,21 +89,17 @@ class Store:
     @property
     def health(self) -> Health:
         """The writer's word, unless a database call of its has gone unanswered for
-        Timing.stall_s: then unavailable (said once in the log), until the call returns."""
+        WriterTuning.stall_s: then unavailable (said once in the log), until the call returns."""
         if self._closed:
             return Health(False, "the record is closed")
-        writer = self._writer
-        health, began = writer.health, writer.busy_since
-        if not (
-            health.available
-            and began is not None
-            and time.monotonic() - began > self.timing.stall_s
-        ):
+        health = self._writer.health
+        if not health.available:
+            return health
+        look = self._writer.stall.look(time.monotonic())
+        if not look.stalled:
             return health
         reason = f"the database has not answered for {self.timing.stall_s:g} s"
-        with self._lock:
-            said, writer.stall_said = writer.stall_said, True
-        if not said:
+        if look.first:
             self._log.warning(UNAVAILABLE, reason=reason, **self._where)
         return Health(False, reason)
 
@@ -132,7 +126,8 @@ class Store:
         return self._ledger.queued
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop taking rows, commit what is queued (within Timing.stop_s), close the database."""
+        """Stop taking rows, commit what is queued (within WriterTuning.stop_s), close the
+        database."""
         self._closed = True
         self._writer.stop()
         self._writer.join(self.timing.stop_s + 5.0 if timeout_s is None else timeout_s)

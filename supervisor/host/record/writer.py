@@ -1,9 +1,9 @@
 """The record's one writer: a thread that commits the queued rows in batches, off the request path.
 
-It commits when a batch (Timing.batch_rows) is queued, or when the oldest queued row has waited
-Timing.flush_s (250 ms) since the last commit: a row recorded while the database keeps up is
-committed within flush_s plus the time of the commits ahead of it: COMMITTED_WITHIN_S (1 s)
-is the bound promised and tested. Between commits it re-reads
+It commits when a batch (WriterTuning.batch_rows) is queued, or when the oldest queued row has
+waited WriterTuning.flush_s (250 ms) since the last commit: a row recorded while the database
+keeps up is committed within flush_s plus the time of the commits ahead of it:
+COMMITTED_WITHIN_S (1 s) is the bound promised and tested. Between commits it re-reads
 today's per-key totals (every refresh_s: what other gateways on one PostgreSQL spent) and
 prunes rows past the retention, a batch at a time, while nothing waits.
 
@@ -29,8 +29,9 @@ from typing import Any, Final
 from supervisor import logs
 from supervisor.host.record import batch, schema
 from supervisor.host.record.database import Database, Target, connect, failures, one_line
-from supervisor.host.record.ledger import Ledger
+from supervisor.host.record.ledger import SpendingLedger
 from supervisor.host.record.row import epoch_us
+from supervisor.host.record.stall import Stall
 
 NOT_YET: Final = "not opened yet"
 UNAVAILABLE: Final = "record unavailable: rows are not recorded and budgets not enforced"
@@ -40,7 +41,9 @@ COMMITTED_WITHIN_S: Final = 1.0
 
 
 @dataclass(frozen=True)
-class Timing:
+class WriterTuning:
+    """The writer's pace and bounds: when it commits, retries, prunes, and gives up waiting."""
+
     flush_s: float = 0.25  # the longest a queued row waits for a commit to begin
     batch_rows: int = 500  # rows in one transaction at most; this many queued: commit now
     queue_rows: int = 20_000  # queued rows at most; more are dropped (counted)
@@ -64,8 +67,8 @@ class Writer(threading.Thread):
         self,
         target: Target,
         retention_days: int,
-        ledger: Ledger,
-        timing: Timing,
+        ledger: SpendingLedger,
+        timing: WriterTuning,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         super().__init__(name="lucia-record-writer", daemon=True)
@@ -78,8 +81,7 @@ class Writer(threading.Thread):
         self.committed = 0  # rows committed by this writer
         self.tried = threading.Event()  # set once the first open was tried
         self._stopping = threading.Event()
-        self.busy_since: float | None = None  # when the database call under way began
-        self.stall_said = False  # the store said the call under way made it unavailable
+        self.stall = Stall(timing.stall_s)  # the call under way, which the store watches
         self._failures = failures()
         self._db: Database | None = None
         self._last_commit = float("-inf")
@@ -217,18 +219,16 @@ class Writer(threading.Thread):
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
-        """A database call: the store reads `busy_since` to tell a database that stopped
+        """A database call: the store looks at `stall` to tell a database that stopped
         answering (a frozen server, a lost network) from one that is slow."""
-        began = self.busy_since = time.monotonic()
+        began = time.monotonic()
+        self.stall.begin(began)
         try:
             yield
         except BaseException:
-            self.busy_since = None
-            self.stall_said = False  # the failure is said as such
+            self.stall.end(failed=True)  # the failure is said as such
             raise
-        self.busy_since = None
-        if self.stall_said:
-            self.stall_said = False
+        if self.stall.end(failed=False):
             took = round(time.monotonic() - began, 1)
             self._log.info("record available again", stalled_s=took, **self._where)
 

@@ -23,9 +23,9 @@ from typing import Final
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.starter import Starter
 from supervisor.host.protocol import Superseded, request
+from supervisor.host.proxy.admission import Gate
+from supervisor.host.proxy.starter import Starter
 from supervisor.protocol.documents import DesiredFile, Status
 from supervisor.protocol.layout import engine_dir
 from supervisor.protocol.reads import load_status, read_desired

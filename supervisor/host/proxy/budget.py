@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, Final, Protocol
 
-from supervisor.host.gateway.auth import Caller
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.web.auth import Caller
+from supervisor.host.web.refusal import Refusal
 
 HEADER: Final = "X-Lucia-Record"
 NOT_RECORDING: Final = "off; nothing is recorded and no budget is enforced"

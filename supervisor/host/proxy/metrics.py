@@ -23,7 +23,6 @@ from supervisor.protocol.documents import FileSd, TargetGroup, dump
 from supervisor.protocol.files import ensure_dir, write_atomic
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
-METRICS_PATH: Final = "/metrics"
 TELEMETRY_DIR: Final = "telemetry"  # the workers' file_sd directory, shared
 TARGET_FILE: Final = "_gateway.json"
 Outcome = Literal["ok", "engine_error", "engine_failed", "refused", "timed_out", "client_gone"]
@@ -57,7 +56,9 @@ class _Gates(Collector):
         yield waiting
 
 
-class Metrics:
+class GatewayMetrics:
+    """The gateway's own Prometheus metrics: requests, refusals, waits, times and tokens."""
+
     def __init__(self, counts: Counts) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry

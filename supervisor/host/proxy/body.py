@@ -26,9 +26,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from supervisor.host.gateway import bounds
-from supervisor.host.gateway.bounds import Bounds
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.proxy import bounds
+from supervisor.host.proxy.bounds import Bounds
+from supervisor.host.web.refusal import Refusal
 
 MIB: Final = 1024 * 1024
 TEXT_LIMIT: Final = 2 * MIB

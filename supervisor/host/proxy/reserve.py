@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import date, datetime
 
-from supervisor.host.gateway import budget as budgets
+from supervisor.host.proxy import budget as budgets
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
-from supervisor.host.gateway.body import Prepared
-from supervisor.host.gateway.metrics import Outcome
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.usage import AnswerScan, Counts, Source, UsageFilter
+from supervisor.host.proxy.body import Prepared
+from supervisor.host.proxy.metrics import Outcome
+from supervisor.host.proxy.usage import AnswerScan, Counts, Source, UsageFilter
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import Status, utc_now
 
 SSE: Final = "text/event-stream"
@@ -65,7 +65,9 @@ class Trace:
     usage: dict[str, Any] | None = None
     usage_source: Source = "none"  # where `usage` came from (usage.py)
     posted: bool = False  # the request went to the engine, which may have generated for it
-    response: web.StreamResponse | None = field(default=None, repr=False)  # once begun
+    # the client's response once its headers went out: from then on the answer has begun, and
+    # whatever goes wrong is told inside it (an error event, a short body), never as a refusal
+    answer: web.StreamResponse | None = field(default=None, repr=False)
     # the client has the whole answer: a stream's [DONE], or every byte of a plain answer; a
     # client that goes away after it (as clients do at [DONE]) is served, not gone
     delivered: bool = False
@@ -73,6 +75,20 @@ class Trace:
     def wrote(self) -> None:
         if self.first_byte is None:
             self.first_byte = asyncio.get_running_loop().time()
+
+    @property
+    def begun(self) -> bool:
+        """Whether the client has the answer's headers: a refusal of its own is too late."""
+        return self.answer is not None
+
+    def began(self, response: web.StreamResponse) -> None:
+        """The answer began with this response, its headers sent already (a start's stream)."""
+        self.answer = response
+
+    async def begin(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Send this response's headers: the answer begins."""
+        self.answer = response
+        await response.prepare(request)
 
 
 @dataclass(frozen=True)
@@ -143,11 +159,11 @@ class Forwarder:
         url: str,
         prepared: Prepared,
         engine: str,
-        sse: web.StreamResponse | None,
         deadline_s: float,
         trace: Trace,
     ) -> web.StreamResponse:
-        """Forward; `sse` is the client's stream when it was opened already (a start).
+        """Forward; the trace's answer has begun already when a start opened the client's
+        stream.
 
         A plain request sent whose whole answer was never read (a client that left, the
         deadline, an engine that broke off) costs its bound: what the engine generated for it
@@ -158,15 +174,14 @@ class Forwarder:
         A stream its engine broke off before it began costs its prompt's estimate and a token
         a sequence: both engines begin a stream's answer with its first token, and a broken
         engine generates no more."""
-        trace.response = sse
         try:
             async with asyncio.timeout(deadline_s):
                 return await self._send(request, url, prepared, engine, trace)
         except TimeoutError:
             trace.outcome = "timed_out"
             refusal = timed_out(engine, deadline_s)
-            response = trace.response
-            if response is None:
+            response = trace.answer
+            if response is None:  # not begun: the refusal is the answer
                 raise refusal from None
             if response.content_type == SSE:
                 await response.write(b"data: " + refusal.encoded() + b"\n\n")
@@ -196,7 +211,7 @@ class Forwarder:
         async with upstream:
             trace.outcome = "ok" if upstream.status < 400 else "engine_error"
             streams = upstream.headers.get("Content-Type", "").startswith(SSE)
-            sse = trace.response
+            sse = trace.answer
             if sse is not None and not streams:
                 # the client's stream is open (a start): the answer becomes an event
                 try:
@@ -240,20 +255,18 @@ class Forwarder:
         async for data in from_engine(upstream):
             if isinstance(data, Broke):
                 trace.outcome = "engine_failed"
-                if trace.response is None:
+                if not trace.begun:
                     raise unreachable(engine, data.error) from None
                 if request.transport is not None:
                     request.transport.close()  # cut off: a short body tells the client
                 return
-            if trace.response is None:
-                trace.response = response
-                await response.prepare(request)
+            if not trace.begun:
+                await trace.begin(request, response)
             trace.wrote()
             scan.feed(data)
             await response.write(data)
-        if trace.response is None:  # an empty answer
-            trace.response = response
-            await response.prepare(request)
+        if not trace.begun:  # an empty answer
+            await trace.begin(request, response)
         trace.usage = scan.usage  # the engine's, for its whole answer
         trace.usage_source = "engine" if scan.usage is not None else "none"
         trace.delivered = True
@@ -274,9 +287,8 @@ class Forwarder:
         usage = UsageFilter(prepared.hide_usage, prepared.strip_usage)
         whole = False
         try:
-            if trace.response is None:
-                trace.response = sse
-                await sse.prepare(request)
+            if not trace.begun:
+                await trace.begin(request, sse)
             async for data in from_engine(upstream):
                 if isinstance(data, Broke):
                     trace.outcome = "engine_failed"

@@ -29,10 +29,10 @@ from typing import Final, Literal, ParamSpec, TypeVar
 
 from aiohttp import web
 
-from supervisor.host.gateway import body
-from supervisor.host.gateway.bounds import Bounds
-from supervisor.host.gateway.intake import read_body
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.proxy import body
+from supervisor.host.proxy.bounds import Bounds
+from supervisor.host.web.intake import read_body
+from supervisor.host.web.refusal import Refusal
 
 PARSE_INLINE: Final = 256 * 1024  # at most this many bytes are parsed on the event loop
 RETRY_AFTER_S: Final = 1

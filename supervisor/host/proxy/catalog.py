@@ -20,9 +20,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.starter import Step, plan
 from supervisor.host.protocol import STALE_AFTER
+from supervisor.host.proxy.starter import Step, plan
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from supervisor.protocol.layout import DESIRED, STATUS, BadName, check_name
 from supervisor.protocol.reads import load_status, read_desired
@@ -36,7 +36,9 @@ _RANK: Final[dict[Step, int]] = {"ready": 1, "follow": 2, "request": 3, "stopped
 
 
 @dataclass(frozen=True)
-class Engine:
+class CatalogEntry:
+    """One engine as the host sees it: its name, its status.json and its desired.json."""
+
     name: str
     status: Status | None
     desired: DesiredFile | None = None
@@ -63,11 +65,11 @@ class Engine:
 
 def route(
     model: str,
-    engines: list[Engine],
+    engines: list[CatalogEntry],
     tiers: dict[str, str],
     now: datetime,
-    free: Callable[[Engine], bool] = lambda _: True,
-) -> tuple[Engine, str]:
+    free: Callable[[CatalogEntry], bool] = lambda _: True,
+) -> tuple[CatalogEntry, str]:
     """Pure: the engine that serves `model` (a tier alias resolved first), and the model
     name it knows; 404 naming the models that exist. Of several, the best kind (the module's
     order; `free`: whether a serving engine would run a request at once), then by name."""
@@ -85,7 +87,7 @@ def route(
     )
 
 
-def rank(engine: Engine, now: datetime, free: Callable[[Engine], bool]) -> int:
+def rank(engine: CatalogEntry, now: datetime, free: Callable[[CatalogEntry], bool]) -> int:
     """Pure: 0 serving with a slot free, 1 serving, 2 starting, 3 may be started on demand,
     4 stopped by an operator, 5 its worker unavailable."""
     step = plan(engine.desired, engine.status, now).step
@@ -97,7 +99,7 @@ class Catalog:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self._seen: dict[str, tuple[tuple[int, ...], Engine]] = {}
+        self._seen: dict[str, tuple[tuple[int, ...], CatalogEntry]] = {}
         self._names: dict[str, bool] = {}  # a directory entry's name: an engine's, or not
 
     def _engine_name(self, name: str) -> bool:
@@ -110,10 +112,10 @@ class Catalog:
             self._names[name] = known
         return known
 
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[CatalogEntry]:
         """Every engine with a status file, by name; a stat of its two files each (every
         request asks)."""
-        found: dict[str, tuple[tuple[int, ...], Engine]] = {}
+        found: dict[str, tuple[tuple[int, ...], CatalogEntry]] = {}
         root = str(self.data_dir)
         try:
             names = sorted(os.listdir(root))
@@ -132,14 +134,15 @@ class Catalog:
                 found[name] = known
             else:
                 directory = self.data_dir / name
-                found[name] = (stamp, Engine(name, load_status(directory), read_desired(directory)))
+                entry = CatalogEntry(name, load_status(directory), read_desired(directory))
+                found[name] = (stamp, entry)
         self._seen = found
         return [engine for _, engine in found.values()]
 
-    def engine(self, name: str) -> Engine:
+    def engine(self, name: str) -> CatalogEntry:
         """One engine, read now."""
         directory = self.data_dir / check_name(name)
-        return Engine(name, load_status(directory), read_desired(directory))
+        return CatalogEntry(name, load_status(directory), read_desired(directory))
 
     @staticmethod
     def now() -> datetime:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.web.refusal import Refusal
 
 TOKEN_FIELDS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 N_PREDICT: Final = "n_predict"  # llama-server's: before max_tokens; negative: until the end

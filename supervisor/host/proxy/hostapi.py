@@ -17,13 +17,13 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from supervisor.host.gateway import body
-from supervisor.host.gateway.admission import Gate
-from supervisor.host.gateway.catalog import Catalog, Engine
-from supervisor.host.gateway.idle import IdleStop
-from supervisor.host.gateway.intake import read_body
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.protocol import request
+from supervisor.host.proxy import body
+from supervisor.host.proxy.admission import Gate
+from supervisor.host.proxy.catalog import Catalog, CatalogEntry
+from supervisor.host.proxy.idle import IdleStop
+from supervisor.host.web.intake import read_body
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import dump
 from supervisor.protocol.layout import BadName, check_name, engine_dir
 from supervisor.protocol.reads import read_desired
@@ -58,7 +58,7 @@ class HostApi:
         idle: IdleStop,
         body_timeout_s: float,
         *,
-        bound: Callable[[Engine], int],
+        bound: Callable[[CatalogEntry], int],
     ) -> None:
         self.data_dir = data_dir
         self.body_timeout_s = body_timeout_s
@@ -76,7 +76,7 @@ class HostApi:
         rows = [self.row(engine, now) for engine in self.catalog.engines()]
         return web.json_response({"engines": rows})
 
-    def row(self, engine: Engine, now: Any) -> dict[str, Any]:
+    def row(self, engine: CatalogEntry, now: Any) -> dict[str, Any]:
         desired = read_desired(engine_dir(self.data_dir, engine.name))
         gate = self.gates(engine.name)
         return {

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.web.refusal import Refusal
 
 
 def too_slow(request: web.Request, timeout_s: float, came: int) -> Refusal:

@@ -20,14 +20,14 @@ from __future__ import annotations
 from typing import Final, Literal, Protocol
 
 from supervisor.host.failures import FailureLimit
-from supervisor.host.gateway.metrics import METRICS_PATH
-from supervisor.host.gateway.refusal import Refusal
+from supervisor.host.web.refusal import Refusal
 
 Role = Literal["owner", "inference"]
 BEARER: Final = "bearer "
 V1: Final = "/v1/"
 HOST_API: Final = "/api/host/"
 PAGE: Final = "/page"
+METRICS_PATH: Final = "/metrics"
 
 
 class Caller(Protocol):

@@ -28,8 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.protocol import Superseded, classify, request
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from supervisor.protocol.layout import engine_dir
 from supervisor.protocol.reads import load_status, read_desired

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from supervisor import paths
 from supervisor.host import keys
-from supervisor.host.gateway.refusal import Refusal
 from supervisor.host.record import database, queries, report
 from supervisor.host.record.database import Target
+from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import utc_now
 
 USAGE: Final = "/api/host/usage"

@@ -4,10 +4,10 @@ Beyond either bound a request is refused at once with 429 and Retry-After; a wai
 out is refused the same way. The bound holds for every request, loaded engine or not: a
 request held while its engine starts counts as waiting too. Slots pass in arrival order.
 
-The running bound follows the engine (settings.running_bound): an engine started on demand
-publishes its slots once it runs, so a gate is given new limits as they change (`follow`). A
-higher bound hands its new slots to the waiters first in line at once; a lower one lets the
-running requests finish and starts none until fewer run than it allows.
+The running bound follows the engine (the gateway settings' running_bound): an engine started
+on demand publishes its slots once it runs, so a gate is given new limits as they change
+(`follow`). A higher bound hands its new slots to the waiters first in line at once; a lower
+one lets the running requests finish and starts none until fewer run than it allows.
 """
 
 from __future__ import annotations
@@ -19,13 +19,23 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar
 
-from supervisor.host.gateway.refusal import Refusal
-from supervisor.host.gateway.settings import Admission
+from supervisor.host.web.refusal import Refusal
 
 Verdict = Literal["run", "wait", "refuse"]
 RETRY_AFTER_S: Final = 1
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One engine's resolved admission limits."""
+
+    running: int
+    waiting: int
+    max_wait_s: float
+    deadline_s: float
 
 
 def decide(running: int, waiting: int, limits: Admission) -> Verdict:
@@ -54,8 +64,11 @@ def too_busy(engine: str, running: int, waiting: int, waited: float, why: str) -
 
 
 @dataclass(frozen=True)
-class Admitted:
+class Admitted(Generic[T]):
+    """A slot taken: how long it was waited for, and what the awaited `before` gave."""
+
     waited_s: float
+    before: T | None = None
 
 
 class Gate:
@@ -85,26 +98,28 @@ class Gate:
 
     @asynccontextmanager
     async def slot(
-        self, before: Callable[[], Awaitable[None]] | None = None
-    ) -> AsyncIterator[Admitted]:
+        self, before: Callable[[], Awaitable[T]] | None = None
+    ) -> AsyncIterator[Admitted[T]]:
         """A running slot. `before` (a start on demand) is awaited first, as a waiter; its
-        own time does not count against the wait, which starts when it is done."""
+        own time does not count against the wait, which starts when it is done. What it gives
+        comes with the slot (`Admitted.before`)."""
         began = self.last_used = time.monotonic()
         verdict = decide(self.running, self.waiting, self.limits)
         if verdict == "refuse":
             raise too_busy(self.engine, self.running, self.waiting, 0.0, "the queue is full")
+        given: T | None = None
         if verdict == "run" and before is None:
             self.running += 1
         else:
             self.waiting += 1
             try:
                 if before is not None:
-                    await before()
+                    given = await before()
                 await self._wait_for_slot(began)
             finally:
                 self.waiting -= 1
         try:
-            yield Admitted(time.monotonic() - began)
+            yield Admitted(time.monotonic() - began, given)
         finally:
             self.last_used = time.monotonic()
             self._release()

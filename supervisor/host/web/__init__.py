@@ -1,0 +1,1 @@
+"""What every route of the host's server shares: who is calling, a body read, a refusal."""
