@@ -6,10 +6,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.protocol.documents import MemoryPlan, TargetGroup
+
+if TYPE_CHECKING:
+    from supervisor.memplan.guard import Guard
+    from supervisor.memplan.need import EngineNeed
 
 # the log lines read of a container that exited: a failed start's whole log, since its root
 # cause is often far above its last line (worker/exits.py finds it)
@@ -37,6 +41,7 @@ class Observed:
     log: tuple[str, ...] = ()  # the last log lines of a container that has exited
     version: str | None = None  # the version the running engine reports (vLLM's /version)
     models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
+    failed: tuple[str, ...] = ()  # the models whose load failed (the worker's gauge)
     memory: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
     # while it runs: requests each loaded model holds at once (status.json's slots)
     slots: Mapping[str, int] = field(default_factory=dict)
@@ -64,45 +69,52 @@ class Endpoint:
         return f"http://{self.host}:{self.port}"
 
 
-class Engine(Protocol):
-    """An engine: observed prerequisites, how to make each, and how its container runs."""
+@dataclass(frozen=True)
+class Claimant:
+    """How a start claims the machine's memory: the claims shared through the data directory,
+    and what a start needs, read at its Check (the claims helper of the worker makes the claim)."""
+
+    guard: Guard
+    need: Callable[[], EngineNeed | None]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the worker knows of an engine without a look: its names, its timings, its files."""
 
     kind: str
     container_name: str
     stop_grace: float
     ready_timeout: float
     poll_interval: float  # re-observe this often while settled (the exit monitor aside)
+    private_files: tuple[Path, ...] = ()  # only its worker writes them (stale temps cleaned)
+    models: tuple[str, ...] = ()  # the names it serves before any look (status.json's models)
+    claim: Claimant | None = None  # None: its starts are not planned
+
+
+class Engine(Protocol):
+    """An engine: one look at it, how to make what it misses, the checks before a start, its
+    readiness, and its own effects once a start's outcome is known."""
+
+    @property
+    def info(self) -> EngineInfo: ...
 
     def observe(self) -> Observed:
-        """One look at the container, the prerequisites and the run spec (off the loop)."""
+        """One look at the container, the prerequisites and the run spec (off the loop); every
+        answer the worker uses travels in it."""
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         """Make one missing prerequisite (raises Permanent, Transient or Cancelled)."""
 
     def preflight(self, spec: RunSpec, replacing: str | None, ctx: StepContext) -> None:
         """Check, without stopping or starting anything, that this spec can start; raises
-        Permanent with the reason when it cannot (a running engine then serves on)."""
-
-    def started(self, container_id: str | None) -> None:
-        """After a Start step: the container it made (its memory claim now holds while it
-        runs), or None when the start failed (the claim is dropped)."""
-
-    def abandoned(self, running: str | None) -> None:
-        """The generation no longer means to start what its Check passed: a claim that Check
-        made holds for the running container (running), or is dropped."""
-
-    def planned_memory(self) -> tuple[int, int] | None:
-        """(need, limit) in bytes at the last memory check; None before one."""
+        Permanent with the reason when it cannot (a running engine then serves on). The memory
+        claim is the worker's, after these checks."""
 
     def ready(self) -> bool:
         """One readiness probe; True when the engine answers."""
 
-    def served_models(self) -> tuple[str, ...]:
-        """The model names a client asks this engine for, in every state, from the recipe or
-        what the worker made of it (never from the running engine): status.json's models."""
-
-    def failed_models(self) -> tuple[str, ...]:
-        """The models whose load failed, as the last observation saw (the worker's gauge)."""
-
-    def private_files(self) -> tuple[Path, ...]:
-        """Files only this engine's worker writes (their stale temp files are cleaned)."""
+    def settle(self, running: str | None, started: bool) -> None:
+        """After a start's memory claim is settled: started, with the container a Start made
+        (None: it failed); or not started, when the generation no longer means to start what its
+        Check passed, with the container still running (None: none)."""

@@ -7,22 +7,26 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from supervisor import logs, redaction
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Container, Image, Mount, RunSpec
+from supervisor.docker.spec import Container, Mount, RunSpec
 from supervisor.engines.base import (
     EXIT_LOG_LINES,
+    Claimant,
     Endpoint,
+    EngineInfo,
     Observed,
     Prerequisite,
     StepContext,
 )
+from supervisor.engines.look import EngineImage, Look, Network, P, PulledImage
 from supervisor.errors import Blocked, Permanent
 from supervisor.memplan import guard
 from supervisor.memplan.fit import Budget
@@ -38,51 +42,19 @@ from supervisor.recipe.schema import RecipeBase, RecipeError
 log = logs.get("engine")
 
 
-@dataclass(frozen=True)
-class Network:
-    """The bridge network whose gateway gets the engine's port."""
-
-    name: str
-
-    @property
-    def description(self) -> str:
-        return f"creating the Docker network {self.name}"
+R = TypeVar("R", bound=RecipeBase)
 
 
-@dataclass(frozen=True)
-class PulledImage:
-    ref: str
+class ContainerEngine(Generic[R, P]):
+    """The shared engine over its recipe type R; P is what its kind's look adds."""
 
-    @property
-    def description(self) -> str:
-        return f"pulling {self.ref}"
-
-
-@dataclass(frozen=True)
-class EngineImage:
-    """The image the container runs on: the reference it was resolved from, and its id."""
-
-    ref: str
-    image: Image
-
-
-@dataclass(frozen=True)
-class Prerequisites:
-    """What is still to be made before the container can run (in order), and the image it
-    runs on once that exists."""
-
-    missing: tuple[Prerequisite, ...] = ()
-    image: EngineImage | None = None
-
-
-class ContainerEngine:
     kind = "engine"
     poll_interval = 30.0
 
     def __init__(
         self,
         name: str,
-        recipe: RecipeBase,
+        recipe: R,
         runtime: Runtime,
         state_dir: Path,
         data_dir: Path | None = None,
@@ -94,24 +66,44 @@ class ContainerEngine:
         # measure: how the plan measures this engine's memory (a GPU's, through its nvidia-smi)
         ledger = Ledger.for_data_dir(data_dir) if data_dir else None
         self.memory = Guard(name, ledger, runtime, measure) if ledger is not None else None
-        self.base_recipe = recipe
+        self.recipe = recipe
         self.runtime = runtime
         self.state_dir = state_dir
         self.container_name = f"lucia-{name}"
-        self.stop_grace = recipe.run.stop_grace
-        self.ready_timeout = recipe.run.ready_timeout
         self.endpoint: Endpoint | None = None  # known once observed
+        self.last: Look[P] | None = None  # the last look, set by observe only
         with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
             redaction.register(recipe.secret_values().values())
 
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """What the worker knows of this engine without a look (made once, on first use)."""
+        run = self.recipe.run
+        claim = Claimant(self.memory, self.memory_need) if self.memory is not None else None
+        return EngineInfo(
+            kind=self.kind,
+            container_name=self.container_name,
+            stop_grace=run.stop_grace,
+            ready_timeout=run.ready_timeout,
+            poll_interval=self.poll_interval,
+            private_files=self.private_files(),
+            models=self.named(),
+            claim=claim,
+        )
+
     # -- what an engine module provides ---------------------------------------------------------
 
-    def prerequisites(self) -> Prerequisites:
-        """What is still to be made, and the image the container must run on."""
+    def prerequisites(self) -> P:
+        """What is still to be made, the image the container must run on, and whatever else
+        the kind's look reads before its endpoint is known."""
         raise NotImplementedError
 
+    def seen(self, look: Look[P]) -> Look[P]:
+        """The look with what the kind reads of its running engine (its own endpoints)."""
+        return look
+
     def command(self) -> tuple[str, ...]:
-        return tuple(self.base_recipe.command)
+        return tuple(self.recipe.command)
 
     def extra_labels(self) -> Mapping[str, str]:
         return {}
@@ -119,18 +111,14 @@ class ContainerEngine:
     def mounts(self) -> tuple[Mount, ...]:
         return ()
 
-    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
-        return (self.target_group(endpoint, {"model": self.base_recipe.model or self.kind}),)
-
-    def notes(self) -> str:
-        return ""
-
-    def failed_models(self) -> tuple[str, ...]:
+    def private_files(self) -> tuple[Path, ...]:
+        """Files only this engine's worker writes (their stale temp files are cleaned)."""
         return ()
 
-    def served_models(self) -> tuple[str, ...]:
-        """None, unless the kind names them (each shipped kind does, from its recipe): a kind
-        that names none is served by no gateway route, and its worker runs as before."""
+    def named(self) -> tuple[str, ...]:
+        """The names it serves before any look: none, unless the kind names them (each shipped
+        kind does, from its recipe): a kind that names none is served by no gateway route, and
+        its worker runs as before."""
         return ()
 
     def make_own(self, what: Prerequisite, ctx: StepContext) -> None:
@@ -139,97 +127,109 @@ class ContainerEngine:
     def check_more(self, spec: RunSpec, ctx: StepContext) -> None:
         """The engine's own checks before a start (its argument parser, its memory need)."""
 
+    def settle(self, running: str | None, started: bool) -> None:
+        """After a start's memory claim is settled: the kind's own effects of the outcome."""
+
     def memory_need(self) -> EngineNeed | None:
         """What a start needs (its models planned together); None: the start is not planned."""
         return None
 
-    def check_memory(self, replacing: str | None) -> None:
-        """Claim the start's memory, or refuse it with the numbers (raises Permanent); last of
-        the checks, so a claim is made only for a start that passed the others."""
-        if self.memory is None:
-            return
-        need = self.memory_need()
-        if need is not None:
-            self.memory.claim(need, replacing)
-
-    def memory_plan(self) -> MemoryPlan | None:
-        """The plan of a start now, claiming nothing (status.json's memory); None unplanned."""
-        return preview(self.memory, self.planned_need) if self.memory is not None else None
-
-    def planned_need(self, budget: Budget, multiplier: float) -> EngineNeed | None:
+    def planned_need(self, own: P, budget: Budget, multiplier: float) -> EngineNeed | None:
         """What a start would need in this budget: what its Check would claim, unless the
         kind plans otherwise before its prerequisites are made (the router's library)."""
         return self.memory_need()
 
-    def planned_memory(self) -> tuple[int, int] | None:
-        guard = self.memory
-        if guard is None or guard.last is None or guard.limit is None:
-            return None
-        return guard.last.need.need, guard.limit
+    def parallel(self) -> int | None:
+        """How many requests the engine's launch lets it run at once; None: not known."""
+        return None
 
-    def started(self, container_id: str | None) -> None:
-        """After a Start step: the container it made, or None when it failed."""
-        if self.memory is not None:
-            self.memory.started(container_id)
+    # -- the answers: pure functions of one look ------------------------------------------------
 
-    def abandoned(self, running: str | None) -> None:
-        """The start a passed Check was for will not run: its memory claim moves to the
-        container still running (running), or is dropped. A ledger that cannot be written
-        keeps the claim pending until the next observation."""
-        if self.memory is None:
-            return
-        try:
-            if self.memory.abandon(running):
-                log.info("memory claim settled: its start was not run",
-                         held_by=running[:12] if running else None)
-        except OSError as exc:
-            log.warning("memory claim not settled; retrying at the next look", error=str(exc))
+    def targets(self, look: Look[P]) -> tuple[TargetGroup, ...]:
+        """The file_sd target groups while it serves."""
+        if look.endpoint is None:
+            return ()
+        return (self.target_group(look.endpoint, {"model": self.recipe.model or self.kind}),)
+
+    def notes(self, look: Look[P]) -> str:
+        return ""
+
+    def served(self, look: Look[P]) -> tuple[str, ...]:
+        """The model names a client asks this engine for, in every state, from the recipe or
+        what the worker made of it (never from the running engine): status.json's models."""
+        return self.named()
+
+    def failed(self, look: Look[P]) -> tuple[str, ...]:
+        """The models whose load failed, as this look saw (the worker's gauge)."""
+        return ()
+
+    def version(self, look: Look[P]) -> str | None:
+        """The version the running engine reports of itself, if it says one."""
+        return None
+
+    def slots(self, look: Look[P]) -> dict[str, int]:
+        """While a container of ours runs: how many requests it holds at once, under the first
+        name it serves (its other names are the same model, never counted twice); empty when
+        the kind does not say (`parallel`)."""
+        if not look.running:
+            return {}
+        served, parallel = self.served(look), self.parallel()
+        return {served[0]: parallel} if served and parallel is not None else {}
+
+    def answers(self, look: Look[P]) -> Observed:
+        """What the worker is given of one look: a pure function of it."""
+        return Observed(
+            container=look.container,
+            missing=look.missing,
+            spec=look.spec,
+            url=look.endpoint.url if look.endpoint else None,
+            targets=self.targets(look),
+            notes=self.notes(look),
+            log=look.log,
+            version=self.version(look),
+            models=self.served(look),
+            failed=self.failed(look),
+            memory=look.memory,
+            slots=self.slots(look),
+        )
 
     # -- shared ---------------------------------------------------------------------------------
 
     def observe(self) -> Observed:
-        run = self.base_recipe.run
+        """One look, kept as the last one (the steps after it read it), and its answers."""
+        look = self.look()
+        self.endpoint, self.last = look.endpoint, look
+        return self.answers(look)
+
+    def look(self) -> Look[P]:
+        """Everything one observation reads, into one value; it keeps nothing itself."""
+        run = self.recipe.run
         container = self.runtime.container(self.container_name)
         gateway = self.runtime.gateway(run.network)
         own = self.prerequisites()
         missing = (() if gateway is not None else (Network(run.network),)) + own.missing
         wanted = Endpoint(gateway, run.port) if gateway is not None else None
-        # where the engine answers is where its container is published: a replacement on
-        # another port that has not happened yet must not move the URL or the file_sd target
-        self.endpoint = published(container, gateway) or wanted
         spec = None
         if not missing and wanted is not None and own.image is not None:
             spec = self.run_spec(own.image, wanted)
-        return Observed(
+        look = Look(
             container=container,
+            # where the engine answers is where its container is published: a replacement on
+            # another port that has not happened yet must not move the URL or the file_sd target
+            endpoint=published(container, gateway) or wanted,
             missing=missing,
             spec=spec,
-            url=self.endpoint.url if self.endpoint else None,
-            targets=self.targets(self.endpoint) if self.endpoint else (),
-            notes=self.notes(),
+            own=own,
             log=self._log(container),
-            version=self.version(container),
-            models=self.served_models(),
-            memory=self.memory_plan(),
-            slots=self.slots(container),
+            memory=self.memory_plan(own),
         )
+        return self.seen(look)
 
-    def version(self, container: Container | None) -> str | None:
-        """The version the running engine reports of itself, if it says one."""
-        return None
-
-    def slots(self, container: Container | None) -> dict[str, int]:
-        """While a container of ours runs: how many requests it holds at once, under the first
-        name it serves (its other names are the same model, never counted twice); empty when
-        the kind does not say (`parallel`)."""
-        if container is None or not container.running or not container.managed:
-            return {}
-        served, parallel = self.served_models(), self.parallel()
-        return {served[0]: parallel} if served and parallel is not None else {}
-
-    def parallel(self) -> int | None:
-        """How many requests the engine's launch lets it run at once; None: not known."""
-        return None
+    def memory_plan(self, own: P) -> MemoryPlan | None:
+        """The plan of a start now, claiming nothing (status.json's memory); None unplanned."""
+        if self.memory is None:
+            return None
+        return preview(self.memory, functools.partial(self.planned_need, own))
 
     def _log(self, container: Container | None) -> tuple[str, ...]:
         """Why an exited container of ours died is in its log, often far above its last line."""
@@ -262,12 +262,11 @@ class ContainerEngine:
                 "free it or change run.port in the recipe"
             )
         self.check_more(spec, ctx)
-        self.check_memory(replacing)
 
     def secrets(self) -> dict[str, str]:
         """Read when used (a rotated token is picked up), registered for masking."""
         try:
-            values = self.base_recipe.secret_values()
+            values = self.recipe.secret_values()
         except RecipeError as exc:
             raise Permanent(str(exc)) from None
         redaction.register(values.values())
@@ -275,7 +274,7 @@ class ContainerEngine:
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         """Everything the container is created with; its fingerprint decides replacement."""
-        recipe, run = self.base_recipe, self.base_recipe.run
+        recipe, run = self.recipe, self.recipe.run
         return RunSpec(
             name=self.container_name,
             image=found.image.id,
@@ -304,7 +303,7 @@ class ContainerEngine:
 
     def volumes(self) -> tuple[Mount, ...]:
         """The recipe's run volumes, `${SETTING}` and `~` expanded."""
-        recipe = self.base_recipe
+        recipe = self.recipe
         return tuple(
             Mount(str(Path(recipe.expand(v.source)).expanduser()), v.target, v.read_only)
             for v in recipe.run.volumes
@@ -314,7 +313,7 @@ class ContainerEngine:
         return TargetGroup(
             targets=[f"{endpoint.host}:{endpoint.port}"],
             labels={
-                "__metrics_path__": self.base_recipe.run.metrics_path,
+                "__metrics_path__": self.recipe.run.metrics_path,
                 "engine": self.kind,
                 "name": self.name,
                 **extra,

@@ -4,33 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from supervisor.recipe.schema import RecipeBase
 
 if TYPE_CHECKING:
-    from supervisor.docker.runtime import Runtime
-    from supervisor.engines.base import Engine
     from supervisor.memplan.fit import Budget
     from supervisor.memplan.overview import EnginePlan
 
-# (worker name, recipe, runtime, state dir, data dir or None) -> the engine; the recipe is the
-# kind's own schema (the registry validated it with `recipe`)
-EngineFactory: TypeAlias = "Callable[[str, Any, Runtime, Path, Path | None], Engine]"
 # (recipe, budget, weight multiplier) -> the plan `lucia-supervisor plan` shows for it
 MemoryPlanner: TypeAlias = "Callable[[Any, Budget, float], EnginePlan]"
 
 
 @dataclass(frozen=True)
 class EngineKind:
-    """An engine kind: the `engine = "..."` it answers to, its recipe schema, how its engine is
-    made, how its memory need is planned, and the conformance suite's driver for it (a module
-    path under tests/, imported only by the suite)."""
+    """An engine kind: the `engine = "..."` it answers to, its recipe schema, its engine class
+    (`module:Class`, imported when an engine is made: knowing a kind costs no Docker import),
+    how its memory need is planned, and the conformance suite's driver for it (a module path
+    under tests/, imported only by the suite)."""
 
     name: str
     recipe: type[RecipeBase]
-    engine: EngineFactory
+    engine: str
     memory: MemoryPlanner
     conformance: str
 

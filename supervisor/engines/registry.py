@@ -88,8 +88,17 @@ def get(name: str) -> EngineKind:
 def create(
     name: str, recipe: RecipeBase, runtime: Runtime, state_dir: Path, data_dir: Path | None = None
 ) -> Engine:
-    """data_dir: where the machine's memory claims are shared; None plans no memory."""
-    return get(recipe.engine).engine(name, recipe, runtime, state_dir, data_dir)
+    """The engine of the recipe's kind, its class imported now (each kind's engine takes
+    these same arguments). data_dir: where the machine's memory claims are shared; None plans
+    no memory."""
+    path = get(recipe.engine).engine
+    module, _, cls = path.partition(":")
+    try:
+        made = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(f"engine class {path}: cannot be imported: {exc}") from None
+    engine: Engine = made(name, recipe, runtime, state_dir, data_dir)
+    return engine
 
 
 def plan_memory(recipe: RecipeBase, budget: Budget, multiplier: float) -> EnginePlan:

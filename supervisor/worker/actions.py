@@ -13,6 +13,7 @@ from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import EXIT_LOG_LINES, Engine, StepContext
 from supervisor.errors import Cancelled, Permanent
+from supervisor.worker import claims
 from supervisor.worker.exits import exit_message
 from supervisor.worker.steps import (
     AwaitReady,
@@ -38,17 +39,18 @@ def execute(
             engine.make(what, ctx)
         case Check(spec, replacing):
             engine.preflight(spec, replacing, ctx)
+            claims.check(engine, replacing)
         case Start(spec):
             try:
                 made = _start(runtime, spec, generation)
             except BaseException:
-                engine.started(None)  # nothing runs: its memory claim is dropped
+                claims.started(engine, None)  # nothing runs: its memory claim is dropped
                 raise
-            engine.started(made)
+            claims.started(engine, made)
         case AwaitReady(container_id):
             _await_ready(engine, runtime, container_id, ctx)
         case Stop(container_id, reason):
-            stop(runtime, container_id, engine.stop_grace, reason)
+            stop(runtime, container_id, engine.info.stop_grace, reason)
         case Remove(container_id):
             runtime.remove(container_id)
 
@@ -86,11 +88,11 @@ def died(runtime: Runtime, container: Container) -> Permanent:
 
 
 def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepContext) -> None:
-    deadline = time.monotonic() + engine.ready_timeout
+    deadline = time.monotonic() + engine.info.ready_timeout
     last = ""
     pause = _PROBE_FIRST
     while not engine.ready():
-        container = runtime.container(engine.container_name)
+        container = runtime.container(engine.info.container_name)
         if container is None or container.id != container_id:
             raise Permanent("the engine container disappeared while it was starting")
         if not container.running:
@@ -101,8 +103,8 @@ def _await_ready(engine: Engine, runtime: Runtime, container_id: str, ctx: StepC
             ctx.progress(last)
         if time.monotonic() > deadline:
             tail = last_lines(runtime, container_id)
-            stop(runtime, container_id, engine.stop_grace, "never became ready")
-            raise Permanent(f"not ready after {engine.ready_timeout:g}s; last output: {tail}")
+            stop(runtime, container_id, engine.info.stop_grace, "never became ready")
+            raise Permanent(f"not ready after {engine.info.ready_timeout:g}s; last output: {tail}")
         if ctx.sleep(pause):
             raise Cancelled("readiness wait cancelled")
         pause = min(pause * 2, _PROBE_EVERY)

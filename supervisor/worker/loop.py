@@ -27,7 +27,7 @@ from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
-from supervisor.worker import jobs, plan
+from supervisor.worker import claims, jobs, plan
 from supervisor.worker import memory as remembered
 from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
@@ -72,7 +72,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.directory / STATUS, file_sd, settings.heartbeat,
                                    self.notifier, self.metrics)
         self.engine: Engine = self._engine(load_recipe())
-        self.heartbeat.models = self.engine.served_models()
+        self.heartbeat.models = self.engine.info.models
         self.memory: Memory | None = None
         self.decision: Decision | None = None
         self.refused: str | None = None  # why desired.json is refused
@@ -106,7 +106,7 @@ class Worker:
             for path in (
                 self.heartbeat.path,
                 self.heartbeat.file_sd.path,
-                *self.engine.private_files(),
+                *self.engine.info.private_files,
             ):
                 for stale in files.remove_stale_temps(path):
                     log.info("removed a temp file left by an interrupted write", path=str(stale))
@@ -154,7 +154,7 @@ class Worker:
             return
         job.cancel.set()
         long = job.step is not None and not cancellable(job.step)
-        limit = time.monotonic() + (self.engine.stop_grace + 10 if long else 5)
+        limit = time.monotonic() + (self.engine.info.stop_grace + 10 if long else 5)
         terms = self._terms
         while not job.finished and time.monotonic() < limit:
             self._wake.wait(0.1)
@@ -194,7 +194,7 @@ class Worker:
             return False
         if remembered.retry_in(self.memory, now) == 0.0:
             return True
-        return self._pending or now - self._observed_at >= self.engine.poll_interval
+        return self._pending or now - self._observed_at >= self.engine.info.poll_interval
 
     def _next_wait(self) -> float:
         now = time.monotonic()
@@ -204,7 +204,7 @@ class Worker:
         elif self._retry_at > now:
             waits.append(self._retry_at - now)
         else:
-            waits.append(max(self.engine.poll_interval - (now - self._observed_at), 0.0))
+            waits.append(max(self.engine.info.poll_interval - (now - self._observed_at), 0.0))
             failure_retry = remembered.retry_in(self.memory, now)
             if failure_retry is not None:
                 waits.append(failure_retry)
@@ -223,7 +223,7 @@ class Worker:
             if self.job is not None:
                 self.job.cancel.set()
             self.engine = self._engine(recipe)
-            self.heartbeat.models = self.engine.served_models()
+            self.heartbeat.models = self.engine.info.models
             if self.memory is not None:  # re-apply the current request to the new recipe
                 self.memory = reloaded(self.memory)
             self._retry_at = 0.0
@@ -306,14 +306,14 @@ class Worker:
             self._fail_outside_a_step("observation", error)
         elif job.result is not None:
             self._failures = 0
-            self.metrics.set_load_failed(job.engine.failed_models())
+            self.metrics.set_load_failed(job.result.failed)
             self.heartbeat.models = job.result.models
             self.heartbeat.memory = job.result.memory
             self.heartbeat.slots = dict(job.result.slots)
             decision = plan.plan(self.memory, job.result, time.monotonic())
             if not means_to_start(decision.memory):  # before a step that may claim anew
-                container = job.result.container
-                self.engine.abandoned(container.id if container and container.running else None)
+                seen = job.result.container
+                claims.abandoned(self.engine, seen.id if seen and seen.running else None)
             self._apply(decision)
 
     def _stepped(self, job: Job, step: Step) -> None:
@@ -342,7 +342,7 @@ class Worker:
                 retry_in=None if wait is None else round(wait, 1),
             )
             self.metrics.failures.labels(reason=job.name).inc()
-        planned = self.engine.planned_memory() if isinstance(step, Check) else None
+        planned = claims.planned(self.engine) if isinstance(step, Check) else None
         if planned is not None:
             self.metrics.memory_need.set(planned[0])
             self.metrics.memory_limit.set(planned[1])

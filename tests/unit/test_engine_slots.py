@@ -19,9 +19,10 @@ import pytest
 from supervisor.docker import labels
 from supervisor.docker.spec import Container
 from supervisor.engines.base import Endpoint
-from supervisor.engines.llama_router.engine import LlamaRouter
+from supervisor.engines.llama_router.engine import LlamaRouter, RouterLook
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.loader import load, parse
+from supervisor.engines.look import Look, Prerequisites
 from supervisor.engines.tensorfold.engine import TensorFold
 from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, parallel
 from supervisor.engines.vllm.engine import Vllm
@@ -37,6 +38,13 @@ def container(container_id: str = "c1", status: str = "running", managed: bool =
     found = {labels.MANAGED: "true"} if managed else {}
     return Container(container_id, "lucia-x", "sha256:" + "a" * 64, status, 0, False, "", found,
                      ())
+
+
+def look_at(
+    found: Container | None, endpoint: Endpoint | None = None, own: Prerequisites | None = None
+) -> Look[Any]:
+    """A look that found this container, and nothing missing."""
+    return Look(found, endpoint, (), None, own if own is not None else Prerequisites())
 
 
 # -- vLLM: max_num_seqs --------------------------------------------------------------------------
@@ -102,11 +110,11 @@ def test_the_shipped_vllm_recipes_run_vllms_default() -> None:
 def test_vllm_publishes_its_slots_under_its_first_name_only_while_it_runs(tmp_path: Path) -> None:
     recipe = vllm(["--max-num-seqs", "8", "--served-model-name", "a", "b"])
     engine = Vllm("v", recipe, NoDocker(), tmp_path / "state")
-    assert engine.served_models() == ("a", "b")
-    assert engine.slots(container()) == {"a": 8}, "two names of one model: counted once"
-    assert engine.slots(None) == {}
-    assert engine.slots(container(status="exited")) == {}
-    assert engine.slots(container(managed=False)) == {}
+    assert engine.info.models == ("a", "b")
+    assert engine.slots(look_at(container())) == {"a": 8}, "two names of one model: counted once"
+    assert engine.slots(look_at(None)) == {}
+    assert engine.slots(look_at(container(status="exited"))) == {}
+    assert engine.slots(look_at(container(managed=False))) == {}
 
 
 # -- TensorFold: --parallel ----------------------------------------------------------------------
@@ -135,8 +143,8 @@ def test_the_spark_recipe_serves_four_at_once(tmp_path: Path) -> None:
     recipe = load(ROOT / "recipes" / "spark-model.toml")
     assert isinstance(recipe, TensorFoldRecipe)
     engine = TensorFold("spark", recipe, NoDocker(), tmp_path / "state")
-    assert engine.slots(container()) == {"Qwen3.8-Flash-Next": 4}
-    assert engine.slots(None) == {}
+    assert engine.slots(look_at(container())) == {"Qwen3.8-Flash-Next": 4}
+    assert engine.slots(look_at(None)) == {}
 
 
 # -- the router: each loaded model's /props --------------------------------------------------------
@@ -200,6 +208,11 @@ def router(tmp_path: Path, settings: str = "") -> LlamaRouter:
     return LlamaRouter("router", recipe, NoDocker(), tmp_path / "state")
 
 
+def looked(engine: LlamaRouter, found: Container, endpoint: Endpoint) -> dict[str, int]:
+    """The slots of one look at a router that runs (its /models polled, its /props asked)."""
+    return engine.slots(engine.seen(look_at(found, endpoint, RouterLook())))
+
+
 def recorded(name: str) -> dict[str, Any]:
     return dict(json.loads((CAPTURED / f"{name}.json").read_text()))
 
@@ -214,28 +227,25 @@ def test_the_router_publishes_each_loaded_models_slots_asking_once_per_child(
     auto = recorded("auto-ctx256")  # the demo's: 4 slots sharing 256 cells
     handler.answers.update({"/models": auto["models"], PROPS: auto["props"]})
     engine = router(tmp_path)
-    engine.endpoint = endpoint  # where the observation found it
-    engine.targets(endpoint)  # the observation's poll of /models
-    assert engine.slots(container("one")) == {"tiny": 1}
-    assert engine.slots(container("one")) == {"tiny": 1}
+    assert looked(engine, container("one"), endpoint) == {"tiny": 1}
+    assert looked(engine, container("one"), endpoint) == {"tiny": 1}
     assert handler.asked.count(PROPS) == 1, "a child's slots are read once"
-    assert not any("autoload=false" not in path for path in handler.asked if "props" in path)
+    # a model's /props is asked without loading it (the router's own /props is its build)
+    assert not any("autoload=false" not in path for path in handler.asked if "props?" in path)
 
     explicit = recorded("parallel4-ctx1024")  # reloaded with --parallel 4: a new child
     handler.answers.update({"/models": explicit["models"], PROPS: explicit["props"]})
-    engine.targets(endpoint)
-    assert engine.slots(container("one")) == {"tiny": 4}
+    assert looked(engine, container("one"), endpoint) == {"tiny": 4}
     assert handler.asked.count(PROPS) == 2
-    assert engine.slots(container("two")) == {"tiny": 4}, "a new container: asked again"
+    assert looked(engine, container("two"), endpoint) == {"tiny": 4}, "a new container: asked"
     assert handler.asked.count(PROPS) == 3
 
     unloaded = copy.deepcopy(explicit["models"])
     unloaded["data"][0]["status"]["value"] = "unloaded"
     handler.answers["/models"] = unloaded
-    engine.targets(endpoint)
-    assert engine.slots(container("two")) == {}, "an unloaded model has no slots"
+    assert looked(engine, container("two"), endpoint) == {}, "an unloaded model has no slots"
     assert handler.asked.count(PROPS) == 3, "and is never asked (a /props would load it)"
-    assert engine.slots(container("two", status="exited")) == {}
+    assert looked(engine, container("two", status="exited"), endpoint) == {}
 
 
 def test_the_router_leaves_out_a_model_whose_props_do_not_answer(
@@ -244,11 +254,9 @@ def test_the_router_leaves_out_a_model_whose_props_do_not_answer(
     handler, endpoint = answers
     handler.answers["/models"] = recorded("auto-ctx256")["models"]  # /props: 400
     engine = router(tmp_path)
-    engine.endpoint = endpoint
-    engine.targets(endpoint)
-    assert engine.slots(container()) == {}
+    assert looked(engine, container(), endpoint) == {}
     handler.answers[PROPS] = recorded("auto-ctx256")["props"]
-    assert engine.slots(container()) == {"tiny": 1}, "asked again at the next look"
+    assert looked(engine, container(), endpoint) == {"tiny": 1}, "asked again at the next look"
 
 
 def test_the_routers_environment_counts_as_its_childs(
@@ -260,12 +268,8 @@ def test_the_routers_environment_counts_as_its_childs(
     found = recorded("env-parallel2-ctx256")
     handler.answers.update({"/models": found["models"], PROPS: found["props"]})
     engine = router(tmp_path, 'LLAMA_ARG_N_PARALLEL = "2"')
-    engine.endpoint = endpoint
-    engine.targets(endpoint)
-    assert engine.slots(container()) == {"tiny": 2}
+    assert looked(engine, container(), endpoint) == {"tiny": 2}
     unset = router(tmp_path)
-    assert unset.slots(container()) == {}, "no listing yet: nothing"
-    unset.endpoint = endpoint
-    unset.targets(endpoint)
+    assert unset.slots(look_at(container(), endpoint, RouterLook())) == {}, "no listing: none"
     # not knowing of the variable, the child's slots would count as auto's: one shared cache
-    assert unset.slots(container()) == {"tiny": 1}
+    assert looked(unset, container(), endpoint) == {"tiny": 1}

@@ -13,8 +13,8 @@ import pytest
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, Mount, RunSpec, changed_settings
 from supervisor.engines.base import Observed
-from supervisor.engines.container import Network
 from supervisor.engines.loader import parse
+from supervisor.engines.look import Network
 from supervisor.engines.tensorfold.engine import (
     Checkout,
     GrammarImage,

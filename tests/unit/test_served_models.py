@@ -295,9 +295,10 @@ def test_a_router_names_its_library_before_a_first_sync_and_its_preset_after(
     engine = LlamaRouter("router", recipe, NoDocker(), tmp_path / "state")
     step = StepContext(threading.Event(), lambda line: None)
 
-    assert engine.served_models() == (), "before any look: the preset's (there is none)"
+    assert engine.info.models == (), "before any look: the preset's (there is none)"
     assert engine.observe().models == ("alpha", "broken", "heavy"), "before any sync"
-    assert engine.served_models() == ("alpha", "broken", "heavy"), "the last look's"
+    assert engine.last is not None
+    assert engine.served(engine.last) == ("alpha", "broken", "heavy"), "the last look's"
     engine.syncer.sync(step)
     assert engine.observe().models == ("alpha",), "the preset's: broken and heavy left out"
     assert engine.observe().models == ("alpha",), "an unchanged library: the same names"
@@ -310,4 +311,4 @@ def test_a_router_names_its_library_before_a_first_sync_and_its_preset_after(
     models.rename(tmp_path / "unmounted")
     with pytest.raises(LibraryUnavailable):
         engine.observe()
-    assert engine.served_models() == ("alpha", "zeta"), "the last look's names stand"
+    assert engine.served(engine.last) == ("alpha", "zeta"), "the last look's names stand"

@@ -11,8 +11,8 @@ import pytest
 
 from supervisor.docker.spec import RunSpec, changed_settings
 from supervisor.engines.base import Endpoint, StepContext
-from supervisor.engines.container import EngineImage
 from supervisor.engines.loader import parse
+from supervisor.engines.look import EngineImage
 from supervisor.engines.vllm import account, tier_image
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm.model import ModelDownload

@@ -13,13 +13,13 @@ import pytest
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Image
 from supervisor.engines.base import Endpoint
-from supervisor.engines.container import EngineImage
 from supervisor.engines.loader import parse
+from supervisor.engines.look import EngineImage, Look
 from supervisor.engines.vllm import memory
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.kind import KIND
 from supervisor.engines.vllm.recipe import VllmRecipe
-from supervisor.engines.vllm.steps import MemoryFit, Preflight
+from supervisor.engines.vllm.steps import MemoryFit, Preflight, VllmLook
 from supervisor.memplan.fit import Budget
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import plan
@@ -188,13 +188,17 @@ def test_the_version_is_what_vllm_says_once_per_container(
     server = http.server.HTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        engine.endpoint = Endpoint("127.0.0.1", server.server_address[1])
-        assert engine.version(None) is None and handler.asked == 0
-        assert engine.version(running("one")) == shown
-        assert engine.version(running("one")) == shown
+        endpoint = Endpoint("127.0.0.1", server.server_address[1])
+
+        def version(found: Container | None) -> str | None:  # one look: its answer
+            return engine.version(engine.seen(Look(found, endpoint, (), None, VllmLook())))
+
+        assert version(None) is None and handler.asked == 0
+        assert version(running("one")) == shown
+        assert version(running("one")) == shown
         assert handler.asked == (1 if shown else 2)  # a version read is not asked again
         if shown:
-            assert engine.version(running("two")) == shown and handler.asked == 2  # a new one
+            assert version(running("two")) == shown and handler.asked == 2  # a new one
     finally:
         server.shutdown()
         server.server_close()

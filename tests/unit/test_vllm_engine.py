@@ -13,8 +13,8 @@ import pytest
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Image
 from supervisor.engines.base import Endpoint, StepContext
-from supervisor.engines.container import EngineImage
 from supervisor.engines.loader import parse
+from supervisor.engines.look import EngineImage
 from supervisor.engines.vllm import preflight as pf
 from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
@@ -297,7 +297,6 @@ def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_pat
     found = _hf_engine(tmp_path)
     found.recipe = found.recipe.model_copy(
         update={"run": found.recipe.run.model_copy(update={"volumes": []})})
-    found.base_recipe = found.recipe
     with pytest.raises(Permanent) as refused:  # _Images has no run_streamed: none was made
         found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
                    StepContext(threading.Event(), lambda _line: None))

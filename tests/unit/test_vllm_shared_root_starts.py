@@ -11,8 +11,10 @@ from pathlib import Path
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, RunSpec
 from supervisor.engines.base import Endpoint
+from supervisor.engines.look import Look
 from supervisor.engines.vllm.engine import NAMESPACE_LABEL, Vllm
 from supervisor.engines.vllm.steps import TierDirectories
+from supervisor.worker import claims
 from tests.unit.test_vllm_tier_wiring import KEY, Images, base_images, ctx, parsed, recipe_text
 
 KEY_B = "b" * 64
@@ -55,7 +57,10 @@ def prepared(engine: Vllm) -> RunSpec:
             engine.make(step, ctx())
     ready = engine.prerequisites()
     assert ready.missing == () and ready.image is not None
-    return engine.run_spec(ready.image, Endpoint("172.17.0.1", 8123))
+    endpoint = Endpoint("172.17.0.1", 8123)
+    spec = engine.run_spec(ready.image, endpoint)
+    engine.last = Look(None, endpoint, (), spec, ready)  # as its observation keeps it
+    return spec
 
 
 def blocks(tmp: Path, space: str) -> dict[str, bool]:
@@ -77,9 +82,9 @@ def test_a_namespace_whose_engine_is_starting_survives_the_other_engines_prune(
     assert space_b != space_a
     assert blocks(tmp_path, space_a) == {"nvme": True, "hdd": True}, "B pruned A's start"
     # A's container exists (created, vLLM loading: no store lock yet); A lets go of its hold
-    a.started(runtime.create(spec_a, "created"))
+    claims.started(a, runtime.create(spec_a, "created"))
     b.check_more(spec_b, ctx())
-    b.started(runtime.create(spec_b, "running"))  # B's prune, after its start
+    claims.started(b, runtime.create(spec_b, "running"))  # B's prune, after its start
     assert blocks(tmp_path, space_a) == {"nvme": True, "hdd": True}, "B pruned A's container's"
     # A's container is gone: its namespace is an old one, and B's next prune takes it
     del runtime.made[spec_a.name]
@@ -97,6 +102,6 @@ def test_a_start_abandoned_lets_its_namespace_go(tmp_path: Path) -> None:
     a.check_more(spec_a, ctx())
     space_b = prepared(b).labels[NAMESPACE_LABEL]
     assert (tmp_path / "nvme" / space_a / "block").exists()
-    a.abandoned(None)  # a stop came first: A will not start
+    claims.abandoned(a, None)  # a stop came first: A will not start
     b.make(TierDirectories(space_b), ctx())
     assert not (tmp_path / "nvme" / space_a).exists()

@@ -16,8 +16,8 @@ from supervisor.docker import labels
 from supervisor.docker.runtime import Progress, Runtime
 from supervisor.docker.spec import BuildRequest, Container, Image, RunSpec
 from supervisor.engines.base import Endpoint, StepContext
-from supervisor.engines.container import EngineImage, PulledImage
 from supervisor.engines.loader import parse
+from supervisor.engines.look import EngineImage, Look, PulledImage
 from supervisor.engines.vllm import tier_image
 from supervisor.engines.vllm.engine import Vllm
 from supervisor.engines.vllm.recipe import VllmRecipe
@@ -231,7 +231,7 @@ def test_a_plugin_changed_on_disk_is_what_the_next_build_installs_and_then_curre
     found.make(TierImage(f"{BASE}-tiers"), ctx())
     assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
     first = runtime.images[f"{BASE}-tiers"].labels[labels.TIERS_DIGEST]
-    assert found.notes() == f"KV-cache tier plugin lucia-kv-tiers 0.1.0 (files {first[:19]})"
+    assert noted(found) == f"KV-cache tier plugin lucia-kv-tiers 0.1.0 (files {first[:19]})"
     pyproject = source / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"'))
     with (source / "lucia_kv" / "connector.py").open("a") as connector:
@@ -246,13 +246,18 @@ def test_a_plugin_changed_on_disk_is_what_the_next_build_installs_and_then_curre
         assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
     assert len(runtime.builds) == 2
     assert found.identity(Image(BASE_ID, {})).plugin_version == "0.1.1"
-    assert found.notes() == ("KV-cache tier plugin lucia-kv-tiers 0.1.1 "
+    assert noted(found) == ("KV-cache tier plugin lucia-kv-tiers 0.1.1 "
                              f"(files {built[labels.TIERS_DIGEST][:19]})")
+
+
+def noted(found: Vllm) -> str:
+    """The status note of one look at the engine (its prerequisites: no container runs)."""
+    return found.notes(Look(None, None, (), None, found.prerequisites()))
 
 
 def test_without_tiers_the_status_names_no_plugin(tmp_path: Path) -> None:
     found = engine(tmp_path, Images(base_images()), recipe_text(tmp_path, tiers=""))
-    assert found.prerequisites().missing == () and found.notes() == ""
+    assert found.prerequisites().missing == () and noted(found) == ""
 
 
 def test_a_failed_build_names_the_next_step_and_leaves_no_context(tmp_path: Path) -> None:

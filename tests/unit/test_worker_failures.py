@@ -18,7 +18,7 @@ import pytest
 
 from supervisor.docker import labels
 from supervisor.docker.spec import Container, RunSpec
-from supervisor.engines.base import Observed, Prerequisite, StepContext
+from supervisor.engines.base import EngineInfo, Observed, Prerequisite, StepContext
 from supervisor.engines.loader import parse
 from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
@@ -74,6 +74,10 @@ class FakeRuntime:
         return None
 
 
+INFO = EngineInfo("fake", "lucia-x", stop_grace=1.0, ready_timeout=10.0, poll_interval=30.0,
+                  models=("fake-model",))
+
+
 @dataclass
 class FakeEngine:
     """An engine whose container is the fake runtime's, and whose Check fails on demand."""
@@ -82,11 +86,7 @@ class FakeEngine:
     spec: RunSpec = SPEC
     refusals: list[Exception] = field(default_factory=list)  # raised by the next Checks
     checks: list[float] = field(default_factory=list)
-    kind: str = "fake"
-    container_name: str = "lucia-x"
-    stop_grace: float = 1.0
-    ready_timeout: float = 10.0
-    poll_interval: float = 30.0
+    info: EngineInfo = INFO
 
     def observe(self) -> Observed:
         container = self.runtime.container
@@ -94,7 +94,7 @@ class FakeEngine:
         url = f"http://172.30.0.1:{port}"
         return Observed(container=container, spec=self.spec, url=url,
                         targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),),
-                        models=self.served_models())
+                        models=self.info.models)
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         raise AssertionError("nothing is missing")
@@ -104,24 +104,10 @@ class FakeEngine:
         if self.refusals:
             raise self.refusals.pop(0)
 
-    def started(self, container_id: str | None) -> None: ...
-
-    def abandoned(self, running: str | None) -> None: ...
-
-    def planned_memory(self) -> tuple[int, int] | None:
-        return None
+    def settle(self, running: str | None, started: bool) -> None: ...
 
     def ready(self) -> bool:
         return True
-
-    def failed_models(self) -> tuple[str, ...]:
-        return ()
-
-    def served_models(self) -> tuple[str, ...]:
-        return ("fake-model",)
-
-    def private_files(self) -> tuple[Path, ...]:
-        return ()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ readiness and targets come from its /models.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,20 @@ from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Container, Mount
-from supervisor.engines.base import Endpoint, Observed, Prerequisite, StepContext
-from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.base import Observed, Prerequisite, StepContext
+from supervisor.engines.container import ContainerEngine
 from supervisor.engines.llama_router import api as router_api
-from supervisor.engines.llama_router import kind, preset, startup
 from supervisor.engines.llama_router import memory as router_memory
-from supervisor.engines.llama_router.library_sync import LibrarySync, Syncer, library_fingerprint
+from supervisor.engines.llama_router import planner, preset, startup
+from supervisor.engines.llama_router.library_sync import (
+    LibrarySync,
+    Synced,
+    Syncer,
+    library_fingerprint,
+)
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import StartupModels
+from supervisor.engines.look import EngineImage, Look, Prerequisites, PulledImage
 from supervisor.errors import Permanent, Transient
 from supervisor.library import models as library
 from supervisor.memplan.fit import Budget
@@ -32,7 +39,78 @@ from supervisor.protocol.documents import TargetGroup
 log = logs.get("llama-router")
 
 
-class LlamaRouter(ContainerEngine):
+@dataclass(frozen=True)
+class RouterLook(Prerequisites):
+    """What one look at the router adds: the library as found, the names it serves, whether
+    the last sync is current with it, that sync's record, and while a router of ours runs its
+    /models, the build and the loaded models' slots its /props state."""
+
+    found: library.Library | None = None
+    named: tuple[str, ...] = ()
+    current: bool = False
+    synced: Synced | None = None
+    listing: tuple[router_api.ModelState, ...] | None = None  # None: none runs, or no answer
+    build: str | None = None
+    slots: Mapping[str, int] = field(default_factory=dict)
+
+
+class Props:
+    """The router's `GET /props` answers, each read once: the build per container, a loaded
+    model's slots per child (the same container, model and command line)."""
+
+    def __init__(self) -> None:
+        self._build: dict[str, str] = {}
+        self._slots: dict[tuple[str, str, tuple[str, ...]], int] = {}
+
+    def build(self, container: str, get: Callable[[str], Any]) -> str | None:
+        """The build the router states, read once per container: until it answers, each look
+        asks again."""
+        if container in self._build:
+            return self._build[container]
+        try:
+            found = router_api.build(get("/props"))
+        except (OSError, ValueError):
+            return None
+        if found is not None:
+            self._build.clear()
+            self._build[container] = found
+        return found
+
+    def slots(
+        self,
+        container: str,
+        listing: tuple[router_api.ModelState, ...],
+        environment: Mapping[str, str],
+        get: Callable[[str], Any],
+    ) -> dict[str, int]:
+        """Each loaded model's slots (api.slots), from its `GET /props?model=NAME&autoload=
+        false` (never a load). A model whose /props does not answer is left out, and asked
+        again at the next look; one that is not loaded has none."""
+        found: dict[str, int] = {}
+        known: dict[tuple[str, str, tuple[str, ...]], int] = {}
+        for model in listing:
+            if model.value != router_api.LOADED:
+                continue
+            key = (container, model.name, model.args)
+            count = self._slots.get(key)
+            if count is None:
+                try:
+                    props = get(router_api.props_path(model.name))
+                except (OSError, ValueError):
+                    continue
+                count = router_api.slots(props, model.args, environment)
+            if count is not None:
+                found[model.name] = known[key] = count
+        self._slots.clear()
+        self._slots.update(known)
+        return found
+
+    def forget(self) -> None:
+        """No router of ours runs: the slots read of the last one are gone."""
+        self._slots.clear()
+
+
+class LlamaRouter(ContainerEngine[LlamaRouterRecipe, RouterLook]):
     kind = "llama-router"
 
     def __init__(
@@ -44,34 +122,27 @@ class LlamaRouter(ContainerEngine):
         data_dir: Path | None = None,
     ) -> None:
         super().__init__(name, recipe, runtime, state_dir, data_dir)
-        self.recipe = recipe
         self.poll_interval = recipe.library.poll_seconds
         self.syncer = Syncer(name, recipe, self.memory, state_dir)
         self.cache_dir = self.syncer.cache_dir
         self.preset_path = self.syncer.preset_path
         self._applied = startup.Applied(state_dir / "startup.json")
-        self._listing: tuple[router_api.ModelState, ...] | None = None  # this observation's
-        self._named: tuple[str, ...] | None = None  # the last look at the library named
-        self._found: library.Library | None = None  # the library as the last look found it
-        self._current = False  # the last look found the last sync current with it
         self._headers = router_memory.Headers()
-        self._build: tuple[str, str] | None = None  # (container id, the build its /props states)
-        # (container id, model, its child's command line) -> the slots its /props state
-        self._slots: dict[tuple[str, str, tuple[str, ...]], int] = {}
+        self._props = Props()
 
     # -- observe -------------------------------------------------------------------------------
 
     def observe(self) -> Observed:
         """The shared observation, with one poll of the router's /models (its targets and
         note), and a new load-on-startup set to apply to the router that runs."""
-        self._listing = None
         observed = super().observe()
-        container = observed.container
-        if container is None or not container.running or not container.managed:
-            self._listing = None
-            return replace(observed, targets=(), notes=self.notes())
+        look = self.last
+        if look is None or look.container is None or not look.running:
+            return observed
+        container = look.container
         applied, reloaded = self._applied_set(container)
-        if self._listing is None or observed.missing or observed.spec is None:
+        listing = look.own.listing
+        if listing is None or observed.missing or observed.spec is None:
             return observed
         if (container.image_id, container.labels.get(labels.FINGERPRINT)) != (
             observed.spec.image,
@@ -81,7 +152,7 @@ class LlamaRouter(ContainerEngine):
         wanted = self._wanted()
         if set(applied) == set(wanted) and not set(reloaded) & set(wanted):
             return observed
-        load, unload = router_api.changes(self._listing, wanted, applied, reloaded)
+        load, unload = router_api.changes(listing, wanted, applied, reloaded)
         return replace(observed, missing=(StartupModels(container.id, wanted, load, unload),))
 
     def _wanted(self) -> tuple[str, ...]:
@@ -104,17 +175,32 @@ class LlamaRouter(ContainerEngine):
         self._applied.record(container.id, wanted)
         return wanted, ()
 
-    def prerequisites(self) -> Prerequisites:
+    def prerequisites(self) -> RouterLook:
         found = library.scan(self.recipe.library.models_path)
         seen = self.syncer.look(found)
-        self._named = seen.names  # the observation's served_models, after this
-        self._found, self._current = found, seen.current
         ref = self.recipe.router.image
         image = self.runtime.image(ref)
         missing = (() if image is not None else (PulledImage(ref),)) + (
             () if seen.current else (LibrarySync(),)
         )
-        return Prerequisites(missing, EngineImage(ref, image) if image is not None else None)
+        made = EngineImage(ref, image) if image is not None else None
+        return RouterLook(missing, made, found, seen.names, seen.current, self.syncer.synced())
+
+    def seen(self, look: Look[RouterLook]) -> Look[RouterLook]:
+        """While a router of ours runs: its /models (this look's targets, note and failures),
+        its build, and its loaded models' slots."""
+        if not look.running or look.container is None or look.endpoint is None:
+            self._props.forget()
+            return look
+        url = look.endpoint.url
+
+        def get(path: str) -> Any:
+            return router_api.get(url, path)
+
+        listing = self._listing(url)
+        build = self._props.build(look.container.id, get)
+        slots = self._props.slots(look.container.id, listing or (), self.recipe.environment, get)
+        return replace(look, own=replace(look.own, listing=listing, build=build, slots=slots))
 
     # -- make ----------------------------------------------------------------------------------
 
@@ -129,7 +215,7 @@ class LlamaRouter(ContainerEngine):
                 ctx,
                 url=self._url,
                 models=self._models,
-                ready_timeout=self.ready_timeout,
+                ready_timeout=self.info.ready_timeout,
                 applied=self._applied,
             )
         else:
@@ -177,7 +263,14 @@ class LlamaRouter(ContainerEngine):
     def _models(self) -> tuple[router_api.ModelState, ...] | None:
         """What /models says now; None while the router does not answer."""
         try:
-            return router_api.parse(self._get("/models"))
+            return self._listing(self._url())
+        except OSError:
+            return None
+
+    @staticmethod
+    def _listing(url: str) -> tuple[router_api.ModelState, ...] | None:
+        try:
+            return router_api.parse(router_api.get(url, "/models"))
         except (OSError, ValueError):
             return None
 
@@ -195,62 +288,30 @@ class LlamaRouter(ContainerEngine):
         loaded = {model.name for model in models if model.value == router_api.LOADED}
         return wanted <= loaded
 
-    def version(self, container: Container | None) -> str | None:
-        """The llama-server build the running router states in `GET /props` (`build_info`),
-        read once per container: until it answers, each look asks again."""
-        if container is None or not container.running or not container.managed:
-            return None
-        if self._build is not None and self._build[0] == container.id:
-            return self._build[1]
-        try:
-            found = router_api.build(self._get("/props"))
-        except (OSError, ValueError):
-            return None
-        if found is not None:
-            self._build = (container.id, found)
-        return found
+    def version(self, look: Look[RouterLook]) -> str | None:
+        """The llama-server build the running router states in `GET /props` (`build_info`)."""
+        return look.own.build if look.running else None
 
-    def slots(self, container: Container | None) -> dict[str, int]:
-        """Each loaded model's slots (api.slots), from its `GET /props?model=NAME&autoload=
-        false` (never a load), read once per child: the same container, model and command
-        line. A model whose /props does not answer is left out, and asked again at the next
-        look; one that is not loaded has none."""
-        if container is None or not container.running or not container.managed:
-            self._slots = {}
-            return {}
-        environment = self.recipe.environment
-        found: dict[str, int] = {}
-        known: dict[tuple[str, str, tuple[str, ...]], int] = {}
-        for model in self._listing or ():
-            if model.value != router_api.LOADED:
-                continue
-            key = (container.id, model.name, model.args)
-            count = self._slots.get(key)
-            if count is None:
-                try:
-                    props = self._get(router_api.props_path(model.name))
-                except (OSError, ValueError):
-                    continue
-                count = router_api.slots(props, model.args, environment)
-            if count is not None:
-                found[model.name] = known[key] = count
-        self._slots = known
-        return found
+    def slots(self, look: Look[RouterLook]) -> dict[str, int]:
+        """Each loaded model's slots, as this look read them (Props)."""
+        return dict(look.own.slots) if look.running else {}
 
-    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
-        """One target per loaded model, from this observation's poll of /models."""
-        self._listing = self._models()
+    def targets(self, look: Look[RouterLook]) -> tuple[TargetGroup, ...]:
+        """One target per loaded model, from this look's poll of /models."""
+        endpoint = look.endpoint
+        if endpoint is None or not look.running:
+            return ()
         address = f"{endpoint.host}:{endpoint.port}"
         common = {
             "__metrics_path__": self.recipe.run.metrics_path,
             "engine": self.kind,
             "name": self.name,
         }
-        return router_api.target_groups(self._listing or (), address, common)
+        return router_api.target_groups(look.own.listing or (), address, common)
 
-    def notes(self) -> str:
-        synced = self.syncer.synced()
-        parts = [router_api.note(self._listing)] if self._listing is not None else []
+    def notes(self, look: Look[RouterLook]) -> str:
+        synced, listing = look.own.synced, look.own.listing
+        parts = [router_api.note(listing)] if listing is not None else []
         if synced and synced.skipped:
             parts.append(f"skipped {synced.skipped}")
         if synced and synced.unfit:
@@ -261,28 +322,29 @@ class LlamaRouter(ContainerEngine):
         synced = self.syncer.synced()
         return router_memory.need(self.name, synced.startup_need) if synced is not None else None
 
-    def planned_need(self, budget: Budget, multiplier: float) -> EngineNeed | None:
+    def planned_need(self, own: RouterLook, budget: Budget, multiplier: float) -> EngineNeed | None:
         """While the last sync is current, what its Check claims; before a sync is (a router
         that never ran, a model Ready since), what that sync would plan from the library's
         GGUF headers: a start that cannot fit is said before it is asked for."""
-        found = self._found
-        if self._current or found is None:
+        found = own.found
+        if own.current or found is None:
             return self.memory_need()
-        read = self._headers.models(library_fingerprint(found), kind.units(found))
+        read = self._headers.models(library_fingerprint(found), planner.units(found))
         return router_memory.library_need(self.name, self.recipe, read, budget, multiplier)
 
-    def served_models(self) -> tuple[str, ...]:
-        """What the last look at the library named (each observation looks): the preset's
-        models while the last sync is current with it, else those the next sync would offer,
-        so a router that never ran names its models and a model Ready since is named at the
-        next look. Before any look, the preset's: the loop thread asks, and the library may be
-        a slow share."""
-        named = self._named
-        return named if named is not None else preset.models(self.syncer.preset_text())
+    def served(self, look: Look[RouterLook]) -> tuple[str, ...]:
+        """What this look at the library named: the preset's models while the last sync is
+        current with it, else those the next sync would offer, so a router that never ran names
+        its models and a model Ready since is named at this look."""
+        return look.own.named
 
-    def failed_models(self) -> tuple[str, ...]:
-        """The models of the last observation whose load failed (the worker's gauge)."""
-        return tuple(model.name for model in router_api.failed(self._listing or ()))
+    def named(self) -> tuple[str, ...]:
+        """Before any look, the preset's (the library may be a slow share)."""
+        return preset.models(self.syncer.preset_text())
+
+    def failed(self, look: Look[RouterLook]) -> tuple[str, ...]:
+        """The models of this look whose load failed (the worker's gauge)."""
+        return tuple(model.name for model in router_api.failed(look.own.listing or ()))
 
     def private_files(self) -> tuple[Path, ...]:
         return (self.syncer.stamp, self.preset_path, self._applied.path)

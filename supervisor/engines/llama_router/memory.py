@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.engines.llama_router import kind
+from supervisor.engines.llama_router.planner import route
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Blocked, Permanent
 from supervisor.library.cache import CachedModel
@@ -124,8 +124,9 @@ def library_need(
     """The start the next sync would plan in this budget, from every Ready model of the library
     (as `lucia-supervisor plan` plans it, before any sync): the load-on-startup set together,
     or a load-on-startup model that cannot fit even alone, which the sync refuses."""
-    routed = kind.route(name, recipe, read, budget.left, multiplier)
+    routed = route(name, recipe, read, budget.left, multiplier)
     for model in routed.unfit:
         if model.name in recipe.router.load_on_startup:
             return EngineNeed(name, (model,), router.ADVICE)
     return routed.startup
+

@@ -15,8 +15,9 @@ from supervisor.docker import labels
 from supervisor.docker.process import run
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import BuildRequest, RunSpec
-from supervisor.engines.base import Endpoint, Prerequisite, StepContext
-from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites
+from supervisor.engines.base import Prerequisite, StepContext
+from supervisor.engines.container import ContainerEngine
+from supervisor.engines.look import EngineImage, Look, Prerequisites
 from supervisor.engines.tensorfold import grammar
 from supervisor.engines.tensorfold import memory as tensorfold_memory
 from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, parallel, served_names
@@ -103,7 +104,7 @@ def missing(
     return tuple(steps)
 
 
-class TensorFold(ContainerEngine):
+class TensorFold(ContainerEngine[TensorFoldRecipe, Prerequisites]):
     kind = "tensorfold"
 
     def __init__(
@@ -115,7 +116,6 @@ class TensorFold(ContainerEngine):
         data_dir: Path | None = None,
     ) -> None:
         super().__init__(name, recipe, runtime, state_dir, data_dir)
-        self.recipe = recipe
         self.checkout = GitCheckout(
             state_dir / "checkout", recipe.source.repository, recipe.source.commit
         )
@@ -292,7 +292,7 @@ class TensorFold(ContainerEngine):
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def served_models(self) -> tuple[str, ...]:
+    def named(self) -> tuple[str, ...]:
         return served_names(self.recipe)
 
     def parallel(self) -> int | None:
@@ -305,6 +305,8 @@ class TensorFold(ContainerEngine):
         found = tensorfold_memory.recipe_figures(self.recipe)
         return tensorfold_memory.tensorfold_need(self.recipe, found) if found is not None else None
 
-    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+    def targets(self, look: Look[Prerequisites]) -> tuple[TargetGroup, ...]:
+        if look.endpoint is None:
+            return ()
         group = {"model": self.recipe.model, "recipe_commit": self.recipe.source.commit}
-        return (self.target_group(endpoint, group),)
+        return (self.target_group(look.endpoint, group),)

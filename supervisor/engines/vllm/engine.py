@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Final
@@ -24,9 +23,10 @@ from typing import Final
 from supervisor import logs
 from supervisor.docker import labels
 from supervisor.docker.runtime import Runtime
-from supervisor.docker.spec import Container, Image, Mount, RunSpec
+from supervisor.docker.spec import Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
-from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.container import ContainerEngine
+from supervisor.engines.look import EngineImage, Look, PulledImage
 from supervisor.engines.vllm import account, namespaces, probes, secretfiles, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
@@ -35,7 +35,14 @@ from supervisor.engines.vllm import tiers as kv_tiers
 from supervisor.engines.vllm.device import Device, choose, probe_gpu
 from supervisor.engines.vllm.model import ModelDownload
 from supervisor.engines.vllm.recipe import VllmRecipe, max_num_seqs, served_names
-from supervisor.engines.vllm.steps import MemoryFit, Preflight, TierDirectories, TierImage, refused
+from supervisor.engines.vllm.steps import (
+    MemoryFit,
+    Preflight,
+    TierDirectories,
+    TierImage,
+    VllmLook,
+    refused,
+)
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
 from supervisor.memplan import guard
@@ -48,7 +55,7 @@ NAMESPACE_LABEL: Final = namespaces.LABEL  # the KV-cache namespace it mounts
 log = logs.get("vllm")
 
 
-class Vllm(ContainerEngine):
+class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
     kind = "vllm"
 
     def __init__(
@@ -61,17 +68,14 @@ class Vllm(ContainerEngine):
     ) -> None:
         self.device: Device = choose(recipe)  # the memory plan measures through it
         super().__init__(name, recipe, runtime, state_dir, data_dir, measure=self.device.measure)
-        self.recipe = recipe
         self.choices = self.device.choices
         self._stamp = state_dir / "preflight.json"
         self._model_stamp = state_dir / "model.json"
         self._secrets_root = state_dir / "secrets"
-        self._namespace: str | None = None  # of the spec last observed
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
         self._off = probes.TierWatch()  # the KV tiers the running engine switched off
         self._plugin = tier_image.Current()  # read once, and again by each build
-        self._tier_image: Mapping[str, str] = {}  # the labels of the tier image it runs on
         self._starting = namespaces.Starting()  # namespaces held from a Check to its start
 
     # -- the GPU -------------------------------------------------------------------------------
@@ -109,33 +113,32 @@ class Vllm(ContainerEngine):
 
     # -- observe -------------------------------------------------------------------------------
 
-    def prerequisites(self) -> Prerequisites:
+    def prerequisites(self) -> VllmLook:
         self.key_id()  # a key the plugin would refuse stops here, before any pull or build
         launch = self._launch()
         if launch is None:  # nothing is pulled before the GPU says which image, or refuses
-            return Prerequisites((Preflight(),))
+            return VllmLook((Preflight(),))
         image = self.runtime.image(launch.image)
         if image is None:
             need = self.device.fit_before_pull(self.memory is not None)
             if need is not None and need != self._fitted:  # a pull only for a start that fits
-                return Prerequisites((MemoryFit(need),))
-            return Prerequisites((PulledImage(launch.image),))
-        found, self._tier_image = EngineImage(launch.image, image), {}
+                return VllmLook((MemoryFit(need),))
+            return VllmLook((PulledImage(launch.image),))
+        found, tier_labels = EngineImage(launch.image, image), dict[str, str]()
         if self.recipe.tiers.any:  # the base plus the plugin, rebuilt for another base or version
             ref = tier_image.tag(launch.image)
             built, plugin = self.runtime.image(ref), self._plugin.get()
             if built is None or plugin is None or not tier_image.current(plugin, image.id,
                                                                          built.labels):
-                return Prerequisites((TierImage(ref),))
-            found, self._tier_image = EngineImage(ref, built), built.labels
+                return VllmLook((TierImage(ref),))
+            found, tier_labels = EngineImage(ref, built), dict(built.labels)
         hf = self.recipe.vllm.model.hf
         if hf is not None and not self._downloaded():
-            return Prerequisites((ModelDownload(hf.id, hf.revision),))
+            return VllmLook((ModelDownload(hf.id, hf.revision),), tier_labels=tier_labels)
         space = self.namespace(image)
-        self._namespace = space
         if not all((tier.root / space).is_dir() for tier in self.recipe.tier_plan().disks):
-            return Prerequisites((TierDirectories(space),))
-        return Prerequisites((), found)
+            return VllmLook((TierDirectories(space),), namespace=space, tier_labels=tier_labels)
+        return VllmLook((), found, namespace=space, tier_labels=tier_labels)
 
     def namespace(self, image: Image) -> str:
         return kv_tiers.namespace(self.identity(image))
@@ -306,7 +309,7 @@ class Vllm(ContainerEngine):
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         base = super().run_spec(found, endpoint)
-        space = self._namespace or self.namespace(found.image)
+        space = self.namespace(found.image)
         plan = self.recipe.tier_plan()
         tiers = kv_tiers.container(plan, space, self.key_id())
         names = self._file_secrets()
@@ -346,31 +349,32 @@ class Vllm(ContainerEngine):
         return self.endpoint is not None and probes.ready(
             self.endpoint.url, self.recipe.run.ready_path, self.recipe.vllm.served_name)
 
-    def version(self, container: Container | None) -> str | None:
-        if container is None or not container.running or self.endpoint is None:
-            return None
-        return self._versions.of(container.id, self.endpoint.url)
+    def seen(self, look: Look[VllmLook]) -> Look[VllmLook]:
+        """The version the running engine states, and the KV tiers it has switched off."""
+        container, url = look.container, look.endpoint.url if look.endpoint else None
+        running = container.id if container is not None and container.running else None
+        version = self._versions.of(running, url) if running and url else None
+        note = self._off.note(url if self.recipe.tiers.any else None)
+        return replace(look, own=replace(look.own, version=version, tiers_note=note))
 
-    def targets(self, endpoint: Endpoint) -> tuple[TargetGroup, ...]:
+    def version(self, look: Look[VllmLook]) -> str | None:
+        return look.own.version
+
+    def targets(self, look: Look[VllmLook]) -> tuple[TargetGroup, ...]:
         group = {"model": self.recipe.model or self.recipe.vllm.served_name,
                  "served_name": self.recipe.vllm.served_name}
-        return (self.target_group(endpoint, group),)
+        return (self.target_group(look.endpoint, group),) if look.endpoint else ()
 
-    def notes(self) -> str:  # the plugin of the image it runs on; the tiers the engine has off
-        url = self.endpoint.url if self.endpoint and self.recipe.tiers.any else None
-        return "; ".join(filter(None, (tier_image.note(self._tier_image), self._off.note(url))))
+    def notes(self, look: Look[VllmLook]) -> str:  # the tier image's plugin; the tiers off
+        return "; ".join(filter(None, (tier_image.note(look.own.tier_labels), look.own.tiers_note)))
 
-    def abandoned(self, running: str | None) -> None:
-        self._starting.release()  # the start will not run: its namespace is an old one again
-        super().abandoned(running)
+    def settle(self, running: str | None, started: bool) -> None:
+        self._starting.release()  # the start has run or will not: its namespace is released
+        space = self.last.own.namespace if self.last is not None else None
+        if started and running is not None and space is not None:
+            self._prune(space)  # the replaced engine's namespace, once it has gone
 
-    def started(self, container_id: str | None) -> None:
-        self._starting.release()  # the container, if made, names the namespace from now on
-        super().started(container_id)
-        if container_id is not None and self._namespace is not None:
-            self._prune(self._namespace)  # the replaced engine's namespace, once it has gone
-
-    def served_models(self) -> tuple[str, ...]:
+    def named(self) -> tuple[str, ...]:
         return served_names(self.recipe)
 
     def parallel(self) -> int | None:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from supervisor.engines.look import Prerequisites
 from supervisor.engines.vllm import preflight as pf
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
+
+
+@dataclass(frozen=True)
+class VllmLook(Prerequisites):
+    """What one look at vLLM adds: the KV-cache namespace its spec mounts, the labels of the
+    tier image it runs on, and while it runs the version and the tiers' note it states."""
+
+    namespace: str | None = None
+    tier_labels: Mapping[str, str] = field(default_factory=dict)
+    version: str | None = None
+    tiers_note: str = ""
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from supervisor.docker.runtime import Runtime
-from supervisor.engines.base import Engine
-from supervisor.engines.container import ContainerEngine, EngineImage, Prerequisites, PulledImage
+from supervisor.engines.container import ContainerEngine
 from supervisor.engines.kind import EngineKind
+from supervisor.engines.look import EngineImage, Prerequisites, PulledImage
 from supervisor.memplan.fit import Budget
 from supervisor.memplan.overview import EnginePlan
 from supervisor.recipe.schema import ImageRef, RecipeBase, Section
@@ -28,14 +28,13 @@ class EchoRecipe(RecipeBase):
     echo: EchoSection
 
 
-class Echo(ContainerEngine):
+class Echo(ContainerEngine[EchoRecipe, Prerequisites]):
     kind = "echo"
     poll_interval = 5.0
 
     def __init__(self, name: str, recipe: EchoRecipe, runtime: Runtime, state_dir: Path,
                  data_dir: Path | None = None) -> None:
         super().__init__(name, recipe, runtime, state_dir, data_dir)
-        self.recipe = recipe
 
     def prerequisites(self) -> Prerequisites:
         ref = self.recipe.echo.image
@@ -58,11 +57,6 @@ class Echo(ContainerEngine):
         return ()
 
 
-def _engine(name: str, recipe: EchoRecipe, runtime: Runtime, state_dir: Path,
-            data_dir: Path | None) -> Engine:
-    return Echo(name, recipe, runtime, state_dir, data_dir)
-
-
 def _memory(recipe: EchoRecipe, budget: Budget, multiplier: float) -> EnginePlan:
     return EnginePlan(recipe.name, None, "the echo engine is not planned")
 
@@ -70,7 +64,7 @@ def _memory(recipe: EchoRecipe, budget: Budget, multiplier: float) -> EnginePlan
 KIND = EngineKind(
     name="echo",
     recipe=EchoRecipe,
-    engine=_engine,
+    engine="tests.engines.echo.kind:Echo",
     memory=_memory,
     conformance="tests.engines.echo.conformance",
 )
