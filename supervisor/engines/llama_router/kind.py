@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.engines.kind import EngineKind
+from supervisor.engines.llama_router import plan as router
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.library import ggufcheck
 from supervisor.library import models as library
 from supervisor.library.ggufcheck import Unit
-from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.overview import EnginePlan
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.engines.llama_router import kind
+from supervisor.engines.llama_router import plan as router
+from supervisor.engines.llama_router.gguf_cache import CachedModel
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Blocked, Permanent
-from supervisor.library.cache import CachedModel
 from supervisor.library.ggufcheck import Unit
-from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.guard import Guard, room
 from supervisor.memplan.need import EngineNeed, ModelNeed
