@@ -1,10 +1,10 @@
 """GGUF cache benchmarks: `.venv/bin/python bench/copy_bench.py [--size-mib N] [--rounds N]`.
 
-1. Copy throughput of supervisor.library.fastcopy.copy_file against `cp` on the same files in
-   the same run: three real GGUF files (random tensor data) in a temp directory, copied to a sibling
-   directory on the same disk. The page cache is not dropped: every variant reads warm sources.
-   copy_file fsyncs each copy before renaming it, cp does not, so `cp + sync FILE...` (fsync of
-   the copies) is measured too; that is the like-for-like baseline.
+1. Copy throughput of supervisor.engines.llama_router.fastcopy.copy_file against `cp` on the
+   same files in the same run: three real GGUF files (random tensor data) in a temp directory,
+   copied to a sibling directory on the same disk. The page cache is not dropped: every variant
+   reads warm sources. copy_file fsyncs each copy before renaming it, cp does not, so
+   `cp + sync FILE...` (fsync of the copies) is measured too; that is the like-for-like baseline.
 2. Re-checking an unchanged library of 100 models (scan + sync with nothing to copy), against
    os.stat of the same GGUF files (sources and copies) and against reading every GGUF header.
    A separate pass proves the re-check opens no GGUF file.
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.standalone import filesystem, machine, table, timed  # noqa: E402
-from supervisor.library import cache as gguf_cache  # noqa: E402
-from supervisor.library import fastcopy, ggufcheck  # noqa: E402
+from supervisor.engines.llama_router import fastcopy, gguf_cache  # noqa: E402
+from supervisor.library import ggufcheck  # noqa: E402
 from supervisor.library.models import scan  # noqa: E402
 
 MIB = 1024 * 1024

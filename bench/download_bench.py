@@ -1,10 +1,10 @@
 """Download benchmark: `.venv/bin/python bench/download_bench.py [--mib N] [--runs N] [--models N]`.
 
-Throughput of the model library's download (supervisor.host.library: the hub's API, the hf child
+Throughput of the model library's download (supervisor.host.models: the hub's API, the hf child
 under the token rules, progress polled from disk, then every file's SHA-256 and the GGUF header
 checks, to Ready) against `hf download` alone with the same arguments, from the tests' hub
 (tests/hub_standin.py) on 127.0.0.1, in the same run; the two alternate, --runs times each, into
-fresh directories. Then the startup re-inspection (supervisor.host.library.runner.recover) of
+fresh directories. Then the startup re-inspection (supervisor.host.models.runner.recover) of
 --models Ready GGUF models, each with a 32,000-token vocabulary in its header: headers only, warm
 page cache. Prints a table; asserts nothing. The issue's goal: at least 0.9x the throughput.
 """
@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT))
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
-from supervisor.host.library import fetch  # noqa: E402
-from supervisor.host.library import manifest as mf  # noqa: E402
-from supervisor.host.library.control import add  # noqa: E402
-from supervisor.host.library.hub import Hub as HubClient  # noqa: E402
-from supervisor.host.library.job import Job, QueueSettings, download  # noqa: E402
-from supervisor.host.library.runner import Runner  # noqa: E402
-from supervisor.host.library.verify import check_file, inspect  # noqa: E402
+from supervisor.host.models import fetch  # noqa: E402
+from supervisor.host.models import manifest as mf  # noqa: E402
+from supervisor.host.models.control import add  # noqa: E402
+from supervisor.host.models.hub import Hub as HubClient  # noqa: E402
+from supervisor.host.models.job import Job, QueueSettings, download  # noqa: E402
+from supervisor.host.models.runner import Runner  # noqa: E402
+from supervisor.host.models.verify import check_file, inspect  # noqa: E402
 
 REPO = "bench/big-GGUF"
 COMMIT = "b" * 40

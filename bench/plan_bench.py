@@ -30,10 +30,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from supervisor.engines.llama_router import plan  # noqa: E402
 from supervisor.library import ggufcheck  # noqa: E402
 from supervisor.library.ggufmeta import read_metadata  # noqa: E402
 from supervisor.library.models import scan  # noqa: E402
-from supervisor.memplan import router  # noqa: E402
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -106,25 +106,25 @@ def main(argv: list[str] | None = None) -> int:
         files = sorted(models.rglob("*.gguf"))
         total = sum(path.stat().st_size for path in files)
 
-        def plan() -> router.RouterPlan:
+        def planned() -> plan.RouterPlan:
             library = scan(models)
             units = [u for m in library.models for u in ggufcheck.group(m.files).units]
-            found, bad = router.read_models(units)
+            found, bad = plan.read_models(units)
             assert len(found) == 100 and not bad, bad
-            return router.plan(
-                "bench", found, 100 * GIB, [found[0].name], router.Options(), multiplier=2.0
+            return plan.plan(
+                "bench", found, 100 * GIB, [found[0].name], plan.Options(), multiplier=2.0
             )
 
         mains = [u.main for m in scan(models).models for u in ggufcheck.group(m.files).units]
         variants: dict[str, Callable[[], object]] = {
-            "plan (scan + group + headers + plan)": plan,
+            "plan (scan + group + headers + plan)": planned,
             "baseline: os.stat of every GGUF file": lambda: [os.stat(p) for p in files],
             "header reads alone (100 main files)": lambda: [read_metadata(p) for p in mains],
             "scan() alone": lambda: scan(models),
         }
         header_bytes = sum(header_size(path) for path in mains)
         before = rchar()
-        result = plan()
+        result = planned()
         read = rchar() - before
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):

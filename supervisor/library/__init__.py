@@ -1,1 +1,1 @@
-"""The host's model library, GGUF headers and checks, the fast copy and the local model cache."""
+"""The model library's on-disk format and its GGUF files' checks and headers, for both sides."""

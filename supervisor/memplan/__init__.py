@@ -7,6 +7,5 @@
 - fit.py: the budget and the fit check, with the refusal's wording and numbers
 - ledger.py: the claims of running engines, shared by every worker under a file lock
 - guard.py: the worker's side: claim a start's memory under the ledger's lock, or refuse it
-- router.py: the router's models planned from the library's GGUF headers
 - overview.py: the plan of named engines without starting anything (`lucia-supervisor plan`)
 """

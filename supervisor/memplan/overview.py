@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from supervisor.library.models import LibraryUnavailable
-from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, Holding, Verdict, size
 from supervisor.memplan.ledger import Ledger
+from supervisor.memplan.need import ModelNeed
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
 from supervisor.protocol.claims import HOLDING_STATES
@@ -43,12 +43,32 @@ def held_from_files(data_dir: Path) -> tuple[Holding, ...]:
     return ledger.held(running=running)
 
 
+class SkippedModel(Protocol):
+    """A model left out of the plan because its files could not be read, and why."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class OfferedModels(Protocol):
+    """An engine's models beyond its start (the llama-router's plan): what the overview shows."""
+
+    @property
+    def offered(self) -> Sequence[ModelNeed]: ...
+    @property
+    def unfit(self) -> Sequence[ModelNeed]: ...  # cannot fit even alone: not offered
+    @property
+    def unplannable(self) -> Sequence[SkippedModel]: ...
+
+
 @dataclass(frozen=True)
 class EnginePlan:
     name: str
     verdict: Verdict | None  # None: the engine could not be planned
     problem: str = ""
-    router: router.RouterPlan | None = None
+    router: OfferedModels | None = None  # a llama-router's models, each planned alone
 
     @property
     def fits(self) -> bool:
@@ -110,7 +130,7 @@ def _rows(plan: EnginePlan) -> list[dict[str, Any]]:
     return rows
 
 
-def _model_row(engine: str, model: Any, role: str) -> dict[str, Any]:
+def _model_row(engine: str, model: ModelNeed, role: str) -> dict[str, Any]:
     return {
         "engine": engine,
         "model": model.name,

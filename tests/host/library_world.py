@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import add
-from supervisor.host.library.hub import Hub as HubClient
-from supervisor.host.library.job import QueueSettings
-from supervisor.host.library.runner import Runner
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.control import add
+from supervisor.host.models.hub import Hub as HubClient
+from supervisor.host.models.job import QueueSettings
+from supervisor.host.models.runner import Runner
 from tests.gguf_fixtures import write_gguf
 from tests.hub_standin import Hub
 

@@ -23,10 +23,10 @@ import pytest
 import structlog
 from packaging.requirements import Requirement
 
-from supervisor.host.library import job
-from supervisor.host.library.control import space_during, strays
-from supervisor.host.library.hub import Hub, HubRefused
-from supervisor.host.library.runner import Runner
+from supervisor.host.models import job
+from supervisor.host.models.control import space_during, strays
+from supervisor.host.models.hub import Hub, HubRefused
+from supervisor.host.models.runner import Runner
 from tests.host.library_world import (
     GGUF,
     ROOT,

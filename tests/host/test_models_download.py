@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import Refused, apply, request
-from supervisor.host.library.hub import HubRefused
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.control import Refused, apply, request
+from supervisor.host.models.hub import HubRefused
 from supervisor.library.models import scan
 from tests.gguf_fixtures import write_gguf
 from tests.host.library_world import (

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import Refused
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.control import Refused
 from tests.gguf_fixtures import write_gguf
 from tests.host.library_world import (
     GGUF,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library import control
-from supervisor.host.library import manifest as mf
+from supervisor.host.models import control
+from supervisor.host.models import manifest as mf
 from supervisor.library import ggufcheck
 from supervisor.library.models import scan
 from tests.gguf_fixtures import write_gguf

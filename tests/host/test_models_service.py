@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library import manifest as mf
+from supervisor.host.models import manifest as mf
 from tests.gguf_fixtures import write_gguf
 from tests.host.library_world import (
     COMMIT,

@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.hub import Hub as HubClient
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.hub import Hub as HubClient
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.models import Library
 from supervisor.host.page.routes import CSRF_HEADER

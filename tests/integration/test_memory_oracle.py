@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.engines.llama_router.plan import read_model
 from supervisor.library.ggufcheck import Unit
 from supervisor.library.ggufmeta import read_metadata
-from supervisor.memplan import router
 from supervisor.memplan.kv import row_size, shape
 from supervisor.memplan.need import plan_model
 from tests.gguf_fixtures import TinyLlama, write_llama
@@ -60,7 +60,7 @@ def test_plan_equals_what_llama_server_allocates(llama_router, tmp_path: Path) -
 
     for name, (_, ctx_size, parallel) in CASES.items():
         path = models / f"{name}.gguf"
-        found = router.read_model(Unit(name, (path,)))
+        found = read_model(Unit(name, (path,)))
         kv_shape = shape(read_metadata(path))
         slots = parallel or 1
         planned = plan_model(name, found.weights, kv_shape, 1 << 40, context=ctx_size,

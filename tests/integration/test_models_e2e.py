@@ -9,7 +9,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from supervisor.host.library import manifest as mf
+from supervisor.host.models import manifest as mf
 from tests.fixtures import REPO_TEMPLATE, EngineFactory, RecipeRepo
 from tests.gateway_proc import running_gateway
 from tests.gguf_fixtures import TinyLlama, write_llama

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library import manifest as mf
+from supervisor.host.models import manifest as mf
 from tests.fixtures import Engine
 from tests.gateway_proc import running_gateway
 from tests.host.library_world import add_served, hub_of

@@ -15,8 +15,12 @@ ALLOWED = frozenset(
 )
 # the effectful caches and holds an engine owns, each its own class with its own state: a GGUF
 # header read per library, a git checkout's last error, the namespaces a start holds, vLLM's
-# version and tiers read per container, the tier plugin as last read from disk
-CACHES = frozenset({"Headers", "Checkout", "Starting", "Versions", "TierWatch", "Current"})
+# version and tiers read per container, the tier plugin as last read from disk; and two helpers
+# of the router's sync step: a copy that falls back to a plain copy once, and its progress
+# messages' throttle
+CACHES = frozenset(
+    {"Headers", "Checkout", "Starting", "Versions", "TierWatch", "Current", "_Copier", "_Throttle"}
+)
 
 
 def _targets(node: ast.AST) -> Iterator[ast.expr]:

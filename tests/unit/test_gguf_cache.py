@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from supervisor.engines.llama_router import gguf_cache
+from supervisor.engines.llama_router.cache_manifest import MANIFEST_NAME
+from supervisor.engines.llama_router.fastcopy import SourceChanged, copy_file
+from supervisor.engines.llama_router.gguf_cache import SyncResult, progress_message, sync
 from supervisor.engines.llama_router.preset import render
 from supervisor.errors import Cancelled
-from supervisor.library import cache as gguf_cache
-from supervisor.library.cache import SyncResult, progress_message, sync
-from supervisor.library.fastcopy import SourceChanged, copy_file
-from supervisor.library.manifest import MANIFEST_NAME
 from supervisor.library.models import MODEL_STATES, scan
 from tests.gguf_fixtures import (
     add_model,

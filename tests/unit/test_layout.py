@@ -17,10 +17,10 @@ LONG_OPENING = frozenset(
         "supervisor/engines/container.py",
         "supervisor/engines/llama_router/api.py",
         "supervisor/engines/llama_router/memory.py",
+        "supervisor/engines/llama_router/plan.py",
         "supervisor/engines/vllm/engine.py",
         "supervisor/engines/vllm/preflight.py",
-        "supervisor/memplan/router.py",
-        "supervisor/redaction.py",
+                "supervisor/redaction.py",
         "supervisor/worker/actions.py",
     }
 )

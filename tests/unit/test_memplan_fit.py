@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.engines.llama_router.plan import Options, RouterModel, options, plan
 from supervisor.hw.meminfo import MeminfoUnreadable, parse_meminfo
 from supervisor.library.ggufmeta import read_metadata
 from supervisor.memplan.fit import Budget, Holding, check, check_now
 from supervisor.memplan.kv import KvShape, Layer, shape
 from supervisor.memplan.need import EngineNeed, figures, plan_model, planned_context
 from supervisor.memplan.probe import ProbeFailed, parse_nvidia_smi
-from supervisor.memplan.router import Options, RouterModel, options, plan
 from tests.gguf_fixtures import write_model
 
 G = 1024**3

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.host.commands.models import progress_text, size
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import default_name, queue_problem, space_problem
-from supervisor.host.library.fetch import Rate, child_argv, child_env
-from supervisor.host.library.hub import HubRefused, check_repo, included, parse_tree, safe_path
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.control import default_name, queue_problem, space_problem
+from supervisor.host.models.fetch import Rate, child_argv, child_env
+from supervisor.host.models.hub import HubRefused, check_repo, included, parse_tree, safe_path
 from supervisor.library.models import parse_model_json
 
 C = "c" * 40

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.host.library.manifest import HubFile
-from supervisor.host.library.streamhash import PARTIALS, StreamHasher
+from supervisor.host.models.manifest import HubFile
+from supervisor.host.models.streamhash import PARTIALS, StreamHasher
 
 DATA = os.urandom(3 * 1024 * 1024 + 17)
 SHA = hashlib.sha256(DATA).hexdigest()

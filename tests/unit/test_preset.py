@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.engines.llama_router.gguf_cache import CachedModel
 from supervisor.engines.llama_router.preset import (
     PresetError,
     StartupModelsMissing,
@@ -20,7 +21,6 @@ from supervisor.engines.llama_router.preset import (
     render,
     write,
 )
-from supervisor.library.cache import CachedModel
 
 
 def cached(name: str, model: str, mmproj: str | None = None) -> CachedModel:

@@ -10,10 +10,10 @@ import pytest
 
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import preset
+from supervisor.engines.llama_router.gguf_cache import CachedModel
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.loader import parse
 from supervisor.errors import Permanent
-from supervisor.library.cache import CachedModel
 from tests.gguf_fixtures import write_model
 
 MIB = 1024**2

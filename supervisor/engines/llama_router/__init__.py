@@ -1,1 +1,1 @@
-"""The llama.cpp router engine: its engine, library sync, router API, memory and preset."""
+"""The llama.cpp router engine: the engine, its GGUF cache, library sync, API, plan and preset."""

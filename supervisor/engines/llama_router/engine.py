@@ -20,7 +20,8 @@ from supervisor.engines.base import Observed, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine
 from supervisor.engines.llama_router import api as router_api
 from supervisor.engines.llama_router import memory as router_memory
-from supervisor.engines.llama_router import planner, preset, startup
+from supervisor.engines.llama_router import plan as router_plan
+from supervisor.engines.llama_router import preset, startup
 from supervisor.engines.llama_router.library_sync import (
     LibrarySync,
     Synced,
@@ -329,7 +330,7 @@ class LlamaRouter(ContainerEngine[LlamaRouterRecipe, RouterLook]):
         found = own.found
         if own.current or found is None:
             return self.memory_need()
-        read = self._headers.models(library_fingerprint(found), planner.units(found))
+        read = self._headers.models(library_fingerprint(found), router_plan.units(found))
         return router_memory.library_need(self.name, self.recipe, read, budget, multiplier)
 
     def served(self, look: Look[RouterLook]) -> tuple[str, ...]:

@@ -17,12 +17,11 @@ from pathlib import Path
 
 from supervisor import logs
 from supervisor.engines.base import StepContext
+from supervisor.engines.llama_router import gguf_cache, preset
 from supervisor.engines.llama_router import memory as router_memory
-from supervisor.engines.llama_router import preset
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import startup_models
 from supervisor.errors import Permanent, Transient
-from supervisor.library import cache as gguf_cache
 from supervisor.library import models as library
 from supervisor.memplan import settings
 from supervisor.memplan.guard import Guard

@@ -10,12 +10,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.engines.llama_router.planner import route
+from supervisor.engines.llama_router import plan as router
+from supervisor.engines.llama_router.gguf_cache import CachedModel
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.errors import Blocked, Permanent
-from supervisor.library.cache import CachedModel
 from supervisor.library.ggufcheck import Unit
-from supervisor.memplan import router
 from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.guard import Guard, room
 from supervisor.memplan.need import EngineNeed, ModelNeed
@@ -124,7 +123,7 @@ def library_need(
     """The start the next sync would plan in this budget, from every Ready model of the library
     (as `lucia-supervisor plan` plans it, before any sync): the load-on-startup set together,
     or a load-on-startup model that cannot fit even alone, which the sync refuses."""
-    routed = route(name, recipe, read, budget.left, multiplier)
+    routed = router.route(name, recipe, read, budget.left, multiplier)
     for model in routed.unfit:
         if model.name in recipe.router.load_on_startup:
             return EngineNeed(name, (model,), router.ADVICE)

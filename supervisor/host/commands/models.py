@@ -25,12 +25,12 @@ from supervisor.console import (
     Subparsers,
     print_err,
 )
-from supervisor.host.library import control
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.hub import Hub, HubRefused
-from supervisor.host.library.job import QueueSettings, read_token
-from supervisor.host.library.lease import CatalogHeld, CatalogLease
-from supervisor.host.library.runner import Runner
+from supervisor.host.models import control
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.hub import Hub, HubRefused
+from supervisor.host.models.job import QueueSettings, read_token
+from supervisor.host.models.lease import CatalogHeld, CatalogLease
+from supervisor.host.models.runner import Runner
 from supervisor.host.waiting import Progress
 from supervisor.notify import Notifier
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import paths
-from supervisor.host.library import control
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.hub import Hub, HubRefused
-from supervisor.host.library.job import read_token
-from supervisor.host.library.lease import CatalogLease
+from supervisor.host.models import control
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.hub import Hub, HubRefused
+from supervisor.host.models.job import read_token
+from supervisor.host.models.lease import CatalogLease
 
 
 class LibraryRefused(Exception):

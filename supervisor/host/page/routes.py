@@ -28,7 +28,7 @@ from aiohttp import web
 
 from supervisor import paths
 from supervisor.host import keys
-from supervisor.host.library.control import ACTIONS
+from supervisor.host.models.control import ACTIONS
 from supervisor.host.page.memory import outdated_by
 from supervisor.host.page.models import Library, LibraryRefused
 from supervisor.host.page.origin import foreign

@@ -18,9 +18,9 @@ import stat
 from pathlib import Path
 from typing import Final, Literal, get_args
 
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.hub import Hub, HubRefused, check_repo, select
-from supervisor.host.library.lease import CatalogLease
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.hub import Hub, HubRefused, check_repo, select
+from supervisor.host.models.lease import CatalogLease
 from supervisor.library import ggufcheck
 from supervisor.protocol.files import FileLock, read_text, write_atomic
 from supervisor.protocol.names import problem as name_problem

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import logs
-from supervisor.host.library import control
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.job import Job, QueueSettings, download, sweep_tokens
-from supervisor.host.library.lease import CatalogLease
-from supervisor.host.library.verify import reinspect
+from supervisor.host.models import control
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.job import Job, QueueSettings, download, sweep_tokens
+from supervisor.host.models.lease import CatalogLease
+from supervisor.host.models.verify import reinspect
 from supervisor.protocol.files import remove_stale_temps
 
 JOIN_TIMEOUT: Final = 10.0

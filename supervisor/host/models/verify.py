@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from supervisor.host.library.manifest import HubFile, Inspection
+from supervisor.host.models.manifest import HubFile, Inspection
 from supervisor.library import ggufcheck
 from supervisor.library.ggufmeta import BadHeader, read_metadata
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor import logs, redaction
-from supervisor.host.library import fetch
-from supervisor.host.library import manifest as mf
-from supervisor.host.library.control import (
+from supervisor.host.models import fetch
+from supervisor.host.models import manifest as mf
+from supervisor.host.models.control import (
     forget,
     free_bytes,
     remove_strays,
@@ -26,8 +26,8 @@ from supervisor.host.library.control import (
     strays,
     sweep_partials,
 )
-from supervisor.host.library.streamhash import StreamHasher
-from supervisor.host.library.verify import CheckFailed, check_file, inspect
+from supervisor.host.models.streamhash import StreamHasher
+from supervisor.host.models.verify import CheckFailed, check_file, inspect
 from supervisor.library.models import ModelState
 
 TOKENS_DIR: Final = ".hf-home/tokens"

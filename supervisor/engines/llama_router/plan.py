@@ -1,5 +1,7 @@
 """The llama-router's plan: every Ready library model from its GGUF header, and the
-load-on-startup set planned together.
+load-on-startup set planned together; the kind's planner (what `lucia-supervisor plan` shows)
+and the routing the engine's look plans with. No Docker: the plan command runs on a host
+without it.
 
 A model's weights are the sizes of all its split shards plus its mmproj file; its KV shape comes
 from shard 1's header (ggufmeta reads the KV pairs only). Each model is planned alone in the
@@ -18,10 +20,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, cast
 
+from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
+from supervisor.library import ggufcheck
+from supervisor.library import models as library
 from supervisor.library.ggufcheck import Unit, Unreadable
 from supervisor.library.ggufmeta import BadHeader, read_metadata
+from supervisor.memplan.fit import Budget, check
 from supervisor.memplan.kv import CACHE_TYPES, CacheType, KvShape, NotAModel, shape
 from supervisor.memplan.need import Context, EngineNeed, ModelNeed, plan_model, share_room
+from supervisor.memplan.overview import EnginePlan
 
 ADVICE: Final = "Lower ctx-size or load fewer models at start"
 DefaultValue = str | int | float | bool
@@ -136,3 +143,33 @@ def plan(
 
 def _fits(need: ModelNeed, room: int) -> bool:
     return need.need <= room and (need.context > 0 or need.embedding or need.kv_per_token == 0)
+
+
+def units(found: library.Library) -> list[Unit]:
+    """Each Ready library model's units, from its own files (no cache): what the plan reads."""
+    return [unit for model in found.models for unit in ggufcheck.group(model.files).units]
+
+
+def route(
+    name: str,
+    recipe: LlamaRouterRecipe,
+    read: tuple[Sequence[RouterModel], Sequence[Unplannable]],
+    room: int,
+    multiplier: float,
+) -> RouterPlan:
+    """The router plan of these read headers in room: each model alone, the load-on-startup
+    set together. The router defaults' ValueError says what is wrong with them."""
+    models, bad = read
+    return plan(
+        name, models, room, recipe.router.load_on_startup, options(recipe.router.defaults),
+        multiplier=multiplier, unplannable=bad,
+    )  # fmt: skip
+
+
+def engine_plan(recipe: LlamaRouterRecipe, budget: Budget, multiplier: float) -> EnginePlan:
+    """Every Ready model of the library from its GGUF header; the startup set planned together
+    (the kind's planner: what `lucia-supervisor plan` shows)."""
+    options(recipe.router.defaults)  # refused before any header is read
+    read = read_models(units(library.scan(recipe.library.models_path)))
+    routed = route(recipe.name, recipe, read, budget.left, multiplier)
+    return EnginePlan(recipe.name, check(routed.startup, budget), router=routed)

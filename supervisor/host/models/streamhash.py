@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.host.library.manifest import HubFile
+from supervisor.host.models.manifest import HubFile
 
 PARTIALS: Final = Path(".cache") / "huggingface" / "download"
 CHUNK: Final = 8 * 1024 * 1024

@@ -4,7 +4,7 @@ The library may be a slow network share; the cache is a local disk the router co
 read-only. A sync copies what is new or changed, skips what is unchanged without reading it,
 removes the models it copied earlier that are no longer Ready, and names the files it refused.
 
-Only what the sync itself created is ever removed: the manifest (manifest.py) records each
+Only what the sync itself created is ever removed: the manifest (cache_manifest.py) records each
 copied file. A file is unchanged when its source still has the recorded size and mtime_ns and
 the copy still exists with its recorded size; then not even its 8-byte header is read again.
 Each file is copied by fastcopy.copy_file (atomic, by the kernel's fast paths, in chunks).
@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from supervisor.errors import Cancelled
-from supervisor.library import ggufcheck
-from supervisor.library.fastcopy import CHUNK_SIZE, copy_file, remove_partials_in
-from supervisor.library.ggufcheck import Rejected, Unit
-from supervisor.library.manifest import (
+from supervisor.engines.llama_router.cache_manifest import (
     BadFile,
     ManifestFile,
     ManifestModel,
     load_manifest,
     save_manifest,
 )
+from supervisor.engines.llama_router.fastcopy import CHUNK_SIZE, copy_file, remove_partials_in
+from supervisor.errors import Cancelled
+from supervisor.library import ggufcheck
+from supervisor.library.ggufcheck import Rejected, Unit
 from supervisor.library.models import Library
 from supervisor.protocol.files import ensure_dir
 

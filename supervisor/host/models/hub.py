@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import quote, urljoin, urlsplit
 
-from supervisor.host.library.manifest import COMMIT, HubFile
+from supervisor.host.models.manifest import COMMIT, HubFile
 
 DEFAULT_ENDPOINT: Final = "https://huggingface.co"
 TIMEOUT: Final = 30.0
