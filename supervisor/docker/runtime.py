@@ -9,61 +9,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Any, Final
 
 import docker
 import docker.errors
 import requests.exceptions
-from docker.types import DeviceRequest, Ulimit
+from docker.types import Ulimit
 
 from supervisor.docker import child
 from supervisor.docker.child import PullRequest
 from supervisor.docker.client import api_client
 from supervisor.docker.labels import MANAGED
 from supervisor.docker.process import relay
-from supervisor.docker.spec import BuildRequest, Container, Gpus, Image, Mount, RunSpec
+from supervisor.docker.spec import BuildRequest, Container, Image, Mount, RunSpec
+from supervisor.docker.translate import container_from, device_requests, translated
 from supervisor.errors import BuildFailed, Cancelled, Permanent, Transient
 
 Progress = Callable[[str], None]
 _API_TIMEOUT: Final = 30.0
-
-
-@contextmanager
-def _translated(what: str) -> Iterator[None]:
-    try:
-        yield
-    except docker.errors.NotFound as exc:
-        raise Permanent(f"{what}: {exc.explanation or exc}") from None
-    except docker.errors.APIError as exc:
-        if exc.status_code is not None and exc.status_code >= 500 and "connect" in str(exc).lower():
-            raise Transient(f"{what}: docker is unavailable: {exc.explanation}") from None
-        raise Permanent(f"{what}: {exc.explanation or exc}") from None
-    except (requests.exceptions.ConnectionError, docker.errors.DockerException) as exc:
-        raise Transient(f"{what}: docker is unavailable ({type(exc).__name__})") from None
-    except requests.exceptions.Timeout:
-        raise Transient(f"{what}: docker did not answer in time") from None
-
-
-def _container(attrs: dict[str, Any]) -> Container:
-    state = attrs.get("State") or {}
-    ports = (attrs.get("HostConfig") or {}).get("PortBindings") or {}
-    bindings = tuple(
-        (binding.get("HostIp") or "0.0.0.0", int(binding.get("HostPort") or 0))  # noqa: S104
-        for published in ports.values()
-        for binding in (published or [])
-    )
-    return Container(
-        id=attrs["Id"],
-        name=str(attrs.get("Name", "")).lstrip("/"),
-        image_id=attrs.get("Image", ""),
-        status=state.get("Status", "unknown"),
-        exit_code=int(state.get("ExitCode") or 0),
-        oom_killed=bool(state.get("OOMKilled")),
-        started_at=state.get("StartedAt", ""),
-        labels=dict((attrs.get("Config") or {}).get("Labels") or {}),
-        bindings=bindings,
-    )
 
 
 class Runtime:
@@ -76,7 +40,7 @@ class Runtime:
     @property
     def api(self) -> docker.APIClient:
         if self._api is None:
-            with _translated("connecting to docker"):
+            with translated("connecting to docker"):
                 self._api = self._client(_API_TIMEOUT)
         return self._api
 
@@ -84,7 +48,7 @@ class Runtime:
         return api_client(self._base_url, timeout)
 
     def ping(self) -> None:
-        with _translated("ping"):
+        with translated("ping"):
             self.api.ping()
 
     def _stays_up(self, cancel: threading.Event, checks: int = 3, every: float = 0.5) -> bool:
@@ -100,32 +64,32 @@ class Runtime:
         return True
 
     def container(self, name: str) -> Container | None:
-        with _translated(f"inspecting container {name}"):
+        with translated(f"inspecting container {name}"):
             try:
-                return _container(self.api.inspect_container(name))
+                return container_from(self.api.inspect_container(name))
             except docker.errors.NotFound:
                 return None
 
     def containers(self, label: str | list[str], running: bool = True) -> list[Container]:
         """The containers carrying label (a key, or key=value; a list: every one of them):
         running ones, or all."""
-        with _translated(f"listing containers labelled {label}"):
+        with translated(f"listing containers labelled {label}"):
             found = self.api.containers(all=not running, filters={"label": label})
             listed = []
             for entry in found:
                 with suppress(docker.errors.NotFound):  # gone since it was listed
-                    listed.append(_container(self.api.inspect_container(entry["Id"])))
+                    listed.append(container_from(self.api.inspect_container(entry["Id"])))
             return listed
 
     def running_labels(self, label: str) -> list[dict[str, str]]:
         """The labels of each running container carrying label (key=value), from one listing:
         no inspect, for a caller that needs only whose containers run (the memory plan)."""
-        with _translated(f"listing containers labelled {label}"):
+        with translated(f"listing containers labelled {label}"):
             found = self.api.containers(filters={"label": label})
         return [dict(entry.get("Labels") or {}) for entry in found]
 
     def image(self, ref: str) -> Image | None:
-        with _translated(f"inspecting image {ref}"):
+        with translated(f"inspecting image {ref}"):
             try:
                 attrs: dict[str, Any] = self.api.inspect_image(ref)  # type: ignore[no-untyped-call]
             except docker.errors.NotFound:
@@ -134,7 +98,7 @@ class Runtime:
 
     def gateway(self, network: str) -> str | None:
         """The IPv4 gateway of a bridge network; None when the network does not exist."""
-        with _translated(f"network {network}"):
+        with translated(f"network {network}"):
             try:
                 attrs = self.api.inspect_network(network)
             except docker.errors.NotFound:
@@ -146,7 +110,7 @@ class Runtime:
 
     def create_network(self, network: str) -> None:
         """A bridge network, labelled as lucia's; one that exists already is left alone."""
-        with _translated(f"creating network {network}"):
+        with translated(f"creating network {network}"):
             try:
                 self.api.create_network(
                     network, driver="bridge", labels={MANAGED: "true"}, check_duplicate=True
@@ -162,7 +126,7 @@ class Runtime:
         host_config = api.create_host_config(
             port_bindings={port: (spec.host_ip, spec.host_port)},
             restart_policy={"Name": "no"},
-            device_requests=_gpus(spec.gpus),
+            device_requests=device_requests(spec.gpus),
             shm_size=spec.shm_size,
             mem_limit=spec.memory,
             ipc_mode=spec.ipc_mode,
@@ -173,7 +137,7 @@ class Runtime:
             }
             or None,
         )
-        with _translated(f"creating container {spec.name}"):
+        with translated(f"creating container {spec.name}"):
             created = api.create_container(
                 spec.image,
                 name=spec.name,
@@ -188,7 +152,7 @@ class Runtime:
                 ),
             )
         try:
-            with _translated(f"starting container {spec.name}"):
+            with translated(f"starting container {spec.name}"):
                 api.start(created["Id"])
         except Permanent:
             self.remove(created["Id"])
@@ -215,7 +179,7 @@ class Runtime:
         for left in self.containers([f"{k}={v}" for k, v in marks.items()], running=False):
             self.remove(left.id)
         host_config = api.create_host_config(network_mode="none", restart_policy={"Name": "no"})
-        with _translated(f"creating a check container on {image[:19]}"):
+        with translated(f"creating a check container on {image[:19]}"):
             created = api.create_container(
                 image,
                 entrypoint=[entrypoint],
@@ -226,7 +190,7 @@ class Runtime:
             )
         cid = created["Id"]
         try:
-            with _translated(f"running a check container on {image[:19]}"):
+            with translated(f"running a check container on {image[:19]}"):
                 api.start(cid)
                 client = self._client(timeout)
                 try:
@@ -270,7 +234,7 @@ class Runtime:
             binds={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
                    for m in mounts} or None,
         )
-        with _translated(f"creating a step container on {image[:19]}"):
+        with translated(f"creating a step container on {image[:19]}"):
             created = api.create_container(
                 image, entrypoint=[entrypoint], command=command, environment=environment,
                 labels=marks, host_config=host_config, user=user,
@@ -278,7 +242,7 @@ class Runtime:
         cid = created["Id"]
         tail: list[str] = []
         try:
-            with _translated("connecting to docker"):  # no timeout: a download may be silent
+            with translated("connecting to docker"):  # no timeout: a download may be silent
                 follower = self._client(None)
         except Transient:
             self.remove(cid)
@@ -286,7 +250,7 @@ class Runtime:
         try:
             # attached before the start, so nothing is missed, and read as it is written: the
             # log driver would hold a progress bar's \\r redraws back until a newline
-            with _translated(f"attaching to a step container on {image[:19]}"):
+            with translated(f"attaching to a step container on {image[:19]}"):
                 stream = follower.attach(cid, stdout=True, stderr=True, stream=True, logs=True)
                 api.start(cid)
             reader = threading.Thread(target=self._relay, args=(stream, progress, tail),
@@ -311,14 +275,14 @@ class Runtime:
             return  # killed under us, or docker went away: the exit code says which
 
     def stop(self, container_id: str, grace: float) -> None:
-        with _translated(f"stopping container {container_id[:12]}"):
+        with translated(f"stopping container {container_id[:12]}"):
             try:
                 self.api.stop(container_id, timeout=round(grace))
             except docker.errors.NotFound:
                 return
 
     def kill(self, container_id: str) -> None:
-        with _translated(f"killing container {container_id[:12]}"):
+        with translated(f"killing container {container_id[:12]}"):
             try:
                 self.api.kill(container_id)
             except docker.errors.APIError as exc:
@@ -326,7 +290,7 @@ class Runtime:
                     raise
 
     def remove(self, container_id: str) -> None:
-        with _translated(f"removing container {container_id[:12]}"):
+        with translated(f"removing container {container_id[:12]}"):
             try:
                 self.api.remove_container(container_id, force=True)
             except docker.errors.NotFound:
@@ -345,7 +309,7 @@ class Runtime:
         return int(result.get("StatusCode", -1))
 
     def logs(self, container_id: str, tail: int = 5) -> list[str]:
-        with _translated(f"reading logs of {container_id[:12]}"):
+        with translated(f"reading logs of {container_id[:12]}"):
             try:
                 raw = self.api.logs(container_id, stdout=True, stderr=True, tail=tail)
             except docker.errors.NotFound:
@@ -389,10 +353,3 @@ class Runtime:
         if image is None:
             raise BuildFailed(what, [*lines, "no image was produced"])
         return image
-
-
-def _gpus(gpus: Gpus) -> list[DeviceRequest] | None:
-    if gpus == "none":
-        return None
-    count = -1 if gpus == "all" else int(gpus)
-    return [DeviceRequest(count=count, capabilities=[["gpu"]])]
