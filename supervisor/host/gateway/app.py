@@ -7,14 +7,12 @@ handler, and with it the upstream request. A start on demand is a task of its ow
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
-import aiohttp
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
@@ -40,21 +38,13 @@ from supervisor.host.proxy.usageapi import UsageApi
 from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowed, check_bearer
 from supervisor.host.web.intake import answer_and_close, peer
 from supervisor.host.web.refusal import Refusal
+from supervisor.host.web.responses import open_sse, refusal_response, send_error_event
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests
 CALLER: Final = web.RequestKey("caller", Caller)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def refusal_response(refusal: Refusal) -> web.Response:
-    return web.Response(
-        status=refusal.status,
-        body=refusal.encoded(),
-        content_type="application/json",
-        headers=refusal.headers,
-    )
 
 
 @dataclass(frozen=True)
@@ -312,22 +302,6 @@ class Gateway:
                     await sse.write(f": starting engine {engine}\n\n".encode())
         finally:
             waiting.cancel()  # only this caller's wait: the start is shielded
-
-
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    return response
-
-
-async def send_error_event(response: web.StreamResponse, error: dict[str, Any]) -> None:
-    try:
-        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-        await response.write_eof()
-    except (ConnectionError, aiohttp.ClientConnectionResetError):
-        pass
 
 
 GATEWAY: Final = web.AppKey("gateway", Gateway)
