@@ -55,7 +55,7 @@ class Heartbeat:
         self._clock = clock
         self.status: Status | None = None
         self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
-        self.memory: MemoryPlan | None = None  # the last observation's plan of a start
+        self.memory_plan: MemoryPlan | None = None  # the last observation's plan of a start
         self.slots: dict[str, int] = {}  # the last observation's, said while running
         self._written_at = float("-inf")
         self._dirty = False
@@ -92,7 +92,7 @@ class Heartbeat:
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
             slots=self.slots if running else {},
-            memory=_masked(self.memory),
+            memory=_masked(self.memory_plan),
             worker_version=version(),
         )
         self.status = status

@@ -24,8 +24,8 @@ from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import loop
-from supervisor.worker.memory import BACKOFF
 from supervisor.worker.plan import Answer
+from supervisor.worker.pursuit import BACKOFF
 from tests.unit.test_recipe import IPC_HOST_SHM
 
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"

@@ -103,11 +103,11 @@ class Syncer:
     """One router's GGUF cache, preset and record of the last sync."""
 
     def __init__(
-        self, name: str, recipe: LlamaRouterRecipe, memory: Guard | None, state_dir: Path
+        self, name: str, recipe: LlamaRouterRecipe, guard: Guard | None, state_dir: Path
     ) -> None:
         self.name = name
         self.recipe = recipe
-        self.memory = memory
+        self.guard = guard
         self.cache_dir = recipe.library.cache_path
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self.stamp = state_dir / "synced.json"
@@ -141,7 +141,7 @@ class Syncer:
 
     def _machine_key(self) -> str:
         """The machine settings as the memory plan reads them; empty with no plan."""
-        if self.memory is None:
+        if self.guard is None:
             return ""
         try:
             return repr(settings.load())
@@ -182,7 +182,7 @@ class Syncer:
         except OSError as exc:
             raise Transient(f"cannot write the GGUF cache {self.cache_dir}: {exc}") from None
         planned = router_memory.plan(
-            self.name, self.recipe, result.models, self.cache_dir, self.memory
+            self.name, self.recipe, result.models, self.cache_dir, self.guard
         )
         offered = [m for m in result.models if m.name in planned.offered]
         names = tuple(model.name for model in offered)
