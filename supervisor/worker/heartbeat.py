@@ -29,7 +29,7 @@ from supervisor.protocol.documents import (
 from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.version import version
 from supervisor.worker.plan import Answer
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 
 _MESSAGE_EVERY: Final = 1.0  # progress lines are coalesced to one write a second
 _RETRY_EVERY: Final = 1.0  # a failed write is tried again this much later
@@ -43,7 +43,7 @@ class Heartbeat:
         file_sd: FileSdWriter,
         interval: float,
         notifier: Notifier,
-        metrics: Metrics,
+        metrics: WorkerMetrics,
         *,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:

@@ -33,7 +33,7 @@ from supervisor.worker.intake import intake, read_request
 from supervisor.worker.jobs import ExitMonitor, Job
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 from supervisor.worker.wakeup import Wakeup, watch_desired
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
@@ -44,7 +44,7 @@ log = logs.get("worker")
 
 
 @dataclass(frozen=True)
-class Settings:
+class WorkerSettings:
     name: str
     data_dir: Path
     state_dir: Path
@@ -55,7 +55,7 @@ class Settings:
 class Worker:
     def __init__(
         self,
-        settings: Settings,
+        settings: WorkerSettings,
         load_recipe: Callable[[], Recipe],
         runtime: Runtime | None = None,
     ) -> None:
@@ -65,7 +65,7 @@ class Worker:
         self.directory = files.ensure_dir(engine_dir(settings.data_dir, settings.name))
         files.ensure_dir(settings.state_dir, mode=0o700)
         self.notifier = Notifier()
-        self.metrics = Metrics(settings.name)
+        self.metrics = WorkerMetrics(settings.name)
         file_sd = FileSdWriter(settings.data_dir, settings.name)
         self.heartbeat = Heartbeat(self.directory / STATUS, file_sd, settings.heartbeat,
                                    self.notifier, self.metrics)

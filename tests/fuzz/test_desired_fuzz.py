@@ -54,7 +54,7 @@ from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
 from supervisor.worker.plan import Answer, Decision, shown
 from supervisor.worker.pursuit import Pursuit
-from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
+from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, WorkerMetrics
 from tests.corpus import INVALID, VALID, materialise
 
 FUZZ = settings.get_profile("lucia-fuzz")
@@ -627,7 +627,7 @@ class Scene:
         self.status = self.directory / STATUS
         self.file_sd = data / TELEMETRY_DIR / "fuzz.json"
         self.heartbeat = Heartbeat(self.status, FileSdWriter(data, "fuzz"), 15.0, Notifier(),
-                                   Metrics("fuzz"))
+                                   WorkerMetrics("fuzz"))
         self.settled = settled
         self.pursuit: Pursuit | None = None
         self.decision: Decision | None = None

@@ -24,7 +24,7 @@ from supervisor.protocol.documents import (
 )
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.plan import Answer
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 
 TARGETS = (TargetGroup(targets=["172.21.0.1:8000"], labels={"name": "e"}),)
 
@@ -37,7 +37,7 @@ def unwritable(tmp_path: Path) -> Path:
 
 
 def _heartbeat(status: Path, data: Path) -> Heartbeat:
-    return Heartbeat(status, FileSdWriter(data, "e"), 15.0, Notifier(), Metrics("e"))
+    return Heartbeat(status, FileSdWriter(data, "e"), 15.0, Notifier(), WorkerMetrics("e"))
 
 
 def test_a_failed_status_write_is_retried_a_second_later(unwritable: Path, tmp_path: Path) -> None:

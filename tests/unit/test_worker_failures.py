@@ -121,7 +121,7 @@ class Shown:
 def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
             load: Callable[[], Any] = object) -> tuple[loop.Worker, list[Shown]]:
     monkeypatch.setattr(loop.registry, "create", lambda *args, **kwargs: engine)
-    settings = loop.Settings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
+    settings = loop.WorkerSettings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
     worker = loop.Worker(settings, load, engine.runtime)  # type: ignore[arg-type]
     shown: list[Shown] = []
     show = worker.heartbeat.show
