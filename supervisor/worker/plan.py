@@ -17,16 +17,7 @@ from supervisor.engines.base import Observed
 from supervisor.protocol.documents import RunningEngine, State, TargetGroup
 from supervisor.worker.exits import exit_message
 from supervisor.worker.pursuit import BACKOFF, Pursuit, due, met
-from supervisor.worker.steps import (
-    AwaitReady,
-    Check,
-    Prepare,
-    Remove,
-    Start,
-    Step,
-    Stop,
-    describe,
-)
+from supervisor.worker.steps import AwaitReady, Check, Prepare, Remove, Start, Step, Stop, describe
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
