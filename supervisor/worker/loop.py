@@ -30,7 +30,7 @@ from supervisor.recipe.schema import Recipe
 from supervisor.worker import claims, jobs, plan, pursuit
 from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
-from supervisor.worker.jobs import ExitMonitor, Job
+from supervisor.worker.jobs import ExitMonitor, WorkerJob
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
@@ -75,7 +75,7 @@ class Worker:
         self.decision: Decision | None = None
         self.refused: str | None = None  # why desired.json is refused
         self.recipe_refused: str | None = None  # why the last recipe reload was refused
-        self.job: Job | None = None
+        self.job: WorkerJob | None = None
         self._wake = Wakeup()
         self._stop = threading.Event()
         self._signals: list[int] = []  # appended by the handlers, handled by the loop
@@ -177,7 +177,7 @@ class Worker:
             elif job is not None:
                 self._watch_job(job)
             if self.job is None and self._observe_due():
-                self._begin(Job(self.engine))
+                self._begin(WorkerJob(self.engine))
             self.heartbeat.tick()
             if not ready_sent and self.heartbeat.status is not None:
                 self.notifier.ready()
@@ -263,13 +263,13 @@ class Worker:
 
     # -- jobs: observe, then plan, then a step -------------------------------------------------
 
-    def _begin(self, job: Job) -> None:
+    def _begin(self, job: WorkerJob) -> None:
         if job.step is None:
             self._pending = False
         self.job = job
         jobs.start(job, self.runtime, self._wake)
 
-    def _watch_job(self, job: Job) -> None:
+    def _watch_job(self, job: WorkerJob) -> None:
         """While a job runs: relay a step's progress; say when an observation is overdue."""
         if job.step is not None:
             if job.progress:
@@ -283,7 +283,7 @@ class Worker:
             if self.decision is not None:
                 self._apply(plan.stalled(self.decision, reason), quiet=True)
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: WorkerJob) -> None:
         self.job = None
         self.metrics.step_seconds.labels(step=job.name).observe(time.monotonic() - job.started)
         if job.engine is not self.engine:  # begun under a recipe since reloaded
@@ -294,7 +294,7 @@ class Worker:
         else:
             self._stepped(job, job.step)
 
-    def _observed(self, job: Job) -> None:
+    def _observed(self, job: WorkerJob) -> None:
         self._observed_at = time.monotonic()
         self.metrics.reconciles.inc()
         error = job.error
@@ -314,7 +314,7 @@ class Worker:
                 claims.abandoned(self.engine, seen.id if seen and seen.running else None)
             self._apply(decision)
 
-    def _stepped(self, job: Job, step: Step) -> None:
+    def _stepped(self, job: WorkerJob, step: Step) -> None:
         self._pending = True
         current, error = self.pursuit, job.error
         if current is None or current.generation != job.generation or isinstance(error, Cancelled):
@@ -384,7 +384,7 @@ class Worker:
         if step is not None and current is not None:
             if not quiet:
                 log.info("step", step=describe(step), generation=current.generation)
-            self._begin(Job(self.engine, step, current.generation))
+            self._begin(WorkerJob(self.engine, step, current.generation))
 
     def _show(self, decision: Decision) -> None:
         answer = decision.answer

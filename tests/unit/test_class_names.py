@@ -12,24 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 REPEATED: frozenset[str] = frozenset(
     {
         "Budget",
-        "Checkout",
-        "Identity",
-        "Job",
         "KeyUse",
         "Library",
         "Look",
         "Manifest",
         "Outcome",
         "Page",
-        "Prepare",
-        "Prepared",
-        "Refusal",
         "Refused",
         "Reserves",
         "Source",
         "Spending",
-        "Vllm",
-        "_Section",
     }
 )
 

@@ -16,7 +16,7 @@ ALLOWED = frozenset(
 # the effectful caches and holds an engine owns, each its own class with its own state: a GGUF
 # header read per library, a git checkout's last error, the namespaces a start holds, vLLM's
 # version and tiers read per container, the tier plugin as last read from disk
-CACHES = frozenset({"Headers", "Checkout", "Starting", "Versions", "TierWatch", "Current"})
+CACHES = frozenset({"Headers", "GitCheckout", "Starting", "Versions", "TierWatch", "Current"})
 
 
 def _targets(node: ast.AST) -> Iterator[ast.expr]:

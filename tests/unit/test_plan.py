@@ -18,7 +18,7 @@ from supervisor.engines.look import Network
 from supervisor.engines.tensorfold.engine import (
     Checkout,
     GrammarImage,
-    Prepared,
+    PreparedCheckout,
     RecipeImage,
     missing,
 )
@@ -511,7 +511,8 @@ def test_docker_unavailable_claims_nothing_serves(pursuit: Pursuit | None, state
     (RUN, Check(SPEC, "c1"), TAKEN, True, failing(RUN, TAKEN, BACKOFF[0])),
     (RUN, Check(SPEC, "c1"), "arguments refused", False,
      failing(RUN, "arguments refused", None)),
-    (RUN, Prepare(Prepared()), "prepare failed", False, failing(RUN, "prepare failed", None)),
+    (RUN, Prepare(PreparedCheckout()), "prepare failed", False,
+     failing(RUN, "prepare failed", None)),
     (RUN, AwaitReady("c2"), "not ready", False, failing(RUN, "not ready", None)),
     # a failed Stop or Remove is always tried again: the operator may fix Docker meanwhile
     (STOP, Stop("c1", "stop requested"), BOOM, False, failing(STOP, BOOM, BACKOFF[0])),
@@ -621,10 +622,10 @@ def test_missing_prerequisites() -> None:
         ((False, True, True, True), ()),  # a restart with images in place never touches git
         ((False, False, True, False), (Checkout(commit), RecipeImage(tag), GrammarImage(grammar))),
         ((True, False, True, False), (RecipeImage(tag), GrammarImage(grammar))),
-        ((False, True, False, True), (Checkout(commit), Prepared())),
+        ((False, True, False, True), (Checkout(commit), PreparedCheckout())),
         ((True, True, True, False), (GrammarImage(grammar),)),
         ((False, False, False, False),
-         (Checkout(commit), RecipeImage(tag), GrammarImage(grammar), Prepared())),
+         (Checkout(commit), RecipeImage(tag), GrammarImage(grammar), PreparedCheckout())),
     ]
     for (checkout, built, prepared, grammar_ok), expected in rows:
         assert missing(recipe, checkout_ok=checkout, recipe_ok=built,  # type: ignore[arg-type]
@@ -656,7 +657,7 @@ def test_missing_when_the_prepare_makes_the_image(
     assert recipe.image_from_prepare  # type: ignore[union-attr]
     made = {
         "checkout": Checkout(recipe.source.commit),  # type: ignore[union-attr]
-        "prepare": Prepared(),
+        "prepare": PreparedCheckout(),
         "grammar": GrammarImage("img:1-grammar"),
     }
     assert missing(recipe, checkout_ok=checkout, recipe_ok=image,  # type: ignore[arg-type]

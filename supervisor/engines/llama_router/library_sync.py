@@ -59,7 +59,7 @@ class LibrarySync:
 
 
 @dataclass(frozen=True)
-class _Section:
+class _PresetSection:
     name: str
     model_file: str
     mmproj_file: str | None
@@ -78,7 +78,7 @@ def library_fingerprint(found: library.Library) -> str:
 
 
 @dataclass(frozen=True)
-class Look:
+class LibraryLook:
     """One look at the library, against the last sync."""
 
     current: bool  # the last sync is current with it: no sync is due
@@ -112,13 +112,13 @@ class Syncer:
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self.stamp = state_dir / "synced.json"
 
-    def look(self, found: library.Library) -> Look:
+    def look(self, found: library.Library) -> LibraryLook:
         """Whether the last sync saw this library, recipe and machine and its preset is on
         disk, and the names the router serves with the library as found."""
         synced = self.synced()
         text = self.preset_text()
         current = synced is not None and synced.library == self.key(found) and text == synced.preset
-        return Look(current, served_names(found, current, text))
+        return LibraryLook(current, served_names(found, current, text))
 
     def key(self, found: library.Library) -> str:
         """The library as seen, the recipe's part of the preset and the machine settings the
@@ -190,7 +190,7 @@ class Syncer:
             preset.check_startup(router.load_on_startup, names, router.models_max)
             startup = startup_models(self.recipe, names)
             text = preset.render(
-                [_Section(m.name, m.model_file, m.mmproj_file) for m in offered],
+                [_PresetSection(m.name, m.model_file, m.mmproj_file) for m in offered],
                 planned.defaults,
                 startup,
                 self.recipe.library.container_dir,

@@ -143,12 +143,12 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
     def namespace(self, image: Image) -> str:
         return kv_tiers.namespace(self.identity(image))
 
-    def identity(self, image: Image) -> kv_tiers.Identity:
+    def identity(self, image: Image) -> kv_tiers.CacheIdentity:
         """Everything that makes an old block wrong, for the namespace (a tier image counts as
         its base; the plugin's version only when there are tiers)."""
         recipe, tiers = self.recipe, self.recipe.tiers
         plugin = self._plugin.get() if tiers.any else None
-        return kv_tiers.Identity(
+        return kv_tiers.CacheIdentity(
             model_manifest=self.model_manifest(),
             image_digest=image.labels.get(labels.TIERS_BASE, image.id),
             plugin_version=plugin.version if plugin is not None else "",
