@@ -113,9 +113,9 @@ def reinspection(models: int, work: Path) -> tuple[float, float, int]:
         files.mkdir(parents=True)
         shutil.copyfile(template, files / NAME)
         stamp = mf.now()
-        mf.save(root, mf.Manifest(
+        mf.save(root, mf.ModelManifest(
             id=guid, name=guid, state="Ready", since=stamp, created=stamp,
-            source=mf.Source(repo=REPO, revision="main", commit=COMMIT),
+            source=mf.FileOrigin(repo=REPO, revision="main", commit=COMMIT),
             hubFiles=[mf.HubFile(path=NAME, size=size, gitOid="0", verified=True)],
             files=[mf.FileName(name=NAME)],
         ))  # fmt: skip

@@ -42,7 +42,7 @@ class Observed:
     version: str | None = None  # the version the running engine reports (vLLM's /version)
     models: tuple[str, ...] = ()  # the names it serves, in every state (status.json's models)
     failed: tuple[str, ...] = ()  # the models whose load failed (the worker's gauge)
-    memory: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
+    memory_plan: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
     # while it runs: requests each loaded model holds at once (status.json's slots)
     slots: Mapping[str, int] = field(default_factory=dict)
 

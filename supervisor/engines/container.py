@@ -65,7 +65,7 @@ class ContainerEngine(Generic[R, P]):
         # the memory plan's claims are shared through the data directory; none: not planned.
         # measure: how the plan measures this engine's memory (a GPU's, through its nvidia-smi)
         ledger = Ledger.for_data_dir(data_dir) if data_dir else None
-        self.memory = Guard(name, ledger, runtime, measure) if ledger is not None else None
+        self.guard = Guard(name, ledger, runtime, measure) if ledger is not None else None
         self.recipe = recipe
         self.runtime = runtime
         self.state_dir = state_dir
@@ -79,7 +79,7 @@ class ContainerEngine(Generic[R, P]):
     def info(self) -> EngineInfo:
         """What the worker knows of this engine without a look (made once, on first use)."""
         run = self.recipe.run
-        claim = Claimant(self.memory, self.memory_need) if self.memory is not None else None
+        claim = Claimant(self.guard, self.memory_need) if self.guard is not None else None
         return EngineInfo(
             kind=self.kind,
             container_name=self.container_name,
@@ -189,7 +189,7 @@ class ContainerEngine(Generic[R, P]):
             version=self.version(look),
             models=self.served(look),
             failed=self.failed(look),
-            memory=look.memory,
+            memory_plan=look.memory_plan,
             slots=self.slots(look),
         )
 
@@ -221,15 +221,15 @@ class ContainerEngine(Generic[R, P]):
             spec=spec,
             own=own,
             log=self._log(container),
-            memory=self.memory_plan(own),
+            memory_plan=self.memory_plan(own),
         )
         return self.seen(look)
 
     def memory_plan(self, own: P) -> MemoryPlan | None:
         """The plan of a start now, claiming nothing (status.json's memory); None unplanned."""
-        if self.memory is None:
+        if self.guard is None:
             return None
-        return preview(self.memory, functools.partial(self.planned_need, own))
+        return preview(self.guard, functools.partial(self.planned_need, own))
 
     def _log(self, container: Container | None) -> tuple[str, ...]:
         """Why an exited container of ours died is in its log, often far above its last line."""

@@ -67,7 +67,7 @@ class Look(Generic[P]):
     spec: RunSpec | None
     own: P
     log: tuple[str, ...] = ()
-    memory: MemoryPlan | None = None
+    memory_plan: MemoryPlan | None = None
 
     @property
     def running(self) -> bool:

@@ -87,25 +87,25 @@ def _width(stream: TextIO) -> int:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class WaitOutcome:
     code: int
     out: str = ""  # for stdout
     err: str = ""  # for stderr
 
 
-def decide(name: str, reading: host.Reading, want: State, hint: str) -> Outcome | None:
+def decide(name: str, reading: host.Reading, want: State, hint: str) -> WaitOutcome | None:
     """Pure: the end of the wait this reading makes, if any (time-outs are the caller's)."""
     status = reading.status
     if status is None:
         return None
     if reading.answer == "unavailable":
-        return Outcome(EXIT_UNANSWERED, err=f"{name}: {reading.reason} (is it running? {hint})")
+        return WaitOutcome(EXIT_UNANSWERED, err=f"{name}: {reading.reason} (is it running? {hint})")
     if reading.answer != "current":
         return None
     if status.state == want:
-        return Outcome(EXIT_OK, f"{name}: {want}" + (f" at {status.url}" if status.url else ""))
+        return WaitOutcome(EXIT_OK, f"{name}: {want}" + (f" at {status.url}" if status.url else ""))
     if status.state == "failed" and not status.retrying:  # a retried failure may yet pass
-        return Outcome(EXIT_FAILED, err=f"{name} failed: {status.message}")
+        return WaitOutcome(EXIT_FAILED, err=f"{name} failed: {status.message}")
     return None
 
 
@@ -130,7 +130,7 @@ def await_state(
     progress = Progress(name, terminal, started, _width(stream) if terminal else 80)
     hint = f"systemctl --user start lucia-{name}"
     stop = threading.Event()
-    outcome = Outcome(EXIT_UNANSWERED)
+    outcome = WaitOutcome(EXIT_UNANSWERED)
     try:
         for _ in _changes(directory, stop):
             now = time.monotonic()
@@ -138,13 +138,13 @@ def await_state(
             status = reading.status
             found = decide(name, reading, want, hint)
             if found is None and status is None and now - started >= no_status_after:
-                found = Outcome(
+                found = WaitOutcome(
                     EXIT_UNANSWERED,
                     err=f"{name}: no worker has written a status in {elapsed(now - started)}; "
                     f"start it with: {hint} (the request stays; then: {keep_waiting})",
                 )
             if found is None and now - started >= timeout:
-                found = Outcome(
+                found = WaitOutcome(
                     EXIT_UNANSWERED,
                     err=f"{name}: timed out after {elapsed(timeout)} ({reading.reason}); "
                     f"the request goes on: keep waiting with: {keep_waiting}",

@@ -59,7 +59,7 @@ def preview(guard: Guard, need: Need, clock: Callable[[], datetime] = utc_now) -
 
 def _plan(
     memory: Memory,
-    reserves: settings.Reserves,
+    reserves: settings.MachineReserves,
     when: datetime,
     need: int | None,
     *,

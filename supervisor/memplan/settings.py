@@ -84,7 +84,7 @@ class _MachineFile(_Strict):
 
 
 @dataclass(frozen=True)
-class Reserves:
+class MachineReserves:
     """The four reserves, in bytes."""
 
     os: int
@@ -103,7 +103,7 @@ class MachineSettings:
 
     limit: LimitKind | int
     profile: Profile
-    reserves: Reserves
+    reserves: MachineReserves
     weight_multiplier: float
     source: Path | None = None  # the file they came from; None: the defaults
 
@@ -172,7 +172,7 @@ def _resolve(parsed: _MachineFile, source: Path | None = None) -> MachineSetting
     return MachineSettings(
         limit=limit,
         profile=profile,
-        reserves=Reserves(*(gib(value) for value in chosen)),
+        reserves=MachineReserves(*(gib(value) for value in chosen)),
         weight_multiplier=parsed.weight_multiplier,
         source=source,
     )

@@ -15,15 +15,7 @@ from supervisor.engines.base import EXIT_LOG_LINES, Engine, StepContext
 from supervisor.errors import Cancelled, Permanent
 from supervisor.worker import claims
 from supervisor.worker.exits import exit_message
-from supervisor.worker.steps import (
-    AwaitReady,
-    Check,
-    Prepare,
-    Remove,
-    Start,
-    Step,
-    Stop,
-)
+from supervisor.worker.steps import AwaitReady, Check, Prepare, Remove, Start, Step, Stop
 
 _PROBE_FIRST: Final = 0.05  # probes start fast (a warm engine answers at once) ...
 _PROBE_EVERY: Final = 0.5  # ... and back off to this

@@ -30,12 +30,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from supervisor.errors import Transient
     from supervisor.protocol.files import LeaseHeld
     from supervisor.recipe.schema import RecipeError
-    from supervisor.worker.loop import Settings, Worker
+    from supervisor.worker.loop import Worker, WorkerSettings
 
     logs.configure()
     log = logs.get("worker")
     path = paths.recipe_file(args.name, args.recipe, args.recipes_dir)
-    settings = Settings(
+    settings = WorkerSettings(
         name=args.name,
         data_dir=paths.data_dir(args.data_dir),
         state_dir=paths.state_dir(args.state_dir, args.name),

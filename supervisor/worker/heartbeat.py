@@ -29,7 +29,7 @@ from supervisor.protocol.documents import (
 from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.version import version
 from supervisor.worker.plan import Answer
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 
 _MESSAGE_EVERY: Final = 1.0  # progress lines are coalesced to one write a second
 _RETRY_EVERY: Final = 1.0  # a failed write is tried again this much later
@@ -43,7 +43,7 @@ class Heartbeat:
         file_sd: FileSdWriter,
         interval: float,
         notifier: Notifier,
-        metrics: Metrics,
+        metrics: WorkerMetrics,
         *,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
@@ -55,7 +55,7 @@ class Heartbeat:
         self._clock = clock
         self.status: Status | None = None
         self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
-        self.memory: MemoryPlan | None = None  # the last observation's plan of a start
+        self.memory_plan: MemoryPlan | None = None  # the last observation's plan of a start
         self.slots: dict[str, int] = {}  # the last observation's, said while running
         self._written_at = float("-inf")
         self._dirty = False
@@ -92,7 +92,7 @@ class Heartbeat:
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
             slots=self.slots if running else {},
-            memory=_masked(self.memory),
+            memory=_masked(self.memory_plan),
             worker_version=version(),
         )
         self.status = status

@@ -12,8 +12,8 @@ from pathlib import Path
 from supervisor.protocol import files
 from supervisor.protocol.documents import DesiredFile, parse_desired
 from supervisor.protocol.strictjson import InvalidDocument
-from supervisor.worker.memory import Memory, Reported, accept
 from supervisor.worker.plan import Decision, acknowledge
+from supervisor.worker.pursuit import Pursuit, Reported, accept
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Intake:
     """What one read of desired.json changes: the request applied, the refusal shown, and the
     acknowledgement of a new request (None when it asks nothing new)."""
 
-    memory: Memory | None
+    pursuit: Pursuit | None
     refused: str | None
     acknowledged: Decision | None = None
 
@@ -43,7 +43,7 @@ def read_request(path: Path) -> tuple[DesiredFile | None, str | None]:
 
 
 def intake(
-    memory: Memory | None,
+    pursuit: Pursuit | None,
     previous: Decision | None,
     read: tuple[DesiredFile | None, str | None],
     before: Reported | None = None,
@@ -52,8 +52,8 @@ def intake(
     absent file leaves the request as it is; a new request is acknowledged at once."""
     desired, refused = read
     if desired is None:
-        return Intake(memory, refused)
-    accepted = accept(memory, desired, before)
+        return Intake(pursuit, refused)
+    accepted = accept(pursuit, desired, before)
     if accepted is None:
-        return Intake(memory, refused)
+        return Intake(pursuit, refused)
     return Intake(accepted, refused, acknowledge(accepted, previous))

@@ -28,7 +28,7 @@ JOB_NICE: Final = 10
 
 
 @dataclass
-class Job:
+class WorkerJob:
     """Work off the loop: an observation (step is None) or a step, in a thread of its own."""
 
     engine: Engine
@@ -54,7 +54,7 @@ class Job:
         return "Observe" if self.step is None else type(self.step).__name__
 
 
-def start(job: Job, runtime: Runtime, wake: Wakeup) -> None:
+def start(job: WorkerJob, runtime: Runtime, wake: Wakeup) -> None:
     """Run the job (observe, or its step) in a thread of its own; whatever it raises is kept on
     the job for the loop, and the job is finished (and the loop woken) however it ends."""
 
@@ -75,7 +75,7 @@ def start(job: Job, runtime: Runtime, wake: Wakeup) -> None:
     job.thread.start()
 
 
-def observe(job: Job) -> None:
+def observe(job: WorkerJob) -> None:
     """The body of an observation: what the engine sees, or, when docker does not answer,
     whether its ready path does."""
     try:
@@ -85,7 +85,7 @@ def observe(job: Job) -> None:
         raise
 
 
-def step(job: Job, runtime: Runtime, wake: Wakeup) -> None:
+def step(job: WorkerJob, runtime: Runtime, wake: Wakeup) -> None:
     """The body of a step: carried out by actions; each progress line is kept on the job and
     wakes the loop, which relays it."""
     assert job.step is not None

@@ -27,15 +27,13 @@ from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.layout import DESIRED, STATUS, engine_dir
 from supervisor.recipe.schema import Recipe
-from supervisor.worker import claims, jobs, plan
-from supervisor.worker import memory as remembered
+from supervisor.worker import claims, jobs, plan, pursuit
 from supervisor.worker.heartbeat import Heartbeat, booted_at, last_written
 from supervisor.worker.intake import intake, read_request
-from supervisor.worker.jobs import ExitMonitor, Job
-from supervisor.worker.memory import Memory, Reported, conclude, means_to_start, reloaded, reported
+from supervisor.worker.jobs import ExitMonitor, WorkerJob
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 from supervisor.worker.wakeup import Wakeup, watch_desired
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
@@ -46,7 +44,7 @@ log = logs.get("worker")
 
 
 @dataclass(frozen=True)
-class Settings:
+class WorkerSettings:
     name: str
     data_dir: Path
     state_dir: Path
@@ -57,7 +55,7 @@ class Settings:
 class Worker:
     def __init__(
         self,
-        settings: Settings,
+        settings: WorkerSettings,
         load_recipe: Callable[[], Recipe],
         runtime: Runtime | None = None,
     ) -> None:
@@ -67,17 +65,17 @@ class Worker:
         self.directory = files.ensure_dir(engine_dir(settings.data_dir, settings.name))
         files.ensure_dir(settings.state_dir, mode=0o700)
         self.notifier = Notifier()
-        self.metrics = Metrics(settings.name)
+        self.metrics = WorkerMetrics(settings.name)
         file_sd = FileSdWriter(settings.data_dir, settings.name)
         self.heartbeat = Heartbeat(self.directory / STATUS, file_sd, settings.heartbeat,
                                    self.notifier, self.metrics)
         self.engine: Engine = self._engine(load_recipe())
         self.heartbeat.models = self.engine.info.models
-        self.memory: Memory | None = None
+        self.pursuit: pursuit.Pursuit | None = None
         self.decision: Decision | None = None
         self.refused: str | None = None  # why desired.json is refused
         self.recipe_refused: str | None = None  # why the last recipe reload was refused
-        self.job: Job | None = None
+        self.job: WorkerJob | None = None
         self._wake = Wakeup()
         self._stop = threading.Event()
         self._signals: list[int] = []  # appended by the handlers, handled by the loop
@@ -87,7 +85,7 @@ class Worker:
         self._observed_at = float("-inf")
         self._pending = True  # something happened that needs an observation now
         self.exit_monitor = ExitMonitor(self.runtime, self._exited)
-        self._reported: Reported | None = None  # what the last status.json said served
+        self._reported: pursuit.Reported | None = None  # what the last status.json said served
 
     def _engine(self, recipe: Recipe) -> Engine:
         return registry.create(
@@ -102,7 +100,7 @@ class Worker:
             log.info("worker started", name=self.settings.name, directory=str(self.directory))
             # read before this worker's first write replaces it: an engine that died while no
             # worker looked is still a death of the generation the last status said served
-            self._reported = reported(last_written(self.heartbeat.path), booted_at())
+            self._reported = pursuit.reported(last_written(self.heartbeat.path), booted_at())
             for path in (
                 self.heartbeat.path,
                 self.heartbeat.file_sd.path,
@@ -179,7 +177,7 @@ class Worker:
             elif job is not None:
                 self._watch_job(job)
             if self.job is None and self._observe_due():
-                self._begin(Job(self.engine))
+                self._begin(WorkerJob(self.engine))
             self.heartbeat.tick()
             if not ready_sent and self.heartbeat.status is not None:
                 self.notifier.ready()
@@ -192,7 +190,7 @@ class Worker:
         now = time.monotonic()
         if now < self._retry_at:
             return False
-        if remembered.retry_in(self.memory, now) == 0.0:
+        if pursuit.retry_in(self.pursuit, now) == 0.0:
             return True
         return self._pending or now - self._observed_at >= self.engine.info.poll_interval
 
@@ -205,7 +203,7 @@ class Worker:
             waits.append(self._retry_at - now)
         else:
             waits.append(max(self.engine.info.poll_interval - (now - self._observed_at), 0.0))
-            failure_retry = remembered.retry_in(self.memory, now)
+            failure_retry = pursuit.retry_in(self.pursuit, now)
             if failure_retry is not None:
                 waits.append(failure_retry)
         if self.notifier.watchdog_interval is not None:
@@ -224,8 +222,8 @@ class Worker:
                 self.job.cancel.set()
             self.engine = self._engine(recipe)
             self.heartbeat.models = self.engine.info.models
-            if self.memory is not None:  # re-apply the current request to the new recipe
-                self.memory = reloaded(self.memory)
+            if self.pursuit is not None:  # re-apply the current request to the new recipe
+                self.pursuit = pursuit.reloaded(self.pursuit)
             self._retry_at = 0.0
             self._pending = True
             self.recipe_refused = None
@@ -236,7 +234,7 @@ class Worker:
     # -- desired.json --------------------------------------------------------------------------
 
     def _read_request(self) -> None:
-        taken = intake(self.memory, self.decision, read_request(self.directory / DESIRED),
+        taken = intake(self.pursuit, self.decision, read_request(self.directory / DESIRED),
                        self._reported)  # fmt: skip
         refused = taken.refused
         if refused != self.refused:
@@ -248,14 +246,14 @@ class Worker:
         decision = taken.acknowledged
         if decision is None:
             return
-        memory = taken.memory
-        assert memory is not None
-        if self.memory is not None and self.memory.generation == memory.generation:
+        accepted = taken.pursuit
+        assert accepted is not None
+        if self.pursuit is not None and self.pursuit.generation == accepted.generation:
             log.warning(
                 "desired changed without a new generation; applying it",
-                generation=memory.generation,
+                generation=accepted.generation,
             )
-        log.info("request acknowledged", generation=memory.generation, desired=memory.desired)
+        log.info("request acknowledged", generation=accepted.generation, desired=accepted.desired)
         self._retry_at = 0.0
         self._failures = 0
         self._pending = True
@@ -265,13 +263,13 @@ class Worker:
 
     # -- jobs: observe, then plan, then a step -------------------------------------------------
 
-    def _begin(self, job: Job) -> None:
+    def _begin(self, job: WorkerJob) -> None:
         if job.step is None:
             self._pending = False
         self.job = job
         jobs.start(job, self.runtime, self._wake)
 
-    def _watch_job(self, job: Job) -> None:
+    def _watch_job(self, job: WorkerJob) -> None:
         """While a job runs: relay a step's progress; say when an observation is overdue."""
         if job.step is not None:
             if job.progress:
@@ -285,7 +283,7 @@ class Worker:
             if self.decision is not None:
                 self._apply(plan.stalled(self.decision, reason), quiet=True)
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: WorkerJob) -> None:
         self.job = None
         self.metrics.step_seconds.labels(step=job.name).observe(time.monotonic() - job.started)
         if job.engine is not self.engine:  # begun under a recipe since reloaded
@@ -296,7 +294,7 @@ class Worker:
         else:
             self._stepped(job, job.step)
 
-    def _observed(self, job: Job) -> None:
+    def _observed(self, job: WorkerJob) -> None:
         self._observed_at = time.monotonic()
         self.metrics.reconciles.inc()
         error = job.error
@@ -308,18 +306,18 @@ class Worker:
             self._failures = 0
             self.metrics.set_load_failed(job.result.failed)
             self.heartbeat.models = job.result.models
-            self.heartbeat.memory = job.result.memory
+            self.heartbeat.memory_plan = job.result.memory_plan
             self.heartbeat.slots = dict(job.result.slots)
-            decision = plan.plan(self.memory, job.result, time.monotonic())
-            if not means_to_start(decision.memory):  # before a step that may claim anew
+            decision = plan.plan(self.pursuit, job.result, time.monotonic())
+            if not pursuit.means_to_start(decision.pursuit):  # before a step that may claim anew
                 seen = job.result.container
                 claims.abandoned(self.engine, seen.id if seen and seen.running else None)
             self._apply(decision)
 
-    def _stepped(self, job: Job, step: Step) -> None:
+    def _stepped(self, job: WorkerJob, step: Step) -> None:
         self._pending = True
-        memory, error = self.memory, job.error
-        if memory is None or memory.generation != job.generation or isinstance(error, Cancelled):
+        current, error = self.pursuit, job.error
+        if current is None or current.generation != job.generation or isinstance(error, Cancelled):
             return  # superseded: the loop plans afresh for the newer request
         if isinstance(error, Transient):
             self._retry(error)
@@ -330,10 +328,12 @@ class Worker:
         elif error is not None:
             log.error("step crashed", step=job.name, error=repr(error), exc_info=error)
             reason = f"internal error: {error!r}"
-        self.memory = conclude(memory, step, reason, time.monotonic(), waitable=isinstance(
-            error, Blocked), for_memory=isinstance(error, MemoryBlocked))  # fmt: skip
+        waitable, blocked = isinstance(error, Blocked), isinstance(error, MemoryBlocked)
+        self.pursuit = pursuit.conclude(
+            current, step, reason, time.monotonic(), waitable=waitable, memory_blocked=blocked
+        )
         if reason is not None:
-            wait = remembered.retry_in(self.memory, time.monotonic())
+            wait = pursuit.retry_in(self.pursuit, time.monotonic())
             log.error(
                 "step failed",
                 step=job.name,
@@ -351,10 +351,10 @@ class Worker:
         if not isinstance(error, Permanent):
             log.error(f"{where} crashed", error=repr(error), exc_info=error)
         reason = str(error) if isinstance(error, Permanent) else f"internal error: {error!r}"
-        if self.memory is None:
+        if self.pursuit is None:
             self._apply(plan.unobserved(None, reason))
         else:
-            self._apply(plan.failed(self.memory, reason, time.monotonic()))
+            self._apply(plan.failed(self.pursuit, reason, time.monotonic()))
 
     def _retry(self, error: BaseException, answering: bool | None = None) -> None:
         delay = _BACKOFF[min(self._failures, len(_BACKOFF) - 1)]
@@ -364,27 +364,27 @@ class Worker:
         self.metrics.failures.labels(reason="transient").inc()
         log.warning("will retry", error=str(error), seconds=delay)
         reason = f"{error}; retrying in {delay:g}s"
-        self._apply(plan.unobserved(self.memory, reason, self.decision, answering))
+        self._apply(plan.unobserved(self.pursuit, reason, self.decision, answering))
 
     # -- applying a decision -------------------------------------------------------------------
 
     def _apply(self, decision: Decision, quiet: bool = False) -> None:
         """Write what the decision says, and begin its step: the one place decisions land."""
-        before = self.memory
-        self.memory = decision.memory
+        before = self.pursuit
+        self.pursuit = decision.pursuit
         self.decision = decision
-        memory = decision.memory
-        if memory is not None and memory.failure and (before is None or not before.failure):
-            log.error("request failed", generation=memory.generation, reason=memory.failure)
+        current = decision.pursuit
+        if current is not None and current.failure and (before is None or not before.failure):
+            log.error("request failed", generation=current.generation, reason=current.failure)
             self.metrics.failures.labels(reason="engine").inc()
         self._show(decision)
-        if decision.answer.state == "running" and memory is not None and memory.ready:
-            self.exit_monitor.watch(memory.ready)
+        if decision.answer.state == "running" and current is not None and current.ready:
+            self.exit_monitor.watch(current.ready)
         step = decision.step
-        if step is not None and memory is not None:
+        if step is not None and current is not None:
             if not quiet:
-                log.info("step", step=describe(step), generation=memory.generation)
-            self._begin(Job(self.engine, step, memory.generation))
+                log.info("step", step=describe(step), generation=current.generation)
+            self._begin(WorkerJob(self.engine, step, current.generation))
 
     def _show(self, decision: Decision) -> None:
         answer = decision.answer

@@ -16,17 +16,8 @@ from supervisor.docker.spec import Container, RunSpec, changed_settings
 from supervisor.engines.base import Observed
 from supervisor.protocol.documents import RunningEngine, State, TargetGroup
 from supervisor.worker.exits import exit_message
-from supervisor.worker.memory import BACKOFF, Memory, due, met
-from supervisor.worker.steps import (
-    AwaitReady,
-    Check,
-    Prepare,
-    Remove,
-    Start,
-    Step,
-    Stop,
-    describe,
-)
+from supervisor.worker.pursuit import BACKOFF, Pursuit, due, met
+from supervisor.worker.steps import AwaitReady, Check, Prepare, Remove, Start, Step, Stop, describe
 
 UNREQUESTED: Final = "no valid request in desired.json; the engine is left as it is"
 REFUSED: Final = "request refused: "
@@ -48,7 +39,7 @@ class Answer:
 
 @dataclass(frozen=True)
 class Decision:
-    memory: Memory | None
+    pursuit: Pursuit | None
     answer: Answer
     targets: tuple[TargetGroup, ...] = ()
     step: Step | None = None
@@ -72,14 +63,14 @@ def running_engine(container: Container, version: str | None = None) -> RunningE
 # -- a new desired.json ------------------------------------------------------------------------
 
 
-def acknowledge(memory: Memory, previous: Decision | None) -> Decision:
+def acknowledge(pursuit: Pursuit, previous: Decision | None) -> Decision:
     """Answer a new generation at once, before any work: starting or stopping. A re-request
     of a serving engine keeps its Prometheus target: the engine goes on serving."""
-    state: State = "starting" if memory.desired == "running" else "stopping"
-    targets = previous.targets if previous is not None and memory.ready is not None else ()
+    state: State = "starting" if pursuit.desired == "running" else "stopping"
+    targets = previous.targets if previous is not None and pursuit.ready is not None else ()
     return Decision(
-        memory,
-        Answer(memory.generation, state, f"acknowledged: {memory.desired} requested"),
+        pursuit,
+        Answer(pursuit.generation, state, f"acknowledged: {pursuit.desired} requested"),
         targets,
     )
 
@@ -98,64 +89,64 @@ def shown(answer: Answer, refused: str | None, recipe_refused: str | None = None
 # -- what to do next ---------------------------------------------------------------------------
 
 
-def plan(memory: Memory | None, observed: Observed, now: float) -> Decision:
+def plan(pursuit: Pursuit | None, observed: Observed, now: float) -> Decision:
     """The decision for this observation; now (the loop's monotonic clock) says whether a
     remembered failure's retry time has come."""
     container = observed.container
-    if memory is None:
+    if pursuit is None:
         state: State = "running" if container is not None and container.running else "stopped"
         return Decision(None, Answer(0, state, UNREQUESTED))
     if container is not None and not container.managed:
         return failed(
-            memory,
+            pursuit,
             f"a container named {container.name} exists that lucia-supervisor did not create; "
             "remove or rename it, then request again",
         )
-    if memory.desired == "stopped":
-        decision = _plan_stopped(memory, container)
+    if pursuit.desired == "stopped":
+        decision = _plan_stopped(pursuit, container)
     else:
-        decision = _plan_running(memory, observed, container)
+        decision = _plan_running(pursuit, observed, container)
     step = decision.step
-    if step is None or memory.failure is None or due(memory, now):
+    if step is None or pursuit.failure is None or due(pursuit, now):
         return decision
-    return _still_failed(memory, observed, container, step, now)
+    return _still_failed(pursuit, observed, container, step, now)
 
 
-def _plan_stopped(memory: Memory, container: Container | None) -> Decision:
+def _plan_stopped(pursuit: Pursuit, container: Container | None) -> Decision:
     if container is None:
-        return Decision(met(memory), Answer(memory.generation, "stopped", "stopped"))
+        return Decision(met(pursuit), Answer(pursuit.generation, "stopped", "stopped"))
     if container.running:
-        return _working(memory, Stop(container.id, "stop requested"))
-    return _working(memory, Remove(container.id))
+        return _working(pursuit, Stop(container.id, "stop requested"))
+    return _working(pursuit, Remove(container.id))
 
 
-def _plan_running(memory: Memory, observed: Observed, container: Container | None) -> Decision:
+def _plan_running(pursuit: Pursuit, observed: Observed, container: Container | None) -> Decision:
     if container is not None and not container.running:
-        if container.id in (memory.ready, memory.served_before):  # nothing is left answering
-            gone = replace(memory, ready=None, served_before=None)
+        if container.id in (pursuit.ready, pursuit.served_before):  # nothing is left answering
+            gone = replace(pursuit, ready=None, served_before=None)
             return failed(gone, exit_message(container, observed.log))
-        return _working(memory, Remove(container.id))  # left from before: clear the name
-    serving = container is not None and container.id == memory.ready
+        return _working(pursuit, Remove(container.id))  # left from before: clear the name
+    serving = container is not None and container.id == pursuit.ready
     if observed.missing:
         step = Prepare(observed.missing[0])
         if container is not None:  # a library re-sync or a build: a serving engine serves on
-            return _serving_or_working(memory, observed, container, step)
-        return _working(memory, step)
+            return _serving_or_working(pursuit, observed, container, step)
+        return _working(pursuit, step)
     spec = observed.spec
     if spec is None:
-        return failed(memory, "the engine image is missing after it was built")
-    checked = memory.checked == spec.fingerprint()
+        return failed(pursuit, "the engine image is missing after it was built")
+    checked = pursuit.checked == spec.fingerprint()
     if container is None:
-        return _working(memory, Start(spec) if checked else Check(spec))
+        return _working(pursuit, Start(spec) if checked else Check(spec))
     reason = _replacing(container, spec)
     if reason is not None:
         if not checked:  # a replacement that cannot start never stops the running engine
-            return _serving_or_working(memory, observed, container, Check(spec, container.id))
-        return _working(memory, Stop(container.id, f"replacing: {reason}"))
+            return _serving_or_working(pursuit, observed, container, Check(spec, container.id))
+        return _working(pursuit, Stop(container.id, f"replacing: {reason}"))
     if not serving:
-        return _working(memory, AwaitReady(container.id))
+        return _working(pursuit, AwaitReady(container.id))
     message = f"serving at {observed.url}" + (f"; {observed.notes}" if observed.notes else "")
-    return _serving(met(memory), observed, container, message)
+    return _serving(met(pursuit), observed, container, message)
 
 
 def _replacing(container: Container, spec: RunSpec) -> str | None:
@@ -167,63 +158,72 @@ def _replacing(container: Container, spec: RunSpec) -> str | None:
 
 
 def _still_failed(
-    memory: Memory, observed: Observed, container: Container | None, step: Step, now: float
+    pursuit: Pursuit, observed: Observed, container: Container | None, step: Step, now: float
 ) -> Decision:
     """A remembered failure, shown where its step would be planned again before its retry
     time: an engine that still serves is `running`, saying what was not done and why (its
     file_sd target stays); anything else is `failed`."""
-    assert memory.failure is not None
-    reason = memory.failure
-    if memory.retry_at is not None:
-        wait = max(math.ceil(memory.retry_at - now), 1)
+    assert pursuit.failure is not None
+    reason = pursuit.failure
+    if pursuit.retry_at is not None:
+        wait = max(math.ceil(pursuit.retry_at - now), 1)
         reason = f"{reason.rstrip('.')}; trying again in {wait} s"
     if (
-        memory.desired == "running"
+        pursuit.desired == "running"
         and container is not None
         and container.running
-        and container.id == memory.ready
+        and container.id == pursuit.ready
     ):
         why = _replacing(container, step.spec) if isinstance(step, Check) else None
         what = f"the replacement ({why}) was refused" if why else f"{describe(step)} failed"
-        return _serving(memory, observed, container, f"serving at {observed.url}; {what}: {reason}")
-    retrying = memory.retry_at is not None
-    waiting_for: Literal["memory"] | None = "memory" if retrying and memory.for_memory else None
-    answer = Answer(memory.generation, "failed", reason, retrying=retrying, waiting_for=waiting_for)
-    return Decision(memory, answer)
+        message = f"serving at {observed.url}; {what}: {reason}"
+        return _serving(pursuit, observed, container, message)
+    retrying = pursuit.retry_at is not None
+    waiting_for: Literal["memory"] | None = None
+    if retrying and pursuit.memory_blocked:
+        waiting_for = "memory"
+    answer = Answer(
+        pursuit.generation, "failed", reason, retrying=retrying, waiting_for=waiting_for
+    )
+    return Decision(pursuit, answer)
 
 
 def _serving_or_working(
-    memory: Memory, observed: Observed, container: Container, step: Step
+    pursuit: Pursuit, observed: Observed, container: Container, step: Step
 ) -> Decision:
-    if container.id == memory.ready:
-        return _serving(memory, observed, container, describe(step), step)
-    return _working(memory, step)
+    if container.id == pursuit.ready:
+        return _serving(pursuit, observed, container, describe(step), step)
+    return _working(pursuit, step)
 
 
-def _working(memory: Memory, step: Step) -> Decision:
-    state: State = "starting" if memory.desired == "running" else "stopping"
-    return Decision(memory, Answer(memory.generation, state, describe(step)), step=step)
+def _working(pursuit: Pursuit, step: Step) -> Decision:
+    state: State = "starting" if pursuit.desired == "running" else "stopping"
+    return Decision(pursuit, Answer(pursuit.generation, state, describe(step)), step=step)
 
 
 def _serving(
-    memory: Memory, observed: Observed, container: Container, message: str, step: Step | None = None
+    pursuit: Pursuit,
+    observed: Observed,
+    container: Container,
+    message: str,
+    step: Step | None = None,
 ) -> Decision:
     engine = running_engine(container, observed.version)
-    answer = Answer(memory.generation, "running", message, observed.url, engine)
-    return Decision(memory, answer, observed.targets, step)
+    answer = Answer(pursuit.generation, "running", message, observed.url, engine)
+    return Decision(pursuit, answer, observed.targets, step)
 
 
-def failed(memory: Memory, reason: str, now: float | None = None) -> Decision:
+def failed(pursuit: Pursuit, reason: str, now: float | None = None) -> Decision:
     """The generation is failed: nothing is started or stopped for it until a new request, or,
     given now (a look that failed: looking again is harmless), until the back-off has passed."""
-    retry_at = None if now is None else now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
-    remembered = replace(memory, failure=reason, retry_at=retry_at, failures=memory.failures + 1)
-    answer = Answer(memory.generation, "failed", reason, retrying=retry_at is not None)
+    retry_at = None if now is None else now + BACKOFF[min(pursuit.failures, len(BACKOFF) - 1)]
+    remembered = replace(pursuit, failure=reason, retry_at=retry_at, failures=pursuit.failures + 1)
+    answer = Answer(pursuit.generation, "failed", reason, retrying=retry_at is not None)
     return Decision(remembered, answer)
 
 
 def unobserved(
-    memory: Memory | None,
+    pursuit: Pursuit | None,
     reason: str,
     previous: Decision | None = None,
     answering: bool | None = None,
@@ -232,32 +232,32 @@ def unobserved(
     decision had serving serves on while its ready path answers (answering; None: not asked,
     nothing is known to have changed), saying that docker does not answer; otherwise nothing
     is claimed to serve."""
-    if memory is None:
+    if pursuit is None:
         return Decision(None, Answer(0, "failed", f"cannot observe the engine: {reason}"))
-    if previous is not None and answering is not False and serving(memory, previous):
+    if previous is not None and answering is not False and serving(pursuit, previous):
         return _unanswered(previous, f"docker does not answer: {reason}")
-    state: State = "starting" if memory.desired == "running" else "stopping"
-    return Decision(memory, Answer(memory.generation, state, reason))
+    state: State = "starting" if pursuit.desired == "running" else "stopping"
+    return Decision(pursuit, Answer(pursuit.generation, state, reason))
 
 
 def stalled(previous: Decision, reason: str) -> Decision:
     """Docker did not answer in time: nothing is known to have changed, so the last answer
     stands, saying why it is not fresh."""
-    if previous.memory is not None and serving(previous.memory, previous):
+    if previous.pursuit is not None and serving(previous.pursuit, previous):
         return _unanswered(previous, reason)
     return replace(previous, answer=replace(previous.answer, message=reason), step=None)
 
 
-def serving(memory: Memory, previous: Decision) -> bool:
+def serving(pursuit: Pursuit, previous: Decision) -> bool:
     """Whether the last decision had this generation's engine serving: running, on the
     container seen answering its ready path."""
     answer = previous.answer
     return (
-        memory.ready is not None
+        pursuit.ready is not None
         and answer.state == "running"
-        and answer.generation == memory.generation
+        and answer.generation == pursuit.generation
         and answer.engine is not None
-        and answer.engine.container_id == memory.ready
+        and answer.engine.container_id == pursuit.ready
     )
 
 

@@ -41,7 +41,7 @@ class FileSdWriter:
         return True
 
 
-class Metrics:
+class WorkerMetrics:
     """The worker's own metrics, in a registry of its own (no process-global state)."""
 
     def __init__(self, name: str) -> None:

@@ -52,9 +52,9 @@ from supervisor.protocol.layout import DESIRED, STATUS
 from supervisor.protocol.strictjson import InvalidDocument
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.intake import intake, read_request
-from supervisor.worker.memory import Memory
 from supervisor.worker.plan import Answer, Decision, shown
-from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, Metrics
+from supervisor.worker.pursuit import Pursuit
+from supervisor.worker.telemetry import TELEMETRY_DIR, FileSdWriter, WorkerMetrics
 from tests.corpus import INVALID, VALID, materialise
 
 FUZZ = settings.get_profile("lucia-fuzz")
@@ -627,9 +627,9 @@ class Scene:
         self.status = self.directory / STATUS
         self.file_sd = data / TELEMETRY_DIR / "fuzz.json"
         self.heartbeat = Heartbeat(self.status, FileSdWriter(data, "fuzz"), 15.0, Notifier(),
-                                   Metrics("fuzz"))
+                                   WorkerMetrics("fuzz"))
         self.settled = settled
-        self.memory: Memory | None = None
+        self.pursuit: Pursuit | None = None
         self.decision: Decision | None = None
         self.refused: str | None = None
         self.reset()
@@ -637,25 +637,25 @@ class Scene:
     def intake(self) -> None:
         """One pass of the worker loop's desired.json handling: the same read_request and
         intake() that Worker._read_request calls, and the same Heartbeat."""
-        taken = intake(self.memory, self.decision, read_request(self.desired))
-        self.memory, self.refused = taken.memory, taken.refused
+        taken = intake(self.pursuit, self.decision, read_request(self.desired))
+        self.pursuit, self.refused = taken.pursuit, taken.refused
         self.decision = taken.shown(self.decision)
         assert self.decision is not None
         self.heartbeat.show(shown(self.decision.answer, self.refused), self.refused,
                             self.decision.targets)
 
     def reset(self) -> None:
-        self.memory, self.decision, self.refused = None, None, None
+        self.pursuit, self.decision, self.refused = None, None, None
         put(self.desired, VALID_5)
         self.intake()
         if self.settled:
-            assert self.memory is not None
-            self.memory = replace(self.memory, ready="c1")
-            self.decision = Decision(self.memory, Answer(5, "running", f"serving at {URL}", URL),
+            assert self.pursuit is not None
+            self.pursuit = replace(self.pursuit, ready="c1")
+            self.decision = Decision(self.pursuit, Answer(5, "running", f"serving at {URL}", URL),
                                      TARGETS)
             self.intake()
-        assert self.memory is not None
-        assert (self.memory.generation, self.memory.desired) == (5, "running")
+        assert self.pursuit is not None
+        assert (self.pursuit.generation, self.pursuit.desired) == (5, "running")
         assert self.refused is None
         status = self.read_status()
         assert status.state == ("running" if self.settled else "starting")
@@ -670,7 +670,7 @@ class Scene:
 
     def check(self, data: bytes) -> None:
         self.reset()
-        memory, before = self.memory, self.read_status()
+        pursuit, before = self.pursuit, self.read_status()
         targets = self._targets()
         verdict = oracle(data)
         put(self.desired, data)
@@ -678,7 +678,7 @@ class Scene:
         status = self.read_status()  # valid per the contract, whatever happened
         if verdict.accepted is None:
             refused = self.refused
-            assert self.memory is memory, "an invalid desired.json changed the request"
+            assert self.pursuit is pursuit, "an invalid desired.json changed the request"
             assert refused, "an invalid desired.json was not refused"
             assert refused.startswith(f"{self.desired}: "), refused
             assert_one_line(refused, limit=MAX_MESSAGE + len(str(self.desired)) + 2)
@@ -697,10 +697,10 @@ class Scene:
             return
         generation, want = verdict.accepted[:2]
         assert self.refused is None and status.refused is None
-        assert self.memory is not None
-        assert (self.memory.generation, self.memory.desired) == (generation, want)
+        assert self.pursuit is not None
+        assert (self.pursuit.generation, self.pursuit.desired) == (generation, want)
         if (generation, want) == (5, "running"):
-            assert self.memory is memory, "the same request was accepted again"
+            assert self.pursuit is pursuit, "the same request was accepted again"
             assert status.state == before.state
         else:
             assert status.generation == generation
@@ -725,10 +725,10 @@ def test_the_worker_never_acts_on_invalid_input(tmp_path: Path, settled: bool) -
 def test_the_worker_refuses_what_is_not_a_file(tmp_path: Path, case: Any, settled: bool) -> None:
     """FIFO, directory and symlink (tests/corpus.py) through the same intake."""
     scene = Scene(tmp_path, settled)
-    memory = scene.memory
+    pursuit = scene.pursuit
     materialise(case, scene.desired, elsewhere=tmp_path / "elsewhere")
     scene.intake()
-    assert scene.memory is memory
+    assert scene.pursuit is pursuit
     refused = scene.refused
     assert refused and all(needle in refused for needle in case.expect), refused
     assert_one_line(refused, limit=MAX_MESSAGE + len(str(scene.desired)))

@@ -22,7 +22,7 @@ from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import GatewaySettings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
-from supervisor.host.proxy.budget import Spending
+from supervisor.host.proxy.budget import BudgetSpending
 from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.protocol.reads import read_desired
@@ -223,7 +223,7 @@ async def world(
     settings: str = SETTINGS,
     upstream: Upstream | None = None,
     keys: Any = None,
-    spending: Spending | None = None,
+    spending: BudgetSpending | None = None,
     recorder: Recorder | None = None,
     sources: Sources | None = None,
 ) -> AsyncIterator[World]:

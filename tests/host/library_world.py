@@ -48,12 +48,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = WAIT) -> Any:
         time.sleep(0.1)
 
 
-def state_of(root: Path, guid: str) -> mf.Manifest:
+def state_of(root: Path, guid: str) -> mf.ModelManifest:
     return mf.load(root, guid)
 
 
-def wait_state(root: Path, guid: str, *states: str) -> mf.Manifest:
-    model: mf.Manifest = wait_for(
+def wait_state(root: Path, guid: str, *states: str) -> mf.ModelManifest:
+    model: mf.ModelManifest = wait_for(
         f"{guid} in {states}",
         lambda: (m := state_of(root, guid)).state in states and m,
     )
@@ -63,7 +63,7 @@ def wait_state(root: Path, guid: str, *states: str) -> mf.Manifest:
 def queue(
     root: Path, hub: Hub, *, include: list[str] | None = None, token: str | None = None,
     revision: str = "main",
-) -> mf.Manifest:  # fmt: skip
+) -> mf.ModelManifest:  # fmt: skip
     client = HubClient(hub.url, token)
     return add(root, client, REPO, revision, include=include or [GGUF], name=None)
 

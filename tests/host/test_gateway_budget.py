@@ -1,5 +1,5 @@
 """Daily token budgets and the record's absence, end to end against the fast local upstream;
-the record is faked at the gateway's own boundary (`Spending`)."""
+the record is faked at the gateway's own boundary (`BudgetSpending`)."""
 
 from __future__ import annotations
 

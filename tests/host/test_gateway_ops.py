@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.host.protocol import request
-from supervisor.host.proxy.idle import Look, should_stop
+from supervisor.host.proxy.idle import IdleLook, should_stop
 from supervisor.host.proxy.metrics import publish_target, target
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from tests.host.gateway_world import AUTH, OWNER, SETTINGS, Upstream, World, world, write_status
@@ -205,7 +205,7 @@ def _look(
     state: str = "running",
     busy: bool = False,
     idle_s: float = 10,
-) -> Look:
+) -> IdleLook:
     wanted = (
         DesiredFile.model_validate(
             {"schemaVersion": 1, "generation": desired[0], "desired": desired[1]}
@@ -214,7 +214,7 @@ def _look(
         else None
     )
     status = Status(generation=2, state=state, since=NOW, message="", checked_at=NOW)  # type: ignore[arg-type]
-    return Look(ours, wanted, status, busy, idle_s)
+    return IdleLook(ours, wanted, status, busy, idle_s)
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ def _look(
         (_look(state="starting"), 5, False),
     ],
 )
-def test_idle_stop_decides(look: Look, after: float, stop: bool) -> None:
+def test_idle_stop_decides(look: IdleLook, after: float, stop: bool) -> None:
     assert should_stop(look, after) is stop
 
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from supervisor.host.protocol import request
-from supervisor.host.proxy.idle import Look, victim
+from supervisor.host.proxy.idle import IdleLook, victim
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
 from tests.host.gateway_world import (
     AUTH,
@@ -28,12 +28,12 @@ BIG = {**SMALL, "model": "huge"}
 
 
 def look(engine: str, idle_s: float, busy: bool = False, ours: bool = True,
-         state: str = "running") -> Look:  # fmt: skip
+         state: str = "running") -> IdleLook:  # fmt: skip
     desired = DesiredFile.model_validate(
         {"schemaVersion": 1, "generation": 2 if ours else 3, "desired": "running"}
     )
     status = Status(generation=2, state=state, since=NOW, message="", checked_at=NOW)  # type: ignore[arg-type]
-    return Look(2, desired, status, busy, idle_s, engine)
+    return IdleLook(2, desired, status, busy, idle_s, engine)
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def look(engine: str, idle_s: float, busy: bool = False, ours: bool = True,
         ([look("big", 99)], None),  # never the engine the start is for
     ],
 )
-def test_the_swap_victim(looks: list[Look], chosen: str | None) -> None:
+def test_the_swap_victim(looks: list[IdleLook], chosen: str | None) -> None:
     found = victim(looks, "big")
     assert (found.engine if found else None) == chosen
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.host.models import manifest as mf
-from supervisor.host.models.control import Refused, apply, request
+from supervisor.host.models.control import RequestRefused, apply, request
 from supervisor.host.models.hub import HubRefused
 from supervisor.library.models import scan
 from tests.gguf_fixtures import write_gguf
@@ -132,7 +132,7 @@ def test_the_queue_holds_at_most_sixteen(repo: Path, root: Path) -> None:
         for index in range(16):
             model = queue(root, hub)
             mf.save(root, model.model_copy(update={"name": f"m{index}"}))
-        with pytest.raises(Refused, match=r"the queue holds 16 downloads \(at most 16\)"):
+        with pytest.raises(RequestRefused, match=r"the queue holds 16 downloads \(at most 16\)"):
             queue(root, hub)
 
 
@@ -169,7 +169,7 @@ def test_remove_deletes_the_model_directory_and_nothing_else(repo: Path, root: P
     assert request(root, first.id, "remove") is True  # no queue runs: applied at once
     assert not (root / first.id).exists()
     assert (root / second.id / "model.json").is_file() and outside.read_text() == "mine"
-    with pytest.raises(Refused, match="only a Failed, Canceled or Interrupted"):
+    with pytest.raises(RequestRefused, match="only a Failed, Canceled or Interrupted"):
         apply(root, second.id, "retry", limit_queue=True)
 
 

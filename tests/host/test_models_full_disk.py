@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.host.models import manifest as mf
-from supervisor.host.models.control import Refused
+from supervisor.host.models.control import RequestRefused
 from tests.gguf_fixtures import write_gguf
 from tests.host.library_world import (
     GGUF,
@@ -56,7 +56,7 @@ def test_a_model_that_cannot_fit_is_refused_at_once(small: Path, tmp_path: Path)
     write_gguf(tmp_path / "repo" / GGUF, elements=400_000)  # 1.6 MB
     needed = (tmp_path / "repo" / GGUF).stat().st_size
     root = small / "models"
-    with hub_of(tmp_path / "repo") as hub, pytest.raises(Refused) as refused:
+    with hub_of(tmp_path / "repo") as hub, pytest.raises(RequestRefused) as refused:
         queue(root, hub)
     free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
     assert str(refused.value) == (

@@ -62,7 +62,7 @@ def test_a_gguf_served_under_a_name_outside_the_rule_is_refused_at_add_losing_no
     with hub_of(repo) as hub:
         kept = queue(root, hub)  # a model already in the library
         before = everything(root)
-        with pytest.raises(control.Refused) as caught:
+        with pytest.raises(control.RequestRefused) as caught:
             queue(root, hub, include=include)
     message = str(caught.value)
     assert message.startswith(f"{REPO}: {refused}"), message

@@ -12,7 +12,7 @@ import aiohttp
 from supervisor.host.models import manifest as mf
 from supervisor.host.models.hub import Hub as HubClient
 from supervisor.host.page.memory import LedgerMemory
-from supervisor.host.page.models import Library
+from supervisor.host.page.models import ModelsSection
 from supervisor.host.page.routes import CSRF_HEADER
 from supervisor.host.page.sources import Sources
 from tests.host.gateway_world import OWNER_KEY, SETTINGS, World, world
@@ -71,7 +71,7 @@ def test_a_model_is_added_canceled_retried_and_removed(tmp_path: Path) -> None:
 
     async def main() -> None:
         with hub_of(repo) as hub:
-            library = Library(root, lambda: HubClient(hub.url, None))
+            library = ModelsSection(root, lambda: HubClient(hub.url, None))
             sources = Sources(LedgerMemory(tmp_path), models=library)
             async with (
                 world(tmp_path, SETTINGS, sources=sources) as w,

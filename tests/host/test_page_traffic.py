@@ -133,11 +133,11 @@ def test_key_use_is_the_last_use_and_the_days_spending_against_the_budget(
     keys.set_budget(keys_file, alice, 5000)
     target = written(tmp_path / "r.sqlite3", [row(NOW - timedelta(minutes=5), key_id=alice)])
 
-    class Spending:
+    class PageSpending:
         def spending(self, key_id: str) -> Spent | None:
             return Spent(1234, 5) if key_id == alice else None
 
-    use = KeyUse(target, Spending(), keys_file, 100_000).read()
+    use = KeyUse(target, PageSpending(), keys_file, 100_000).read()
     assert use is not None
     when = (NOW - timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
     assert use[alice] == {"lastUse": when, "lastUseKnown": True, "spentTokens": 1234,

@@ -19,7 +19,7 @@ ALLOWED = frozenset(
 # of the router's sync step: a copy that falls back to a plain copy once, and its progress
 # messages' throttle
 CACHES = frozenset(
-    {"Headers", "Checkout", "Starting", "Versions", "TierWatch", "Current", "_Copier", "_Throttle"}
+    {"Headers", "GitCheckout", "Starting", "Versions", "TierWatch", "Current", "_Copier", "_Throttle"}
 )
 
 

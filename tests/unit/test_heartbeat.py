@@ -24,7 +24,7 @@ from supervisor.protocol.documents import (
 )
 from supervisor.worker.heartbeat import Heartbeat
 from supervisor.worker.plan import Answer
-from supervisor.worker.telemetry import FileSdWriter, Metrics
+from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
 
 TARGETS = (TargetGroup(targets=["172.21.0.1:8000"], labels={"name": "e"}),)
 
@@ -37,7 +37,7 @@ def unwritable(tmp_path: Path) -> Path:
 
 
 def _heartbeat(status: Path, data: Path) -> Heartbeat:
-    return Heartbeat(status, FileSdWriter(data, "e"), 15.0, Notifier(), Metrics("e"))
+    return Heartbeat(status, FileSdWriter(data, "e"), 15.0, Notifier(), WorkerMetrics("e"))
 
 
 def test_a_failed_status_write_is_retried_a_second_later(unwritable: Path, tmp_path: Path) -> None:
@@ -98,13 +98,13 @@ def test_a_new_memory_verdict_is_written_at_once_the_same_one_with_the_heartbeat
     path = tmp_path / "status.json"
     beat = _heartbeat(path, tmp_path / "data")
     answer = Answer(1, "stopped", "stopped as requested")
-    beat.memory = _plan(True, 0)
+    beat.memory_plan = _plan(True, 0)
     beat.show(answer, None)
     assert json.loads(path.read_text())["memory"]["plannedAt"] == "2026-12-02T10:00:00.000Z"
-    beat.memory = _plan(True, 1)  # the same verdict, planned again: it waits for the heartbeat
+    beat.memory_plan = _plan(True, 1)  # the same verdict, planned again: it waits for the heartbeat
     beat.show(answer, None)
     assert json.loads(path.read_text())["memory"]["plannedAt"] == "2026-12-02T10:00:00.000Z"
-    beat.memory = _plan(False, 2)  # another engine took the memory: said at once
+    beat.memory_plan = _plan(False, 2)  # another engine took the memory: said at once
     beat.show(answer, None)
     written = json.loads(path.read_text())["memory"]
     assert (written["fits"], written["message"]) == (False, "does not fit")
@@ -114,7 +114,7 @@ def test_a_plan_message_is_masked_like_the_status_message(tmp_path: Path) -> Non
     path = tmp_path / "status.json"
     beat = _heartbeat(path, tmp_path / "data")
     redaction.register(["hf_plan_secret_value"])
-    beat.memory = _plan(False, 0).model_copy(
+    beat.memory_plan = _plan(False, 0).model_copy(
         update={"message": "cannot read /models/hf_plan_secret_value/x.gguf"}
     )
     beat.show(Answer(1, "stopped", "stopped as requested"), None)

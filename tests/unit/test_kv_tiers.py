@@ -13,8 +13,8 @@ import pytest
 
 from supervisor.engines.vllm import tiers as kv
 from supervisor.engines.vllm.tiers import (
+    CacheIdentity,
     DiskTier,
-    Identity,
     KvLayout,
     Parallel,
     TierPlan,
@@ -24,7 +24,7 @@ from supervisor.engines.vllm.tiers import (
 GIB = 1024**3
 KEY = "k" * 64
 
-BASE = Identity(
+BASE = CacheIdentity(
     model_manifest=kv.hf_manifest("Qwen/Qwen3-8B", "a" * 40),
     image_digest="sha256:" + "1" * 64,
     plugin_version="0.3.1",

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.memplan.settings import GIB, MachineError, Reserves, load, machine_file, parse
+from supervisor.memplan.settings import (
+    GIB,
+    MachineError,
+    MachineReserves,
+    load,
+    machine_file,
+    parse,
+)
 
 G = GIB
 
@@ -37,7 +44,7 @@ def test_settings(
     settings = parse(text, "/etc/m.toml")
     assert settings.limit == limit
     assert settings.profile == profile
-    assert settings.reserves == Reserves(*(round(value * G) for value in reserves))
+    assert settings.reserves == MachineReserves(*(round(value * G) for value in reserves))
     assert settings.weight_multiplier == multiplier
     assert settings.source == Path("/etc/m.toml")
 

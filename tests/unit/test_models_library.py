@@ -48,10 +48,10 @@ def test_space(needed: int, free: int, problem: str | None) -> None:
     assert space_problem(needed, free) == problem
 
 
-def _model(state: str, name: str = "m") -> mf.Manifest:
-    return mf.Manifest(
+def _model(state: str, name: str = "m") -> mf.ModelManifest:
+    return mf.ModelManifest(
         id=mf.new_guid(), name=name, state=state, since="t", created="t",  # type: ignore[arg-type]
-        source=mf.Source(repo="o/r", revision="main", commit=C),
+        source=mf.FileOrigin(repo="o/r", revision="main", commit=C),
     )  # fmt: skip
 
 

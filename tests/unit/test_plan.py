@@ -18,23 +18,12 @@ from supervisor.engines.look import Network
 from supervisor.engines.tensorfold.engine import (
     Checkout,
     GrammarImage,
-    Prepared,
+    PreparedCheckout,
     RecipeImage,
     missing,
 )
 from supervisor.engines.vllm.steps import TierImage
 from supervisor.protocol.documents import DesiredFile, RunningEngine, Status, TargetGroup
-from supervisor.worker.memory import (
-    BACKOFF,
-    Memory,
-    Reported,
-    accept,
-    conclude,
-    due,
-    means_to_start,
-    reloaded,
-    reported,
-)
 from supervisor.worker.plan import (
     UNREQUESTED,
     Answer,
@@ -45,6 +34,17 @@ from supervisor.worker.plan import (
     shown,
     stalled,
     unobserved,
+)
+from supervisor.worker.pursuit import (
+    BACKOFF,
+    Pursuit,
+    Reported,
+    accept,
+    conclude,
+    due,
+    means_to_start,
+    reloaded,
+    reported,
 )
 from supervisor.worker.steps import AwaitReady, Check, Prepare, Remove, Start, Stop
 from tests.support import MINIMAL_RECIPE
@@ -75,11 +75,11 @@ def seen(c: Container | None = None, missing: tuple[Any, ...] = (),
     return Observed(container=c, missing=missing, spec=spec, url=URL, targets=TARGETS, log=log)
 
 
-RUN = Memory(1, "running")
-READY = Memory(1, "running", ready="c1")
-CHECKED = Memory(1, "running", checked=SPEC.fingerprint())
-CHECKED_READY = Memory(1, "running", ready="c1", checked=SPEC.fingerprint())
-STOP = Memory(1, "stopped")
+RUN = Pursuit(1, "running")
+READY = Pursuit(1, "running", ready="c1")
+CHECKED = Pursuit(1, "running", checked=SPEC.fingerprint())
+CHECKED_READY = Pursuit(1, "running", ready="c1", checked=SPEC.fingerprint())
+STOP = Pursuit(1, "stopped")
 ENGINE = RunningEngine(image="tf:grammar", image_id=IMAGE, container_id="c1",
                        recipe_commit="c" * 40, model="qwen")
 EDITED = replace(SPEC, environment={"CONTEXT": "150000"})
@@ -88,14 +88,14 @@ TAKEN = "port 8889 on 172.30.0.1 is taken by another program; free it or change 
 BOOM = "stopping container c1: 500 Server Error"
 
 
-def failing(memory: Memory, reason: str, retry_in: float | None, failures: int = 1) -> Memory:
-    """memory after `failures` failures, the last for reason, tried again in retry_in s."""
+def failing(pursuit: Pursuit, reason: str, retry_in: float | None, failures: int = 1) -> Pursuit:
+    """pursuit after `failures` failures, the last for reason, tried again in retry_in s."""
     at = None if retry_in is None else NOW + retry_in
-    return replace(memory, failure=reason, retry_at=at, failures=failures)
+    return replace(pursuit, failure=reason, retry_at=at, failures=failures)
 
 
-# (case, memory, observed) -> (step, state, message, targets, failure remembered)
-TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]] = [
+# (case, pursuit, observed) -> (step, state, message, targets, failure remembered)
+TABLE: list[tuple[str, Pursuit | None, Observed, Any, str, str, bool, str | None]] = [
     ("nothing requested, nothing there", None, seen(), None, "stopped", UNREQUESTED, False, None),
     ("nothing requested, an engine runs", None, seen(container()), None, "running", UNREQUESTED,
      False, None),
@@ -132,7 +132,7 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      "starting", "waiting for the engine to answer", False, None),
     ("running, right spec, answered", READY, seen(container()), None, "running",
      f"serving at {URL}", True, None),
-    ("running, another container answered before", Memory(1, "running", ready="c0"),
+    ("running, another container answered before", Pursuit(1, "running", ready="c0"),
      seen(container()), AwaitReady("c1"), "starting", "waiting for the engine to answer", False,
      None),
     ("running, wrong image: checked before the serving engine is touched", READY,
@@ -160,18 +160,18 @@ TABLE: list[tuple[str, Memory | None, Observed, Any, str, str, bool, str | None]
      None, "failed", "exited with code 137: killed for using too much memory", False,
      "exited with code 137: killed for using too much memory"),
     ("running, died while no worker looked (the last status said it served)",
-     Memory(1, "running", served_before="c1"),
+     Pursuit(1, "running", served_before="c1"),
      seen(container("exited", exit_code=137), log=("srv killed",)), None, "failed",
      "exited with code 137: srv killed", False, "exited with code 137: srv killed"),
     ("running, an older container than the one the last status said served",
-     Memory(1, "running", served_before="c0"), seen(container("exited", exit_code=137)),
+     Pursuit(1, "running", served_before="c0"), seen(container("exited", exit_code=137)),
      Remove("c1"), "starting", "removing the old engine container", False, None),
     ("running, the last status said it served and it still runs: probed again",
-     Memory(1, "running", served_before="c1"), seen(container()), AwaitReady("c1"), "starting",
+     Pursuit(1, "running", served_before="c1"), seen(container()), AwaitReady("c1"), "starting",
      "waiting for the engine to answer", False, None),
-    ("running, failed generation stays failed", Memory(1, "running", failure="x"),
+    ("running, failed generation stays failed", Pursuit(1, "running", failure="x"),
      seen(container("exited")), None, "failed", "x", False, "x"),
-    ("running, failed build leaves the old engine alone", Memory(1, "running", failure="x"),
+    ("running, failed build leaves the old engine alone", Pursuit(1, "running", failure="x"),
      seen(container(image=OTHER)), None, "failed", "x", False, "x"),
     ("running, image missing after build", RUN, seen(None, (), None), None, "failed",
      "the engine image is missing after it was built", False,
@@ -259,55 +259,55 @@ def test_a_failed_answer_says_whether_it_is_retried(row: tuple[Any, ...]) -> Non
 
 
 @pytest.mark.parametrize(
-    ("memory", "waiting_for"),
+    ("pursuit", "waiting_for"),
     [
-        (replace(failing(RUN, TAKEN, 30), for_memory=True), "memory"),
+        (replace(failing(RUN, TAKEN, 30), memory_blocked=True), "memory"),
         (failing(RUN, TAKEN, 30), None),  # a port: stopping an engine would not help
-        (replace(failing(RUN, "refused", None), for_memory=True), None),  # not retried
+        (replace(failing(RUN, "refused", None), memory_blocked=True), None),  # not retried
     ],
 )
 def test_a_failed_answer_says_when_it_waits_for_memory(
-    memory: Memory, waiting_for: str | None
+    pursuit: Pursuit, waiting_for: str | None
 ) -> None:
-    decision = plan(memory, seen(), NOW)
+    decision = plan(pursuit, seen(), NOW)
     assert decision.answer.state == "failed"
     assert decision.answer.waiting_for == waiting_for
 
 
-@pytest.mark.parametrize(("memory", "observed", "step", "state", "message", "targets",
+@pytest.mark.parametrize(("pursuit", "observed", "step", "state", "message", "targets",
                           "failure"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
-def test_plan(memory: Memory | None, observed: Observed, step: Any, state: str, message: str,
+def test_plan(pursuit: Pursuit | None, observed: Observed, step: Any, state: str, message: str,
               targets: bool, failure: str | None) -> None:
-    decision = plan(memory, observed, NOW)
+    decision = plan(pursuit, observed, NOW)
     assert decision.step == step
     assert decision.answer.state == state
     assert decision.answer.message == message
     assert decision.targets == (TARGETS if targets else ())
-    assert decision.answer.url == (URL if state == "running" and memory else None)
-    if memory is None:
-        assert decision.memory is None and decision.answer.generation == 0
+    assert decision.answer.url == (URL if state == "running" and pursuit else None)
+    if pursuit is None:
+        assert decision.pursuit is None and decision.answer.generation == 0
     else:
-        assert decision.memory is not None
-        assert decision.memory.failure == failure
-        assert decision.answer.generation == memory.generation
+        assert decision.pursuit is not None
+        assert decision.pursuit.failure == failure
+        assert decision.answer.generation == pursuit.generation
 
 
 def test_a_death_leaves_nothing_answering() -> None:
     decision = plan(READY, seen(container("exited", exit_code=3)), NOW)
-    assert decision.memory is not None and decision.memory.ready is None
-    again = plan(decision.memory, seen(container("exited", exit_code=3)), NOW)
+    assert decision.pursuit is not None and decision.pursuit.ready is None
+    again = plan(decision.pursuit, seen(container("exited", exit_code=3)), NOW)
     assert (again.answer.state, again.answer.message, again.step) == (
         "failed", "exited with code 3", None)
 
 
-@pytest.mark.parametrize(("memory", "expected"), [
+@pytest.mark.parametrize(("pursuit", "expected"), [
     (failing(READY, TAKEN, 30, failures=4), READY),  # a refused replacement: tried at once
-    (failing(replace(CHECKED_READY, generation=3), "x", None), Memory(3, "running", ready="c1")),
+    (failing(replace(CHECKED_READY, generation=3), "x", None), Pursuit(3, "running", ready="c1")),
     (failing(STOP, BOOM, 60, failures=9), STOP),
 ])
-def test_a_reload_tries_everything_at_once_and_keeps_what_serves(memory: Memory,
-                                                                 expected: Memory) -> None:
-    assert reloaded(memory) == expected
+def test_a_reload_tries_everything_at_once_and_keeps_what_serves(pursuit: Pursuit,
+                                                                 expected: Pursuit) -> None:
+    assert reloaded(pursuit) == expected
 
 
 def test_a_serving_answer_names_what_runs() -> None:
@@ -327,44 +327,44 @@ def desired(generation: int, want: str) -> DesiredFile:
 
 
 ACCEPT = [
-    ("first request", None, desired(1, "running"), Memory(1, "running")),
+    ("first request", None, desired(1, "running"), Pursuit(1, "running")),
     ("the same request again", READY, desired(1, "running"), None),
     ("a new generation of what serves keeps the proof", READY, desired(2, "running"),
-     Memory(2, "running", ready="c1")),
+     Pursuit(2, "running", ready="c1")),
     ("a new generation after a failure retries, and what still serves keeps its proof",
-     Memory(1, "running", ready="c1", failure="x", retry_at=5.0, failures=2),
-     desired(2, "running"), Memory(2, "running", ready="c1")),
-    ("a new generation after a death starts afresh", Memory(1, "running", failure="exited"),
-     desired(2, "running"), Memory(2, "running")),
-    ("the other way", READY, desired(2, "stopped"), Memory(2, "stopped")),
+     Pursuit(1, "running", ready="c1", failure="x", retry_at=5.0, failures=2),
+     desired(2, "running"), Pursuit(2, "running", ready="c1")),
+    ("a new generation after a death starts afresh", Pursuit(1, "running", failure="exited"),
+     desired(2, "running"), Pursuit(2, "running")),
+    ("the other way", READY, desired(2, "stopped"), Pursuit(2, "stopped")),
     ("desired changed without a new generation", READY, desired(1, "stopped"),
-     Memory(1, "stopped")),
+     Pursuit(1, "stopped")),
 ]
 
 
-@pytest.mark.parametrize(("memory", "request_", "expected"), [row[1:] for row in ACCEPT],
+@pytest.mark.parametrize(("pursuit", "request_", "expected"), [row[1:] for row in ACCEPT],
                          ids=[row[0] for row in ACCEPT])
-def test_accept(memory: Memory | None, request_: DesiredFile, expected: Memory | None) -> None:
-    assert accept(memory, request_) == expected
+def test_accept(pursuit: Pursuit | None, request_: DesiredFile, expected: Pursuit | None) -> None:
+    assert accept(pursuit, request_) == expected
 
 
 BEFORE = Reported(4, "c1")
 ACCEPT_AFTER_RESTART = [
     ("the generation the last status said served", None, desired(4, "running"),
-     Memory(4, "running", served_before="c1")),
-    ("another generation", None, desired(5, "running"), Memory(5, "running")),
-    ("a stop", None, desired(4, "stopped"), Memory(4, "stopped")),
-    ("only the worker's first request", Memory(3, "running"), desired(4, "running"),
-     Memory(4, "running")),
+     Pursuit(4, "running", served_before="c1")),
+    ("another generation", None, desired(5, "running"), Pursuit(5, "running")),
+    ("a stop", None, desired(4, "stopped"), Pursuit(4, "stopped")),
+    ("only the worker's first request", Pursuit(3, "running"), desired(4, "running"),
+     Pursuit(4, "running")),
 ]
 
 
-@pytest.mark.parametrize(("memory", "request_", "expected"),
+@pytest.mark.parametrize(("pursuit", "request_", "expected"),
                          [row[1:] for row in ACCEPT_AFTER_RESTART],
                          ids=[row[0] for row in ACCEPT_AFTER_RESTART])
-def test_accept_after_a_worker_restart(memory: Memory | None, request_: DesiredFile,
-                                       expected: Memory) -> None:
-    assert accept(memory, request_, BEFORE) == expected
+def test_accept_after_a_worker_restart(pursuit: Pursuit | None, request_: DesiredFile,
+                                       expected: Pursuit) -> None:
+    assert accept(pursuit, request_, BEFORE) == expected
 
 
 BOOT = datetime(2025, 1, 2, 8, 0, tzinfo=UTC)
@@ -392,21 +392,21 @@ def test_what_the_last_status_reported(found: Status | None, expected: Reported 
 SERVING = Decision(READY, Answer(1, "running", f"serving at {URL}", URL, ENGINE), TARGETS)
 
 ACKNOWLEDGE = [
-    ("first ever", Memory(1, "running"), None, "starting", "acknowledged: running requested", ()),
-    ("re-request of a serving engine keeps its target", Memory(2, "running", ready="c1"),
+    ("first ever", Pursuit(1, "running"), None, "starting", "acknowledged: running requested", ()),
+    ("re-request of a serving engine keeps its target", Pursuit(2, "running", ready="c1"),
      SERVING, "starting", "acknowledged: running requested", TARGETS),
-    ("a stop drops the target at once", Memory(2, "stopped"), SERVING, "stopping",
+    ("a stop drops the target at once", Pursuit(2, "stopped"), SERVING, "stopping",
      "acknowledged: stopped requested", ()),
 ]
 
 
-@pytest.mark.parametrize(("memory", "previous", "state", "message", "targets"),
+@pytest.mark.parametrize(("pursuit", "previous", "state", "message", "targets"),
                          [row[1:] for row in ACKNOWLEDGE], ids=[row[0] for row in ACKNOWLEDGE])
-def test_acknowledge(memory: Memory, previous: Decision | None, state: str, message: str,
+def test_acknowledge(pursuit: Pursuit, previous: Decision | None, state: str, message: str,
                      targets: tuple[TargetGroup, ...]) -> None:
-    decision = acknowledge(memory, previous)
-    assert decision.memory == memory and decision.step is None
-    assert (decision.answer.generation, decision.answer.state) == (memory.generation, state)
+    decision = acknowledge(pursuit, previous)
+    assert decision.pursuit == pursuit and decision.step is None
+    assert (decision.answer.generation, decision.answer.state) == (pursuit.generation, state)
     assert decision.answer.message == message
     assert decision.targets == targets
 
@@ -463,7 +463,7 @@ def test_a_stall_while_serving_never_says_starting() -> None:
 
 DURING_A_STEP = Decision(READY, Answer(1, "running", "preparing: building tf", URL, ENGINE),
                          TARGETS, Prepare(RecipeImage("tf")))
-NEWER = Memory(2, "running", ready="c1")
+NEWER = Pursuit(2, "running", ready="c1")
 
 UNOBSERVED = [
     ("serving, answering", READY, SERVING, True, "running"),
@@ -478,40 +478,41 @@ UNOBSERVED = [
 ]
 
 
-@pytest.mark.parametrize(("memory", "previous", "answering", "state"),
+@pytest.mark.parametrize(("pursuit", "previous", "answering", "state"),
                          [row[1:] for row in UNOBSERVED], ids=[row[0] for row in UNOBSERVED])
-def test_unobserved_keeps_serving_only_what_served(memory: Memory, previous: Decision | None,
+def test_unobserved_keeps_serving_only_what_served(pursuit: Pursuit, previous: Decision | None,
                                                    answering: bool | None, state: str) -> None:
-    decision = unobserved(memory, "docker did not answer in time", previous, answering)
-    assert (decision.answer.state, decision.answer.generation) == (state, memory.generation)
+    decision = unobserved(pursuit, "docker did not answer in time", previous, answering)
+    assert (decision.answer.state, decision.answer.generation) == (state, pursuit.generation)
     assert decision.step is None
     if state == "running":
         assert previous is not None
         assert decision.targets == TARGETS and decision.answer.url == URL
-        assert decision.answer.engine == ENGINE and decision.memory == memory
+        assert decision.answer.engine == ENGINE and decision.pursuit == pursuit
         assert "docker does not answer" in decision.answer.message
     else:
         assert decision.targets == () and decision.answer.url is None
 
 
-@pytest.mark.parametrize(("memory", "state", "generation"), [
+@pytest.mark.parametrize(("pursuit", "state", "generation"), [
     (None, "failed", 0), (READY, "starting", 1), (STOP, "stopping", 1)])
-def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: str,
+def test_docker_unavailable_claims_nothing_serves(pursuit: Pursuit | None, state: str,
                                                   generation: int) -> None:
-    decision = unobserved(memory, "docker is unavailable")
+    decision = unobserved(pursuit, "docker is unavailable")
     assert (decision.answer.state, decision.answer.generation) == (state, generation)
     assert decision.targets == () and decision.step is None and decision.answer.url is None
 
 
-@pytest.mark.parametrize(("memory", "step", "error", "waitable", "expected"), [
-    (RUN, AwaitReady("c2"), None, False, Memory(1, "running", ready="c2")),
+@pytest.mark.parametrize(("pursuit", "step", "error", "waitable", "expected"), [
+    (RUN, AwaitReady("c2"), None, False, Pursuit(1, "running", ready="c2")),
     (RUN, Start(SPEC), None, False, RUN),
-    (RUN, Check(SPEC), None, False, Memory(1, "running", checked=SPEC.fingerprint())),
+    (RUN, Check(SPEC), None, False, Pursuit(1, "running", checked=SPEC.fingerprint())),
     # a refusal that may pass by waiting is tried again after the back-off; one that cannot is not
     (RUN, Check(SPEC, "c1"), TAKEN, True, failing(RUN, TAKEN, BACKOFF[0])),
     (RUN, Check(SPEC, "c1"), "arguments refused", False,
      failing(RUN, "arguments refused", None)),
-    (RUN, Prepare(Prepared()), "prepare failed", False, failing(RUN, "prepare failed", None)),
+    (RUN, Prepare(PreparedCheckout()), "prepare failed", False,
+     failing(RUN, "prepare failed", None)),
     (RUN, AwaitReady("c2"), "not ready", False, failing(RUN, "not ready", None)),
     # a failed Stop or Remove is always tried again: the operator may fix Docker meanwhile
     (STOP, Stop("c1", "stop requested"), BOOM, False, failing(STOP, BOOM, BACKOFF[0])),
@@ -525,45 +526,45 @@ def test_docker_unavailable_claims_nothing_serves(memory: Memory | None, state: 
      failing(RUN, TAKEN, BACKOFF[-1], failures=41)),
     # a pass forgets the failure, but not how many came in a row (a Start may fail next)
     (failing(RUN, TAKEN, -1, failures=2), Check(SPEC), None, False,
-     Memory(1, "running", checked=SPEC.fingerprint(), failures=2)),
+     Pursuit(1, "running", checked=SPEC.fingerprint(), failures=2)),
     (failing(STOP, BOOM, -1, failures=1), Stop("c1", "stop requested"), None, False,
      replace(STOP, failures=1)),
 ])
-def test_conclude(memory: Memory, step: Any, error: str | None, waitable: bool,
-                  expected: Memory) -> None:
-    assert conclude(memory, step, error, NOW, waitable=waitable) == expected
+def test_conclude(pursuit: Pursuit, step: Any, error: str | None, waitable: bool,
+                  expected: Pursuit) -> None:
+    assert conclude(pursuit, step, error, NOW, waitable=waitable) == expected
 
 
 def test_the_back_off_grows_to_a_bound() -> None:
-    memory, delays = STOP, []
+    pursuit, delays = STOP, []
     for _ in range(8):
-        memory = conclude(memory, Stop("c1", "stop requested"), BOOM, NOW)
-        assert memory.retry_at is not None
-        assert not due(memory, memory.retry_at - 0.001) and due(memory, memory.retry_at)
-        delays.append(memory.retry_at - NOW)
+        pursuit = conclude(pursuit, Stop("c1", "stop requested"), BOOM, NOW)
+        assert pursuit.retry_at is not None
+        assert not due(pursuit, pursuit.retry_at - 0.001) and due(pursuit, pursuit.retry_at)
+        delays.append(pursuit.retry_at - NOW)
     assert delays == [1, 2, 5, 10, 30, 60, 60, 60]
 
 
 def test_a_failed_look_is_tried_again_but_a_failure_found_is_not() -> None:
     looked = failed(RUN, "docker refused the listing", NOW)
-    assert looked.memory == failing(RUN, "docker refused the listing", BACKOFF[0])
+    assert looked.pursuit == failing(RUN, "docker refused the listing", BACKOFF[0])
     found = failed(READY, "exited with code 3")
-    assert found.memory == failing(READY, "exited with code 3", None)
-    assert not due(found.memory, float("inf"))
+    assert found.pursuit == failing(READY, "exited with code 3", None)
+    assert not due(found.pursuit, float("inf"))
 
 
-@pytest.mark.parametrize(("memory", "expected"), [
+@pytest.mark.parametrize(("pursuit", "expected"), [
     (None, False),
-    (Memory(1, "running"), False),  # nothing checked yet: nothing was claimed
-    (Memory(1, "running", checked=SPEC.fingerprint()), True),  # a Start or a Stop for it next
-    (Memory(1, "running", checked=SPEC.fingerprint(), failure="stop failed"), False),
-    (Memory(2, "stopped"), False),  # a stop came between the Check and the Start
-    (accept(Memory(1, "running", checked=SPEC.fingerprint()), desired(2, "running")), False),
+    (Pursuit(1, "running"), False),  # nothing checked yet: nothing was claimed
+    (Pursuit(1, "running", checked=SPEC.fingerprint()), True),  # a Start or a Stop for it next
+    (Pursuit(1, "running", checked=SPEC.fingerprint(), failure="stop failed"), False),
+    (Pursuit(2, "stopped"), False),  # a stop came between the Check and the Start
+    (accept(Pursuit(1, "running", checked=SPEC.fingerprint()), desired(2, "running")), False),
 ])
 def test_what_a_passed_check_claimed_is_wanted_until_its_start(
-    memory: Memory | None, expected: bool
+    pursuit: Pursuit | None, expected: bool
 ) -> None:
-    assert means_to_start(memory) is expected
+    assert means_to_start(pursuit) is expected
 
 
 # -- the run spec's fingerprint: every setting a container is created with ---------------------
@@ -621,10 +622,10 @@ def test_missing_prerequisites() -> None:
         ((False, True, True, True), ()),  # a restart with images in place never touches git
         ((False, False, True, False), (Checkout(commit), RecipeImage(tag), GrammarImage(grammar))),
         ((True, False, True, False), (RecipeImage(tag), GrammarImage(grammar))),
-        ((False, True, False, True), (Checkout(commit), Prepared())),
+        ((False, True, False, True), (Checkout(commit), PreparedCheckout())),
         ((True, True, True, False), (GrammarImage(grammar),)),
         ((False, False, False, False),
-         (Checkout(commit), RecipeImage(tag), GrammarImage(grammar), Prepared())),
+         (Checkout(commit), RecipeImage(tag), GrammarImage(grammar), PreparedCheckout())),
     ]
     for (checkout, built, prepared, grammar_ok), expected in rows:
         assert missing(recipe, checkout_ok=checkout, recipe_ok=built,  # type: ignore[arg-type]
@@ -656,7 +657,7 @@ def test_missing_when_the_prepare_makes_the_image(
     assert recipe.image_from_prepare  # type: ignore[union-attr]
     made = {
         "checkout": Checkout(recipe.source.commit),  # type: ignore[union-attr]
-        "prepare": Prepared(),
+        "prepare": PreparedCheckout(),
         "grammar": GrammarImage("img:1-grammar"),
     }
     assert missing(recipe, checkout_ok=checkout, recipe_ok=image,  # type: ignore[arg-type]
@@ -664,8 +665,8 @@ def test_missing_when_the_prepare_makes_the_image(
 
 
 def test_importing_the_planner_imports_no_docker() -> None:
-    code = ("import sys, supervisor.worker.plan, supervisor.worker.memory, supervisor.worker.steps;"
-            " print('docker' in sys.modules)")
+    code = ("import sys, supervisor.worker.plan, supervisor.worker.pursuit,"
+            " supervisor.worker.steps; print('docker' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -21,7 +21,7 @@ from supervisor.engines.llama_router.api import (
     slots,
     target_groups,
 )
-from supervisor.worker.telemetry import Metrics
+from supervisor.worker.telemetry import WorkerMetrics
 
 # the shape of a real answer (tests/integration/test_llama_server_facts.py)
 LISTING = {
@@ -133,7 +133,7 @@ def test_a_model_whose_section_the_router_reloaded_is_due_again(
 
 def test_failed_models_and_their_gauge() -> None:
     assert failed((TINY, SP, BROKEN, BIG)) == (BROKEN,)
-    metrics = Metrics("r")
+    metrics = WorkerMetrics("r")
 
     def gauge(model: str) -> float | None:
         return metrics.registry.get_sample_value(

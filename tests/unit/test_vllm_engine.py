@@ -100,7 +100,7 @@ def test_what_the_preflight_decides_for_each_recorded_card(
 ) -> None:
     found = engine(tmp_path, card, **choices)
     decision = pf.decide(found.choices, found.probe())
-    shown = decision.code if isinstance(decision, pf.Refusal) else decision.image
+    shown = decision.code if isinstance(decision, pf.PreflightRefusal) else decision.image
     assert shown == expected
 
 
@@ -110,7 +110,7 @@ def test_a_host_without_nvidia_smi_is_refused_as_no_gpu(tmp_path: Path) -> None:
         update={"vllm": found.recipe.vllm.model_copy(update={"nvidia_smi": "/nonexistent"})}
     )
     decision = pf.decide(found.choices, found.probe())
-    assert isinstance(decision, pf.Refusal) and decision.code == pf.NO_GPU
+    assert isinstance(decision, pf.PreflightRefusal) and decision.code == pf.NO_GPU
 
 
 def test_the_replaced_engines_share_of_the_smallest_gpu_counts_as_free(tmp_path: Path) -> None:

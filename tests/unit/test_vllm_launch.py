@@ -160,7 +160,7 @@ def test_the_recipes_device_is_chosen_once_with_its_differences(
     assert dict(chosen.environment) == environment
     made = Vllm("v", recipe, NoDocker(), tmp_path / "state", tmp_path / "data")
     assert made.device == chosen
-    assert made.memory is not None and made.memory.measure == made.device.measure  # given, once
+    assert made.guard is not None and made.guard.measure == made.device.measure  # given, once
 
 
 def test_only_a_cpu_checks_run_memory_before_a_pull_and_plans_it_unplanned_too(

@@ -63,7 +63,7 @@ def test_every_combination(channel: pf.Channel, quantization: pf.Quantization, c
                            cuda: str) -> None:
     result = pf.decide(choices(channel, quantization), facts(card, cuda))
     want = expected(channel, quantization, card, cuda)
-    if isinstance(result, pf.Refusal):
+    if isinstance(result, pf.PreflightRefusal):
         assert result.code == want, result
         assert "\n" not in result.message
     else:
@@ -84,7 +84,7 @@ def test_every_combination(channel: pf.Channel, quantization: pf.Quantization, c
 )
 def test_the_guides_refusals_name_the_code_and_the_fix(code: str, result: object,
                                                        text: str) -> None:
-    assert isinstance(result, pf.Refusal)
+    assert isinstance(result, pf.PreflightRefusal)
     assert result.code == code
     assert result.message == text
     assert str(result) == f"{code}: {text}"
@@ -95,20 +95,20 @@ def test_fp8_on_a_mixed_host_is_refused_for_the_older_card() -> None:
                       Gpu(1, "NVIDIA A100-SXM4-40GB", (8, 0), 40960, 40960, None)),
                      CudaVersion(13, 0))
     result = pf.decide(choices(quantization="fp8"), mixed)
-    assert isinstance(result, pf.Refusal) and "GPU 1" in result.message
+    assert isinstance(result, pf.PreflightRefusal) and "GPU 1" in result.message
     assert "GPU 0" not in result.message
 
 
 def test_no_gpu_is_a_refusal_with_the_probes_reason() -> None:
     result = pf.decide(choices(), GpuUnavailable("absent", "no NVIDIA GPU/driver: nvidia-smi is "
                                                            "not installed on this host"))
-    assert isinstance(result, pf.Refusal) and result.code == "vllm_no_gpu"
+    assert isinstance(result, pf.PreflightRefusal) and result.code == "vllm_no_gpu"
     assert result.message.startswith("no NVIDIA GPU/driver")
 
 
 def test_a_nightly_without_its_full_commit_is_refused() -> None:
     result = pf.decide(choices("nightly", nightly_commit=None), facts("GB10", "13.0"))
-    assert isinstance(result, pf.Refusal) and result.code == "vllm_nightly_unpinned"
+    assert isinstance(result, pf.PreflightRefusal) and result.code == "vllm_nightly_unpinned"
 
 
 @pytest.mark.parametrize(
@@ -144,8 +144,8 @@ def test_arguments(share: int, quantization: pf.Quantization, revision: str | No
 )
 def test_free_gpu_memory(free: int, reclaimable: int | None, refused: bool) -> None:
     result = pf.decide(choices(), facts("H100", "13.0", free=free), reclaimable)
-    assert isinstance(result, pf.Refusal) is refused
-    if isinstance(result, pf.Refusal):
+    assert isinstance(result, pf.PreflightRefusal) is refused
+    if isinstance(result, pf.PreflightRefusal):
         assert result.code == "vllm_gpu_memory_busy" and "GPU 0 has" in result.message
 
 

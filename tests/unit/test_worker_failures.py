@@ -24,8 +24,8 @@ from supervisor.errors import Blocked, Permanent
 from supervisor.protocol.documents import TargetGroup
 from supervisor.recipe.schema import RecipeError
 from supervisor.worker import loop
-from supervisor.worker.memory import BACKOFF
 from supervisor.worker.plan import Answer
+from supervisor.worker.pursuit import BACKOFF
 from tests.unit.test_recipe import IPC_HOST_SHM
 
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
@@ -121,7 +121,7 @@ class Shown:
 def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
             load: Callable[[], Any] = object) -> tuple[loop.Worker, list[Shown]]:
     monkeypatch.setattr(loop.registry, "create", lambda *args, **kwargs: engine)
-    settings = loop.Settings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
+    settings = loop.WorkerSettings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
     worker = loop.Worker(settings, load, engine.runtime)  # type: ignore[arg-type]
     shown: list[Shown] = []
     show = worker.heartbeat.show

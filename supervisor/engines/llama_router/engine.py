@@ -124,7 +124,7 @@ class LlamaRouter(ContainerEngine[LlamaRouterRecipe, RouterLook]):
     ) -> None:
         super().__init__(name, recipe, runtime, state_dir, data_dir)
         self.poll_interval = recipe.library.poll_seconds
-        self.syncer = Syncer(name, recipe, self.memory, state_dir)
+        self.syncer = Syncer(name, recipe, self.guard, state_dir)
         self.cache_dir = self.syncer.cache_dir
         self.preset_path = self.syncer.preset_path
         self._applied = startup.Applied(state_dir / "startup.json")

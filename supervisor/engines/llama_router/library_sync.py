@@ -58,7 +58,7 @@ class LibrarySync:
 
 
 @dataclass(frozen=True)
-class _Section:
+class _PresetSection:
     name: str
     model_file: str
     mmproj_file: str | None
@@ -77,7 +77,7 @@ def library_fingerprint(found: library.Library) -> str:
 
 
 @dataclass(frozen=True)
-class Look:
+class LibraryLook:
     """One look at the library, against the last sync."""
 
     current: bool  # the last sync is current with it: no sync is due
@@ -102,22 +102,22 @@ class Syncer:
     """One router's GGUF cache, preset and record of the last sync."""
 
     def __init__(
-        self, name: str, recipe: LlamaRouterRecipe, memory: Guard | None, state_dir: Path
+        self, name: str, recipe: LlamaRouterRecipe, guard: Guard | None, state_dir: Path
     ) -> None:
         self.name = name
         self.recipe = recipe
-        self.memory = memory
+        self.guard = guard
         self.cache_dir = recipe.library.cache_path
         self.preset_path = self.cache_dir / preset.PRESET_NAME
         self.stamp = state_dir / "synced.json"
 
-    def look(self, found: library.Library) -> Look:
+    def look(self, found: library.Library) -> LibraryLook:
         """Whether the last sync saw this library, recipe and machine and its preset is on
         disk, and the names the router serves with the library as found."""
         synced = self.synced()
         text = self.preset_text()
         current = synced is not None and synced.library == self.key(found) and text == synced.preset
-        return Look(current, served_names(found, current, text))
+        return LibraryLook(current, served_names(found, current, text))
 
     def key(self, found: library.Library) -> str:
         """The library as seen, the recipe's part of the preset and the machine settings the
@@ -140,7 +140,7 @@ class Syncer:
 
     def _machine_key(self) -> str:
         """The machine settings as the memory plan reads them; empty with no plan."""
-        if self.memory is None:
+        if self.guard is None:
             return ""
         try:
             return repr(settings.load())
@@ -181,7 +181,7 @@ class Syncer:
         except OSError as exc:
             raise Transient(f"cannot write the GGUF cache {self.cache_dir}: {exc}") from None
         planned = router_memory.plan(
-            self.name, self.recipe, result.models, self.cache_dir, self.memory
+            self.name, self.recipe, result.models, self.cache_dir, self.guard
         )
         offered = [m for m in result.models if m.name in planned.offered]
         names = tuple(model.name for model in offered)
@@ -189,7 +189,7 @@ class Syncer:
             preset.check_startup(router.load_on_startup, names, router.models_max)
             startup = startup_models(self.recipe, names)
             text = preset.render(
-                [_Section(m.name, m.model_file, m.mmproj_file) for m in offered],
+                [_PresetSection(m.name, m.model_file, m.mmproj_file) for m in offered],
                 planned.defaults,
                 startup,
                 self.recipe.library.container_dir,

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from supervisor.recipe.schema import AbsolutePath, ImageRef, RecipeBase, Section
 
 
-class Library(Section):
+class LibrarySettings(Section):
     models_dir: str = Field(description="the host's model library: <guid>/model.json + files/")
     cache_dir: str = Field(description="local GGUF cache (fast disk), mounted read-only")
     container_dir: AbsolutePath = Field(default="/models", description="where it is mounted")
@@ -52,7 +52,7 @@ class Router(Section):
 
 class LlamaRouterRecipe(RecipeBase):
     engine: Literal["llama-router"]
-    library: Library
+    library: LibrarySettings
     router: Router
 
 

@@ -21,7 +21,7 @@ from supervisor.engines.look import EngineImage, Look, Prerequisites
 from supervisor.engines.tensorfold import grammar
 from supervisor.engines.tensorfold import memory as tensorfold_memory
 from supervisor.engines.tensorfold.recipe import TensorFoldRecipe, parallel, served_names
-from supervisor.engines.tensorfold.source import Checkout as GitCheckout
+from supervisor.engines.tensorfold.source import GitCheckout
 from supervisor.errors import BuildFailed, Permanent
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
@@ -64,7 +64,7 @@ class GrammarImage:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class PreparedCheckout:
     @property
     def description(self) -> str:
         return "running the recipe's prepare commands"
@@ -89,7 +89,7 @@ def missing(
         if again and not checkout_ok:
             steps.append(Checkout(recipe.source.commit))
         if again:
-            steps.append(Prepared())
+            steps.append(PreparedCheckout())
         if not grammar_ok:
             steps.append(GrammarImage(recipe.grammar_tag))
         return tuple(steps)
@@ -100,7 +100,7 @@ def missing(
     if not grammar_ok:
         steps.append(GrammarImage(recipe.grammar_tag))
     if not prepared:
-        steps.append(Prepared())
+        steps.append(PreparedCheckout())
     return tuple(steps)
 
 
@@ -176,7 +176,7 @@ class TensorFold(ContainerEngine[TensorFoldRecipe, Prerequisites]):
                 self._build_recipe_image(ctx)
             case GrammarImage():
                 self._build_grammar_image(ctx)
-            case Prepared():
+            case PreparedCheckout():
                 self._run_prepare(ctx)
             case _:
                 super().make_own(what, ctx)

@@ -15,7 +15,7 @@ from supervisor.recipe.schema import BuildTag, Commit, RecipeBase, Section
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-class Source(Section):
+class RecipeSource(Section):
     repository: str = Field(min_length=1, description="git URL of the recipe repository")
     commit: Commit
 
@@ -39,7 +39,7 @@ class ImageBuild(Section):
         return value
 
 
-class Prepare(Section):
+class PrepareCommands(Section):
     commands: list[list[str]] = Field(
         default_factory=list, description="run in the checkout with the settings as environment"
     )
@@ -85,9 +85,9 @@ class MemoryFigures(Section):
 class TensorFoldRecipe(RecipeBase):
     engine: Literal["tensorfold"]
     model: str = Field(min_length=1, description="the model it serves, for labels and messages")
-    source: Source
+    source: RecipeSource
     image: ImageBuild
-    prepare: Prepare = Field(default_factory=Prepare)
+    prepare: PrepareCommands = Field(default_factory=PrepareCommands)
     grammar: Grammar
     memory: MemoryFigures | None = Field(
         default=None, description="what a start needs; without it the start is not planned"

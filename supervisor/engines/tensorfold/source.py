@@ -17,7 +17,7 @@ from supervisor.errors import Permanent
 _GIT_ENV: Final = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
 
 
-class Checkout:
+class GitCheckout:
     def __init__(self, path: Path, repository: str, commit: str) -> None:
         self.path = path
         self.repository = repository

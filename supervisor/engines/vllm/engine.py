@@ -120,7 +120,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             return VllmLook((Preflight(),))
         image = self.runtime.image(launch.image)
         if image is None:
-            need = self.device.fit_before_pull(self.memory is not None)
+            need = self.device.fit_before_pull(self.guard is not None)
             if need is not None and need != self._fitted:  # a pull only for a start that fits
                 return VllmLook((MemoryFit(need),))
             return VllmLook((PulledImage(launch.image),))
@@ -143,12 +143,12 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
     def namespace(self, image: Image) -> str:
         return kv_tiers.namespace(self.identity(image))
 
-    def identity(self, image: Image) -> kv_tiers.Identity:
+    def identity(self, image: Image) -> kv_tiers.CacheIdentity:
         """Everything that makes an old block wrong, for the namespace (a tier image counts as
         its base; the plugin's version only when there are tiers)."""
         recipe, tiers = self.recipe, self.recipe.tiers
         plugin = self._plugin.get() if tiers.any else None
-        return kv_tiers.Identity(
+        return kv_tiers.CacheIdentity(
             model_manifest=self.model_manifest(),
             image_digest=image.labels.get(labels.TIERS_BASE, image.id),
             plugin_version=plugin.version if plugin is not None else "",
@@ -299,7 +299,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
 
     def memory_need(self) -> EngineNeed | None:
         """The container's limit on a CPU; on a GPU the recipe's share of the memory limit."""
-        return self.device.need(self.memory is not None)
+        return self.device.need(self.guard is not None)
 
     def engine_args(self) -> tuple[str, ...]:
         """The layout's flags, then the connector when there are tiers: its settings are in the

@@ -50,7 +50,7 @@ class Choices:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class PreflightRefusal:
     code: str
     message: str  # the problem, the detail, then the guide's fix: one line
 
@@ -73,11 +73,11 @@ GPU_MEMORY_BUSY: Final = "vllm_gpu_memory_busy"
 NIGHTLY_UNPINNED: Final = "vllm_nightly_unpinned"
 
 
-def _refuse(code: str, problem: str, detail: str, fix: str) -> Refusal:
-    return Refusal(code, f"{problem} ({detail}). {fix}")
+def _refuse(code: str, problem: str, detail: str, fix: str) -> PreflightRefusal:
+    return PreflightRefusal(code, f"{problem} ({detail}). {fix}")
 
 
-def image(choices: Choices, facts: GpuFacts) -> str | Refusal:
+def image(choices: Choices, facts: GpuFacts) -> str | PreflightRefusal:
     cuda = facts.cuda
     shown = f"the driver supports CUDA {cuda}" if cuda else "the driver reports no CUDA version"
     if choices.channel == "nightly":
@@ -107,7 +107,7 @@ def image(choices: Choices, facts: GpuFacts) -> str | Refusal:
     return f"{choices.repository}:{tag}"
 
 
-def fp8_refusal(facts: GpuFacts) -> Refusal | None:
+def fp8_refusal(facts: GpuFacts) -> PreflightRefusal | None:
     below = [g for g in facts.gpus if g.compute_capability < FP8_MIN_CAPABILITY]
     if not below:
         return None
@@ -115,7 +115,9 @@ def fp8_refusal(facts: GpuFacts) -> Refusal | None:
     return _refuse(FP8_UNSUPPORTED, "fp8 on a GPU below 8.9", shown, "Use none.")
 
 
-def memory_refusal(facts: GpuFacts, share: int, reclaimable_mib: int = 0) -> Refusal | None:
+def memory_refusal(
+    facts: GpuFacts, share: int, reclaimable_mib: int = 0
+) -> PreflightRefusal | None:
     """vLLM checks at start that `share` of each GPU is free; other containers holding GPU
     memory make it fail. `reclaimable_mib`: what the engine this start replaces holds (it is
     stopped first). A GPU that reports no memory (unified memory) is left to the memory plan."""
@@ -169,18 +171,20 @@ def arguments(choices: Choices, device: Literal["gpu", "cpu"] = "gpu") -> tuple[
 
 def decide(
     choices: Choices, facts: GpuFacts | GpuUnavailable, reclaimable_mib: int | None = None
-) -> Launch | Refusal:
+) -> Launch | PreflightRefusal:
     """The first refusal in the order GPU, image, quantization, memory; else the launch.
 
     The memory check runs only when `reclaimable_mib` is given (the worker knows what its own
     running engine holds); without it the memory plan decides.
     """
     if isinstance(facts, GpuUnavailable):
-        return Refusal(NO_GPU, f"{facts.reason}. Run the vLLM engine on a host with an NVIDIA GPU.")
+        fix = "Run the vLLM engine on a host with an NVIDIA GPU."
+        return PreflightRefusal(NO_GPU, f"{facts.reason}. {fix}")
     if not facts.gpus:
-        return Refusal(NO_GPU, "nvidia-smi lists no GPU. Run it on a host with an NVIDIA GPU.")
+        fix = "Run it on a host with an NVIDIA GPU."
+        return PreflightRefusal(NO_GPU, f"nvidia-smi lists no GPU. {fix}")
     chosen = image(choices, facts)
-    if isinstance(chosen, Refusal):
+    if isinstance(chosen, PreflightRefusal):
         return chosen
     if choices.quantization == "fp8":
         refused = fp8_refusal(facts)

@@ -103,7 +103,7 @@ class Tiers(Section):
         return self.buffer_bytes + self.queue_bytes if self.any else 0
 
 
-class Vllm(Section):
+class VllmSettings(Section):
     device: Literal["gpu", "cpu"] = Field(
         default="gpu",
         description="gpu: the GPU preflight picks a vllm/vllm-openai image; cpu: `image` runs "
@@ -174,7 +174,7 @@ class Vllm(Section):
 
 class VllmRecipe(RecipeBase):
     engine: Literal["vllm"]
-    vllm: Vllm
+    vllm: VllmSettings
     tiers: Tiers = Field(default_factory=Tiers)
 
     @model_validator(mode="after")

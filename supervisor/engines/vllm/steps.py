@@ -64,8 +64,9 @@ class TierImage:
         return "Adding the KV cache tiers to the vLLM image"
 
 
-def refused(decision: pf.Launch | pf.Refusal) -> pf.Launch:
-    if isinstance(decision, pf.Refusal):  # GPU memory another container holds may come free
+def refused(decision: pf.Launch | pf.PreflightRefusal) -> pf.Launch:
+    # GPU memory another container holds may come free
+    if isinstance(decision, pf.PreflightRefusal):
         busy = decision.code == pf.GPU_MEMORY_BUSY
         raise (Blocked if busy else Permanent)(str(decision))
     return decision

@@ -87,7 +87,7 @@ def data_parallel(args: Sequence[str]) -> int:
 
 
 @dataclass(frozen=True)
-class Identity:
+class CacheIdentity:
     model_manifest: str
     image_digest: str
     plugin_version: str
@@ -118,7 +118,7 @@ def key_id(key: str | bytes) -> str:
     return hmac.new(raw, KEY_CONTEXT, hashlib.sha256).hexdigest()[:16]
 
 
-def namespace(identity: Identity) -> str:
+def namespace(identity: CacheIdentity) -> str:
     canonical = json.dumps(asdict(identity), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 

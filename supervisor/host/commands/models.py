@@ -53,7 +53,7 @@ def size(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
-def progress_text(model: mf.Manifest) -> str:
+def progress_text(model: mf.ModelManifest) -> str:
     """What list and --wait show of a model's progress: done/total, speed, time left."""
     text = f"{size(model.bytes_done)}/{size(model.bytes_total)}"
     if model.state == "Downloading" and model.speed is not None:
@@ -70,7 +70,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
         model = control.add(
             root, hub, args.repo, args.revision, include=args.include or [], name=args.name
         )
-    except (HubRefused, control.Refused, ValueError) as exc:
+    except (HubRefused, control.RequestRefused, ValueError) as exc:
         print_err(str(exc))
         return EXIT_FAILED
     print(f"{model.id} {model.name}: queued {model.source.repo} at {model.source.commit} "
@@ -137,7 +137,7 @@ def _cmd_request(args: argparse.Namespace) -> int:
     try:
         model = mf.find(root, args.model)
         applied = control.request(root, model.id, action)
-    except (LookupError, control.Refused, FileNotFoundError) as exc:
+    except (LookupError, control.RequestRefused, FileNotFoundError) as exc:
         print_err(str(exc))
         return EXIT_FAILED
     if not applied and not _answered(root, model.id, action):

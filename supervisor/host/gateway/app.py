@@ -66,7 +66,7 @@ class Gateway:
         auth: Authenticator,
         timing: Intervals,
         *,
-        spending: budgets.Spending,
+        spending: budgets.BudgetSpending,
         recorder: recording.Recorder | None = None,
     ) -> None:
         self.settings = settings
@@ -314,7 +314,7 @@ def create_app(
     auth: Authenticator,
     timing: Intervals | None = None,
     *,
-    spending: budgets.Spending | None = None,
+    spending: budgets.BudgetSpending | None = None,
     recorder: recording.Recorder | None = None,
     sources: Sources | None = None,
 ) -> web.Application:

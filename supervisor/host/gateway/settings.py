@@ -243,7 +243,7 @@ class Idle(_Section):
     swap: bool = False
 
 
-class Budget(_Section):
+class BudgetSettings(_Section):
     daily_tokens: int = Field(default=0, ge=0, le=10**15)  # 0: no budget
 
 
@@ -273,7 +273,7 @@ class Record(_Section):
         return Target(path=self.path or data_dir / RECORD_DIR / SQLITE_FILE)
 
 
-class Page(_Section):
+class PageSettings(_Section):
     session_s: float = Field(default=DEFAULT_SESSION_S, ge=1, le=30 * 86_400)
 
 
@@ -298,9 +298,9 @@ class GatewaySettings(_Section):
     limits: Limits = Field(default_factory=Limits)
     engines: dict[str, EngineLimits] = Field(default_factory=dict)
     idle: Idle = Field(default_factory=Idle)
-    budget: Budget = Field(default_factory=Budget)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
     record: Record = Field(default_factory=Record)
-    page: Page = Field(default_factory=Page)
+    page: PageSettings = Field(default_factory=PageSettings)
 
     @field_validator("tiers")
     @classmethod

@@ -33,7 +33,7 @@ Action = Literal["retry", "cancel", "remove"]
 ACTIONS: Final[tuple[Action, ...]] = get_args(Action)
 
 
-class Refused(Exception):
+class RequestRefused(Exception):
     """A request the library will not take; str() says why, for the operator."""
 
 
@@ -77,7 +77,7 @@ def served_name_problem(files: list[mf.HubFile]) -> str | None:
     return None
 
 
-def queue_problem(models: list[mf.Manifest], limit: int = MAX_QUEUE) -> str | None:
+def queue_problem(models: list[mf.ModelManifest], limit: int = MAX_QUEUE) -> str | None:
     active = sum(1 for m in models if m.state in mf.ACTIVE)
     if active >= limit:
         return f"the queue holds {active} downloads (at most {limit}); wait or cancel one"
@@ -101,8 +101,8 @@ def add(
     *,
     include: list[str],
     name: str | None,
-) -> mf.Manifest:
-    """Check and queue one download; Refused (or HubRefused) says why not."""
+) -> mf.ModelManifest:
+    """Check and queue one download; RequestRefused (or HubRefused) says why not."""
     check_repo(repo)
     commit = hub.resolve(repo, revision)
     files = select(hub.tree(repo, commit), include)
@@ -111,24 +111,24 @@ def add(
         raise HubRefused(f"no file of {repo} at {commit} matches --include {shown}")
     problem = served_name_problem(files)
     if problem:
-        raise Refused(f"{repo}: {problem}")
+        raise RequestRefused(f"{repo}: {problem}")
     root.mkdir(mode=0o750, parents=True, exist_ok=True)
     total = sum(f.size for f in files)
     problem = space_problem(total, free_bytes(root))
     if problem:
-        raise Refused(f"{repo}: {problem}")
+        raise RequestRefused(f"{repo}: {problem}")
     name = name or default_name(repo, include)
     with FileLock(root / ADD_LOCK):
         models = mf.load_all(root)
         problem = queue_problem(models)
         if problem:
-            raise Refused(problem)
+            raise RequestRefused(problem)
         if any(m.name == name for m in models):
-            raise Refused(f"a model named {name!r} is already in the library; give --name")
+            raise RequestRefused(f"a model named {name!r} is already in the library; give --name")
         stamp = mf.now()
-        model = mf.Manifest(
+        model = mf.ModelManifest(
             id=mf.new_guid(), name=name, state="Queued", since=stamp, created=stamp,
-            source=mf.Source(repo=repo, revision=revision, commit=commit, include=include),
+            source=mf.FileOrigin(repo=repo, revision=revision, commit=commit, include=include),
             bytesTotal=total, hubFiles=files, files=mf.plain_names(files),
             message=f"queued: {len(files)} files, {total} bytes",
         )  # fmt: skip
@@ -175,18 +175,18 @@ def apply(root: Path, guid: str, action: Action, *, limit_queue: bool) -> None:
     model = mf.load(root, guid)
     if action == "cancel":
         if model.state not in mf.ACTIVE:
-            raise Refused(f"{model.name} is {model.state}: only a queued or running download "
+            raise RequestRefused(f"{model.name} is {model.state}: only a queued or running download "
                           "can be canceled")  # fmt: skip
         sweep_partials(mf.files_dir(root, guid))
         mf.save(root, model.transition("Canceled", "canceled; finished files are kept"))
         return
     if model.state not in mf.RETRYABLE:
-        raise Refused(f"{model.name} is {model.state}: only a Failed, Canceled or Interrupted "
+        raise RequestRefused(f"{model.name} is {model.state}: only a Failed, Canceled or Interrupted "
                       "download can be retried")  # fmt: skip
     if limit_queue:
         problem = queue_problem(mf.load_all(root))
         if problem:
-            raise Refused(problem)
+            raise RequestRefused(problem)
     sweep_partials(mf.files_dir(root, guid))
     queued = model.transition("Queued", "queued again; verified files are kept")
     mf.save(root, queued.model_copy(update={"accepted": False}))
@@ -259,5 +259,5 @@ def remove(root: Path, guid: str) -> None:
         directory.unlink()
         return
     if not directory.is_dir():
-        raise Refused(f"no model {guid} in {root}")
+        raise RequestRefused(f"no model {guid} in {root}")
     shutil.rmtree(directory)

@@ -126,7 +126,7 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class FetchOutcome:
     """How the child ended: ok, or a one-line reason (cancel, stall, hf's own error)."""
 
     ok: bool
@@ -152,7 +152,7 @@ def run(
     progress: Callable[[Sample, int], None],
     space: Callable[[int], str | None] = lambda done: None,
     tick: Callable[[], None] = lambda: None,
-) -> Outcome:
+) -> FetchOutcome:
     """Run hf until it exits, is canceled, stalls or the disk cannot hold the rest (space(done)
     says why); progress(sample, pid) about every poll."""
     child = subprocess.Popen(
@@ -175,23 +175,23 @@ def run(
             progress(Sample(shown, rate.speed(), rate.seconds_left(shown, total)), child.pid)
             if cancel.is_set():
                 _end(child)
-                return Outcome(False, "canceled", canceled=True)
+                return FetchOutcome(False, "canceled", canceled=True)
             problem = space(done)
             if problem:
                 _end(child)
-                return Outcome(False, f"the disk filled during the download: {problem}")
+                return FetchOutcome(False, f"the disk filled during the download: {problem}")
             if at - last_change >= stall_after:
                 _end(child)
-                return Outcome(False, f"stalled: no bytes arrived for {stall_after:g} s")
+                return FetchOutcome(False, f"stalled: no bytes arrived for {stall_after:g} s")
             tick()
             _wait(child, cancel, at + poll)
     finally:
         _end(child)
         reader.join(timeout=2)
     if child.returncode == 0:
-        return Outcome(True)
+        return FetchOutcome(True)
     last = next((line for line in reversed(tail) if line.strip()), "")
-    return Outcome(False, redact(f"hf download exited {child.returncode}: {last}".strip()))
+    return FetchOutcome(False, redact(f"hf download exited {child.returncode}: {last}".strip()))
 
 
 def _wait(child: subprocess.Popen[bytes], cancel: threading.Event, until: float) -> None:

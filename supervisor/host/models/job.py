@@ -85,7 +85,7 @@ def sweep_tokens(root: Path) -> list[str]:
     return names
 
 
-def _prepare(root: Path, model: mf.Manifest) -> mf.Manifest:
+def _prepare(root: Path, model: mf.ModelManifest) -> mf.ModelManifest:
     """Sweep partials; check the files already there; the ones that fail are fetched again."""
     local = mf.files_dir(root, model.id)
     sweep_partials(local)
@@ -102,7 +102,7 @@ def _prepare(root: Path, model: mf.Manifest) -> mf.Manifest:
     return model.model_copy(update={"hub_files": files})
 
 
-def download(root: Path, model: mf.Manifest, job: Job, settings: QueueSettings) -> mf.Manifest:
+def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSettings) -> mf.ModelManifest:
     """Run one download to its end; every transition saved; the final manifest returned."""
     log = logs.get("models").bind(model=model.id, name=model.name)
     local = mf.files_dir(root, model.id)
@@ -175,7 +175,7 @@ def download(root: Path, model: mf.Manifest, job: Job, settings: QueueSettings) 
     return _check(root, model, job, log)
 
 
-def _strays(local: Path, model: mf.Manifest) -> list[str]:
+def _strays(local: Path, model: mf.ModelManifest) -> list[str]:
     """What hf wrote that the verified list does not name (hf takes its own list from the hub,
     and a mirror may answer it otherwise than ours): removed, and said."""
     expected = {f.path for f in model.hub_files} | {n.name for n in model.files}
@@ -184,7 +184,7 @@ def _strays(local: Path, model: mf.Manifest) -> list[str]:
     return found
 
 
-def _check(root: Path, model: mf.Manifest, job: Job, log: Any) -> mf.Manifest:
+def _check(root: Path, model: mf.ModelManifest, job: Job, log: Any) -> mf.ModelManifest:
     local = mf.files_dir(root, model.id)
     model = model.model_copy(update={"bytes_done": model.bytes_total, "pid": None,
                                      "message": "checking SHA-256 and headers"})  # fmt: skip
@@ -219,7 +219,7 @@ def _check(root: Path, model: mf.Manifest, job: Job, log: Any) -> mf.Manifest:
                 f"ready: {inspection.format} {inspection.architecture}{context}", log)  # fmt: skip
 
 
-def _end(root: Path, model: mf.Manifest, state: ModelState, message: str, log: Any) -> mf.Manifest:
+def _end(root: Path, model: mf.ModelManifest, state: ModelState, message: str, log: Any) -> mf.ModelManifest:
     model = model.transition(state, message)
     mf.save(root, model)
     log.info("download ended", state=state, message=message)

@@ -33,7 +33,7 @@ class _Doc(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
-class Source(_Doc):
+class FileOrigin(_Doc):
     """Where the files come from: the repository, the revision asked for and its commit."""
 
     repo: str
@@ -66,13 +66,13 @@ class Inspection(_Doc):
     units: list[str] = Field(default_factory=list)
 
 
-class Manifest(_Doc):
+class ModelManifest(_Doc):
     """<guid>/model.json as this library writes it."""
 
     schema_version: int = Field(default=SCHEMA_VERSION, alias="schemaVersion")
     id: str
     name: str
-    source: Source
+    source: FileOrigin
     state: ModelState
     accepted: bool = False  # taken into a running queue (so a restart interrupts it)
     since: str
@@ -87,7 +87,7 @@ class Manifest(_Doc):
     files: list[FileName] = Field(default_factory=list)
     inspection: Inspection | None = None
 
-    def transition(self, state: ModelState, message: str = "") -> Manifest:
+    def transition(self, state: ModelState, message: str = "") -> ModelManifest:
         """A copy in state, since now, with message (secrets masked); progress figures end with
         the download."""
         return self.model_copy(
@@ -140,19 +140,19 @@ def files_dir(root: Path, guid: str) -> Path:
     return model_dir(root, guid) / FILES_DIR
 
 
-def dump(manifest: Manifest) -> bytes:
+def dump(manifest: ModelManifest) -> bytes:
     document: dict[str, Any] = manifest.model_dump(by_alias=True, mode="json")
     return (json.dumps(document, indent=2) + "\n").encode()
 
 
-def save(root: Path, manifest: Manifest) -> None:
+def save(root: Path, manifest: ModelManifest) -> None:
     """Write <guid>/model.json atomically (a reader sees the old state or the new one)."""
     directory = ensure_dir(model_dir(root, manifest.id))
     ensure_dir(directory / FILES_DIR)
     write_atomic(directory / MODEL_JSON, dump(manifest))
 
 
-def load(root: Path, guid: str) -> Manifest:
+def load(root: Path, guid: str) -> ModelManifest:
     """Read <guid>/model.json; FileNotFoundError, or ValueError naming the problem."""
     path = model_dir(root, guid) / MODEL_JSON
     try:
@@ -160,16 +160,16 @@ def load(root: Path, guid: str) -> Manifest:
     except FileRefused as exc:
         raise ValueError(str(exc)) from None
     try:
-        return Manifest.model_validate_json(text)
+        return ModelManifest.model_validate_json(text)
     except ValueError as exc:
         raise ValueError(
             f"{path}: not a download's model.json ({str(exc).splitlines()[0]})"
         ) from None
 
 
-def load_all(root: Path) -> list[Manifest]:
+def load_all(root: Path) -> list[ModelManifest]:
     """Every download's manifest in the library, oldest first; unreadable ones are left out."""
-    found: list[Manifest] = []
+    found: list[ModelManifest] = []
     try:
         names = sorted(p.name for p in root.iterdir() if GUID.fullmatch(p.name))
     except FileNotFoundError:
@@ -182,7 +182,7 @@ def load_all(root: Path) -> list[Manifest]:
     return sorted(found, key=lambda m: (m.created, m.id))
 
 
-def find(root: Path, key: str) -> Manifest:
+def find(root: Path, key: str) -> ModelManifest:
     """A model by its id, an id's unique prefix, or its name; LookupError saying why not."""
     models = load_all(root)
     exact = [m for m in models if key in (m.id, m.name)]

@@ -98,10 +98,10 @@ class Runner:
     def _quietly(self, guid: str, action: control.Action) -> None:
         try:
             control.apply(self.root, guid, action, limit_queue=True)
-        except (control.Refused, FileNotFoundError, ValueError) as exc:
+        except (control.RequestRefused, FileNotFoundError, ValueError) as exc:
             self.log.warning("request refused", model=guid, action=action, reason=str(exc))
 
-    def _start(self, model: mf.Manifest) -> None:
+    def _start(self, model: mf.ModelManifest) -> None:
         job = Job(model.id)
         job.thread = threading.Thread(
             target=self._run, args=(model, job), name=f"download-{model.id[:8]}", daemon=True
@@ -109,7 +109,7 @@ class Runner:
         self.jobs[model.id] = job
         job.thread.start()
 
-    def _run(self, model: mf.Manifest, job: Job) -> None:
+    def _run(self, model: mf.ModelManifest, job: Job) -> None:
         try:
             download(self.root, model, job, self.settings)
         except Exception as exc:  # the queue goes on; the model says why

@@ -25,7 +25,7 @@ class LibraryRefused(Exception):
     """An add or action the library will not take; str() says why, for the operator."""
 
 
-def row(model: mf.Manifest) -> dict[str, Any]:
+def row(model: mf.ModelManifest) -> dict[str, Any]:
     """Pure: what the page shows of one download."""
     return {
         "id": model.id,
@@ -48,8 +48,8 @@ def _hub() -> Hub:
     return Hub.from_env(read_token(paths.hf_token_file(None)))
 
 
-class Library:
-    """The models section (sources.Source) and its actions, on the library at root."""
+class ModelsSection:
+    """The models section (sources.SectionSource) and its actions, on the library at root."""
 
     def __init__(self, root: Path, hub: Callable[[], Hub] = _hub) -> None:
         self.root = root
@@ -66,7 +66,7 @@ class Library:
         """Queue a download as `models add` does; LibraryRefused says why not."""
         try:
             model = control.add(self.root, self.hub(), repo, revision, include=include, name=name)
-        except (HubRefused, control.Refused, ValueError) as exc:
+        except (HubRefused, control.RequestRefused, ValueError) as exc:
             raise LibraryRefused(str(exc)) from None
         return row(model)
 
@@ -76,5 +76,5 @@ class Library:
         try:
             mf.model_dir(self.root, guid)  # a GUID, nothing else
             return control.request(self.root, guid, action)
-        except (LookupError, control.Refused, FileNotFoundError, ValueError) as exc:
+        except (LookupError, control.RequestRefused, FileNotFoundError, ValueError) as exc:
             raise LibraryRefused(str(exc)) from None

@@ -30,7 +30,7 @@ from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.models.control import ACTIONS
 from supervisor.host.page.memory import outdated_by
-from supervisor.host.page.models import Library, LibraryRefused
+from supervisor.host.page.models import LibraryRefused, ModelsSection
 from supervisor.host.page.origin import foreign
 from supervisor.host.page.sessions import Session, Sessions, SignInLimit, csrf_matches
 from supervisor.host.page.sources import Sources, section
@@ -280,8 +280,8 @@ class Page:
             raise Refusal(404, "key_not_found", str(exc)) from None
         return web.json_response(keys.describe([done], utc_now())[0])
 
-    def _library(self) -> Library:
-        if not isinstance(self.sources.models, Library):
+    def _library(self) -> ModelsSection:
+        if not isinstance(self.sources.models, ModelsSection):
             raise Refusal(404, "not_found", "the model library is not connected to this page")
         return self.sources.models
 

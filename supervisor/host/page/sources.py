@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
-class Source(Protocol):
+class SectionSource(Protocol):
     def read(self) -> dict[str, Any] | None:
         """The section's data now, or None when it is not available; called off the loop."""
         ...
 
 
-class KeyUse(Protocol):
+class KeyUseSource(Protocol):
     def read(self) -> dict[str, dict[str, Any]] | None:
         """Per key id: its last use and the day's spending, or None when nothing records it."""
         ...
@@ -35,13 +35,13 @@ class Nothing:
 class Sources:
     """The page's sources; memory is given by the gateway (see memory.py)."""
 
-    memory: Source = field(default_factory=Nothing)
-    models: Source = field(default_factory=Nothing)
-    traffic: Source = field(default_factory=Nothing)
-    key_use: KeyUse = field(default_factory=Nothing)
+    memory: SectionSource = field(default_factory=Nothing)
+    models: SectionSource = field(default_factory=Nothing)
+    traffic: SectionSource = field(default_factory=Nothing)
+    key_use: KeyUseSource = field(default_factory=Nothing)
 
 
-def section(source: Source | KeyUse) -> dict[str, Any]:
+def section(source: SectionSource | KeyUseSource) -> dict[str, Any]:
     """A source's answer as the page reads it: `available` and, when it is, `data`."""
     data = source.read()
     return {"available": False} if data is None else {"available": True, "data": data}

@@ -22,7 +22,7 @@ from typing import Any, Final, Protocol
 from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.page.memory import LedgerMemory
-from supervisor.host.page.models import Library
+from supervisor.host.page.models import ModelsSection
 from supervisor.host.page.sources import Sources
 from supervisor.host.record import queries, report, schema
 from supervisor.host.record.database import Target, failures, one_line, open_reader
@@ -35,7 +35,7 @@ TRAFFIC_MAX_AGE_S: Final = 5.0
 KEY_USE_MAX_AGE_S: Final = 10.0
 
 
-class Spending(Protocol):
+class PageSpending(Protocol):
     """What the page reads of the store: a key's spending today (record.store.Store)."""
 
     def spending(self, key_id: str) -> Spent | None: ...
@@ -115,7 +115,7 @@ def traffic_of(target: Target, now: datetime) -> dict[str, Any]:
 
 
 class Traffic:
-    """The traffic section (sources.Source), from the record at target."""
+    """The traffic section (sources.SectionSource), from the record at target."""
 
     def __init__(self, target: Target, max_age_s: float = TRAFFIC_MAX_AGE_S) -> None:
         self.target = target
@@ -138,7 +138,7 @@ class KeyUse:
     def __init__(
         self,
         target: Target,
-        spending: Spending | None,
+        spending: PageSpending | None,
         keys_file: Path,
         default_budget: int,
         max_age_s: float = KEY_USE_MAX_AGE_S,
@@ -184,14 +184,14 @@ class KeyUse:
 def record_sources(
     data_dir: Path,
     target: Target | None,
-    spending: Spending | None,
+    spending: PageSpending | None,
     default_budget: int,
     models_dir: Path | None = None,
 ) -> Sources:
     """The page's sources: the model library at models_dir (paths.models_dir's), and the
     record's sections; without a record (target None), those say "not available"."""
     memory = LedgerMemory(data_dir)
-    library = Library(models_dir or paths.models_dir())
+    library = ModelsSection(models_dir or paths.models_dir())
     if target is None:
         return Sources(memory, models=library)
     return Sources(

@@ -21,7 +21,7 @@ HEADER: Final = "X-Lucia-Record"
 NOT_RECORDING: Final = "off; nothing is recorded and no budget is enforced"
 
 
-class Spending(Protocol):
+class BudgetSpending(Protocol):
     """What budgets read of the record."""
 
     @property
@@ -87,7 +87,7 @@ class Standing:
         }
 
 
-def standing(identity: Caller, default: int, spending: Spending, now: datetime) -> Standing:
+def standing(identity: Caller, default: int, spending: BudgetSpending, now: datetime) -> Standing:
     day = now.astimezone(UTC).date()
     budget = limit_of(identity, default)
     enforced = spending.available

@@ -35,7 +35,7 @@ log = logs.get("gateway")
 
 
 @dataclass(frozen=True)
-class Look:
+class IdleLook:
     """What idle stop reads of one engine the gateway started."""
 
     ours: int  # the generation of `running` the gateway wrote
@@ -46,7 +46,7 @@ class Look:
     engine: str = ""
 
 
-def stoppable(look: Look) -> bool:
+def stoppable(look: IdleLook) -> bool:
     """Pure: the gateway's own start, serving, with nothing running or waiting on it."""
     desired, status = look.desired, look.status
     return (
@@ -58,12 +58,12 @@ def stoppable(look: Look) -> bool:
     )
 
 
-def should_stop(look: Look, stop_after_s: float) -> bool:
+def should_stop(look: IdleLook, stop_after_s: float) -> bool:
     """Pure: stop it now? Only the gateway's own start, serving, unused for long enough."""
     return stop_after_s > 0 and stoppable(look) and look.idle_s >= stop_after_s
 
 
-def victim(looks: Iterable[Look], blocked: str) -> Look | None:
+def victim(looks: Iterable[IdleLook], blocked: str) -> IdleLook | None:
     """Pure: the engine a swap stops for `blocked`: stoppable, unused longest; None: none."""
     found = [look for look in looks if look.engine != blocked and stoppable(look)]
     return max(found, key=lambda look: look.idle_s, default=None)
@@ -114,7 +114,7 @@ class IdleStop:
                 self.check(engine, ours)
             self.checks += 1
 
-    def look(self, engine: str, ours: int) -> Look | None:
+    def look(self, engine: str, ours: int) -> IdleLook | None:
         """What the engine is now; None (and forgotten) once someone else has asked since."""
         directory = engine_dir(self.data_dir, engine)
         desired = read_desired(directory)
@@ -122,7 +122,7 @@ class IdleStop:
             self.starter.started.pop(engine, None)  # someone else asked since: not ours
             return None
         gate = self.gate(engine)
-        return Look(ours, desired, load_status(directory), gate.busy,
+        return IdleLook(ours, desired, load_status(directory), gate.busy,
                     time.monotonic() - gate.last_used, engine)  # fmt: skip
 
     def check(self, engine: str, ours: int) -> None:

@@ -1,4 +1,4 @@
-"""What the worker remembers of the generation it applies, and how each event changes it.
+"""The generation the worker pursues, what it knows of it, and how each event changes that.
 
 Pure, like the plan that reads it: a new desired.json (accept), a recipe reload (reloaded), a
 step that ended (conclude), a request met (met). Forgotten on restart, but for what the last
@@ -19,8 +19,8 @@ BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True)
-class Memory:
-    """What the worker knows about the generation it is applying. Forgotten on restart."""
+class Pursuit:
+    """The generation the worker is applying and what it knows about it. Forgotten on restart."""
 
     generation: int
     desired: DesiredState
@@ -30,7 +30,7 @@ class Memory:
     retry_at: float | None = None  # when a step may be planned again despite the failure (the
     # loop's monotonic clock); None: never by waiting, only by a new request or a recipe reload
     failures: int = 0  # failures in a row, for the back-off; forgotten once the request is met
-    for_memory: bool = False  # the failure is memory that others hold or use now (MemoryBlocked)
+    memory_blocked: bool = False  # the failure is memory others hold or use now (MemoryBlocked)
     # the container the last status.json, written before this worker started, said served
     # this generation: its death while no worker looked is a death all the same
     served_before: str | None = None
@@ -55,65 +55,68 @@ def reported(status: Status | None, booted: datetime) -> Reported | None:
 
 
 def accept(
-    memory: Memory | None, desired: DesiredFile, before: Reported | None = None
-) -> Memory | None:
-    """The memory for a request read from desired.json; None when it asks nothing new.
+    pursuit: Pursuit | None, desired: DesiredFile, before: Reported | None = None
+) -> Pursuit | None:
+    """The pursuit for a request read from desired.json; None when it asks nothing new.
 
     Asking again for what already serves keeps the container seen answering (no new readiness
     probe; its file_sd target stays, also after a refused replacement, since a death forgets
     that container); a failure is never carried over, so a new request retries. A worker's
     first request remembers what the last status said served for that same generation (before)."""
-    if memory is not None and (memory.generation, memory.desired) == (
+    if pursuit is not None and (pursuit.generation, pursuit.desired) == (
         desired.generation,
         desired.desired,
     ):
         return None
     ready = None
-    if memory is not None and memory.desired == desired.desired:
-        ready = memory.ready
+    if pursuit is not None and pursuit.desired == desired.desired:
+        ready = pursuit.ready
     served = None
-    if memory is None and before is not None and desired.desired == "running":
+    if pursuit is None and before is not None and desired.desired == "running":
         served = before.container_id if before.generation == desired.generation else None
-    return Memory(desired.generation, desired.desired, ready=ready, served_before=served)
+    return Pursuit(desired.generation, desired.desired, ready=ready, served_before=served)
 
 
-def reloaded(memory: Memory) -> Memory:
+def reloaded(pursuit: Pursuit) -> Pursuit:
     """The current request applied anew to a reloaded recipe: what failed and what was checked
     are forgotten (the recipe may fix or change them), so everything is tried at once; the
     container seen answering still serves until a replacement stops it."""
-    return Memory(
-        memory.generation, memory.desired, ready=memory.ready, served_before=memory.served_before
+    return Pursuit(
+        pursuit.generation,
+        pursuit.desired,
+        ready=pursuit.ready,
+        served_before=pursuit.served_before,
     )
 
 
-def due(memory: Memory, now: float) -> bool:
+def due(pursuit: Pursuit, now: float) -> bool:
     """Whether a failed generation may try a step again: only once its retry time has come."""
-    return memory.retry_at is not None and now >= memory.retry_at
+    return pursuit.retry_at is not None and now >= pursuit.retry_at
 
 
-def retry_in(memory: Memory | None, now: float) -> float | None:
+def retry_in(pursuit: Pursuit | None, now: float) -> float | None:
     """How long until a failed step may be tried again (0: now); None: not by waiting."""
-    if memory is None or memory.failure is None or memory.retry_at is None:
+    if pursuit is None or pursuit.failure is None or pursuit.retry_at is None:
         return None
-    return max(memory.retry_at - now, 0.0)
+    return max(pursuit.retry_at - now, 0.0)
 
 
-def met(memory: Memory) -> Memory:
+def met(pursuit: Pursuit) -> Pursuit:
     """The request is met: whatever failed on the way is forgotten, and so is its back-off."""
-    if memory.failure is None and memory.failures == 0:
-        return memory
-    return replace(memory, failure=None, retry_at=None, failures=0, for_memory=False)
+    if pursuit.failure is None and pursuit.failures == 0:
+        return pursuit
+    return replace(pursuit, failure=None, retry_at=None, failures=0, memory_blocked=False)
 
 
-def means_to_start(memory: Memory | None) -> bool:
+def means_to_start(pursuit: Pursuit | None) -> bool:
     """Whether this generation still means to start the spec its Check passed, so that what
     the Check claimed (its memory) is still wanted: a stop, a failure or a newer request ends
     that, and a newer request's own Check claims again."""
     return (
-        memory is not None
-        and memory.desired == "running"
-        and memory.failure is None
-        and memory.checked is not None
+        pursuit is not None
+        and pursuit.desired == "running"
+        and pursuit.failure is None
+        and pursuit.checked is not None
     )
 
 
@@ -121,14 +124,14 @@ def means_to_start(memory: Memory | None) -> bool:
 
 
 def conclude(
-    memory: Memory,
+    pursuit: Pursuit,
     step: Step,
     error: str | None,
     now: float,
     *,
     waitable: bool = False,
-    for_memory: bool = False,
-) -> Memory:
+    memory_blocked: bool = False,
+) -> Pursuit:
     """What this generation has now done: a container seen answering, a passed check, or a
     failure. A failure that may pass by waiting (waitable: a port, memory or an image held or
     missing for now) is tried again after a growing back-off, and so is a failed Stop or
@@ -137,15 +140,16 @@ def conclude(
     if error is not None:
         retry_at = None
         if waitable or isinstance(step, Stop | Remove):
-            retry_at = now + BACKOFF[min(memory.failures, len(BACKOFF) - 1)]
+            retry_at = now + BACKOFF[min(pursuit.failures, len(BACKOFF) - 1)]
         return replace(
-            memory,
+            pursuit,
             failure=error,
             retry_at=retry_at,
-            failures=memory.failures + 1,
-            for_memory=for_memory and retry_at is not None,
+            failures=pursuit.failures + 1,
+            memory_blocked=memory_blocked and retry_at is not None,
         )
-    done = replace(memory, failure=None, retry_at=None, for_memory=False)  # failures stay counted
+    # failures stay counted
+    done = replace(pursuit, failure=None, retry_at=None, memory_blocked=False)
     if isinstance(step, AwaitReady):
         return replace(done, ready=step.container_id)
     if isinstance(step, Check):
