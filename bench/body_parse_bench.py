@@ -122,8 +122,11 @@ async def placements(runs: int, at_once: int) -> dict[str, tuple[float, float]]:
     async def one_thread() -> object:
         return await bodies.off_loop(body.prepare, EMBEDDINGS, raw, LIMITS)
 
-    ways = {"inline on the loop": inline, "asyncio.to_thread": default_pool,
-            "the one parse thread": one_thread}  # fmt: skip
+    ways = {
+        "inline on the loop": inline,
+        "asyncio.to_thread": default_pool,
+        "the one parse thread": one_thread,
+    }
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     for _ in range(runs):
         for name, way in ways.items():

@@ -45,13 +45,19 @@ def tree(revision: str) -> Iterator[Path]:
     """A worktree of this repository at `revision`, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="lucia-bench-baseline-") as tmp:
         where = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where),
-                        revision], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), revision],
+            check=True,
+            capture_output=True,
+        )
         try:
             yield where
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
-                           check=False, capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
+                check=False,
+                capture_output=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     args = parser.parse_args(argv)
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="lucia-bench-charge-") as tmp, \
-            tree(args.baseline) as baseline:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="lucia-bench-charge-") as tmp,
+        tree(args.baseline) as baseline,
+    ):
         configs = [
             Config(f"baseline {args.baseline}", f'{BUDGET}[record]\npath = "{tmp}/before.db"\n'),
             Config("this tree", f'{BUDGET}[record]\npath = "{tmp}/now.db"\n'),
@@ -92,14 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         median = statistics.median(config.rates)
         paired = statistics.median(r / b for r, b in zip(config.rates, before.rates, strict=True))
-        rows.append((
-            config.name, f"{median:.0f}", f"{min(config.rates):.0f}-{max(config.rates):.0f}",
-            f"x{median / base:.3f}", f"x{paired:.3f}",
-            f"{config.cpu / config.measured * 1e6:.0f}",
-        ))  # fmt: skip
+        rows.append(
+            (
+                config.name,
+                f"{median:.0f}",
+                f"{min(config.rates):.0f}-{max(config.rates):.0f}",
+                f"x{median / base:.3f}",
+                f"x{paired:.3f}",
+                f"{config.cpu / config.measured * 1e6:.0f}",
+            )
+        )
     print()
-    print(f"Requests a second at {args.streams} streams ({args.rounds} rounds, "
-          f"{time.monotonic() - began:.0f} s):")  # fmt: skip
+    print(
+        f"Requests a second at {args.streams} streams ({args.rounds} rounds, "
+        f"{time.monotonic() - began:.0f} s):"
+    )
     table(rows, ("gateway", "median", "min-max", "vs baseline", "paired", "CPU µs/req"))
     end = os.getloadavg()
     print(f"load at the end {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")

@@ -71,8 +71,12 @@ with Hub({REPO!r}, {COMMIT!r}, Path(sys.argv[1]), "127.0.0.1") as hub:
 def hub_process(repo: Path) -> tuple[subprocess.Popen[str], str]:
     """The tests' hub in a process of its own, so that it shares no interpreter with either
     side; its URL once it has read and hashed the repo."""
-    process = subprocess.Popen([sys.executable, "-c", HUB_SCRIPT, str(repo)], text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", HUB_SCRIPT, str(repo)],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert process.stdout is not None
     return process, process.stdout.readline().strip()
 
@@ -113,12 +117,19 @@ def reinspection(models: int, work: Path) -> tuple[float, float, int]:
         files.mkdir(parents=True)
         shutil.copyfile(template, files / NAME)
         stamp = mf.now()
-        mf.save(root, mf.ModelManifest(
-            id=guid, name=guid, state="Ready", since=stamp, created=stamp,
-            source=mf.FileOrigin(repo=REPO, revision="main", commit=COMMIT),
-            hubFiles=[mf.HubFile(path=NAME, size=size, gitOid="0", verified=True)],
-            files=[mf.FileName(name=NAME)],
-        ))  # fmt: skip
+        mf.save(
+            root,
+            mf.ModelManifest(
+                id=guid,
+                name=guid,
+                state="Ready",
+                since=stamp,
+                created=stamp,
+                source=mf.FileOrigin(repo=REPO, revision="main", commit=COMMIT),
+                hubFiles=[mf.HubFile(path=NAME, size=size, gitOid="0", verified=True)],
+                files=[mf.FileName(name=NAME)],
+            ),
+        )
     runner = Runner(root, QueueSettings())
     times = []
     for _ in range(5):
@@ -156,27 +167,41 @@ def main() -> int:
         median, worst, header = reinspection(args.models, work)
     mb = size / 1e6
     a, o = statistics.median(alone), statistics.median(ours)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}, hf {hub_version()}")  # fmt: skip
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}, hf {hub_version()}"
+    )
     print(f"file: {size} bytes; runs: {args.runs} each, alternating")
     print("| row | median | throughput | runs (s) |")
     print("|---|---|---|---|")
-    print(f"| `hf download` alone | {a:.2f} s | {mb / a:.0f} MB/s | "
-          f"{', '.join(f'{t:.2f}' for t in alone)} |")  # fmt: skip
-    print(f"| library: add + download + SHA-256 + GGUF checks to Ready | {o:.2f} s | "
-          f"{mb / o:.0f} MB/s | {', '.join(f'{t:.2f}' for t in ours)} |")  # fmt: skip
+    print(
+        f"| `hf download` alone | {a:.2f} s | {mb / a:.0f} MB/s | "
+        f"{', '.join(f'{t:.2f}' for t in alone)} |"
+    )
+    print(
+        f"| library: add + download + SHA-256 + GGUF checks to Ready | {o:.2f} s | "
+        f"{mb / o:.0f} MB/s | {', '.join(f'{t:.2f}' for t in ours)} |"
+    )
     c = statistics.median(checks)
-    print(f"| of which SHA-256 + GGUF checks (timed again alone, warm cache) | {c:.2f} s | "
-          f"{mb / c:.0f} MB/s | {', '.join(f'{t:.2f}' for t in checks)} |")  # fmt: skip
-    print(f"| ratio (library / hf alone, throughput) | x{a / o:.2f} | goal >= x0.90: "
-          f"{'met' if a / o >= 0.9 else 'MISSED'} | |")  # fmt: skip
+    print(
+        f"| of which SHA-256 + GGUF checks (timed again alone, warm cache) | {c:.2f} s | "
+        f"{mb / c:.0f} MB/s | {', '.join(f'{t:.2f}' for t in checks)} |"
+    )
+    print(
+        f"| ratio (library / hf alone, throughput) | x{a / o:.2f} | goal >= x0.90: "
+        f"{'met' if a / o >= 0.9 else 'MISSED'} | |"
+    )
     best = min(alone) / min(ours)
-    print(f"| ratio of the best runs (the least disturbed by other load) | x{best:.2f} | "
-          f"goal >= x0.90: {'met' if best >= 0.9 else 'MISSED'} | |")  # fmt: skip
+    print(
+        f"| ratio of the best runs (the least disturbed by other load) | x{best:.2f} | "
+        f"goal >= x0.90: {'met' if best >= 0.9 else 'MISSED'} | |"
+    )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"| startup re-inspection of {args.models} Ready GGUFs ({header} bytes each, "
-          f"{VOCAB}-token vocabulary) | {median * 1000:.0f} ms | "
-          f"{median / args.models * 1e6:.0f} us a model | max {worst * 1000:.0f} ms |")  # fmt: skip
+    print(
+        f"| startup re-inspection of {args.models} Ready GGUFs ({header} bytes each, "
+        f"{VOCAB}-token vocabulary) | {median * 1000:.0f} ms | "
+        f"{median / args.models * 1e6:.0f} us a model | max {worst * 1000:.0f} ms |"
+    )
     return 0
 
 

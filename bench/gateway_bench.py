@@ -150,9 +150,16 @@ async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[fl
 
 
 async def round_of(
-    session: aiohttp.ClientSession, url: str, data: bytes, *, streams: int, requests: int,
-    tokens: int, into: Samples, pid: int | None = None,
-) -> None:  # fmt: skip
+    session: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    *,
+    streams: int,
+    requests: int,
+    tokens: int,
+    into: Samples,
+    pid: int | None = None,
+) -> None:
     queue = iter(range(requests))
 
     async def lane() -> None:
@@ -181,18 +188,30 @@ def session_for(new_connections: bool) -> aiohttp.ClientSession:
 
 
 async def measure(
-    urls: dict[str, str], pids: dict[str, int], data: bytes, *, levels: list[int], requests: int,
-    rounds: int, tokens: int, fresh: frozenset[str] = frozenset(),
-) -> dict[int, dict[str, Samples]]:  # fmt: skip
+    urls: dict[str, str],
+    pids: dict[str, int],
+    data: bytes,
+    *,
+    levels: list[int],
+    requests: int,
+    rounds: int,
+    tokens: int,
+    fresh: frozenset[str] = frozenset(),
+) -> dict[int, dict[str, Samples]]:
     """Every level's samples by path; the paths named in `fresh` open a connection per request."""
     results: dict[int, dict[str, Samples]] = {}
     sessions = {name: session_for(name in fresh) for name in urls}
     try:
         for name, url in urls.items():  # warm every path and its connection pool
             await round_of(
-                sessions[name], url, data, streams=max(levels), requests=2 * max(levels),
-                tokens=tokens, into=Samples(),
-            )  # fmt: skip
+                sessions[name],
+                url,
+                data,
+                streams=max(levels),
+                requests=2 * max(levels),
+                tokens=tokens,
+                into=Samples(),
+            )
         for streams in levels:
             got = {name: Samples() for name in urls}
             per_round = max(requests // rounds, 4 * streams)
@@ -200,9 +219,15 @@ async def measure(
                 names = list(urls)
                 for name in names if index % 2 == 0 else names[::-1]:
                     await round_of(
-                        sessions[name], urls[name], data, streams=streams, requests=per_round,
-                        tokens=tokens, into=got[name], pid=pids.get(name),
-                    )  # fmt: skip
+                        sessions[name],
+                        urls[name],
+                        data,
+                        streams=streams,
+                        requests=per_round,
+                        tokens=tokens,
+                        into=got[name],
+                        pid=pids.get(name),
+                    )
             results[streams] = got
             print(table_of(streams, got), flush=True)
     finally:
@@ -289,9 +314,9 @@ def fresh_paths(policy: str, upstream: str, urls: dict[str, str]) -> frozenset[s
     return frozenset()
 
 
-def upstream_of(args: argparse.Namespace, run_id: str) -> AbstractContextManager[
-    tuple[str, int | None]
-]:  # fmt: skip
+def upstream_of(
+    args: argparse.Namespace, run_id: str
+) -> AbstractContextManager[tuple[str, int | None]]:
     if args.upstream == "llama":
         return llama_upstream(run_id, args.slots)
     return fast_upstream(args.tokens, args.token_ms)
@@ -307,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per level")
     parser.add_argument("--slots", type=int, default=8, help="llama: llama-server's --parallel")
     parser.add_argument(
-        "--client-connections", choices=("auto", "new", "keep"), default="auto",
+        "--client-connections",
+        choices=("auto", "new", "keep"),
+        default="auto",
         help="a new connection per request: auto, on the direct path to llama-server; new, on "
         "every path; keep, on none",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--floor", action="store_true", help="a third path: a bare aiohttp pass-through proxy"
     )
@@ -339,9 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         data = body(args.tokens, args.upstream)
         pids = {"gateway": pid} | ({"floor": floor[1]} if floor else {})
         run = measure(
-            urls, pids, data, levels=levels, requests=args.requests, rounds=args.rounds,
-            tokens=args.tokens, fresh=fresh,
-        )  # fmt: skip
+            urls,
+            pids,
+            data,
+            levels=levels,
+            requests=args.requests,
+            rounds=args.rounds,
+            tokens=args.tokens,
+            fresh=fresh,
+        )
         results = asyncio.run(run)
     for line in goals(results):
         print(line)

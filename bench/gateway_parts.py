@@ -80,17 +80,28 @@ def fast_chunks(tokens: int, counts: bool = False) -> tuple[list[bytes], bytes]:
     def timings(generated: int) -> dict[str, object]:
         if not counts:
             return {}
-        return {"timings": {"cache_n": 0, "prompt_n": 8, "prompt_ms": 1.5,
-                            "prompt_per_token_ms": 0.19, "prompt_per_second": 5333.3,
-                            "predicted_n": generated, "predicted_ms": 0.3 * generated,
-                            "predicted_per_token_ms": 0.3,
-                            "predicted_per_second": 3333.3}}  # fmt: skip
+        return {
+            "timings": {
+                "cache_n": 0,
+                "prompt_n": 8,
+                "prompt_ms": 1.5,
+                "prompt_per_token_ms": 0.19,
+                "prompt_per_second": 5333.3,
+                "predicted_n": generated,
+                "predicted_ms": 0.3 * generated,
+                "predicted_per_token_ms": 0.3,
+                "predicted_per_second": 3333.3,
+            }
+        }
 
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
     chunks = [
         event(
-            {**head, "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}],
-             **timings(index + 1)}
+            {
+                **head,
+                "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}],
+                **timings(index + 1),
+            }
         )
         for index in range(tokens)
     ]
@@ -126,9 +137,7 @@ def serve_fast(port: int, tokens: int, token_ms: float, counts: bool = False) ->
 
 
 @contextmanager
-def fast_upstream(
-    tokens: int, token_ms: float, counts: bool = False
-) -> Iterator[tuple[str, int]]:
+def fast_upstream(tokens: int, token_ms: float, counts: bool = False) -> Iterator[tuple[str, int]]:
     """The fast upstream's url and pid, in a process of its own; `counts`: see fast_chunks."""
     port = free_port()
     child = subprocess.Popen(
@@ -160,8 +169,11 @@ def llama_image() -> str:
     """scripts/llama-server-image.sh's image (it only reads the tag when it was built)."""
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "llama-server-image.sh")],
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     if done.returncode != 0 or not done.stdout.strip():
         raise SystemExit(f"scripts/llama-server-image.sh failed:\n{done.stderr[-2000:]}")
     return done.stdout.strip().splitlines()[-1]
@@ -183,15 +195,33 @@ def llama_upstream(
         write_llama(Path(tmp) / "tiny.gguf")
         os.chmod(tmp, 0o755)
         args = [
-            "docker", "run", "-d", "--rm", "--name", name,
-            "--label", f"lucia.bench.run={run_id}",
-            "--publish", f"127.0.0.1:{port}:{CONTAINER_PORT}",
-            "--volume", f"{tmp}:/models:ro", image,
-            "--model", "/models/tiny.gguf", "--alias", MODEL,
-            "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
-            "--parallel", str(slots), "--ctx-size", str(256 * slots),
+            "docker",
+            "run",
+            "-d",
+            "--rm",
+            "--name",
+            name,
+            "--label",
+            f"lucia.bench.run={run_id}",
+            "--publish",
+            f"127.0.0.1:{port}:{CONTAINER_PORT}",
+            "--volume",
+            f"{tmp}:/models:ro",
+            image,
+            "--model",
+            "/models/tiny.gguf",
+            "--alias",
+            MODEL,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(CONTAINER_PORT),
+            "--parallel",
+            str(slots),
+            "--ctx-size",
+            str(256 * slots),
             *(["--threads", str(threads)] if threads else []),
-        ]  # fmt: skip
+        ]
         subprocess.run(args, check=True, capture_output=True, timeout=120)
         try:
             url = f"http://127.0.0.1:{port}"
@@ -238,9 +268,14 @@ def write_status(data: Path, url: str) -> None:
     """The worker's side of the file protocol: the engine runs at `url` and serves MODEL."""
     now = utc_now()
     status = Status(
-        generation=0, state="running", since=now, message="running", url=url,
-        checked_at=now, models=(MODEL,),
-    )  # fmt: skip
+        generation=0,
+        state="running",
+        since=now,
+        message="running",
+        url=url,
+        checked_at=now,
+        models=(MODEL,),
+    )
     write_atomic(ensure_dir(data / ENGINE) / "status.json", dump(status))
 
 
@@ -289,9 +324,16 @@ def gateway(
         beat.start()
         wrap = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
         command = [
-            sys.executable, *wrap, "-m", "supervisor.cli", "gateway",
-            "--settings", str(settings), "--data-dir", str(data),
-        ]  # fmt: skip
+            sys.executable,
+            *wrap,
+            "-m",
+            "supervisor.cli",
+            "gateway",
+            "--settings",
+            str(settings),
+            "--data-dir",
+            str(data),
+        ]
         env = {**os.environ, "PYTHONPATH": str(root), "XDG_CONFIG_HOME": str(home)}
         child = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.DEVNULL)
         try:

@@ -84,13 +84,18 @@ def main() -> int:
             ("verify: the owner key", verifier.verify, fixed),
             ("verify: an unknown key", verifier.verify, unknown),
         ]
-        print(f"key check, {args.keys} issued keys, {args.calls} calls per row, "
-              f"python {platform.python_version()}, {platform.machine()}")  # fmt: skip
+        print(
+            f"key check, {args.keys} issued keys, {args.calls} calls per row, "
+            f"python {platform.python_version()}, {platform.machine()}"
+        )
         print(f"{'what':38} {'median ns':>10} {'p99 ns':>10}  goal")
         for name, check, presented in rows:
             median, p99 = measure(check, presented, args.calls)
-            goal = "" if not name.startswith("verify") else (
-                "met" if median < GOAL_NS else "MISSED") + " (< 20 µs)"  # fmt: skip
+            goal = (
+                ""
+                if not name.startswith("verify")
+                else ("met" if median < GOAL_NS else "MISSED") + " (< 20 µs)"
+            )
             print(f"{name:38} {median:10.0f} {p99:10.0f}  {goal}")
     return 0
 

@@ -201,9 +201,11 @@ class SlowDisk:
         iops = [{"Path": self.device, "Rate": self.iops}]
         bps = [{"Path": self.device, "Rate": self.mbps * 1_000_000}]
         return {
-            "device_read_iops": iops, "device_write_iops": iops,
-            "device_read_bps": bps, "device_write_bps": bps,
-        }  # fmt: skip
+            "device_read_iops": iops,
+            "device_write_iops": iops,
+            "device_read_bps": bps,
+            "device_write_bps": bps,
+        }
 
     def describe(self) -> str:
         return (
@@ -297,11 +299,16 @@ class KvLab:
         container = self.client.containers.run(
             image,
             [
-                "--model", MODEL_DIR,
-                "--served-model-name", SERVED_NAME,
-                "--host", "0.0.0.0",  # the container's own address; published on the gateway
-                "--port", str(CONTAINER_PORT),
-                "--dtype", "bfloat16",
+                "--model",
+                MODEL_DIR,
+                "--served-model-name",
+                SERVED_NAME,
+                "--host",
+                "0.0.0.0",  # the container's own address; published on the gateway
+                "--port",
+                str(CONTAINER_PORT),
+                "--dtype",
+                "bfloat16",
                 *args,
             ],
             detach=True,
@@ -313,7 +320,7 @@ class KvLab:
             shm_size=SHM_SIZE,
             environment={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
             **options,
-        )  # fmt: skip
+        )
         url = f"http://{self.gateway}:{port}"
         server = Server(container, url, 0.0)
         self.servers.append(server)

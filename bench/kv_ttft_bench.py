@@ -174,12 +174,15 @@ def run_rounds(
         name: Row(name, served)
         for name, served in zip(
             ROWS,
-            ("a fresh prompt each round: no block of it in any tier",
-             "its 15 blocks on the NVMe tier", "its 15 blocks on HDD only (NVMe copies deleted)",
-             "the plain server, prefix caching off"),
+            (
+                "a fresh prompt each round: no block of it in any tier",
+                "its 15 blocks on the NVMe tier",
+                "its 15 blocks on HDD only (NVMe copies deleted)",
+                "the plain server, prefix caching off",
+            ),
             strict=True,
         )
-    }  # fmt: skip
+    }
     warm = prompt(22)
     for server in (tier, plain):  # first requests pay one-time costs; not counted
         server.complete(prompt(999), max_tokens)
@@ -301,9 +304,13 @@ def run(args: argparse.Namespace, lab: KvLab) -> None:
         str(key): {"bind": "/kv/key", "mode": "ro"},
     }
     tier = lab.start(
-        "tiers", image.ref, model, [*common, *tier_server_args(512 << 20, 256 << 20)],
-        volumes, **options,
-    )  # fmt: skip
+        "tiers",
+        image.ref,
+        model,
+        [*common, *tier_server_args(512 << 20, 256 << 20)],
+        volumes,
+        **options,
+    )
     print(f"tier server: /health in {tier.seconds_to_health:.0f} s")
     if options:
         print(f"  its blkio read_iops_device: {blkio_setting(tier.container, 'read_iops_device')}")
@@ -323,9 +330,16 @@ def run(args: argparse.Namespace, lab: KvLab) -> None:
     )
     table(
         table_rows(rows),
-        ("row", "median TTFT", "min-max", "stdev", "external_kv_transfer tokens/round",
-         "store hits/round", "vs cold"),
-    )  # fmt: skip
+        (
+            "row",
+            "median TTFT",
+            "min-max",
+            "stdev",
+            "external_kv_transfer tokens/round",
+            "store hits/round",
+            "vs cold",
+        ),
+    )
     for row in rows:
         print(f"- {row.name}: {row.served_by}")
     print(

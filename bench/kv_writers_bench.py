@@ -84,8 +84,11 @@ def run_variant(plugin: Path, args: argparse.Namespace) -> dict[str, float]:
     settings = [args.blocks, args.kib * 1024, args.burst, args.step_ms, args.hdd_ms, args.queue]
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(plugin), *map(str, settings)],
-        check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     found: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return found
 
@@ -104,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{machine()}, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="lucia-kv-writers-base-") as tmp:
         base = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
-                        args.baseline], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+            check=True,
+            capture_output=True,
+        )
         try:
             variants = {
                 "a writer per tier (this tree)": ROOT / "kvplugin",
@@ -116,24 +122,35 @@ def main(argv: list[str] | None = None) -> int:
                 for name, plugin in variants.items():
                     samples[name].append(run_variant(plugin, args))
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                           check=False, capture_output=True)  # fmt: skip
-    print(f"{args.blocks} blocks of {args.kib} KiB saved {args.burst} a step every "
-          f"{args.step_ms:g} ms; NVMe a directory, HDD the same plus {args.hdd_ms:g} ms a block; "
-          f"queue_blocks {args.queue}, 2 writers; medians of {args.rounds} interleaved rounds")
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                check=False,
+                capture_output=True,
+            )
+    print(
+        f"{args.blocks} blocks of {args.kib} KiB saved {args.burst} a step every "
+        f"{args.step_ms:g} ms; NVMe a directory, HDD the same plus {args.hdd_ms:g} ms a block; "
+        f"queue_blocks {args.queue}, 2 writers; medians of {args.rounds} interleaved rounds"
+    )
     baseline = next(name for name in variants if name != "a writer per tier (this tree)")
     base_nvme = statistics.median(s["nvme_s"] for s in samples[baseline])
     rows = []
     for name, got in samples.items():
         nvme = statistics.median(s["nvme_s"] for s in got)
-        rows.append((
-            name, f"{nvme * 1000:.0f} ms", f"{nvme / base_nvme:.2f}x",
-            f"{statistics.median(s['nvme_dropped'] for s in got):.0f}",
-            f"{statistics.median(s['hdd_dropped'] for s in got):.0f}",
-            f"{statistics.median(s['all_s'] for s in got) * 1000:.0f} ms",
-        ))  # fmt: skip
-    table(rows, ("variant", "NVMe holds all", "vs baseline", "NVMe dropped", "HDD dropped",
-                 "both done"))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{nvme * 1000:.0f} ms",
+                f"{nvme / base_nvme:.2f}x",
+                f"{statistics.median(s['nvme_dropped'] for s in got):.0f}",
+                f"{statistics.median(s['hdd_dropped'] for s in got):.0f}",
+                f"{statistics.median(s['all_s'] for s in got) * 1000:.0f} ms",
+            )
+        )
+    table(
+        rows,
+        ("variant", "NVMe holds all", "vs baseline", "NVMe dropped", "HDD dropped", "both done"),
+    )
     return 0
 
 

@@ -38,9 +38,11 @@ def opener() -> urllib.request.OpenerDirector:
 
 def sign_in(http: urllib.request.OpenerDirector, url: str) -> None:
     request = urllib.request.Request(
-        url + "/page/api/signin", data=json.dumps({"key": OWNER_KEY}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
+        url + "/page/api/signin",
+        data=json.dumps({"key": OWNER_KEY}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with http.open(request, timeout=30) as answer:
         assert answer.status == 200
 

@@ -81,8 +81,10 @@ def build_library(models: Path, vocab: int) -> None:
 def header_size(path: Path) -> int:
     """Where the KV pairs end, by the `gguf` package's own reader (the tensor infos follow)."""
     reader = gguf.GGUFReader(path)
-    return max(field.offset + sum(len(part.tobytes()) for part in field.parts)
-               for field in reader.fields.values())  # fmt: skip
+    return max(
+        field.offset + sum(len(part.tobytes()) for part in field.parts)
+        for field in reader.fields.values()
+    )
 
 
 def rchar() -> int:

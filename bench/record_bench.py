@@ -52,11 +52,19 @@ KEYS = [f"key_{n:012x}" for n in range(1000)]
 
 def make_row(n: int, at: datetime | None = None) -> Row:
     return Row(
-        at=at or datetime.now(UTC), key_id=KEYS[n % len(KEYS)], model="qwen3-8b",
-        engine="router", build=Build("0.32.0", "sha256:" + "ab" * 32, "e5a1f00d"),
-        outcome="ok", prompt_tokens=512, completion_tokens=128, cached_tokens=256,
-        wait_s=0.002, ttft_s=0.08, duration_s=1.9,
-    )  # fmt: skip
+        at=at or datetime.now(UTC),
+        key_id=KEYS[n % len(KEYS)],
+        model="qwen3-8b",
+        engine="router",
+        build=Build("0.32.0", "sha256:" + "ab" * 32, "e5a1f00d"),
+        outcome="ok",
+        prompt_tokens=512,
+        completion_tokens=128,
+        cached_tokens=256,
+        wait_s=0.002,
+        ttft_s=0.08,
+        duration_s=1.9,
+    )
 
 
 def per_call(
@@ -241,12 +249,13 @@ def main() -> int:
     args = parser.parse_args()
     logs.configure(stream=sys.stderr)  # the store's log lines, apart from the tables
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, \
-            databases(Path(tmp), not args.no_postgres) as dbs:  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, databases(Path(tmp), not args.no_postgres) as dbs:
         work = Path(tmp)
         tuning = WriterTuning()
-        print(f"{machine()}; SQLite on {filesystem(work)}; flush {tuning.flush_s * 1000:g} ms, "
-              f"batch {tuning.batch_rows} rows, queue {tuning.queue_rows}")  # fmt: skip
+        print(
+            f"{machine()}; SQLite on {filesystem(work)}; flush {tuning.flush_s * 1000:g} ms, "
+            f"batch {tuning.batch_rows} rows, queue {tuning.queue_rows}"
+        )
         print()
         print("The caller's cost (SQLite store, writer committing beside it):")
         table(caller_cost(dbs[0][1]("caller"), args.calls), ("what", "median ns", "p99 ns"))
@@ -262,15 +271,26 @@ def main() -> int:
             single = direct(db, 500, 1)
             db.close()
             rate_rows += [
-                (name, "store (queue, writer thread)", f"{store_rate:,.0f}",
-                 f"x{store_rate / floor:.2f}"),
+                (
+                    name,
+                    "store (queue, writer thread)",
+                    f"{store_rate:,.0f}",
+                    f"x{store_rate / floor:.2f}",
+                ),
                 (name, "batch.write, 500 a transaction (floor)", f"{floor:,.0f}", "x1.00"),
                 (name, "one row a transaction", f"{single:,.0f}", f"x{single / floor:.2f}"),
-            ]  # fmt: skip
+            ]
             p50, p99, worst = commit_delay(target("delay"), 2000, 5.0)
             bound = COMMITTED_WITHIN_S * 1000
-            delay_rows.append((name, f"{p50 * 1000:.0f}", f"{p99 * 1000:.0f}",
-                               f"{worst * 1000:.0f}", f"{bound:.0f}"))  # fmt: skip
+            delay_rows.append(
+                (
+                    name,
+                    f"{p50 * 1000:.0f}",
+                    f"{p99 * 1000:.0f}",
+                    f"{worst * 1000:.0f}",
+                    f"{bound:.0f}",
+                )
+            )
             sized, targets = [], []
             for count in (1000, args.big):
                 targets.append(target(f"size{count}"))
@@ -283,11 +303,21 @@ def main() -> int:
                 db.close()
             spent_small, spent_big = spent_ns(targets, 200_000)
             size_rows += [
-                (name, "a day total read (SQL)", f"{small / 1000:.2f}", f"{big / 1000:.2f}",
-                 f"x{big / small:.2f}"),
-                (name, "store.spent(key) (the check)", f"{spent_small / 1000:.2f}",
-                 f"{spent_big / 1000:.2f}", f"x{spent_big / spent_small:.2f}"),
-            ]  # fmt: skip
+                (
+                    name,
+                    "a day total read (SQL)",
+                    f"{small / 1000:.2f}",
+                    f"{big / 1000:.2f}",
+                    f"x{big / small:.2f}",
+                ),
+                (
+                    name,
+                    "store.spent(key) (the check)",
+                    f"{spent_small / 1000:.2f}",
+                    f"{spent_big / 1000:.2f}",
+                    f"x{spent_big / spent_small:.2f}",
+                ),
+            ]
         print(f"Rows committed a second ({args.rows:,} a run, median of {ROUNDS}):")
         table(rate_rows, ("database", "path", "rows/s", "vs floor"))
         print("Commit delay, 2,000 rows a second for 5 s (ms from record() to committed):")

@@ -195,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-postgres", action="store_true")
     args = parser.parse_args(argv)
     began, load = time.monotonic(), os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="lucia-bench-record-") as tmp, \
-            postgres(not args.no_postgres) as pg:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="lucia-bench-record-") as tmp,
+        postgres(not args.no_postgres) as pg,
+    ):
         sqlite = Path(tmp) / "record.sqlite3"
         configs = [
             Config("off", "[record]\nenabled = false\n"),

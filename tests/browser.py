@@ -69,9 +69,10 @@ class NetworkLog:
             if message.get("method") == "Network.responseReceived":
                 response = params["response"]
                 self._answers[params["requestId"]] = {
-                    "requestId": params["requestId"], "url": response["url"],
+                    "requestId": params["requestId"],
+                    "url": response["url"],
                     "status": response["status"],
-                }  # fmt: skip
+                }
             elif message.get("method") == "Network.responseReceivedExtraInfo":
                 self._headers[params["requestId"]] = params.get("headers", {})
         return [

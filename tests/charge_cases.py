@@ -24,9 +24,12 @@ def create(client: openai.OpenAI, route: str, model: str, tokens: int, stream: b
     extra = {"ignore_eos": True}  # llama-server's; vLLM's too: every answer is `tokens` long
     if route == "chat":
         return client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": HELLO}], max_tokens=tokens,
-            stream=stream, extra_body=extra,
-        )  # fmt: skip
+            model=model,
+            messages=[{"role": "user", "content": HELLO}],
+            max_tokens=tokens,
+            stream=stream,
+            extra_body=extra,
+        )
     if route == "completions":
         return client.completions.create(
             model=model, prompt=HELLO, max_tokens=tokens, stream=stream, extra_body=extra

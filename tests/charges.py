@@ -75,8 +75,17 @@ class Charge:
 
 def _status(url: str, models: tuple[str, ...]) -> bytes:
     now = utc_now()
-    return dump(Status(generation=1, state="running", since=now, message="running", url=url,
-                       checked_at=now, models=models))  # fmt: skip
+    return dump(
+        Status(
+            generation=1,
+            state="running",
+            since=now,
+            message="running",
+            url=url,
+            checked_at=now,
+            models=models,
+        )
+    )
 
 
 @dataclass
@@ -138,13 +147,18 @@ class Charges:
         assert self.rows() == before_rows + 1, "one row for one request"
         outcome, source, prompt, completion = self.last_row()
         charge = Charge(
-            self.kind, route, way, outcome, source,
-            int(after.prompt - before.prompt), int(after.generated - before.generated),
-            prompt, completion,
-        )  # fmt: skip
+            self.kind,
+            route,
+            way,
+            outcome,
+            source,
+            int(after.prompt - before.prompt),
+            int(after.generated - before.generated),
+            prompt,
+            completion,
+        )
         self.table.append(charge)
         return charge
-
 
     def killed_mid_stream(self, model: str, tokens: int, engine: Container) -> Charge:
         """A chat stream whose engine (a docker container) is killed after 8 events: its row,
@@ -157,9 +171,12 @@ class Charges:
         before = self.rows()
         got = 0
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": HELLO}], max_tokens=tokens,
-            stream=True, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=model,
+            messages=[{"role": "user", "content": HELLO}],
+            max_tokens=tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         try:
             for _chunk in stream:
                 got += 1
@@ -171,8 +188,9 @@ class Charges:
         while self.rows() <= before and time.monotonic() < deadline:
             time.sleep(0.1)
         outcome, source, prompt, completion = self.last_row()
-        charge = Charge(self.kind, "chat", "engine killed", outcome, source, -1, -1, prompt,
-                        completion)  # fmt: skip
+        charge = Charge(
+            self.kind, "chat", "engine killed", outcome, source, -1, -1, prompt, completion
+        )
         self.table.append(charge)
         assert (outcome, source) == ("engine_failed", "engine_partial"), charge
         assert prompt > 0 and completion >= got - 1, (got, charge)
@@ -206,8 +224,9 @@ def write_table(table: list[Charge]) -> None:
 
 
 @contextmanager
-def charging(work: Path, kind: str, engine_url: str, model: str,
-             counters: Callable[[], Counters]) -> Iterator[Charges]:  # fmt: skip
+def charging(
+    work: Path, kind: str, engine_url: str, model: str, counters: Callable[[], Counters]
+) -> Iterator[Charges]:
     """The gateway and its record in front of the engine at `engine_url`."""
     data = work / "data"
     statuses = {ENGINE: (model,), LATE: (f"{model}-late",)}

@@ -55,13 +55,16 @@ def _version(value: str) -> bytes:
 
 
 def _by(value: str) -> bytes:
-    return _doc(f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", '
-                f'"requestedBy": {value}}}')
+    return _doc(
+        f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", "requestedBy": {value}}}'
+    )
 
 
 def _at(value: str) -> bytes:
-    return _doc(f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", '
-                f'"requestedBy": "operator", "requestedAt": {value}}}')
+    return _doc(
+        f'{{"schemaVersion": 1, "generation": 3, "desired": "stopped", '
+        f'"requestedBy": "operator", "requestedAt": {value}}}'
+    )
 
 
 def _document(name: str, content: bytes, *expect: str) -> Case:
@@ -80,20 +83,38 @@ INVALID: list[Case] = [
     _document("trailing-garbage", VALID_TEXT + b"x", "not valid JSON"),
     _document("two-documents", VALID_TEXT + VALID_TEXT, "not valid JSON"),
     _document("trailing-nul", VALID_TEXT + b"\x00", "not valid JSON"),
-    _document("trailing-comma", _doc('{"schemaVersion": 1, "generation": 3, '
-                                     '"desired": "running",}'), "not valid JSON"),
-    _document("single-quotes", _doc("{'schemaVersion': 1, 'generation': 3, "
-                                    "'desired': 'running'}"), "not valid JSON"),
-    _document("comment", b'// host\n' + VALID_TEXT, "not valid JSON"),
+    _document(
+        "trailing-comma",
+        _doc('{"schemaVersion": 1, "generation": 3, "desired": "running",}'),
+        "not valid JSON",
+    ),
+    _document(
+        "single-quotes",
+        _doc("{'schemaVersion': 1, 'generation': 3, 'desired': 'running'}"),
+        "not valid JSON",
+    ),
+    _document("comment", b"// host\n" + VALID_TEXT, "not valid JSON"),
     _document("bom", b"\xef\xbb\xbf" + VALID_TEXT, "byte-order mark"),
-    _document("duplicate-key", _doc('{"schemaVersion": 1, "generation": 3, '
-                                    '"desired": "stopped", "desired": "running"}'),
-              "duplicate key", "desired"),
-    _document("duplicate-key-escaped", _doc('{"schemaVersion": 1, "generation": 3, '
-                                            '"desired": "stopped", "desir\\u0065d": "running"}'),
-              "duplicate key", "desired"),
-    _document("duplicate-key-nested", _doc('{"schemaVersion": 1, "generation": 3, '
-                                           '"desired": {"a": 1, "a": 2}}'), "duplicate key"),
+    _document(
+        "duplicate-key",
+        _doc('{"schemaVersion": 1, "generation": 3, "desired": "stopped", "desired": "running"}'),
+        "duplicate key",
+        "desired",
+    ),
+    _document(
+        "duplicate-key-escaped",
+        _doc(
+            '{"schemaVersion": 1, "generation": 3, '
+            '"desired": "stopped", "desir\\u0065d": "running"}'
+        ),
+        "duplicate key",
+        "desired",
+    ),
+    _document(
+        "duplicate-key-nested",
+        _doc('{"schemaVersion": 1, "generation": 3, "desired": {"a": 1, "a": 2}}'),
+        "duplicate key",
+    ),
     _document("generation-nan", _gen("NaN"), "NaN", "not valid JSON"),
     _document("generation-infinity", _gen("Infinity"), "Infinity", "not valid JSON"),
     _document("generation-minus-infinity", _gen("-Infinity"), "Infinity", "not valid JSON"),
@@ -106,20 +127,38 @@ INVALID: list[Case] = [
     _document("true", b"true", "document", "object"),
     # an object, but not the contract
     _document("missing-all", b"{}", "missing field"),
-    _document("missing-schema-version", _doc('{"generation": 3, "desired": "running"}'),
-              "missing field", "schemaVersion"),
-    _document("missing-generation", _doc('{"schemaVersion": 1, "desired": "running"}'),
-              "missing field", "generation"),
-    _document("missing-desired", _doc('{"schemaVersion": 1, "generation": 3}'),
-              "missing field", "desired"),
-    _document("unknown-field", _doc('{"schemaVersion": 1, "generation": 3, '
-                                    '"desired": "running", "image": "evil:latest"}'),
-              "unknown field", "image"),
-    _document("snake-case-field", _doc('{"schema_version": 1, "generation": 3, '
-                                       '"desired": "running"}'), "schemaVersion"),
-    _document("snake-case-extra", _doc('{"schemaVersion": 1, "schema_version": 1, '
-                                       '"generation": 3, "desired": "running"}'),
-              "unknown field", "schema_version"),
+    _document(
+        "missing-schema-version",
+        _doc('{"generation": 3, "desired": "running"}'),
+        "missing field",
+        "schemaVersion",
+    ),
+    _document(
+        "missing-generation",
+        _doc('{"schemaVersion": 1, "desired": "running"}'),
+        "missing field",
+        "generation",
+    ),
+    _document(
+        "missing-desired", _doc('{"schemaVersion": 1, "generation": 3}'), "missing field", "desired"
+    ),
+    _document(
+        "unknown-field",
+        _doc('{"schemaVersion": 1, "generation": 3, "desired": "running", "image": "evil:latest"}'),
+        "unknown field",
+        "image",
+    ),
+    _document(
+        "snake-case-field",
+        _doc('{"schema_version": 1, "generation": 3, "desired": "running"}'),
+        "schemaVersion",
+    ),
+    _document(
+        "snake-case-extra",
+        _doc('{"schemaVersion": 1, "schema_version": 1, "generation": 3, "desired": "running"}'),
+        "unknown field",
+        "schema_version",
+    ),
     _document("generation-string", _gen('"3"'), "generation", '"3"'),
     _document("generation-negative", _gen("-1"), "generation", "-1"),
     _document("generation-float", _gen("3.0"), "generation", "3.0"),
@@ -152,10 +191,16 @@ INVALID: list[Case] = [
     _document("requested-at-space", _at('"2026-11-30 17:14:35Z"'), "requestedAt"),
     _document("requested-at-february-30", _at('"2026-02-30T17:14:35Z"'), "requestedAt"),
     # the file itself is wrong
-    _file("one-mebibyte", "bytes; the limit",
-          content=VALID_TEXT.rstrip(b"\n") + b" " * (2**20 - len(VALID_TEXT)) + b"\n"),
-    _file("just-over-limit", "bytes; the limit",
-          content=VALID_TEXT.rstrip(b"\n") + b" " * (64 * 1024 + 1 - len(VALID_TEXT)) + b"\n"),
+    _file(
+        "one-mebibyte",
+        "bytes; the limit",
+        content=VALID_TEXT.rstrip(b"\n") + b" " * (2**20 - len(VALID_TEXT)) + b"\n",
+    ),
+    _file(
+        "just-over-limit",
+        "bytes; the limit",
+        content=VALID_TEXT.rstrip(b"\n") + b" " * (64 * 1024 + 1 - len(VALID_TEXT)) + b"\n",
+    ),
     _file("invalid-utf8", "UTF-8", content=_want('"runn?ing"').replace(b"?", b"\xff")),
     _file("utf16", "UTF-8", content=b"\xff\xfe" + VALID_TEXT.decode().encode("utf-16-le")),
     _file("fifo", "FIFO", kind="fifo"),
@@ -165,30 +210,79 @@ INVALID: list[Case] = [
 
 # (name, content, expected generation, expected desired)
 VALID: list[tuple[str, bytes, int, str]] = [
-    ("generation-0", _doc('{"schemaVersion": 1, "generation": 0, "desired": "stopped"}'),
-     0, "stopped"),
-    ("generation-1", _doc('{"schemaVersion": 1, "generation": 1, "desired": "running"}'),
-     1, "running"),
-    ("generation-max", _doc(f'{{"schemaVersion": 1, "generation": {MAX_GENERATION}, '
-                            '"desired": "running"}'), MAX_GENERATION, "running"),
+    (
+        "generation-0",
+        _doc('{"schemaVersion": 1, "generation": 0, "desired": "stopped"}'),
+        0,
+        "stopped",
+    ),
+    (
+        "generation-1",
+        _doc('{"schemaVersion": 1, "generation": 1, "desired": "running"}'),
+        1,
+        "running",
+    ),
+    (
+        "generation-max",
+        _doc(f'{{"schemaVersion": 1, "generation": {MAX_GENERATION}, "desired": "running"}}'),
+        MAX_GENERATION,
+        "running",
+    ),
     ("stopped", _doc('{"schemaVersion": 1, "generation": 7, "desired": "stopped"}'), 7, "stopped"),
     ("compact", _doc('{"schemaVersion":1,"generation":3,"desired":"running"}'), 3, "running"),
-    ("indented", _doc('{\n  "schemaVersion": 1,\n  "generation": 3,\n  "desired": "running"\n}\n'),
-     3, "running"),
-    ("tabs-and-crlf", _doc('{\r\n\t"schemaVersion" : 1 ,\r\n\t"generation" : 3 ,\r\n'
-                           '\t"desired" : "stopped"\r\n}\r\n'), 3, "stopped"),
-    ("surrounding-whitespace", _doc('\n\n   {"schemaVersion": 1, "generation": 42, '
-                                    '"desired": "running"}   \n\n'), 42, "running"),
-    ("other-key-order", _doc('{"desired": "stopped", "generation": 9, "schemaVersion": 1}'),
-     9, "stopped"),
-    ("escaped-value", _doc('{"schemaVersion": 1, "generation": 5, "desired": "\\u0072unning"}'),
-     5, "running"),
+    (
+        "indented",
+        _doc('{\n  "schemaVersion": 1,\n  "generation": 3,\n  "desired": "running"\n}\n'),
+        3,
+        "running",
+    ),
+    (
+        "tabs-and-crlf",
+        _doc(
+            '{\r\n\t"schemaVersion" : 1 ,\r\n\t"generation" : 3 ,\r\n'
+            '\t"desired" : "stopped"\r\n}\r\n'
+        ),
+        3,
+        "stopped",
+    ),
+    (
+        "surrounding-whitespace",
+        _doc('\n\n   {"schemaVersion": 1, "generation": 42, "desired": "running"}   \n\n'),
+        42,
+        "running",
+    ),
+    (
+        "other-key-order",
+        _doc('{"desired": "stopped", "generation": 9, "schemaVersion": 1}'),
+        9,
+        "stopped",
+    ),
+    (
+        "escaped-value",
+        _doc('{"schemaVersion": 1, "generation": 5, "desired": "\\u0072unning"}'),
+        5,
+        "running",
+    ),
     ("requested-by-operator", _at('"2026-11-30T17:14:35.239Z"'), 3, "stopped"),
-    ("requested-by-gateway", _doc('{"schemaVersion": 1, "generation": 4, "desired": "running", '
-                                  '"requestedBy": "gateway", '
-                                  '"requestedAt": "2026-11-30T18:14:35+01:00"}'), 4, "running"),
-    ("requested-null", _doc('{"schemaVersion": 1, "generation": 5, "desired": "stopped", '
-                            '"requestedBy": null, "requestedAt": null}'), 5, "stopped"),
+    (
+        "requested-by-gateway",
+        _doc(
+            '{"schemaVersion": 1, "generation": 4, "desired": "running", '
+            '"requestedBy": "gateway", '
+            '"requestedAt": "2026-11-30T18:14:35+01:00"}'
+        ),
+        4,
+        "running",
+    ),
+    (
+        "requested-null",
+        _doc(
+            '{"schemaVersion": 1, "generation": 5, "desired": "stopped", '
+            '"requestedBy": null, "requestedAt": null}'
+        ),
+        5,
+        "stopped",
+    ),
 ]
 
 

@@ -44,15 +44,28 @@ def _home() -> Path:
 
 def _systemctl_show(unit: str) -> dict[str, str]:
     done = subprocess.run(
-        [str(ROOT / "scripts" / "as-lucia"), "systemctl", "--user", "show", unit,
-         "-p", "ActiveState", "-p", "MainPID"],
-        capture_output=True, text=True, check=False,
+        [
+            str(ROOT / "scripts" / "as-lucia"),
+            "systemctl",
+            "--user",
+            "show",
+            unit,
+            "-p",
+            "ActiveState",
+            "-p",
+            "MainPID",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
         env={"LUCIA_USER": USER, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
     )
     shown = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     if done.returncode != 0 or set(shown) != {"ActiveState", "MainPID"}:
-        raise SystemExit(f"demo_intact: systemctl --user show {unit} as {USER} failed "
-                         f"({done.returncode}): {done.stderr.strip()}")
+        raise SystemExit(
+            f"demo_intact: systemctl --user show {unit} as {USER} failed "
+            f"({done.returncode}): {done.stderr.strip()}"
+        )
     return shown
 
 
@@ -67,10 +80,15 @@ def _files(home: Path) -> list[Path]:
     share, config = home / ".local/share/lucia", home / ".config"
     units = sorted((config / "systemd/user").glob("lucia-*.service"))
     recipes = sorted((share / "recipes").glob("*.toml"))
-    named = [share / "venv/.lucia-source", share / "README.md",
-             share / "host/data/inference-keys/keys.json",
-             *(config / "lucia" / name for name in
-               ("gateway.toml", "owner.key", "inference.key", "machine.toml"))]
+    named = [
+        share / "venv/.lucia-source",
+        share / "README.md",
+        share / "host/data/inference-keys/keys.json",
+        *(
+            config / "lucia" / name
+            for name in ("gateway.toml", "owner.key", "inference.key", "machine.toml")
+        ),
+    ]
     return [*units, *recipes, *named]
 
 
@@ -84,8 +102,11 @@ def snapshot() -> dict[str, Any]:
         except docker.errors.NotFound:
             containers[name] = None
             continue
-        containers[name] = {"id": attrs["Id"], "startedAt": attrs["State"]["StartedAt"],
-                            "running": attrs["State"]["Running"]}
+        containers[name] = {
+            "id": attrs["Id"],
+            "startedAt": attrs["State"]["StartedAt"],
+            "running": attrs["State"]["Running"],
+        }
     try:
         network = client.networks.get(NETWORK).id
     except docker.errors.NotFound:
@@ -132,8 +153,11 @@ def _chat() -> list[str]:
     config = _home() / ".config/lucia"
     listen = load_gateway_settings(str(config / "gateway.toml")).listen
     key = (config / "inference.key").read_text().strip()
-    body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": 8}
+    body = {
+        "model": CHAT_MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+    }
     request = urllib.request.Request(
         f"http://{listen.address}:{listen.port}/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -151,16 +175,21 @@ def _chat() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.demo_intact", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.demo_intact",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("action", choices=("save", "check"))
     parser.add_argument("path", type=Path)
     args = parser.parse_args(argv)
     now = snapshot()
     if args.action == "save":
         args.path.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
-        print(f"demo_intact: saved {len(now['units'])} units, {len(now['containers'])} "
-              f"containers and {len(now['files'])} files to {args.path}")
+        print(
+            f"demo_intact: saved {len(now['units'])} units, {len(now['containers'])} "
+            f"containers and {len(now['files'])} files to {args.path}"
+        )
         return 0
     before = json.loads(args.path.read_text())
     problems = _differences(before, now)
@@ -173,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"demo_intact: the demo was touched ({len(problems)} differences)", file=sys.stderr)
         return 1
-    print(f"demo_intact: the demo is untouched: {len(now['units'])} units with the same pids, "
-          f"{len(now['containers'])} containers with the same ids and start times, "
-          f"{len(now['files'])} files unchanged, every engine answering")
+    print(
+        f"demo_intact: the demo is untouched: {len(now['units'])} units with the same pids, "
+        f"{len(now['containers'])} containers with the same ids and start times, "
+        f"{len(now['files'])} files unchanged, every engine answering"
+    )
     return 0
 
 

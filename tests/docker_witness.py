@@ -49,8 +49,9 @@ class DockerWitness:
         deadline = time.monotonic() + timeout
         while not (found := self.calls(fragment)):
             if time.monotonic() > deadline:
-                raise AssertionError(f"no call with {fragment!r} within {timeout:g} s "
-                                     f"(saw {self.calls()[-5:]})")
+                raise AssertionError(
+                    f"no call with {fragment!r} within {timeout:g} s (saw {self.calls()[-5:]})"
+                )
             time.sleep(0.1)
         return found
 
@@ -61,8 +62,12 @@ class DockerWitness:
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self._listener.close()
         with self._lock:
             for sock in self._open:
@@ -81,8 +86,7 @@ class DockerWitness:
             with self._lock:
                 self._open += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False),
-                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, record: bool) -> None:
         tail = b""  # a request line may be split between two reads
@@ -91,9 +95,11 @@ class DockerWitness:
                 if record:
                     seen = tail + chunk
                     with self._lock:
-                        self._paths += [m.group(1).decode(errors="replace")
-                                        for m in _REQUEST_LINE.finditer(seen)]
-                    tail = seen[seen.rfind(b"\n") + 1:][-4096:]
+                        self._paths += [
+                            m.group(1).decode(errors="replace")
+                            for m in _REQUEST_LINE.finditer(seen)
+                        ]
+                    tail = seen[seen.rfind(b"\n") + 1 :][-4096:]
                 sink.sendall(chunk)
         except OSError:
             pass

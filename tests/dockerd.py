@@ -85,7 +85,9 @@ class Private:
         return [
             # its network namespace only: `ip netns exec` would also mount a /sys of its own,
             # without the cgroup hierarchies dockerd needs
-            "nsenter", f"--net=/run/netns/{self.netns}", "--",
+            "nsenter",
+            f"--net=/run/netns/{self.netns}",
+            "--",
             "dockerd",
             f"--config-file={self.config}",
             f"--host={self.host}",
@@ -130,15 +132,21 @@ class Private:
         LOGS.mkdir(parents=True, exist_ok=True)
         if self._log is None:
             self._log = self.log_path.open("ab")
-        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=self._log,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.answers():
                 return
             time.sleep(0.2)
-        raise AssertionError(f"the private dockerd did not answer within {START_S:.0f} s "
-                             f"(log: {self.log_path})")
+        raise AssertionError(
+            f"the private dockerd did not answer within {START_S:.0f} s (log: {self.log_path})"
+        )
 
     def pid(self) -> int:
         if self._proc is None or self._proc.poll() is not None:
@@ -162,8 +170,9 @@ class Private:
         try:
             proc.wait(START_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the private dockerd (pid {proc.pid}) did not stop within "
-                                 f"{START_S:.0f} s") from None
+            raise AssertionError(
+                f"the private dockerd (pid {proc.pid}) did not stop within {START_S:.0f} s"
+            ) from None
 
     def restart(self) -> None:
         """Stopped and started again, as a package upgrade does it: without live-restore, its
@@ -214,8 +223,11 @@ class Private:
         subprocess.run(["ip", "link", "delete", self.veth_host], check=False, capture_output=True)
         subprocess.run(["ip", "netns", "delete", self.netns], check=False, capture_output=True)
         for tree in (self.root, self.runtime):
-            mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                      if line.split()[1].startswith(str(tree) + "/")]
+            mounts = [
+                line.split()[1]
+                for line in Path("/proc/mounts").read_text().splitlines()
+                if line.split()[1].startswith(str(tree) + "/")
+            ]
             for mount in sorted(mounts, key=len, reverse=True):
                 subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
             shutil.rmtree(tree, ignore_errors=True)

@@ -160,7 +160,7 @@ def shipped_recipe(repository: str, commit: str, network: str, port: int) -> str
         (r'(?m)^repository = ".*"$', f'repository = "{repository}"'),
         (r'(?m)^commit = "[0-9a-f]{40}"', f'commit = "{commit}"'),
         (r'(?m)^network = ".*"$', f'network = "{network}"'),
-        (r'(?m)^port = 8888$', f"port = {port}"),
+        (r"(?m)^port = 8888$", f"port = {port}"),
         (r'(?m)^gpus = "all"\n', ""),
         (r"memlock = -1, ", ""),
         (r"(?ms)^\[memory\]\n.*?(?=^\[)", ""),
@@ -261,17 +261,21 @@ class Engine(EngineDirs):
         data["name"] = self.name
         data["image"]["tag"] = self.image_tag
         data["grammar"] = {"requirement": self.requirement, "modules": list(self.modules)}
-        data["settings"].update({
-            "IMAGE": self.image_tag, "TEST_DOWNLOAD_SECONDS": "0.3",
-            "TEST_BUILD_LABEL": f"{TEST_LABEL}={RUN_ID}",
-            "TEST_RUN_LABEL": f"{TEST_LABEL}={RUN_ID}",
-            **self.settings,
-        })
+        data["settings"].update(
+            {
+                "IMAGE": self.image_tag,
+                "TEST_DOWNLOAD_SECONDS": "0.3",
+                "TEST_BUILD_LABEL": f"{TEST_LABEL}={RUN_ID}",
+                "TEST_RUN_LABEL": f"{TEST_LABEL}={RUN_ID}",
+                **self.settings,
+            }
+        )
         data["secrets"] = dict(self.secrets)
         extra = dict(self.run_extra)  # extra volumes come on top of the caches the recipe needs
         extra["volumes"] = data["run"]["volumes"] + extra.get("volumes", [])
-        data["run"].update({"ready_timeout": self.ready_timeout, "stop_grace": self.stop_grace,
-                            **extra})
+        data["run"].update(
+            {"ready_timeout": self.ready_timeout, "stop_grace": self.stop_grace, **extra}
+        )
         self.recipe_path.write_text(toml_text(data))
         return self.recipe_path
 
@@ -279,17 +283,28 @@ class Engine(EngineDirs):
         self.models_dir.mkdir(exist_ok=True)
         settings = dict(self.settings)
         lines = [
-            f'name = "{self.name}"', 'engine = "llama-router"', 'model = "gguf-library"',
-            "[library]", f'models_dir = "{self.models_dir}"', f'cache_dir = "{self.cache_dir}"',
+            f'name = "{self.name}"',
+            'engine = "llama-router"',
+            'model = "gguf-library"',
+            "[library]",
+            f'models_dir = "{self.models_dir}"',
+            f'cache_dir = "{self.cache_dir}"',
             "poll_seconds = 1",
-            "[router]", f'image = "{self.router_image}"', f"models_max = {self.models_max}",
+            "[router]",
+            f'image = "{self.router_image}"',
+            f"models_max = {self.models_max}",
             "load_on_startup = " + json.dumps(list(self.load_on_startup)),
             "defaults = " + inline_table(self.defaults),
-            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
-            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
-            "[run]", f'network = "{self.network}"', f"port = {self.port}",
+            "[settings]",
+            *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
+            "[run]",
+            f'network = "{self.network}"',
+            f"port = {self.port}",
             'metrics_path = "/metrics"',
-            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            f"ready_timeout = {self.ready_timeout}",
+            f"stop_grace = {self.stop_grace}",
             *(f"{k} = {toml_value(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
@@ -297,27 +312,50 @@ class Engine(EngineDirs):
 
     def _write_vllm_cpu_recipe(self) -> Path:
         """The real CPU server (recipes/vllm-cpu.toml's shape) on a Ready library model."""
-        vllm = {"device": "cpu", "image": self.vllm_image, "kv_cache_gib": 1,
-                "served_name": "tiny", "max_model_len": 1024,
-                # eager: no torch.compile at start, which halves the tiny model's load here
-                "args": ["--dtype", "bfloat16", "--enforce-eager"],
-                **self.vllm}
+        vllm = {
+            "device": "cpu",
+            "image": self.vllm_image,
+            "kv_cache_gib": 1,
+            "served_name": "tiny",
+            "max_model_len": 1024,
+            # eager: no torch.compile at start, which halves the tiny model's load here
+            "args": ["--dtype", "bfloat16", "--enforce-eager"],
+            **self.vllm,
+        }
         lines = [
-            f'name = "{self.name}"', 'engine = "vllm"', 'model = "tiny-llama"',
-            "[vllm]", *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
-            "[vllm.model.library]", f'models_dir = "{self.models_dir}"',
+            f'name = "{self.name}"',
+            'engine = "vllm"',
+            'model = "tiny-llama"',
+            "[vllm]",
+            *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
+            "[vllm.model.library]",
+            f'models_dir = "{self.models_dir}"',
             f'guid = "{self.vllm_guid}"',
             # the KV tiers only when a test gives them (the shipped CPU recipe has none)
-            *(["[tiers]", *(f"{k} = {toml_value(v)}" for k, v in self.tiers_extra.items())]
-              if self.tiers_extra else []),
-            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in
-                            {"HF_HUB_OFFLINE": "1", **self.settings}.items()),
-            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
-            "[run]", f'network = "{self.network}"', f"port = {self.port}",
-            "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
-            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {toml_value(v)}" for k, v in
-              {"shm_size": "512m", "memory": "4g", **self.run_extra}.items()),
+            *(
+                ["[tiers]", *(f"{k} = {toml_value(v)}" for k, v in self.tiers_extra.items())]
+                if self.tiers_extra
+                else []
+            ),
+            "[settings]",
+            *(
+                f"{k} = {json.dumps(v)}"
+                for k, v in {"HF_HUB_OFFLINE": "1", **self.settings}.items()
+            ),
+            "[secrets]",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
+            "[run]",
+            f'network = "{self.network}"',
+            f"port = {self.port}",
+            "container_port = 8000",
+            'ready_path = "/health"',
+            'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}",
+            f"stop_grace = {self.stop_grace}",
+            *(
+                f"{k} = {toml_value(v)}"
+                for k, v in {"shm_size": "512m", "memory": "4g", **self.run_extra}.items()
+            ),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
@@ -331,55 +369,96 @@ class Engine(EngineDirs):
             key.chmod(0o600)
         settings = {"LOAD_DELAY": "1", **self.settings}
         secrets = {"LUCIA_KV_KEY": str(key), **self.secrets}
-        vllm = {"repository": self.vllm_repository, "nvidia_smi": self.nvidia_smi,
-                "served_name": "tiny", "max_model_len": 4096, **self.vllm}
+        vllm = {
+            "repository": self.vllm_repository,
+            "nvidia_smi": self.nvidia_smi,
+            "served_name": "tiny",
+            "max_model_len": 4096,
+            **self.vllm,
+        }
         lines = [
-            f'name = "{self.name}"', 'engine = "vllm"', 'model = "test/tiny-model"',
-            "[vllm]", *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
-            "[vllm.model.hf]", f'id = "{self.vllm_model}"', f'revision = "{self.revision}"',
-            "[tiers]", 'shm_bytes = "16m"',
+            f'name = "{self.name}"',
+            'engine = "vllm"',
+            'model = "test/tiny-model"',
+            "[vllm]",
+            *(f"{k} = {toml_value(v)}" for k, v in vllm.items()),
+            "[vllm.model.hf]",
+            f'id = "{self.vllm_model}"',
+            f'revision = "{self.revision}"',
+            "[tiers]",
+            'shm_bytes = "16m"',
             "nvme = " + inline_table({"path": str(self.root / "kv-nvme"), "max_bytes": "1g"}),
             "hdd = " + inline_table({"path": str(self.root / "kv-hdd"), "max_bytes": "4g"}),
             *(f"{k} = {toml_value(v)}" for k, v in self.tiers_extra.items()),
-            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
-            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in secrets.items()),
-            "[run]", f'network = "{self.network}"', f"port = {self.port}",
-            "container_port = 8000", 'ready_path = "/health"', 'metrics_path = "/metrics"',
-            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
-            *(f"{k} = {toml_value(v)}" for k, v in
-              {"shm_size": "64m", "memory": "512m", **self.run_extra,
-               # the HF cache the model download fills; extra volumes come on top of it
-               "volumes": [{"source": str(self.root / "hf-cache"),
-                            "target": "/var/cache/huggingface"},
-                           *self.run_extra.get("volumes", [])]}.items()),
+            "[settings]",
+            *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]",
+            *(f"{k} = {json.dumps(v)}" for k, v in secrets.items()),
+            "[run]",
+            f'network = "{self.network}"',
+            f"port = {self.port}",
+            "container_port = 8000",
+            'ready_path = "/health"',
+            'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}",
+            f"stop_grace = {self.stop_grace}",
+            *(
+                f"{k} = {toml_value(v)}"
+                for k, v in {
+                    "shm_size": "64m",
+                    "memory": "512m",
+                    **self.run_extra,
+                    # the HF cache the model download fills; extra volumes come on top of it
+                    "volumes": [
+                        {"source": str(self.root / "hf-cache"), "target": "/var/cache/huggingface"},
+                        *self.run_extra.get("volumes", []),
+                    ],
+                }.items()
+            ),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
         return self.recipe_path
 
     def _write_tensorfold_recipe(self) -> Path:
         settings = {
-            "PORT": str(self.port), "MODEL_ID": "test/tiny-model", "SERVED_NAME": "tiny",
-            "PARALLEL": "4", "CONTEXT": "200000", "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
-            "HF_CACHE": str(self.root / "hf-cache"), "READY_DELAY": "1",
+            "PORT": str(self.port),
+            "MODEL_ID": "test/tiny-model",
+            "SERVED_NAME": "tiny",
+            "PARALLEL": "4",
+            "CONTEXT": "200000",
+            "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
+            "HF_CACHE": str(self.root / "hf-cache"),
+            "READY_DELAY": "1",
             **self.settings,
         }
         build_args = {"BASE": self.base, **self.build_args}
         lines = [
-            f'name = "{self.name}"', 'engine = "tensorfold"', 'model = "test/tiny-model"',
-            "[source]", f'repository = "{self.repo.url}"', f'commit = "{self.commit}"',
-            "[image]", f'tag = "{self.image_tag}"',
+            f'name = "{self.name}"',
+            'engine = "tensorfold"',
+            'model = "test/tiny-model"',
+            "[source]",
+            f'repository = "{self.repo.url}"',
+            f'commit = "{self.commit}"',
+            "[image]",
+            f'tag = "{self.image_tag}"',
             "build_args = " + inline_table(build_args),
             "[prepare]",
             'commands = [["sh", "scripts/prepare.sh"]]' if self.prepare else "commands = []",
-            "[grammar]", f'requirement = "{self.requirement}"',
+            "[grammar]",
+            f'requirement = "{self.requirement}"',
             "modules = " + json.dumps(list(self.modules)),
-            *(["[memory]", *(f"{k} = {v}" for k, v in self.memory.items())]
-              if self.memory else []),
-            "[settings]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
-            "[secrets]", *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
-            "[run]", f'network = "{self.network}"', f"port = {self.port}",
-            'ready_path = "/v1/models"', 'metrics_path = "/metrics"',
-            f"ready_timeout = {self.ready_timeout}", f"stop_grace = {self.stop_grace}",
+            *(["[memory]", *(f"{k} = {v}" for k, v in self.memory.items())] if self.memory else []),
+            "[settings]",
+            *(f"{k} = {json.dumps(v)}" for k, v in settings.items()),
+            "[secrets]",
+            *(f"{k} = {json.dumps(v)}" for k, v in self.secrets.items()),
+            "[run]",
+            f'network = "{self.network}"',
+            f"port = {self.port}",
+            'ready_path = "/v1/models"',
+            'metrics_path = "/metrics"',
+            f"ready_timeout = {self.ready_timeout}",
+            f"stop_grace = {self.stop_grace}",
             *(f"{k} = {toml_value(v)}" for k, v in self.run_extra.items()),
         ]
         self.recipe_path.write_text("\n".join(lines) + "\n")
@@ -399,10 +478,24 @@ class Engine(EngineDirs):
         self.write_recipe()
         log = open(self.root / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            [*CLI, "worker", self.name, "--recipe", str(self.recipe_path),
-             "--data-dir", str(self.data_dir), "--state-dir", str(self.state_dir),
-             "--heartbeat", str(heartbeat), *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.worker_env(),
+            [
+                *CLI,
+                "worker",
+                self.name,
+                "--recipe",
+                str(self.recipe_path),
+                "--data-dir",
+                str(self.data_dir),
+                "--state-dir",
+                str(self.state_dir),
+                "--heartbeat",
+                str(heartbeat),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.worker_env(),
         )
         self.procs.append(proc)
         return proc
@@ -440,9 +533,13 @@ class Engine(EngineDirs):
         if by == "gateway":
             return host_request(self.data_dir, self.name, desired, "gateway")  # type: ignore[arg-type]
         # as the host application, which knows its engines: no recipe or status may exist yet
-        out = subprocess.run([*CLI, "request", self.name, desired, "--create", "--data-dir",
-                              str(self.data_dir)], cwd=ROOT, check=True, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [*CLI, "request", self.name, desired, "--create", "--data-dir", str(self.data_dir)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return int(out.stdout.strip())
 
     def status(self) -> dict[str, Any] | None:
@@ -451,8 +548,9 @@ class Engine(EngineDirs):
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
-    def wait_status(self, check: Callable[[dict[str, Any]], bool], timeout: float = 60,
-                    what: str = "status") -> dict[str, Any]:
+    def wait_status(
+        self, check: Callable[[dict[str, Any]], bool], timeout: float = 60, what: str = "status"
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         status = None
         while time.monotonic() < deadline:
@@ -460,18 +558,22 @@ class Engine(EngineDirs):
             if status is not None and check(status):
                 return status
             time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last status: {status}; "
-                             f"log: {self.log_tail()}")
+        raise AssertionError(
+            f"timed out waiting for {what}; last status: {status}; log: {self.log_tail()}"
+        )
 
     def wait_state(self, generation: int, state: str, timeout: float = 60) -> dict[str, Any]:
         return self.wait_status(
-            lambda s: s["generation"] == generation and s["state"] == state, timeout,
-            f"generation {generation} {state}")
+            lambda s: s["generation"] == generation and s["state"] == state,
+            timeout,
+            f"generation {generation} {state}",
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         """The end of the last worker's log (worker-10.log comes after worker-9.log)."""
-        logs = sorted(self.root.glob("worker-*.log"),
-                      key=lambda path: int(path.stem.removeprefix("worker-")))
+        logs = sorted(
+            self.root.glob("worker-*.log"), key=lambda path: int(path.stem.removeprefix("worker-"))
+        )
         return "\n".join(p.read_text(errors="replace")[-4000:] for p in logs[-1:])
 
     def file_sd(self) -> list[dict[str, Any]]:
@@ -485,9 +587,12 @@ def router_images(client: docker.DockerClient, llama_server_image: str) -> tuple
     tags = []
     for version in (1, 2):
         tag = f"lucia-test-router-{RUN_ID}:{version}"
-        client.images.build(fileobj=io.BytesIO(f"FROM {llama_server_image}\n".encode()),
-                            tag=tag, rm=True,
-                            labels={TEST_LABEL: RUN_ID, "version": str(version)})
+        client.images.build(
+            fileobj=io.BytesIO(f"FROM {llama_server_image}\n".encode()),
+            tag=tag,
+            rm=True,
+            labels={TEST_LABEL: RUN_ID, "version": str(version)},
+        )
         tags.append(tag)
     return tags[0], tags[1]
 
@@ -499,10 +604,13 @@ def vllm_images(client: docker.DockerClient, base_image: str) -> tuple[str, str]
     repositories = []
     for version in (1, 2):
         repository = f"lucia-test-vllm{version}-{RUN_ID}"
-        client.images.build(path=str(ROOT / "tests" / "vllm-standin"),
-                            tag=f"{repository}:v0.32.0-cu129", rm=True,
-                            buildargs={"BASE": base_image},
-                            labels={TEST_LABEL: RUN_ID, "version": str(version)})
+        client.images.build(
+            path=str(ROOT / "tests" / "vllm-standin"),
+            tag=f"{repository}:v0.32.0-cu129",
+            rm=True,
+            buildargs={"BASE": base_image},
+            labels={TEST_LABEL: RUN_ID, "version": str(version)},
+        )
         repositories.append(repository)
     return repositories[0], repositories[1]
 
@@ -512,8 +620,13 @@ def router_standin(client: docker.DockerClient, base_image: str) -> str:
     """The shell stand-in of llama-server (demo/llama-router), for the cases the real one
     cannot make: a model load that takes as long as a test says (LOAD_DELAY)."""
     tag = f"lucia-test-router-standin-{RUN_ID}:1"
-    client.images.build(path=str(ROOT / "demo" / "llama-router"), tag=tag, rm=True,
-                        buildargs={"BASE": base_image}, labels={TEST_LABEL: RUN_ID})
+    client.images.build(
+        path=str(ROOT / "demo" / "llama-router"),
+        tag=tag,
+        rm=True,
+        buildargs={"BASE": base_image},
+        labels={TEST_LABEL: RUN_ID},
+    )
     return tag
 
 
@@ -523,8 +636,14 @@ class EngineFactory:
     `make_engine` is one per test; tests/conformance/relay.py keeps one per module, for engines
     handed from case to case."""
 
-    def __init__(self, client: docker.DockerClient, base_image: str, directory: Path,
-                 recipe_repo: Callable[[], RecipeRepo], request: pytest.FixtureRequest) -> None:
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        base_image: str,
+        directory: Path,
+        recipe_repo: Callable[[], RecipeRepo],
+        request: pytest.FixtureRequest,
+    ) -> None:
         self.client = client
         self.base_image = base_image
         self.directory = directory
@@ -556,8 +675,9 @@ class EngineFactory:
             overrides["env"] = {MACHINE_ENV: str(machine), **overrides.get("env", {})}
             if not overrides.get("vllm_guid"):
                 files = add_model(root / "library", "Ready")
-                shutil.copytree(request.getfixturevalue("tiny_llama_dir"), files,
-                                dirs_exist_ok=True)
+                shutil.copytree(
+                    request.getfixturevalue("tiny_llama_dir"), files, dirs_exist_ok=True
+                )
                 overrides["vllm_guid"] = files.parent.name
         elif overrides.get("kind") == "vllm" and "vllm_repository" not in overrides:
             overrides["vllm_repository"] = request.getfixturevalue("vllm_images")[0]
@@ -578,8 +698,7 @@ class EngineFactory:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for container in self.client.containers.list(all=True,
-                                                      filters={"name": engine.container}):
+        for container in self.client.containers.list(all=True, filters={"name": engine.container}):
             container.remove(force=True)
         for image in (engine.image_tag + "-grammar", engine.image_tag):
             with contextlib.suppress(docker.errors.ImageNotFound):
@@ -590,8 +709,9 @@ class EngineFactory:
             self.discard(engine)
 
 
-def own_recipe_factory(client: docker.DockerClient, base_image: str, directory: Path,
-                       request: pytest.FixtureRequest) -> EngineFactory:  # fmt: skip
+def own_recipe_factory(
+    client: docker.DockerClient, base_image: str, directory: Path, request: pytest.FixtureRequest
+) -> EngineFactory:
     """An EngineFactory under `directory` on a recipe repository of its own (the template's,
     tagged `recipe 0.7.0`), for a module's engines."""
     recipe_repository(directory / "recipe-repo", REPO_TEMPLATE, "recipe 0.7.0")
@@ -601,7 +721,10 @@ def own_recipe_factory(client: docker.DockerClient, base_image: str, directory: 
 
 @pytest.fixture
 def make_engine(
-    client: docker.DockerClient, base_image: str, recipe_repo: RecipeRepo, tmp_path: Path,
+    client: docker.DockerClient,
+    base_image: str,
+    recipe_repo: RecipeRepo,
+    tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., Engine]]:
     factory = EngineFactory(client, base_image, tmp_path, lambda: recipe_repo, request)

@@ -39,16 +39,27 @@ class Gateway:
     proc: subprocess.Popen[bytes]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*CLI, *args, "--data-dir", str(self.data_dir)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60, check=True)
+        return subprocess.run(
+            [*CLI, *args, "--data-dir", str(self.data_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
 
     def create_key(self, name: str, *extra: str) -> str:
         return self.cli("keys", "create", name, *extra).stdout.strip()
 
-    def client(self, key: str | None = None, timeout: float = 120,
-               retries: int = 0) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.issued,
-                             timeout=timeout, max_retries=retries)
+    def client(
+        self, key: str | None = None, timeout: float = 120, retries: int = 0
+    ) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=key or self.issued,
+            timeout=timeout,
+            max_retries=retries,
+        )
 
     def get(self, path: str, key: str | None = None) -> tuple[int, Any]:
         """A GET's status and its JSON (or text) body; an error status is returned, not raised."""
@@ -90,8 +101,9 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if gateway.proc.poll() is not None:
-            raise AssertionError(f"the gateway exited ({gateway.proc.returncode}):\n"
-                                 f"{gateway.log_text()[-3000:]}")
+            raise AssertionError(
+                f"the gateway exited ({gateway.proc.returncode}):\n{gateway.log_text()[-3000:]}"
+            )
         with contextlib.suppress(OSError):
             if gateway.get("/metrics")[0] == 200:
                 return
@@ -100,8 +112,9 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def running_gateway(work: Path, data_dir: Path, settings: str = "",
-                    listen: str = "") -> Iterator[Gateway]:
+def running_gateway(
+    work: Path, data_dir: Path, settings: str = "", listen: str = ""
+) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
     (TOML sections) after [listen] and [keys]."""
     work.mkdir(parents=True, exist_ok=True)
@@ -114,14 +127,24 @@ def running_gateway(work: Path, data_dir: Path, settings: str = "",
     path.write_text(
         f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
         f'[keys]\nowner_file = "{work / "owner.key"}"\n'
-        f'inference_file = "{work / "inference.key"}"\n' + settings)
+        f'inference_file = "{work / "inference.key"}"\n' + settings
+    )
     log = work / "gateway.log"
-    issued = subprocess.run([*CLI, "keys", "create", "tests", "--data-dir", str(data_dir)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60,
-                            check=True).stdout.strip()
+    issued = subprocess.run(
+        [*CLI, "keys", "create", "tests", "--data-dir", str(data_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     with log.open("wb") as out:
-        proc = subprocess.Popen([*CLI, "gateway", "--settings", str(path), "--data-dir",
-                                 str(data_dir)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*CLI, "gateway", "--settings", str(path), "--data-dir", str(data_dir)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     gateway = Gateway(f"http://127.0.0.1:{port}", data_dir, owner, inference, issued, log, proc)
     try:
         _wait_listening(gateway)

@@ -207,6 +207,8 @@ def _llama_tensors(shape: TinyLlama) -> list[tuple[str, np.ndarray[Any, np.dtype
         ]
     tensors += [("output_norm.weight", ones(e)), ("output.weight", weights(VOCAB_SIZE, e))]
     return tensors
+
+
 def write_model(
     path: Path,
     *,

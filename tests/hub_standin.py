@@ -151,8 +151,11 @@ class Hub:
                 self._error(handler, 404, "RevisionNotFound")
                 return
             served = self.served(handler)
-            self._json(handler, self.tree() + self._tree(
-                {k: v for k, v in served.items() if k not in self.files()}))  # fmt: skip
+            self._json(
+                handler,
+                self.tree()
+                + self._tree({k: v for k, v in served.items() if k not in self.files()}),
+            )
         elif path.startswith(resolve):
             rev, _, name = path[len(resolve) :].partition("/")
             commit = self._commit(rev)

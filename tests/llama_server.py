@@ -39,8 +39,12 @@ def built_image(client: docker.DockerClient) -> str | None:
     removed when that test ends)."""
     repository = os.environ.get("LUCIA_LLAMA_REPOSITORY") or IMAGE_REPOSITORY
     images = client.images.list(name=repository, filters={"label": VERSION_LABEL})
-    tagged = [(image, tag) for image in images for tag in image.tags
-              if tag.rsplit(":", 1)[0] == repository]
+    tagged = [
+        (image, tag)
+        for image in images
+        for tag in image.tags
+        if tag.rsplit(":", 1)[0] == repository
+    ]
     if not tagged:
         return None
     newest = max(tagged, key=lambda found: str(found[0].attrs["Created"]))

@@ -17,8 +17,9 @@ def ext4(mount: Path, image: Path, size: int, options: str = "defaults") -> Iter
     with image.open("wb") as handle:
         handle.truncate(size)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    device = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     try:
         subprocess.run(["mount", "-o", options, device, str(mount)], check=True)
         yield device
@@ -31,8 +32,9 @@ def ext4(mount: Path, image: Path, size: int, options: str = "defaults") -> Iter
 def fs_error(mount: Path) -> None:
     """An ext4 error at `mount`, as an I/O error under it makes one: mounted
     errors=remount-ro, the kernel remounts it read-only."""
-    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(mount)], check=True,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    device = subprocess.run(
+        ["findmnt", "-n", "-o", "SOURCE", str(mount)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     Path(f"/sys/fs/ext4/{Path(device).name}/trigger_fs_error").write_text("lucia test\n")
 
 

@@ -61,18 +61,36 @@ class Cluster:
 
     def initdb(self) -> None:
         self._run(
-            "initdb", "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8",
-            "--no-locale", "--no-sync",
-        )  # fmt: skip
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            SUPERUSER,
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        )
 
     def start(self) -> None:
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.data}"
         )
         done = self._run(
-            "pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o", options,
-            "start", check=False,
-        )  # fmt: skip
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            options,
+            "start",
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"pg_ctl start: {done.stderr or done.stdout}: {self._tail()}")
 

@@ -111,8 +111,11 @@ def run_and_kill(target: Target, rows: int, log: Path) -> Killed:
     with log.open("wb") as err:
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.record_child", kind, where],
-            stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+            env=env,
+        )
     assert child.stdout is not None
     answered: dict[int, float] = {}
     killed_at = 0.0

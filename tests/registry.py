@@ -71,8 +71,12 @@ def _start(directory: Path) -> tuple[subprocess.Popen[bytes], Registry]:
         config = directory / "config.yml"
         config.write_text(_config(storage, port))
         log = open(directory / "registry.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen([binary, "serve", str(config)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [binary, "serve", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         log.close()
         registry = Registry(f"127.0.0.1:{port}", storage)
         deadline = time.monotonic() + 30
@@ -169,8 +173,12 @@ class Gate:
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.release()
         self._listener.close()
         with self._lock:

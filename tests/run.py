@@ -31,10 +31,17 @@ def phase(name: str, extra: list[str], pytest_args: list[str]) -> tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=WORKERS,
-                        help=f"processes in the shared phase (default {WORKERS})")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=WORKERS,
+        help=f"processes in the shared phase (default {WORKERS})",
+    )
     known, pytest_args = parser.parse_known_args(argv)
     shared = ["-n", str(known.workers), "--dist", "loadscope", "--no-loadscope-reorder"]
     codes = [phase("shared", shared, pytest_args)[0], phase("alone", [], pytest_args)[0]]

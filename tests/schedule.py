@@ -31,25 +31,29 @@ from xdist.scheduler import LoadScopeScheduling
 # In this order: the longest group starts first, so that it does not start last.
 GROUPS = ("vllm", "lucia", "cold-build")
 PHASES = ("all", "shared", "alone")
-VLLM_MODULES = frozenset({
-    "tests/integration/test_gateway_charges_vllm.py",
-    "tests/integration/test_gateway_vllm.py",
-    "tests/integration/test_kv_tiers_shared_root.py",
-    "tests/integration/test_kv_tiers_vllm.py",
-    "tests/integration/test_kv_tiers_worker.py",
-    "tests/integration/test_models_vllm_e2e.py",
-    "tests/integration/test_vllm_cpu_engine.py",
-    "tests/integration/test_vllm_cpu_image.py",
-    "tests/integration/test_vllm_model_download.py",
-})
-LUCIA_MODULES = frozenset({
-    "tests/system/test_gateway_unit.py",
-    "tests/system/test_installed_tiers.py",
-    "tests/system/test_installed_vllm_tier_faults.py",
-    "tests/system/test_installed_vllm_tiers.py",
-    "tests/system/test_models_unit.py",
-    "tests/system/test_systemd.py",
-})
+VLLM_MODULES = frozenset(
+    {
+        "tests/integration/test_gateway_charges_vllm.py",
+        "tests/integration/test_gateway_vllm.py",
+        "tests/integration/test_kv_tiers_shared_root.py",
+        "tests/integration/test_kv_tiers_vllm.py",
+        "tests/integration/test_kv_tiers_worker.py",
+        "tests/integration/test_models_vllm_e2e.py",
+        "tests/integration/test_vllm_cpu_engine.py",
+        "tests/integration/test_vllm_cpu_image.py",
+        "tests/integration/test_vllm_model_download.py",
+    }
+)
+LUCIA_MODULES = frozenset(
+    {
+        "tests/system/test_gateway_unit.py",
+        "tests/system/test_installed_tiers.py",
+        "tests/system/test_installed_vllm_tier_faults.py",
+        "tests/system/test_installed_vllm_tiers.py",
+        "tests/system/test_models_unit.py",
+        "tests/system/test_systemd.py",
+    }
+)
 COLD_BUILD = "tests/integration/test_vllm_cpu_image.py::test_a_cold_build_under_a_private_tag"
 _VLLM_CONFORMANCE = re.compile(r"^tests/conformance/.*\[vllm\b")
 _VLLM_FIXTURES = frozenset({"vllm_cpu_image", "vllm_cpu_images", "start_vllm_cpu"})
@@ -88,9 +92,11 @@ class GroupScheduling(LoadScopeScheduling):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--phase", choices=PHASES, default="all",
+        "--phase",
+        choices=PHASES,
+        default="all",
         help="shared: only cases that may run beside others; alone: only those that may not "
-             "(python -m tests.run runs both)",
+        "(python -m tests.run runs both)",
     )
 
 
@@ -116,12 +122,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> GroupSchedul
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    wrong = [f"{item.nodeid}: holds what the group {held!r} holds, but runs in "
-             f"{group_of(item.nodeid)!r}" for item in items
-             if (held := held_group(item)) is not None and held != group_of(item.nodeid)]
+    wrong = [
+        f"{item.nodeid}: holds what the group {held!r} holds, but runs in {group_of(item.nodeid)!r}"
+        for item in items
+        if (held := held_group(item)) is not None and held != group_of(item.nodeid)
+    ]
     if wrong:
-        raise pytest.UsageError("tests/schedule.py: add the module to its group:\n  "
-                                + "\n  ".join(wrong))
+        raise pytest.UsageError(
+            "tests/schedule.py: add the module to its group:\n  " + "\n  ".join(wrong)
+        )
     phase = config.getoption("--phase")
     if phase != "all":
         alone = phase == "alone"

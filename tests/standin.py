@@ -44,8 +44,7 @@ def busybox_image(
     client: docker.DockerClient, context: Path, tag: str, labels: Mapping[str, str] | None = None
 ) -> str:
     """Build the base image as tag in context (a new directory)."""
-    client.images.build(path=str(busybox_context(context, labels)), tag=tag, rm=True,
-                        forcerm=True)
+    client.images.build(path=str(busybox_context(context, labels)), tag=tag, rm=True, forcerm=True)
     return tag
 
 
@@ -57,10 +56,16 @@ def free_port() -> int:
 
 def git(cwd: Path, *args: str) -> str:
     """git with a fixed identity; its output, stripped."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@lucia.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@lucia.invalid"}
-    done = subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
-                          text=True)
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@lucia.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@lucia.invalid",
+    }
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    )
     return done.stdout.strip()
 
 
@@ -90,23 +95,41 @@ def inline_table(table: Mapping[str, Any]) -> str:
 def toml_text(data: Mapping[str, Any]) -> str:
     """A recipe file from its tables: top-level keys first, then one [table] per dict."""
     top = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    tables = [f"[{k}]\n" + "\n".join(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
-              for k, v in data.items() if isinstance(v, dict)]
+    tables = [
+        f"[{k}]\n" + "\n".join(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
+        for k, v in data.items()
+        if isinstance(v, dict)
+    ]
     return "\n".join(top + tables) + "\n"
 
 
-def demo_recipe(name: str, repository: Path, commit: str, tag: str, base: str, port: int,
-                network: str, **tables: Mapping[str, Any]) -> str:
+def demo_recipe(
+    name: str,
+    repository: Path,
+    commit: str,
+    tag: str,
+    base: str,
+    port: int,
+    network: str,
+    **tables: Mapping[str, Any],
+) -> str:
     """The recipe that runs demo/recipe-repo's engine; tables' keys are added to (or replace)
     its own, table by table ({"run": {"stop_grace": 5}, "secrets": {...}})."""
     data: dict[str, Any] = {
-        "name": name, "engine": "tensorfold", "model": "test/tiny-model",
+        "name": name,
+        "engine": "tensorfold",
+        "model": "test/tiny-model",
         "source": {"repository": f"file://{repository}", "commit": commit},
         "image": {"tag": tag, "build_args": {"BASE": base}},
         "grammar": {"requirement": "xgrammar>=0.2.8,<0.3", "modules": ["xgrammar", "tensorfold"]},
         "settings": {"PORT": str(port), "MODEL_ID": "test/tiny-model", "SERVED_NAME": "tiny"},
-        "run": {"network": network, "port": port, "ready_path": "/v1/models",
-                "ready_timeout": 60, "stop_grace": 10},
+        "run": {
+            "network": network,
+            "port": port,
+            "ready_path": "/v1/models",
+            "ready_timeout": 60,
+            "stop_grace": 10,
+        },
     }
     for table, values in tables.items():
         data[table] = {**data.get(table, {}), **values}

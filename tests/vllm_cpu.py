@@ -175,12 +175,18 @@ def start_vllm_cpu(
         container = client.containers.run(
             image or vllm_cpu_image,
             [
-                "--model", MODEL_DIR,
-                "--served-model-name", SERVED_NAME,
-                "--host", "0.0.0.0",  # the container's own address; published on the gateway
-                "--port", str(CONTAINER_PORT),
-                "--dtype", "bfloat16",
-                "--max-model-len", "1024",
+                "--model",
+                MODEL_DIR,
+                "--served-model-name",
+                SERVED_NAME,
+                "--host",
+                "0.0.0.0",  # the container's own address; published on the gateway
+                "--port",
+                str(CONTAINER_PORT),
+                "--dtype",
+                "bfloat16",
+                "--max-model-len",
+                "1024",
                 *args,
             ],
             detach=True,
@@ -209,8 +215,10 @@ def start_vllm_cpu(
 def library_revision(files: Path, guid: str) -> str:
     """The file digest a library model is known by (its model revision): each file's size and
     change time, so a re-copied file is another revision."""
-    found = {entry.name: f"{entry.stat().st_size}:{entry.stat().st_mtime_ns}"
-             for entry in os.scandir(files)}
+    found = {
+        entry.name: f"{entry.stat().st_size}:{entry.stat().st_mtime_ns}"
+        for entry in os.scandir(files)
+    }
     manifest = kv_tiers.library_manifest(guid, found)
     return hashlib.sha256(manifest.encode()).hexdigest()[:16]
 
@@ -221,8 +229,9 @@ def vllm_cpu_images(client: docker.DockerClient, vllm_cpu_image: str) -> Iterato
     on top, as a rebuild would give): a recipe that names the second replaces the engine."""
     tag = f"lucia-test-vllm-cpu-{RUN_ID}:rebuilt"
     dockerfile = f"FROM {vllm_cpu_image}\nLABEL {TEST_LABEL}={RUN_ID}\n"
-    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True,
-                        labels={TEST_LABEL: RUN_ID})
+    client.images.build(
+        fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True, labels={TEST_LABEL: RUN_ID}
+    )
     yield vllm_cpu_image, tag
     with contextlib.suppress(docker.errors.APIError):
         client.images.remove(tag, force=True)

@@ -30,10 +30,33 @@ FILES = (
     "tokenizer_config.json",
 )
 WORDS = (
-    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cache", "block", "token",
-    "model", "engine", "worker", "status", "request", "container", "memory", "prefix", "server",
-    "answer", "running", "stopped", "image", "build", "layer",
-)  # fmt: skip
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "cache",
+    "block",
+    "token",
+    "model",
+    "engine",
+    "worker",
+    "status",
+    "request",
+    "container",
+    "memory",
+    "prefix",
+    "server",
+    "answer",
+    "running",
+    "stopped",
+    "image",
+    "build",
+    "layer",
+)
 
 
 # one line per message, then the assistant's turn: enough for chat and /v1/responses to render

@@ -22,9 +22,7 @@ HELP: Final = {
         "Blocks that failed to open (reason: auth, short, missing, size, error); a miss, removed."
     ),
     "stale_key": "Blocks sealed under a rotated-out cache key; a miss, removed.",
-    "skipped_writes": (
-        "Writes not made (reason: pinned, too_big, queue_full, off, no_space)."
-    ),
+    "skipped_writes": ("Writes not made (reason: pinned, too_big, queue_full, off, no_space)."),
     "tier_off": (
         "Times this tier was switched off after a fault (reason: the errno's name, such as "
         "erofs or eio, or unsafe); the engine serves on, the tier is tried again later."

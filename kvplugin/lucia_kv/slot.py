@@ -207,9 +207,11 @@ class Slot:
         it is done."""
         for number in range(writers):
             thread = threading.Thread(
-                target=self._run, args=(work, taken, done),
-                name=f"lucia-kv-{self.name}-{number}", daemon=True,
-            )  # fmt: skip
+                target=self._run,
+                args=(work, taken, done),
+                name=f"lucia-kv-{self.name}-{number}",
+                daemon=True,
+            )
             self._threads.append(thread)
             thread.start()
 

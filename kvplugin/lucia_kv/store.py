@@ -316,9 +316,10 @@ class Store:
                 result = tier.write(name, record, on_evict=evicted)
             except blockfile.Unsynced as exc:
                 slot.warn(
-                    "dirsync", "a block is written but the directory's fsync failed: %s "
-                    "(a crash may lose it)", exc.strerror,
-                )  # fmt: skip
+                    "dirsync",
+                    "a block is written but the directory's fsync failed: %s (a crash may lose it)",
+                    exc.strerror,
+                )
                 result = Written.WRITTEN
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
@@ -330,9 +331,11 @@ class Store:
                     continue  # room was made: the block is written once more
                 self.metrics.add("skipped_writes", slot.name, reason="no_space")
                 slot.warn(
-                    "space", "the disk is full though the tier's cap left room (something "
-                    "else fills it): the tier now holds at most %d bytes", tier.disk_cap or 0,
-                )  # fmt: skip
+                    "space",
+                    "the disk is full though the tier's cap left room (something "
+                    "else fills it): the tier now holds at most %d bytes",
+                    tier.disk_cap or 0,
+                )
                 return
             break
         if result is Written.WRITTEN:

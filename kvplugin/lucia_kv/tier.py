@@ -200,8 +200,11 @@ class Tier:
     def _merge_locked(self, found: list[Entry], *, final: bool) -> None:
         """Put scanned files into the index by their stamps: blocks read or written since the
         scan began stay the most recently used, in their order."""
-        old = [(self._stamps[name], name, size) for name, size in self._index.items()
-               if name in self._stamps]  # fmt: skip
+        old = [
+            (self._stamps[name], name, size)
+            for name, size in self._index.items()
+            if name in self._stamps
+        ]
         fresh = [(name, size) for name, size in self._index.items() if name not in self._stamps]
         busy = self._index.keys() | self._removing.keys() | self._writing
         merged = sorted(old + [entry for entry in found if entry[1] not in busy])

@@ -231,13 +231,20 @@ class Runtime:
         host_config = api.create_host_config(
             network_mode=network,
             restart_policy={"Name": "no"},
-            binds={m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"}
-                   for m in mounts} or None,
+            binds={
+                m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in mounts
+            }
+            or None,
         )
         with translated(f"creating a step container on {image[:19]}"):
             created = api.create_container(
-                image, entrypoint=[entrypoint], command=command, environment=environment,
-                labels=marks, host_config=host_config, user=user,
+                image,
+                entrypoint=[entrypoint],
+                command=command,
+                environment=environment,
+                labels=marks,
+                host_config=host_config,
+                user=user,
             )
         cid = created["Id"]
         tail: list[str] = []
@@ -253,8 +260,9 @@ class Runtime:
             with translated(f"attaching to a step container on {image[:19]}"):
                 stream = follower.attach(cid, stdout=True, stderr=True, stream=True, logs=True)
                 api.start(cid)
-            reader = threading.Thread(target=self._relay, args=(stream, progress, tail),
-                                      daemon=True)
+            reader = threading.Thread(
+                target=self._relay, args=(stream, progress, tail), daemon=True
+            )
             reader.start()
             while reader.is_alive():
                 if cancel.wait(0.1):

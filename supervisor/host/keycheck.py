@@ -218,8 +218,14 @@ class Verifier:
         redaction.register([owner, inference])
         stamp = _stamp(keys_file)
         ring = ring.with_issued(keys.load(keys_file))
-        verifier = cls(keys_file, ring, recheck=recheck, unknown_recheck=unknown_recheck,
-                       clock=clock, monotonic=monotonic)
+        verifier = cls(
+            keys_file,
+            ring,
+            recheck=recheck,
+            unknown_recheck=unknown_recheck,
+            clock=clock,
+            monotonic=monotonic,
+        )
         verifier._stamp = stamp
         verifier._last_look = monotonic()
         verifier._next_check = verifier._last_look + recheck

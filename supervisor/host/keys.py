@@ -48,6 +48,7 @@ KeyState = Literal["active", "expired", "revoked"]
 
 MAX_BUDGET: Final = 10**15  # daily tokens
 
+
 class KeyConfigError(ValueError):
     """What an operator must fix before the keys can be checked (the gateway exits 78)."""
 

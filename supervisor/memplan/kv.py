@@ -47,9 +47,17 @@ DEFAULT_INTERVAL: Final = 4
 CELL_PAD: Final = 256  # llama.cpp pads the context (and each sequence's cache) to this
 # encoder-only architectures: embedding models, no KV cache (llama.cpp src/llama-arch.cpp names)
 ENCODER_ARCHS: Final = frozenset(
-    {"bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
-     "jina-bert-v3", "t5encoder"}
-)  # fmt: skip
+    {
+        "bert",
+        "modern-bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "neo-bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "t5encoder",
+    }
+)
 
 
 class NotAModel(ValueError):

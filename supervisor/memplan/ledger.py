@@ -145,8 +145,10 @@ class Ledger:
             found = [c for c in claims if c.name == name]
             if not found:
                 return False
-            updated = [c.model_copy(update={"container": container}) if c.name == name else c
-                       for c in claims]  # fmt: skip
+            updated = [
+                c.model_copy(update={"container": container}) if c.name == name else c
+                for c in claims
+            ]
             self._write(updated)
         return True
 

@@ -120,8 +120,11 @@ def _rows(plan: EnginePlan) -> list[dict[str, Any]]:
             rows.append(_model_row(plan.name, model, "start"))
     if plan.router is not None:
         started = {m.name for m in plan.verdict.need.models} if plan.verdict else set()
-        rows += [_model_row(plan.name, m, "offered") for m in plan.router.offered
-                 if m.name not in started]  # fmt: skip
+        rows += [
+            _model_row(plan.name, m, "offered")
+            for m in plan.router.offered
+            if m.name not in started
+        ]
         rows += [_model_row(plan.name, m, "does not fit alone") for m in plan.router.unfit]
         rows += [
             {"engine": plan.name, "model": bad.name, "role": f"unreadable: {bad.reason}"}
@@ -181,13 +184,22 @@ def render(overview: Overview) -> str:
             if "need" not in row:
                 table.append((row["engine"], row["model"], row["role"], "-", "-", "-", "-"))
                 continue
-            table.append((
-                row["engine"], row["model"], row["role"], f"{size(row['weights'])}",
-                str(row["kvBytesPerToken"]), str(row["context"]), f"{size(row['need'])}",
-            ))  # fmt: skip
+            table.append(
+                (
+                    row["engine"],
+                    row["model"],
+                    row["role"],
+                    f"{size(row['weights'])}",
+                    str(row["kvBytesPerToken"]),
+                    str(row["context"]),
+                    f"{size(row['need'])}",
+                )
+            )
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-             for line in table]  # fmt: skip
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in table
+    ]
     memory, reserves = overview.memory, overview.settings.reserves
     held = ", ".join(f"{h.name} {size(h.bytes)}" for h in overview.held) or "nothing"
     lines += [

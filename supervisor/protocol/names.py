@@ -54,8 +54,10 @@ def problem(name: object) -> str | None:
             return "has an empty part: a '/' at its start or its end, or '//'"
         if not part[0].isalnum():
             where = "starts" if index == 0 else "has a part after a '/' that starts"
-            return (f"{where} with {part[0]!a}: the name and each part after a '/' start "
-                    "with a letter or a digit")  # fmt: skip
+            return (
+                f"{where} with {part[0]!a}: the name and each part after a '/' start "
+                "with a letter or a digit"
+            )
     return None
 
 

@@ -78,7 +78,6 @@ def parse_bytes(value: object) -> object:
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=1)]
 
 
-
 class Volume(Section):
     source: str
     target: AbsolutePath
@@ -103,7 +102,7 @@ class Run(Section):
     check: list[str] = Field(
         default_factory=list,
         description="run in a throwaway container (no GPU, mounts or network) before a start; "
-        "the first item is the entrypoint, ${SETTING} is expanded, an item \"$@\" stands for "
+        'the first item is the entrypoint, ${SETTING} is expanded, an item "$@" stands for '
         "run.command's arguments after its program; non-zero refuses the start",
     )
 

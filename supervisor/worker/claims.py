@@ -45,8 +45,10 @@ def abandoned(engine: Engine, running: str | None) -> None:
         return
     try:
         if claim.guard.abandon(running):
-            log.info("memory claim settled: its start was not run",
-                     held_by=running[:12] if running else None)
+            log.info(
+                "memory claim settled: its start was not run",
+                held_by=running[:12] if running else None,
+            )
     except OSError as exc:
         log.warning("memory claim not settled; retrying at the next look", error=str(exc))
 

@@ -178,7 +178,14 @@ class Heartbeat:
 
 def _same_answer(a: Status, b: Status) -> bool:
     fields = (
-        "generation", "state", "url", "refused", "engine", "retrying", "waiting_for", "models",
+        "generation",
+        "state",
+        "url",
+        "refused",
+        "engine",
+        "retrying",
+        "waiting_for",
+        "models",
         "slots",
     )
     return all(getattr(a, name) == getattr(b, name) for name in fields) and _plan(a) == _plan(b)

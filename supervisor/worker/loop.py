@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import FrameType
 from typing import Final
 
 from supervisor import logs
@@ -34,7 +33,7 @@ from supervisor.worker.jobs import ExitMonitor, WorkerJob
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
-from supervisor.worker.wakeup import Wakeup, watch_desired
+from supervisor.worker.wakeup import Signals, Wakeup, watch_desired
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
 OBSERVE_DEADLINE: Final = 10.0  # an observation that takes longer is reported, and waited for
@@ -67,8 +66,9 @@ class Worker:
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(settings.name)
         file_sd = FileSdWriter(settings.data_dir, settings.name)
-        self.heartbeat = Heartbeat(self.directory / STATUS, file_sd, settings.heartbeat,
-                                   self.notifier, self.metrics)
+        self.heartbeat = Heartbeat(
+            self.directory / STATUS, file_sd, settings.heartbeat, self.notifier, self.metrics
+        )
         self.engine: Engine = self._engine(load_recipe())
         self.heartbeat.models = self.engine.info.models
         self.pursuit: pursuit.Pursuit | None = None
@@ -78,7 +78,7 @@ class Worker:
         self.job: WorkerJob | None = None
         self._wake = Wakeup()
         self._stop = threading.Event()
-        self._signals: list[int] = []  # appended by the handlers, handled by the loop
+        self._signals = Signals()  # recorded by the handlers, handled by the loop
         self._terms = 0
         self._retry_at = 0.0
         self._failures = 0
@@ -89,9 +89,12 @@ class Worker:
 
     def _engine(self, recipe: Recipe) -> Engine:
         return registry.create(
-            self.settings.name, recipe, self.runtime, self.settings.state_dir,
+            self.settings.name,
+            recipe,
+            self.runtime,
+            self.settings.state_dir,
             self.settings.data_dir,
-        )  # fmt: skip
+        )
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -108,13 +111,15 @@ class Worker:
             ):
                 for stale in files.remove_stale_temps(path):
                     log.info("removed a temp file left by an interrupted write", path=str(stale))
-            self._install_signals()
+            self._signals.install(self._wake)
             if self.settings.metrics_port:
                 self.metrics.serve(self.settings.metrics_port)
             watcher = threading.Thread(
-                target=watch_desired, args=(self.directory, self._stop, self._wake), name="watch",
+                target=watch_desired,
+                args=(self.directory, self._stop, self._wake),
+                name="watch",
                 daemon=True,
-            )  # fmt: skip
+            )
             watcher.start()
             try:
                 self._loop()
@@ -127,17 +132,8 @@ class Worker:
             log.info("worker stopped; the engine is left as it is", name=self.settings.name)
         return 0
 
-    def _install_signals(self) -> None:
-        def record(signum: int, frame: FrameType | None) -> None:
-            self._signals.append(signum)  # list.append is atomic; the pipe wakes the loop
-
-        self._wake.catch_signals()
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, record)
-
     def _handle_signals(self) -> None:
-        while self._signals:
-            signum = self._signals.pop(0)
+        for signum in self._signals.taken():
             if signum == signal.SIGHUP:
                 self._reload_recipe()
             else:
@@ -234,8 +230,9 @@ class Worker:
     # -- desired.json --------------------------------------------------------------------------
 
     def _read_request(self) -> None:
-        taken = intake(self.pursuit, self.decision, read_request(self.directory / DESIRED),
-                       self._reported)  # fmt: skip
+        taken = intake(
+            self.pursuit, self.decision, read_request(self.directory / DESIRED), self._reported
+        )
         refused = taken.refused
         if refused != self.refused:
             self.refused = refused

@@ -1,4 +1,4 @@
-"""What wakes the worker's loop: a self-pipe, and the watcher of desired.json that writes to it.
+"""What wakes the worker's loop: a self-pipe, the watcher of desired.json and the signals.
 
 Threads, the watcher and signals write a byte; the loop waits on it with a timeout. Writing
 takes no lock, so a signal handler (or the C-level wakeup fd of the signal module) can use it
@@ -12,7 +12,9 @@ import os
 import select
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Final
 
 from watchfiles import watch
@@ -24,6 +26,28 @@ from supervisor.protocol.layout import DESIRED
 WATCH_DEBOUNCE_MS: Final = 30
 WATCH_STEP_MS: Final = 15
 WATCH_RUST_TIMEOUT_MS: Final = 1000
+
+
+class Signals:
+    """The stop and reload signals, as the handlers record them for the loop: a handler only
+    appends (atomic), and the pipe the signal module writes to wakes the loop."""
+
+    def __init__(self) -> None:
+        self._received: list[int] = []
+
+    def install(self, wake: Wakeup) -> None:
+        """Record SIGTERM, SIGINT and SIGHUP, waking the loop through wake (main thread only)."""
+        wake.catch_signals()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self._received.append(signum)
+
+    def taken(self) -> Iterator[int]:
+        """The signals received since the last call, oldest first, each once."""
+        while self._received:
+            yield self._received.pop(0)
 
 
 class Wakeup:

@@ -28,8 +28,9 @@ class Kind:
     edited_memory: str = "256m"  # a memory limit the engine starts with, other than its own
     edited_shm: str = "32m"  # a /dev/shm size the engine starts with, other than its own
     # knobs for a stop that takes a while, so that a kill before the grace would show
-    slow_stop: dict[str, Any] = field(default_factory=lambda: {
-        "settings": {"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"}})
+    slow_stop: dict[str, Any] = field(
+        default_factory=lambda: {"settings": {"STOP_DELAY": "2", "TENSORFOLD_TEST_STOP_DELAY": "2"}}
+    )
     # the slow step runs a command on the host (a prepare script), in a process group of its own
     step_processes: bool = False
     # knobs -> an engine running and its status, when the kind shares one

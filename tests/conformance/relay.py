@@ -31,8 +31,7 @@ class Relay:
         self._handed = False  # handed on by the case that took it
         self.starts = 0  # fresh engines started
 
-    def take(self, make: Callable[[], Engine],
-             timeout: float) -> tuple[Engine, dict[str, Any]]:
+    def take(self, make: Callable[[], Engine], timeout: float) -> tuple[Engine, dict[str, Any]]:
         """The engine handed on, while it still serves; else a fresh one from `make`, up."""
         engine, handed = self._out, self._handed
         self._out, self._handed = None, False
@@ -63,9 +62,13 @@ class Relay:
         except (OSError, ValueError, KeyError, TypeError):
             return None
         status = engine.status()
-        if (status is None or status["state"] != "running" or status["generation"] != generation
-                or status.get("refused") is not None
-                or status["url"] != f"http://{engine.gateway()}:{engine.port}"):
+        if (
+            status is None
+            or status["state"] != "running"
+            or status["generation"] != generation
+            or status.get("refused") is not None
+            or status["url"] != f"http://{engine.gateway()}:{engine.port}"
+        ):
             return None
         try:
             container = self.client.containers.get(engine.container)
@@ -88,9 +91,12 @@ class Relays:
 
 
 @pytest.fixture(scope="module")
-def relays(client: docker.DockerClient, base_image: str,
-           tmp_path_factory: pytest.TempPathFactory,
-           request: pytest.FixtureRequest) -> Iterator[Relays]:
+def relays(
+    client: docker.DockerClient,
+    base_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Relays]:
     directory = tmp_path_factory.mktemp("relay")
     repo: list[RecipeRepo] = []
 

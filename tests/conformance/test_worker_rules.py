@@ -32,14 +32,19 @@ from tests.vllm_cpu import library_revision
 pytestmark = pytest.mark.docker
 
 
-TEST_ENGINES = tuple(f"tests.engines.{path.parent.name}.kind"
-                     for path in sorted((ROOT / "tests" / "engines").glob("*/kind.py")))
+TEST_ENGINES = tuple(
+    f"tests.engines.{path.parent.name}.kind"
+    for path in sorted((ROOT / "tests" / "engines").glob("*/kind.py"))
+)
 KINDS = registry.kinds(registry.configured() + TEST_ENGINES)  # the shipped, then tests/engines/*
 
 
 @pytest.fixture(params=list(KINDS))
-def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine],
-         monkeypatch: pytest.MonkeyPatch) -> Kind:
+def kind(
+    request: pytest.FixtureRequest,
+    make_engine: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Kind:
     """Each registered kind, driven by the conformance driver its EngineKind names; the workers
     find the kinds defined under tests/engines through LUCIA_ENGINE_MODULES."""
     extra = [m for m in os.environ.get(registry.MODULES_ENV, "").split(",") if m]
@@ -52,8 +57,7 @@ def kind(request: pytest.FixtureRequest, make_engine: Callable[..., Engine],
 def _scrape_url(group: dict[str, Any]) -> str:
     """The URL Prometheus scrapes for a file_sd group: its __param_* labels are the query."""
     labels = group["labels"]
-    params = {k.removeprefix("__param_"): v for k, v in labels.items()
-              if k.startswith("__param_")}
+    params = {k.removeprefix("__param_"): v for k, v in labels.items() if k.startswith("__param_")}
     query = "?" + urllib.parse.urlencode(params) if params else ""
     return f"http://{group['targets'][0]}{labels['__metrics_path__']}{query}"
 
@@ -158,8 +162,9 @@ def test_readiness_with_the_engine_output_as_message(kind: Kind) -> None:
     engine = kind.make(**knobs)
     engine.start_worker()
     generation = engine.request("running")
-    seen = engine.wait_status(lambda s: s["generation"] == generation and marker in s["message"],
-                              timeout=60)
+    seen = engine.wait_status(
+        lambda s: s["generation"] == generation and marker in s["message"], timeout=60
+    )
     assert seen["state"] == "starting" and seen["url"] is None
     assert engine.file_sd() == []
     engine.wait_state(generation, "running", timeout=60)
@@ -180,10 +185,10 @@ def test_the_port_is_published_on_the_gateway_only(kind: Kind, client) -> None:
     engine, _ = kind.running()
     attrs = client.containers.get(engine.container).attrs
     gateway = engine.gateway()
-    bindings = [b for published in attrs["HostConfig"]["PortBindings"].values()
-                for b in published]
-    live = [b for published in attrs["NetworkSettings"]["Ports"].values()
-            for b in (published or [])]
+    bindings = [b for published in attrs["HostConfig"]["PortBindings"].values() for b in published]
+    live = [
+        b for published in attrs["NetworkSettings"]["Ports"].values() for b in (published or [])
+    ]
     assert bindings and live
     assert {b["HostIp"] for b in bindings + live} == {gateway}
     with socket.socket() as sock:
@@ -196,12 +201,14 @@ def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
     engine, status = kind.running()
     container = client.containers.get(engine.container)
     desired = engine.dir / "desired.json"
-    valid = json.dumps({"schemaVersion": 1, "generation": status["generation"],
-                        "desired": "running"})
+    valid = json.dumps(
+        {"schemaVersion": 1, "generation": status["generation"], "desired": "running"}
+    )
     for case in INVALID:
         materialise(case, desired)
-        refused = engine.wait_status(lambda s: s.get("refused") is not None, timeout=10,
-                                     what=f"refusal of {case.name}")
+        refused = engine.wait_status(
+            lambda s: s.get("refused") is not None, timeout=10, what=f"refusal of {case.name}"
+        )
         assert refused["state"] == "running", case.name
         assert refused["generation"] == status["generation"], case.name
         assert "refused" in refused["message"], case.name
@@ -213,32 +220,44 @@ def test_refused_input_leaves_the_engine_untouched(kind: Kind, client) -> None:
         engine.wait_status(lambda s: s.get("refused") is None, timeout=10)
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
-        container.id, container.attrs["State"]["StartedAt"])
+        container.id,
+        container.attrs["State"]["StartedAt"],
+    )
     assert engine.file_sd()
     kind.hand_on(engine)
 
 
 def test_a_refused_recipe_reload_is_in_the_status_while_the_engine_serves_on(
-        kind: Kind, client) -> None:
+    kind: Kind, client
+) -> None:
     """A recipe that cannot be loaded is said in status.json, state `running`, until a valid
     one is; the engine serves on, untouched, on the recipe it has."""
     engine, status = kind.running()
     container = client.containers.get(engine.container)
     kept = dict(engine.run_extra)
     engine.reload(run_extra={**kept, "no_such_setting": "1"})
-    refused = engine.wait_status(lambda s: "recipe reload refused" in s["message"], timeout=10,
-                                 what="the refused reload")
+    refused = engine.wait_status(
+        lambda s: "recipe reload refused" in s["message"], timeout=10, what="the refused reload"
+    )
     assert refused["message"].startswith("recipe reload refused"), refused["message"]
     assert "no_such_setting" in refused["message"]
     assert (refused["state"], refused["generation"], refused["url"]) == (
-        "running", status["generation"], status["url"])
+        "running",
+        status["generation"],
+        status["url"],
+    )
     assert refused["refused"] is None  # desired.json is valid: only the recipe was refused
     engine.reload(run_extra=kept)
-    engine.wait_status(lambda s: s["message"] == status["message"], timeout=10,
-                       what="the refusal gone once a valid recipe is loaded")
+    engine.wait_status(
+        lambda s: s["message"] == status["message"],
+        timeout=10,
+        what="the refusal gone once a valid recipe is loaded",
+    )
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
-        container.id, container.attrs["State"]["StartedAt"])
+        container.id,
+        container.attrs["State"]["StartedAt"],
+    )
     assert engine.file_sd()
     kind.hand_on(engine)
 
@@ -250,11 +269,19 @@ def test_adoption_across_a_worker_restart(kind: Kind, client) -> None:
     assert client.containers.get(engine.container).status == "running"
     restarted = time.time()
     engine.start_worker()
-    engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and state_since(s) > restarted, timeout=30)
+    engine.wait_status(
+        lambda s: (
+            s["generation"] == status["generation"]
+            and s["state"] == "running"
+            and state_since(s) > restarted
+        ),
+        timeout=30,
+    )
     after = client.containers.get(engine.container).attrs
-    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
-                                                          before["State"]["StartedAt"])
+    assert (after["Id"], after["State"]["StartedAt"]) == (
+        before["Id"],
+        before["State"]["StartedAt"],
+    )
     assert "preparing" not in engine.log_tail(), "a restart must not rebuild or re-sync"
     kind.hand_on(engine)
 
@@ -315,12 +342,18 @@ def test_an_engine_on_another_image_is_replaced_with_the_grace(kind: Kind, clien
     # dockerd keeps only its last 256 events: read the old container's as soon as it is gone,
     # not after a slow engine's load, when a busy machine's other containers pushed them out
     engine.wait_status(lambda s: _gone(client, old.id), timeout=120, what="the old one gone")
-    events = client.events(since=since, until=time.time(), decode=True,
-                           filters={"container": old.id})
+    events = client.events(
+        since=since, until=time.time(), decode=True, filters={"container": old.id}
+    )
     actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
-    engine.wait_status(lambda s: s["generation"] == status["generation"]
-                       and s["state"] == "running" and state_since(s) > since,
-                       timeout=kind.start_timeout)
+    engine.wait_status(
+        lambda s: (
+            s["generation"] == status["generation"]
+            and s["state"] == "running"
+            and state_since(s) > since
+        ),
+        timeout=kind.start_timeout,
+    )
     new = client.containers.get(engine.container)
     assert new.id != old.id and new.image.id != old.image.id
     kills = [attrs for action, attrs in actions if action == "kill"]
@@ -373,16 +406,23 @@ def _memory_limit(engine: Engine, kind: Kind) -> int:
 
 Edit = Callable[[Engine, Kind], None]
 EDITS: dict[str, tuple[Edit, Callable[[Any, Engine, Kind], bool]]] = {
-    "environment": (lambda e, k: _edit_environment(e),
-                    lambda c, e, k: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"]),
-    "port": (lambda e, k: _edit_port(e),
-             lambda c, e, k: str(e.port) in json.dumps(c.attrs["HostConfig"]["PortBindings"])),
-    "volume": (lambda e, k: _edit_volume(e),
-               lambda c, e, k: any(m["Destination"] == "/extra" for m in c.attrs["Mounts"])),
-    "memory limit": (_edit_memory_limit, lambda c, e, k: c.attrs["HostConfig"]["Memory"]
-                     == _memory_limit(e, k)),
-    "shm": (_edit_shm,
-            lambda c, e, k: c.attrs["HostConfig"]["ShmSize"] == _bytes(k.edited_shm)),
+    "environment": (
+        lambda e, k: _edit_environment(e),
+        lambda c, e, k: "CONTEXT_LIMIT=150000" in c.attrs["Config"]["Env"],
+    ),
+    "port": (
+        lambda e, k: _edit_port(e),
+        lambda c, e, k: str(e.port) in json.dumps(c.attrs["HostConfig"]["PortBindings"]),
+    ),
+    "volume": (
+        lambda e, k: _edit_volume(e),
+        lambda c, e, k: any(m["Destination"] == "/extra" for m in c.attrs["Mounts"]),
+    ),
+    "memory limit": (
+        _edit_memory_limit,
+        lambda c, e, k: c.attrs["HostConfig"]["Memory"] == _memory_limit(e, k),
+    ),
+    "shm": (_edit_shm, lambda c, e, k: c.attrs["HostConfig"]["ShmSize"] == _bytes(k.edited_shm)),
 }
 
 
@@ -391,15 +431,18 @@ EVERY = "every field"  # all the edits in one reload
 
 @pytest.mark.parametrize("edit", [*EDITS, EVERY])
 def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
-        kind: Kind, client, edit: str) -> None:
+    kind: Kind, client, edit: str
+) -> None:
     """What runs is what the recipe says: any change to what the container would be created
     with, picked up by SIGHUP, replaces it, and status says running only once it does. A kind
     whose engine is shared between cases (a load of minutes) takes every edit in one reload:
     the replacement is the rule's own, the same for one field or five, and the fields reaching
     the kind's container are what its case proves."""
     if kind.take is not None and edit != EVERY:
-        pytest.skip(f"{kind.name} shares one engine: the run-spec edits in one reload "
-                    f"([{EVERY}]), one load instead of {len(EDITS)}")
+        pytest.skip(
+            f"{kind.name} shares one engine: the run-spec edits in one reload "
+            f"([{EVERY}]), one load instead of {len(EDITS)}"
+        )
     edits = [EDITS[edit]] if edit != EVERY else list(EDITS.values())
     engine, status = kind.running()
     before = client.containers.get(engine.container)
@@ -408,14 +451,20 @@ def test_a_reloaded_recipe_that_changes_the_run_spec_replaces_the_engine(
         assert not applied(before, engine, kind)
     engine.reload()
     after_status = engine.wait_status(
-        lambda s: s["state"] == "running"
-        and s["url"] == f"http://{engine.gateway()}:{engine.port}"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
-        timeout=kind.start_timeout)
+        lambda s: (
+            s["state"] == "running"
+            and s["url"] == f"http://{engine.gateway()}:{engine.port}"
+            and (s.get("engine") or {}).get("containerId") not in (None, before.id)
+        ),
+        timeout=kind.start_timeout,
+    )
     after = client.containers.get(engine.container)
     assert after.id != before.id and after.status == "running"
-    missed = [name for name, (_, applied) in EDITS.items()
-              if (edit in (name, EVERY)) and not applied(after, engine, kind)]
+    missed = [
+        name
+        for name, (_, applied) in EDITS.items()
+        if (edit in (name, EVERY)) and not applied(after, engine, kind)
+    ]
     assert not missed, f"{missed} did not reach the new container"
     assert after_status["engine"]["containerId"] == after.id
     assert after_status["generation"] == status["generation"]
@@ -447,23 +496,37 @@ def test_a_replacement_that_cannot_start_leaves_the_engine_serving(kind: Kind, c
         assert "trying again in" in refused["message"]
         assert {tuple(group["targets"]) for group in engine.file_sd()} == {target}
         # tried again, and refused again, with a longer wait: the back-off grows
-        again = engine.wait_status(lambda s: "trying again in 2 s" in s["message"]
-                                   or "trying again in 5 s" in s["message"], timeout=60)
+        again = engine.wait_status(
+            lambda s: (
+                "trying again in 2 s" in s["message"] or "trying again in 5 s" in s["message"]
+            ),
+            timeout=60,
+        )
         assert again["state"] == "running" and engine.file_sd()
         after = client.containers.get(engine.container)
         assert after.id == before.id and after.status == "running"
         assert after.attrs["State"]["StartedAt"] == before.attrs["State"]["StartedAt"]
-        assert http_status(f"{status['url']}/v1/models" if kind.name == "tensorfold"
-                    else f"{status['url']}/health") == 200
+        assert (
+            http_status(
+                f"{status['url']}/v1/models"
+                if kind.name == "tensorfold"
+                else f"{status['url']}/health"
+            )
+            == 200
+        )
     # the port is free now: the next try passes and the engine is replaced, with no new request
     replaced = engine.wait_status(
-        lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, before.id),
-        timeout=kind.start_timeout)
+        lambda s: (
+            s["state"] == "running"
+            and (s.get("engine") or {}).get("containerId") not in (None, before.id)
+        ),
+        timeout=kind.start_timeout,
+    )
     assert replaced["generation"] == status["generation"]
     assert replaced["url"] == f"http://{engine.gateway()}:{engine.port}"
-    assert all(group["targets"] == [f"{engine.gateway()}:{engine.port}"]
-               for group in engine.file_sd())
+    assert all(
+        group["targets"] == [f"{engine.gateway()}:{engine.port}"] for group in engine.file_sd()
+    )
     kind.hand_on(engine)
 
 

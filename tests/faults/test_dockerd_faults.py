@@ -36,8 +36,9 @@ def private_dockerd() -> Iterator[dockerd.Private]:
 
 
 @pytest.fixture(autouse=True)
-def _on_the_private_dockerd(private_dockerd: dockerd.Private,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
+def _on_the_private_dockerd(
+    private_dockerd: dockerd.Private, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every docker client of the case, and every worker it starts, use the private dockerd."""
     for name, value in private_dockerd.env().items():
         monkeypatch.setenv(name, value)
@@ -50,24 +51,35 @@ def private_client(private_dockerd: dockerd.Private) -> Iterator[docker.DockerCl
 
 
 @pytest.fixture(scope="module")
-def private_base(private_client: docker.DockerClient,
-                 tmp_path_factory: pytest.TempPathFactory) -> str:
-    return busybox_image(private_client, tmp_path_factory.mktemp("private-base"),
-                         f"lucia-test-busybox-{RUN_ID}:1", {TEST_LABEL: RUN_ID})
+def private_base(
+    private_client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    return busybox_image(
+        private_client,
+        tmp_path_factory.mktemp("private-base"),
+        f"lucia-test-busybox-{RUN_ID}:1",
+        {TEST_LABEL: RUN_ID},
+    )
 
 
 @pytest.fixture(scope="module")
-def private_router_image(private_dockerd: dockerd.Private, client: docker.DockerClient,
-                         llama_server_image: str) -> str:
+def private_router_image(
+    private_dockerd: dockerd.Private, client: docker.DockerClient, llama_server_image: str
+) -> str:
     """The real llama-server image, copied from the machine's dockerd."""
     private_dockerd.load(client, llama_server_image)
     return llama_server_image
 
 
 @pytest.fixture
-def make_engine(private_dockerd: dockerd.Private, private_client: docker.DockerClient,
-                private_base: str, recipe_repo: RecipeRepo, tmp_path: Path,
-                request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine]]:
+def make_engine(
+    private_dockerd: dockerd.Private,
+    private_client: docker.DockerClient,
+    private_base: str,
+    recipe_repo: RecipeRepo,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[..., Engine]]:
     """tests/fixtures.py's make_engine, on the private dockerd."""
     factory = EngineFactory(private_client, private_base, tmp_path, lambda: recipe_repo, request)
 
@@ -101,8 +113,10 @@ def test_the_machines_dockerd_is_not_the_one_the_faults_hit(
     (a second dockerd in the machine's namespace deletes it, and the machine's builds fail)."""
     assert private_client.info()["DockerRootDir"] != client.info()["DockerRootDir"]
     assert _machine_bridge(client).exists()
-    assert private_client.networks.get("bridge").attrs["Options"].get(
-        "com.docker.network.bridge.name") == private_dockerd.bridge
+    assert (
+        private_client.networks.get("bridge").attrs["Options"].get("com.docker.network.bridge.name")
+        == private_dockerd.bridge
+    )
     assert not Path(f"/sys/class/net/{private_dockerd.bridge}").exists()  # not in the host's
     assert not private_client.info().get("LiveRestoreEnabled")
     machine = {c.id for c in client.containers.list(all=True)}
@@ -111,8 +125,9 @@ def test_the_machines_dockerd_is_not_the_one_the_faults_hit(
 
 
 @pytest.mark.alone  # the heartbeat's timing is measured
-def test_dockerd_restart_while_running_and_while_building(make_engine, private_dockerd,
-                                                         private_client, client) -> None:
+def test_dockerd_restart_while_running_and_while_building(
+    make_engine, private_dockerd, private_client, client
+) -> None:
     machine_bridge = _machine_bridge(client)
     client = private_client
     engine: Engine = make_engine()
@@ -121,8 +136,9 @@ def test_dockerd_restart_while_running_and_while_building(make_engine, private_d
     private_dockerd.restart()
     assert machine_bridge.exists(), "the restart took the machine's default bridge"
     # without live-restore, dockerd stops its containers: the truth is that the engine died
-    after = engine.wait_status(lambda s: s["state"] == "failed"
-                               and s["checkedAt"] > status["checkedAt"], timeout=60)
+    after = engine.wait_status(
+        lambda s: s["state"] == "failed" and s["checkedAt"] > status["checkedAt"], timeout=60
+    )
     assert "exited with code" in after["message"]
     assert client.containers.get(engine.container).status == "exited"
     assert engine.file_sd() == []
@@ -140,8 +156,9 @@ def test_dockerd_restart_while_running_and_while_building(make_engine, private_d
 
 
 @pytest.mark.alone  # the heartbeat's timing is measured
-def test_a_stalled_dockerd_never_stalls_the_heartbeat(make_engine, private_dockerd,
-                                                      private_client) -> None:
+def test_a_stalled_dockerd_never_stalls_the_heartbeat(
+    make_engine, private_dockerd, private_client
+) -> None:
     """dockerd stopped with SIGSTOP for 25 s while a new request is observed: the loop stays
     alive, the heartbeat keeps its interval, the status says docker did not answer, and the
     request is answered once dockerd resumes. The engine, never touched, keeps serving."""
@@ -192,8 +209,9 @@ def _reconciles(port: int) -> float:
 
 @pytest.mark.alone  # the heartbeat's timing is measured
 @pytest.mark.parametrize("kind", ["tensorfold", "llama-router"])
-def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, private_dockerd,
-                                                                    kind: str) -> None:
+def test_a_docker_stall_never_turns_a_serving_engine_into_starting(
+    make_engine, private_dockerd, kind: str
+) -> None:
     """dockerd stopped with SIGSTOP until an observation has both been overdue (10 s) and run
     into the docker client's timeout (30 s), and its retry: every status sample meanwhile says
     `running` for the served generation, with its url, engine and file_sd target, and a message
@@ -235,10 +253,17 @@ def test_a_docker_stall_never_turns_a_serving_engine_into_starting(make_engine, 
     messages = {s["message"] for s in samples}
     assert any("docker did not answer within" in m for m in messages), messages
     assert any("docker does not answer" in m and "retrying in" in m for m in messages), messages
-    wrong = [s for s in samples if (s["generation"], s["state"]) != (generation, "running")
-             or s["url"] != served["url"] or s["engine"] != served["engine"]]
+    wrong = [
+        s
+        for s in samples
+        if (s["generation"], s["state"]) != (generation, "running")
+        or s["url"] != served["url"]
+        or s["engine"] != served["engine"]
+    ]
     assert not wrong, wrong[:3]
     assert sd_during == targets
-    final = engine.wait_status(lambda s: s["message"].startswith("serving at ")
-                               and "docker" not in s["message"], timeout=90)
+    final = engine.wait_status(
+        lambda s: s["message"].startswith("serving at ") and "docker" not in s["message"],
+        timeout=90,
+    )
     assert (final["generation"], final["state"]) == (generation, "running")

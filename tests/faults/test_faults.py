@@ -25,7 +25,6 @@ def _ours(client: docker.DockerClient, engine: Engine) -> list:
     return client.containers.list(all=True, filters={"label": f"lucia.name={engine.name}"})
 
 
-
 def test_engine_killed_with_sigkill_is_failed_137(make_engine, client) -> None:
     engine: Engine = make_engine()
     engine.up()
@@ -46,8 +45,9 @@ def test_engine_killed_for_memory_says_so(make_engine, client) -> None:
     assert "too much memory" in status["message"]
 
 
-def test_failed_build_then_fixed_recipe_and_new_generation_succeeds(make_engine,
-                                                                    recipe_repo) -> None:
+def test_failed_build_then_fixed_recipe_and_new_generation_succeeds(
+    make_engine, recipe_repo
+) -> None:
     good = recipe_repo.commit("good")
     broken = (recipe_repo.path / "Dockerfile").read_text() + "RUN exit 9\n"
     bad = recipe_repo.commit("broken", {"Dockerfile": broken})
@@ -72,8 +72,9 @@ def test_failed_prepare_then_succeeds(make_engine) -> None:
 
 
 @pytest.mark.parametrize("fault", ["unreachable remote", "commit gone"])
-def test_git_faults_fail_and_leave_the_running_engine_alone(make_engine, client, recipe_repo,
-                                                           fault) -> None:
+def test_git_faults_fail_and_leave_the_running_engine_alone(
+    make_engine, client, recipe_repo, fault
+) -> None:
     engine: Engine = make_engine()
     engine.up()
     before = client.containers.get(engine.container)
@@ -88,8 +89,11 @@ def test_git_faults_fail_and_leave_the_running_engine_alone(make_engine, client,
     # the old engine serves on: running, with the refused change's reason in the message (while
     # the fetch runs, its output is the message of a `starting` status: not yet the answer)
     status = engine.wait_status(
-        lambda s: s["generation"] == generation and named in s["message"]
-        and s["state"] != "starting", timeout=60)
+        lambda s: (
+            s["generation"] == generation and named in s["message"] and s["state"] != "starting"
+        ),
+        timeout=60,
+    )
     assert status["state"] == "running", status
     assert status["engine"]["containerId"] == before.id
     after = client.containers.get(engine.container)
@@ -99,8 +103,7 @@ def test_git_faults_fail_and_leave_the_running_engine_alone(make_engine, client,
 
 def _tmpfs(path: Path, size: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
 
 
 def test_full_disk_keeps_the_previous_status_and_recovers(make_engine, tmp_path) -> None:
@@ -132,7 +135,8 @@ def test_full_disk_keeps_the_previous_status_and_recovers(make_engine, tmp_path)
         assert 1 <= attempts <= 4, f"{attempts} failed writes in 3.5 s"
         filler.unlink()
         fresh = engine.wait_status(
-            lambda s: s["checkedAt"] > json.loads(before)["checkedAt"], timeout=10)
+            lambda s: s["checkedAt"] > json.loads(before)["checkedAt"], timeout=10
+        )
         assert fresh["state"] == "running"
     finally:
         for proc in engine.procs:
@@ -157,8 +161,9 @@ def test_worker_killed_mid_step_converges_after_restart(make_engine, client, mom
         engine = make_engine(settings={"STOP_DELAY": "5"})
         proc, _ = engine.up()
         generation = engine.request("stopped")
-        engine.wait_status(lambda s: s["generation"] == generation
-                           and s["state"] == "stopping", timeout=10)
+        engine.wait_status(
+            lambda s: s["generation"] == generation and s["state"] == "stopping", timeout=10
+        )
         time.sleep(1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -167,8 +172,11 @@ def test_worker_killed_mid_step_converges_after_restart(make_engine, client, mom
     engine.wait_state(generation, want, timeout=120)
     ours = _ours(client, engine)
     assert len(ours) == (0 if want == "stopped" else 1)
-    leftovers = [p for d in (engine.dir, engine.data_dir / "telemetry", engine.state_dir)
-                 for p in d.glob(".*.tmp")]
+    leftovers = [
+        p
+        for d in (engine.dir, engine.data_dir / "telemetry", engine.state_dir)
+        for p in d.glob(".*.tmp")
+    ]
     assert not leftovers
 
 
@@ -189,13 +197,13 @@ def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, da
         os.mkfifo(desired)
     elif damage == "symlink":
         target = engine.root / "elsewhere.json"
-        target.write_text(json.dumps({"schemaVersion": 1, "generation": 99,
-                                      "desired": "stopped"}))
+        target.write_text(json.dumps({"schemaVersion": 1, "generation": 99, "desired": "stopped"}))
         desired.unlink()
         desired.symlink_to(target)
     else:  # truncate, then write slowly, byte by byte: a new request, written badly
-        text = json.dumps({"schemaVersion": 1, "generation": status["generation"] + 1,
-                           "desired": "running"})
+        text = json.dumps(
+            {"schemaVersion": 1, "generation": status["generation"] + 1, "desired": "running"}
+        )
         with open(desired, "w") as out:
             for char in text:
                 out.write(char)
@@ -230,16 +238,15 @@ def test_damaged_desired_json_never_acts_and_never_hangs(make_engine, client, da
     os.replace(tmp, desired)
 
 
-
-
-
 def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_engine) -> None:
     """The first SIGTERM waits for a stop in progress (its grace); a second one does not."""
     engine: Engine = make_engine(settings={"STOP_DELAY": "30"}, stop_grace=40)
     proc, _ = engine.up()
     generation = engine.request("stopped")
-    engine.wait_status(lambda s: s["generation"] == generation
-                       and "stopping the engine container" in s["message"], timeout=10)
+    engine.wait_status(
+        lambda s: s["generation"] == generation and "stopping the engine container" in s["message"],
+        timeout=10,
+    )
     proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     assert proc.poll() is None, "the first SIGTERM must let the stop finish or its grace pass"
@@ -253,8 +260,9 @@ def test_a_second_sigterm_while_a_stop_is_awaited_ends_the_worker_at_once(make_e
 # -- issue 19: a stall never turns a serving engine into starting; a death during a restart --
 
 
-def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(make_engine,
-                                                                        client) -> None:
+def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(
+    make_engine, client
+) -> None:
     """The worker stops, the engine is killed (137), a new worker starts: the status says
     `failed` with exit code 137 for the generation, and nothing is started. Was (issue 19): the
     new worker removed the container and started another, and never said it had died. A new
@@ -265,8 +273,10 @@ def test_a_death_while_the_worker_restarts_is_failed_with_its_exit_code(make_eng
     engine.stop_worker(proc)
     dead.kill(signal="SIGKILL")
     engine.start_worker()
-    failed = engine.wait_status(lambda s: s["checkedAt"] > status["checkedAt"]
-                                and s["state"] in ("failed", "running"), timeout=60)
+    failed = engine.wait_status(
+        lambda s: s["checkedAt"] > status["checkedAt"] and s["state"] in ("failed", "running"),
+        timeout=60,
+    )
     assert (failed["generation"], failed["state"]) == (status["generation"], "failed"), failed
     assert "exited with code 137" in failed["message"]
     time.sleep(3)  # a few observations: still failed, and the dead container left to read

@@ -71,9 +71,11 @@ OPTIONAL = ("requestedBy", "requestedAt")  # absent or null: not said
 WANTS = ("running", "stopped")
 REQUESTERS = ("operator", "gateway")
 # RFC 3339 as the contract takes it, with each part's range checked by hand below
-TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
-                  r"(?:Z|([+-])(\d\d):(\d\d))", re.ASCII)
-
+TIME = re.compile(
+    r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
+    r"(?:Z|([+-])(\d\d):(\d\d))",
+    re.ASCII,
+)
 
 
 # --- the oracle: the contract, checked independently of protocol.py -----------------------------
@@ -121,8 +123,9 @@ def oracle(data: bytes) -> Verdict:
     if not text.strip():  # str.strip: Unicode whitespace too, as check_json does
         return Verdict(problems=("empty",))
     try:
-        value = json.loads(text, object_pairs_hook=_Object, parse_constant=_reject_constant,
-                           parse_int=_bounded_int)
+        value = json.loads(
+            text, object_pairs_hook=_Object, parse_constant=_reject_constant, parse_int=_bounded_int
+        )
     except _Constant as exc:  # a duplicate key met earlier in the text is reported first
         return Verdict(problems=(f"{exc} is not valid JSON", "duplicate key"))
     except json.JSONDecodeError:
@@ -139,8 +142,14 @@ def oracle(data: bytes) -> Verdict:
     problems += _schema_problems(fields)
     if problems:
         return Verdict(problems=tuple(problems))
-    return Verdict(accepted=(cast(int, fields["generation"]), cast(str, fields["desired"]),
-                             fields.get("requestedBy"), _time(fields.get("requestedAt"))))
+    return Verdict(
+        accepted=(
+            cast(int, fields["generation"]),
+            cast(str, fields["desired"]),
+            fields.get("requestedBy"),
+            _time(fields.get("requestedAt")),
+        )
+    )
 
 
 def _time(value: Any) -> datetime | None:
@@ -150,10 +159,28 @@ def _time(value: Any) -> datetime | None:
         return None
     year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
     fraction, sign, zone_h, zone_m = match.groups()[6:]
-    days = [31, 29 if year % 4 == 0 and (year % 100 != 0 or year % 400 == 0) else 28, 31, 30,
-            31, 30, 31, 31, 30, 31, 30, 31]  # fmt: skip
-    if not (year >= 1 and 1 <= month <= 12 and 1 <= day <= days[month - 1] and hour < 24
-            and minute < 60 and second < 60):
+    days = [
+        31,
+        29 if year % 4 == 0 and (year % 100 != 0 or year % 400 == 0) else 28,
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ]
+    if not (
+        year >= 1
+        and 1 <= month <= 12
+        and 1 <= day <= days[month - 1]
+        and hour < 24
+        and minute < 60
+        and second < 60
+    ):
         return None
     offset = timedelta(0)
     if sign is not None:
@@ -176,8 +203,9 @@ def _quoted(key: str) -> str:
 def _schema_problems(fields: dict[str, Any]) -> list[str]:
     """The contract, field by field: exactly these keys, with exactly these types and values."""
     problems = [f"missing field {key!r}" for key in KEYS if key not in fields]
-    problems += [f"unknown field {_quoted(key)}" for key in fields
-                 if key not in KEYS and key not in OPTIONAL]
+    problems += [
+        f"unknown field {_quoted(key)}" for key in fields if key not in KEYS and key not in OPTIONAL
+    ]
     version, generation, want = (fields.get(key) for key in KEYS)
     if "schemaVersion" in fields and not (type(version) is int and version == 1):
         problems.append("schemaVersion: ")
@@ -325,41 +353,143 @@ def json_texts(draw: st.DrawFn) -> bytes:
 
 
 EDGE_NUMBERS = [
-    "0", "-0", "1", "-1", "01", "+1", ".1", "1.", "0x1", "1.0", "1e0", "1E0", "1e+0", "10e-1",
-    "0.1e1", "5e-324", "1e-400", "1e400", "-1e400", "2e308",
-    str(MAX_GENERATION - 1), str(MAX_GENERATION), str(MAX_GENERATION + 1), str(MAX_GENERATION + 2),
-    str(-MAX_GENERATION), f"{MAX_GENERATION}.0", f"{MAX_GENERATION}e0", "9007199254740992e0",
-    str(2**63 - 1), str(2**63), str(2**64), str(-(2**63) - 1), "9" * 40,
-]  # fmt: skip
+    "0",
+    "-0",
+    "1",
+    "-1",
+    "01",
+    "+1",
+    ".1",
+    "1.",
+    "0x1",
+    "1.0",
+    "1e0",
+    "1E0",
+    "1e+0",
+    "10e-1",
+    "0.1e1",
+    "5e-324",
+    "1e-400",
+    "1e400",
+    "-1e400",
+    "2e308",
+    str(MAX_GENERATION - 1),
+    str(MAX_GENERATION),
+    str(MAX_GENERATION + 1),
+    str(MAX_GENERATION + 2),
+    str(-MAX_GENERATION),
+    f"{MAX_GENERATION}.0",
+    f"{MAX_GENERATION}e0",
+    "9007199254740992e0",
+    str(2**63 - 1),
+    str(2**63),
+    str(2**64),
+    str(-(2**63) - 1),
+    "9" * 40,
+]
 EDGE_TOKENS = [
-    "NaN", "Infinity", "-Infinity", "nan", "inf", "true", "false", "True", "null", "None",
-    '"1"', '"1.0"', '"5"', "[]", "{}", "[1]", '["running"]', '{"value": 1}', "''", "'running'",
-    "running", '""', '"\\ud800"', '"\\udc00running"', '"running\\""', '"\\u0000"',
-]  # fmt: skip
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "nan",
+    "inf",
+    "true",
+    "false",
+    "True",
+    "null",
+    "None",
+    '"1"',
+    '"1.0"',
+    '"5"',
+    "[]",
+    "{}",
+    "[1]",
+    '["running"]',
+    '{"value": 1}',
+    "''",
+    "'running'",
+    "running",
+    '""',
+    '"\\ud800"',
+    '"\\udc00running"',
+    '"running\\""',
+    '"\\u0000"',
+]
 WANT_VARIANTS = [
-    "running", "stopped", "Running", "RUNNING", "Stopped", " running", "running ", "run",
-    "runningg", "paused", "starting", "failed", "", "running\x00", "running\n", "stopped\t",
-    "\uff52\uff55\uff4e\uff4e\uff49\uff4e\uff47", "\u0155unning", "runn\u0456ng",
-    "\u200brunning", "running\u2028", "🏃",
-]  # fmt: skip
+    "running",
+    "stopped",
+    "Running",
+    "RUNNING",
+    "Stopped",
+    " running",
+    "running ",
+    "run",
+    "runningg",
+    "paused",
+    "starting",
+    "failed",
+    "",
+    "running\x00",
+    "running\n",
+    "stopped\t",
+    "\uff52\uff55\uff4e\uff4e\uff49\uff4e\uff47",
+    "\u0155unning",
+    "runn\u0456ng",
+    "\u200brunning",
+    "running\u2028",
+    "🏃",
+]
 REQUESTER_VARIANTS = [
-    "operator", "gateway", "Operator", "GATEWAY", " operator", "gateway\x00", "root", "worker",
-    "", "op\u0435rator",
-]  # fmt: skip
+    "operator",
+    "gateway",
+    "Operator",
+    "GATEWAY",
+    " operator",
+    "gateway\x00",
+    "root",
+    "worker",
+    "",
+    "op\u0435rator",
+]
 TIME_VARIANTS = [
-    "2026-11-30T17:14:35.239Z", "2026-11-30T17:14:35Z", "2026-11-30T17:14:35.123456+01:00",
-    "2026-11-30T17:14:35-00:00", "2024-02-29T00:00:00Z", "0001-01-01T00:00:00Z",
-    "9999-12-31T23:59:59.999999Z", "2026-11-30T17:14:35.1234567Z", "2026-11-30T17:14:35.Z",
-    "2025-02-29T00:00:00Z", "2026-02-30T00:00:00Z", "2026-13-01T00:00:00Z",
-    "2026-00-10T00:00:00Z", "0000-01-01T00:00:00Z", "2026-11-30T24:00:00Z",
-    "2026-11-30T23:60:00Z", "2026-12-31T23:59:60Z", "2026-11-30T17:14:35+24:00",
-    "2026-11-30T17:14:35+01:60", "2026-11-30T17:14:35+0100", "9999-12-31T23:59:59-00:01",
-    "0001-01-01T00:00:00+00:01", "9999-12-31T23:59:59+00:01", "0001-01-01T00:00:00-00:01",
+    "2026-11-30T17:14:35.239Z",
+    "2026-11-30T17:14:35Z",
+    "2026-11-30T17:14:35.123456+01:00",
+    "2026-11-30T17:14:35-00:00",
+    "2024-02-29T00:00:00Z",
+    "0001-01-01T00:00:00Z",
+    "9999-12-31T23:59:59.999999Z",
+    "2026-11-30T17:14:35.1234567Z",
+    "2026-11-30T17:14:35.Z",
+    "2025-02-29T00:00:00Z",
+    "2026-02-30T00:00:00Z",
+    "2026-13-01T00:00:00Z",
+    "2026-00-10T00:00:00Z",
+    "0000-01-01T00:00:00Z",
+    "2026-11-30T24:00:00Z",
+    "2026-11-30T23:60:00Z",
+    "2026-12-31T23:59:60Z",
+    "2026-11-30T17:14:35+24:00",
+    "2026-11-30T17:14:35+01:60",
+    "2026-11-30T17:14:35+0100",
+    "9999-12-31T23:59:59-00:01",
+    "0001-01-01T00:00:00+00:01",
+    "9999-12-31T23:59:59+00:01",
+    "0001-01-01T00:00:00-00:01",
     "2026-11-30T17:14:35+01",
-    "2026-11-30T17:14:35z", "2026-11-30t17:14:35Z", "2026-11-30 17:14:35Z", "2026-11-30T17:14Z",
-    "2026-11-30", "2026-11-30T17:14:35", "1700000000", "20261130T171435Z", "+2026-11-30T17:14:35Z",
-    "2026-11-30T17:14:35,5Z", "\uff12026-11-30T17:14:35Z", "2026-11-30T17:14:35Z\n",
-]  # fmt: skip
+    "2026-11-30T17:14:35z",
+    "2026-11-30t17:14:35Z",
+    "2026-11-30 17:14:35Z",
+    "2026-11-30T17:14Z",
+    "2026-11-30",
+    "2026-11-30T17:14:35",
+    "1700000000",
+    "20261130T171435Z",
+    "+2026-11-30T17:14:35Z",
+    "2026-11-30T17:14:35,5Z",
+    "\uff12026-11-30T17:14:35Z",
+    "2026-11-30T17:14:35Z\n",
+]
 WANT_ESCAPED = ['"\\u0072unning"', '"run\\u006Eing"', '"\\u0073topped"', '"stoppe\\u0064"']
 SPACES = ["", " ", "  ", "\n", "\t", "\r\n", " \n\t ", "\u00a0", "\x0b", "\x00"]
 
@@ -380,10 +510,20 @@ def key_texts(name: str) -> st.SearchStrategy[str]:
     """JSON text of a key that may or may not be `name`."""
     snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
     variants = {
-        name, name.upper(), name.lower(), name.swapcase(), name.title(), snake,
-        snake.replace("_", "-"), f" {name}", f"{name} ", f"{name}\x00", name[:-1], name + "s",
+        name,
+        name.upper(),
+        name.lower(),
+        name.swapcase(),
+        name.title(),
+        snake,
+        snake.replace("_", "-"),
+        f" {name}",
+        f"{name} ",
+        f"{name}\x00",
+        name[:-1],
+        name + "s",
         name.replace("e", "\u0435"),
-    }  # fmt: skip
+    }
     texts = st.sampled_from(sorted(json.dumps(v) for v in variants))
     if not name:
         return texts
@@ -422,8 +562,7 @@ VALUE_TEXTS: st.SearchStrategy[str] = st.one_of(
     JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
     nested(),
 )
-EXTRA_KEYS = st.text(max_size=MAX_KEY) | st.sampled_from([*KEYS, *OPTIONAL, "image", "command",
-                                                          ""])
+EXTRA_KEYS = st.text(max_size=MAX_KEY) | st.sampled_from([*KEYS, *OPTIONAL, "image", "command", ""])
 SPACE = st.sampled_from(SPACES[:7])
 LAYOUTS = st.sampled_from(["compact", "spaced", "indented", "mixed"])
 GENERATIONS = st.integers(0, MAX_GENERATION) | st.sampled_from([0, 1, 5, MAX_GENERATION])
@@ -451,8 +590,9 @@ WANT = st.sampled_from(WANTS)
 # what a host writes for who asked and when: each said, null or left out
 REQUESTER = st.sampled_from([*REQUESTERS, None]).map(json.dumps) | st.none()
 REQUEST_TIME = (
-    st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))]))
-    .map(lambda at: json.dumps(at.isoformat()))
+    st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))])).map(
+        lambda at: json.dumps(at.isoformat())
+    )
     | st.just("null")
     | st.none()
 )
@@ -501,10 +641,29 @@ def documents(draw: st.DrawFn) -> bytes:
     return (prefix + body + suffix).encode("utf-8", "surrogatepass")
 
 
-INSERTS = st.sampled_from([
-    b",", b"}", b"{", b"]", b'"', b"\\", b":", b"\x00", b"\xff", b"\xef\xbb\xbf", b"\xc3",
-    b"\xed\xa0\x80", b"\xe2\x80\xa8", b"\xc2\xa0", b"NaN", b"-", b"e", b".", b"0",
-]) | st.binary(min_size=1, max_size=3)  # fmt: skip
+INSERTS = st.sampled_from(
+    [
+        b",",
+        b"}",
+        b"{",
+        b"]",
+        b'"',
+        b"\\",
+        b":",
+        b"\x00",
+        b"\xff",
+        b"\xef\xbb\xbf",
+        b"\xc3",
+        b"\xed\xa0\x80",
+        b"\xe2\x80\xa8",
+        b"\xc2\xa0",
+        b"NaN",
+        b"-",
+        b"e",
+        b".",
+        b"0",
+    ]
+) | st.binary(min_size=1, max_size=3)
 EDITS = st.sampled_from(["delete", "insert", "replace", "truncate", "repeat"])
 POSITION = st.integers(0, 1 << 16)  # taken modulo the length it indexes
 BYTE = st.integers(0, 255)
@@ -626,8 +785,9 @@ class Scene:
         self.desired = self.directory / DESIRED
         self.status = self.directory / STATUS
         self.file_sd = data / TELEMETRY_DIR / "fuzz.json"
-        self.heartbeat = Heartbeat(self.status, FileSdWriter(data, "fuzz"), 15.0, Notifier(),
-                                   WorkerMetrics("fuzz"))
+        self.heartbeat = Heartbeat(
+            self.status, FileSdWriter(data, "fuzz"), 15.0, Notifier(), WorkerMetrics("fuzz")
+        )
         self.settled = settled
         self.pursuit: Pursuit | None = None
         self.decision: Decision | None = None
@@ -641,8 +801,9 @@ class Scene:
         self.pursuit, self.refused = taken.pursuit, taken.refused
         self.decision = taken.shown(self.decision)
         assert self.decision is not None
-        self.heartbeat.show(shown(self.decision.answer, self.refused), self.refused,
-                            self.decision.targets)
+        self.heartbeat.show(
+            shown(self.decision.answer, self.refused), self.refused, self.decision.targets
+        )
 
     def reset(self) -> None:
         self.pursuit, self.decision, self.refused = None, None, None
@@ -651,8 +812,9 @@ class Scene:
         if self.settled:
             assert self.pursuit is not None
             self.pursuit = replace(self.pursuit, ready="c1")
-            self.decision = Decision(self.pursuit, Answer(5, "running", f"serving at {URL}", URL),
-                                     TARGETS)
+            self.decision = Decision(
+                self.pursuit, Answer(5, "running", f"serving at {URL}", URL), TARGETS
+            )
             self.intake()
         assert self.pursuit is not None
         assert (self.pursuit.generation, self.pursuit.desired) == (5, "running")

@@ -92,22 +92,44 @@ BASE_DATA = {name: tomllib.loads(text) for name, text in BASES.items()}
 OPEN_MAPS = {("settings",), ("image", "build_args"), ("run", "ulimits"), ("router", "defaults")}
 REQUIRED = {
     "tensorfold": {
-        ("name",), ("model",), ("run",), ("source",), ("image",), ("grammar",),
-        ("source", "repository"), ("source", "commit"), ("image", "tag"),
-        ("grammar", "requirement"), ("grammar", "modules"), ("run", "port"),
+        ("name",),
+        ("model",),
+        ("run",),
+        ("source",),
+        ("image",),
+        ("grammar",),
+        ("source", "repository"),
+        ("source", "commit"),
+        ("image", "tag"),
+        ("grammar", "requirement"),
+        ("grammar", "modules"),
+        ("run", "port"),
     },
     "llama-router": {
-        ("name",), ("run",), ("library",), ("router",), ("library", "models_dir"),
-        ("library", "cache_dir"), ("router", "image"), ("run", "port"),
+        ("name",),
+        ("run",),
+        ("library",),
+        ("router",),
+        ("library", "models_dir"),
+        ("library", "cache_dir"),
+        ("router", "image"),
+        ("run", "port"),
     },
-}  # fmt: skip
+}
 
 
 # --- a small TOML emitter (strings, ints, floats, bools, dates, lists, tables) -----------------
 
 _BARE = re.compile(r"[A-Za-z0-9_-]+")
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
-            "\r": "\\r"}  # fmt: skip
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
 
 
 def toml_string(text: str) -> str:
@@ -296,20 +318,98 @@ def toml_values(max_leaves: int = 8) -> st.SearchStrategy[Any]:
 
 
 TOML_VALUES = toml_values()
-EDGE_VALUES = st.sampled_from([
-    0, 1, -1, 2, 4, 1023, 1024, 65535, 65536, 70000, 2**31 - 1, 2**31, 2**63 - 1, 2**63,
-    -(2**63), 10**30, 0.0, -0.0, 0.5, 1e-300, 1e300, math.inf, -math.inf, math.nan, True, False,
-    "", " ", ".", "..", "../x", "a/../b", "/abs", "~", "~/x", "rel", "/", "\x00", "a\x00b",
-    "img:1", "IMG:1", "img:", ":1", "a:b:c", "img:" + "x" * 129, "img@sha256:00", "x" * 300,
-    "0123456789abcdef0123456789abcdef01234567", "0123456789ABCDEF0123456789ABCDEF01234567",
-    "0123456789abcdef", "all", "none", "host", "private", "shareable", "tensorfold",
-    "llama-router", "${PORT}", "${NOPE}", "$", "$$", "${", "$1", "${A-B}", "üñí", "🙂",
-    "xgrammar>=0.2.8,<0.3", "os; rm -rf /", "a\nb", "\x1b[31mred",
-    [], [[]], [[""]], [["bash", "x.sh"]], ["xgrammar"], ["os.path"], ["1abc"], ["a", "b", "c"],
-    {}, {"A": 1}, {"a-b": "x"}, {"A": True}, {"A": 1.5}, {"memlock": -1}, {"x": 2**70},
-    [{"source": "/a", "target": "/b"}], [{"source": "/a", "target": "rel"}],
-    [{"source": "/a", "target": "/b", "read_only": "yes"}],
-])  # fmt: skip
+EDGE_VALUES = st.sampled_from(
+    [
+        0,
+        1,
+        -1,
+        2,
+        4,
+        1023,
+        1024,
+        65535,
+        65536,
+        70000,
+        2**31 - 1,
+        2**31,
+        2**63 - 1,
+        2**63,
+        -(2**63),
+        10**30,
+        0.0,
+        -0.0,
+        0.5,
+        1e-300,
+        1e300,
+        math.inf,
+        -math.inf,
+        math.nan,
+        True,
+        False,
+        "",
+        " ",
+        ".",
+        "..",
+        "../x",
+        "a/../b",
+        "/abs",
+        "~",
+        "~/x",
+        "rel",
+        "/",
+        "\x00",
+        "a\x00b",
+        "img:1",
+        "IMG:1",
+        "img:",
+        ":1",
+        "a:b:c",
+        "img:" + "x" * 129,
+        "img@sha256:00",
+        "x" * 300,
+        "0123456789abcdef0123456789abcdef01234567",
+        "0123456789ABCDEF0123456789ABCDEF01234567",
+        "0123456789abcdef",
+        "all",
+        "none",
+        "host",
+        "private",
+        "shareable",
+        "tensorfold",
+        "llama-router",
+        "${PORT}",
+        "${NOPE}",
+        "$",
+        "$$",
+        "${",
+        "$1",
+        "${A-B}",
+        "üñí",
+        "🙂",
+        "xgrammar>=0.2.8,<0.3",
+        "os; rm -rf /",
+        "a\nb",
+        "\x1b[31mred",
+        [],
+        [[]],
+        [[""]],
+        [["bash", "x.sh"]],
+        ["xgrammar"],
+        ["os.path"],
+        ["1abc"],
+        ["a", "b", "c"],
+        {},
+        {"A": 1},
+        {"a-b": "x"},
+        {"A": True},
+        {"A": 1.5},
+        {"memlock": -1},
+        {"x": 2**70},
+        [{"source": "/a", "target": "/b"}],
+        [{"source": "/a", "target": "rel"}],
+        [{"source": "/a", "target": "/b", "read_only": "yes"}],
+    ]
+)
 FIELD_VALUES = EDGE_VALUES | TOML_VALUES
 ENGINES = st.sampled_from(["tensorfold", "llama-router", "vllm", "", "TensorFold", "llama_router"])
 INDEX = st.integers(0, 1 << 12)  # taken modulo the length it indexes
@@ -318,10 +418,15 @@ INDEX = st.integers(0, 1 << 12)  # taken modulo the length it indexes
 SHORT_TEXT = st.text(string.ascii_letters + string.digits + "._-/:${}~ ", max_size=8) | TEXT
 SIMILAR_INTS = st.integers(-2, 70_000) | st.integers()
 STRING_EDITS = [
-    lambda old, new: old + new, lambda old, new: new + old, lambda old, new: old.upper(),
-    lambda old, new: old[: len(old) // 2], lambda old, new: old.replace("/", new),
-    lambda old, new: new, lambda old, new: f"{old}/{new}", lambda old, new: old.replace(".", ""),
-]  # fmt: skip
+    lambda old, new: old + new,
+    lambda old, new: new + old,
+    lambda old, new: old.upper(),
+    lambda old, new: old[: len(old) // 2],
+    lambda old, new: old.replace("/", new),
+    lambda old, new: new,
+    lambda old, new: f"{old}/{new}",
+    lambda old, new: old.replace(".", ""),
+]
 
 
 def similar(draw: st.DrawFn, old: Any) -> Any:
@@ -372,8 +477,17 @@ def _parent(data: Any, path: tuple[Any, ...]) -> Any:
 def _recase(key: str, how: int) -> str:
     snake = re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
     camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), key)
-    return [key.upper(), key.lower(), key.title(), snake, camel, key.replace("_", "-"),
-            f"{key} ", f"{key}_", key[:-1]][how % 9]  # fmt: skip
+    return [
+        key.upper(),
+        key.lower(),
+        key.title(),
+        snake,
+        camel,
+        key.replace("_", "-"),
+        f"{key} ",
+        f"{key}_",
+        key[:-1],
+    ][how % 9]
 
 
 @st.composite
@@ -382,8 +496,13 @@ def mutated_recipes(draw: st.DrawFn) -> tuple[str, tuple[str, tuple[Any, ...]] |
     all that was done to a valid recipe, so its refusal must name it."""
     base = draw(st.sampled_from(sorted(BASE_DATA)))
     data = copy.deepcopy(BASE_DATA[base])
-    ops = draw(st.lists(st.sampled_from(["set", "set", "set", "delete", "add", "rename", "engine"]),
-                        min_size=1, max_size=4))  # fmt: skip
+    ops = draw(
+        st.lists(
+            st.sampled_from(["set", "set", "set", "delete", "add", "rename", "engine"]),
+            min_size=1,
+            max_size=4,
+        )
+    )
     note: tuple[str, tuple[Any, ...]] | None = None
     for op in ops:
         paths = _paths(data)
@@ -552,8 +671,9 @@ def near_the_limit(draw: st.DrawFn) -> bytes:
     return padding[:-1] + b"\n" + core if draw(st.booleans()) else core + padding
 
 
-BYTE_INSERTS = st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"\xef\xbb\xbf",
-                                b"\xe2\x80\xa8"]) | st.binary(min_size=1, max_size=3)  # fmt: skip
+BYTE_INSERTS = st.sampled_from(
+    [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"\xef\xbb\xbf", b"\xe2\x80\xa8"]
+) | st.binary(min_size=1, max_size=3)
 
 
 @st.composite
@@ -612,40 +732,58 @@ def _same(a: Any, b: Any) -> bool:
 # --- reproducers of reported findings (strict xfail: an XPASS means fixed; clear the flag) -----
 
 
-@pytest.mark.xfail(UNFIXED_DEEP_NESTING, strict=True, raises=RecursionError,
-                   reason="finding: tomllib's RecursionError escapes recipe.parse")  # fmt: skip
+@pytest.mark.xfail(
+    UNFIXED_DEEP_NESTING,
+    strict=True,
+    raises=RecursionError,
+    reason="finding: tomllib's RecursionError escapes recipe.parse",
+)
 @pytest.mark.parametrize(
     "text",
-    ["a = " + "[" * 5_000 + "]" * 5_000, "a = " + "{b = " * 1_000 + "1" + "}" * 1_000,
-     MINIMAL + "command = [" + "[" * 2_000 + "]" * 2_000 + "]\n"],
+    [
+        "a = " + "[" * 5_000 + "]" * 5_000,
+        "a = " + "{b = " * 1_000 + "1" + "}" * 1_000,
+        MINIMAL + "command = [" + "[" * 2_000 + "]" * 2_000 + "]\n",
+    ],
     ids=["array", "inline-table", "in-run"],
-)  # fmt: skip
+)
 def test_finding_deeply_nested_toml_is_refused(text: str) -> None:
     with pytest.raises(RecipeError, match=f"^{ORIGIN}: "):
         parse(text, ORIGIN)
 
 
-@pytest.mark.xfail(UNFIXED_LONG_INTEGERS, strict=True, raises=ValueError,
-                   reason="finding: a ValueError (int digits) escapes recipe.parse")  # fmt: skip
+@pytest.mark.xfail(
+    UNFIXED_LONG_INTEGERS,
+    strict=True,
+    raises=ValueError,
+    reason="finding: a ValueError (int digits) escapes recipe.parse",
+)
 @pytest.mark.parametrize(
-    "text", ["a = " + "1" * 4_301, MINIMAL + "ulimits = {x = " + "9" * 5_000 + "}\n"],
+    "text",
+    ["a = " + "1" * 4_301, MINIMAL + "ulimits = {x = " + "9" * 5_000 + "}\n"],
     ids=["bare", "ulimit"],
-)  # fmt: skip
+)
 def test_finding_integers_beyond_4300_digits_are_refused(text: str) -> None:
     with pytest.raises(RecipeError, match=f"^{ORIGIN}: "):
         parse(text, ORIGIN)
 
 
-@pytest.mark.xfail(UNFIXED_RAW_TEXT_IN_MESSAGES, strict=True, raises=AssertionError,
-                   reason="finding: keys, engine tag unescaped in RecipeError")  # fmt: skip
+@pytest.mark.xfail(
+    UNFIXED_RAW_TEXT_IN_MESSAGES,
+    strict=True,
+    raises=AssertionError,
+    reason="finding: keys, engine tag unescaped in RecipeError",
+)
 @pytest.mark.parametrize(
     "text",
-    [MINIMAL + '"a\\nb" = 1\n',
-     MINIMAL.replace('engine = "tensorfold"', 'engine = "a\\nb"'),
-     MINIMAL.replace('engine = "tensorfold"', 'engine = "\\u001b[2J\\u001b[31mred"'),
-     MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nbuild_args = {"x\\ny" = 1}')],
+    [
+        MINIMAL + '"a\\nb" = 1\n',
+        MINIMAL.replace('engine = "tensorfold"', 'engine = "a\\nb"'),
+        MINIMAL.replace('engine = "tensorfold"', 'engine = "\\u001b[2J\\u001b[31mred"'),
+        MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nbuild_args = {"x\\ny" = 1}'),
+    ],
     ids=["key-newline", "engine-newline", "engine-escape", "build-arg-key"],
-)  # fmt: skip
+)
 def test_finding_recipe_messages_are_one_printable_line(text: str) -> None:
     with pytest.raises(RecipeError) as caught:
         parse(text, ORIGIN)
@@ -654,13 +792,21 @@ def test_finding_recipe_messages_are_one_printable_line(text: str) -> None:
     assert not [ch for ch in message if unicodedata.category(ch) == "Cc"], message
 
 
-@pytest.mark.xfail(UNFIXED_UNBOUNDED_NUMBERS, strict=True, raises=AssertionError,
-                   reason="finding: unusable timeouts and ulimits are accepted")  # fmt: skip
+@pytest.mark.xfail(
+    UNFIXED_UNBOUNDED_NUMBERS,
+    strict=True,
+    raises=AssertionError,
+    reason="finding: unusable timeouts and ulimits are accepted",
+)
 @pytest.mark.parametrize(
     "line",
-    ["stop_grace = inf", "stop_grace = 1e300", "ready_timeout = inf",
-     "ulimits = {nofile = 9223372036854775808}"],
-)  # fmt: skip
+    [
+        "stop_grace = inf",
+        "stop_grace = 1e300",
+        "ready_timeout = inf",
+        "ulimits = {nofile = 9223372036854775808}",
+    ],
+)
 def test_finding_unusable_numbers_are_refused(line: str) -> None:
     """Accepted today: round(inf) in Runtime.stop and Thread.join(inf) in
     Worker._abandon_task raise OverflowError, so such an engine can never be stopped."""

@@ -59,10 +59,16 @@ SERVED = "gpu-tiers"
 def complete(url: str) -> tuple[list[int], str]:
     answer = http_json.post(
         url + "/v1/completions",
-        {"model": SERVED, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-         "ignore_eos": True, "return_token_ids": True},
+        {
+            "model": SERVED,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
         timeout=600,
-    )  # fmt: skip
+    )
     assert answer.status == 200, answer.body[-2000:]
     (choice,) = answer.json()["choices"]
     return list(choice["token_ids"]), str(choice["text"])
@@ -101,21 +107,30 @@ def test_a_repeat_after_a_restart_is_loaded_from_the_tiers_into_the_gpu(
     hf_cache = Path("~/.cache/huggingface").expanduser()
     hf_cache.mkdir(parents=True, exist_ok=True)
     engine = make_engine(
-        kind="vllm", vllm_repository=pf.REPOSITORY, nvidia_smi="nvidia-smi",
-        vllm_model=model, revision=revision, ready_timeout=1800,
-        vllm={"served_name": SERVED, "max_model_len": 4096, "memory": 80,
-              "prefix_caching": False},
-        run_extra={"gpus": "all", "shm_size": "10g", "memory": "26g",
-                   "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}]},
-    )  # fmt: skip
+        kind="vllm",
+        vllm_repository=pf.REPOSITORY,
+        nvidia_smi="nvidia-smi",
+        vllm_model=model,
+        revision=revision,
+        ready_timeout=1800,
+        vllm={"served_name": SERVED, "max_model_len": 4096, "memory": 80, "prefix_caching": False},
+        run_extra={
+            "gpus": "all",
+            "shm_size": "10g",
+            "memory": "26g",
+            "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}],
+        },
+    )
     engine.start_worker()
     status = running(engine)
     first = client.containers.get(engine.container).id
     cold = complete(status["url"])
     assert from_tiers(status["url"]) == 0.0
     for tier in ("kv-nvme", "kv-hdd"):  # every full block saved from the GPU, on both disks
-        wait_for(lambda tier=tier: len(block_files(engine.root / tier)) >= FULL_BLOCKS,
-                 f"{FULL_BLOCKS} blocks on {tier}")  # fmt: skip
+        wait_for(
+            lambda tier=tier: len(block_files(engine.root / tier)) >= FULL_BLOCKS,
+            f"{FULL_BLOCKS} blocks on {tier}",
+        )
     engine.wait_state(engine.request("stopped"), "stopped", timeout=180)
     status = running(engine)
     assert client.containers.get(engine.container).id != first, "stopped, then started again"

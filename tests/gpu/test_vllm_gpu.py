@@ -48,11 +48,19 @@ def test_the_real_vllm_image_serves_on_this_gpu(
     hf_cache = Path("~/.cache/huggingface").expanduser()
     hf_cache.mkdir(parents=True, exist_ok=True)
     engine = make_engine(
-        kind="vllm", vllm_repository=pf.REPOSITORY, nvidia_smi="nvidia-smi",
-        vllm_model=model, revision=revision, ready_timeout=1800,
+        kind="vllm",
+        vllm_repository=pf.REPOSITORY,
+        nvidia_smi="nvidia-smi",
+        vllm_model=model,
+        revision=revision,
+        ready_timeout=1800,
         vllm={"served_name": "gpu-check", "max_model_len": 2048, "memory": 80},
-        run_extra={"gpus": "all", "shm_size": "10g", "memory": "26g",
-                   "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}]},
+        run_extra={
+            "gpus": "all",
+            "shm_size": "10g",
+            "memory": "26g",
+            "volumes": [{"source": str(hf_cache), "target": account.HF_HOME}],
+        },
     )
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "running", timeout=2400)
@@ -62,10 +70,12 @@ def test_the_real_vllm_image_serves_on_this_gpu(
     assert status["engine"]["imageId"] == container.image.id
     assert status["engine"]["modelRevision"] == revision
     assert container.attrs["HostConfig"]["DeviceRequests"], "no GPU given to the container"
-    body = json.dumps({"model": "gpu-check", "prompt": "The capital of France is",
-                       "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"{status['url']}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "gpu-check", "prompt": "The capital of France is", "max_tokens": 8}
+    ).encode()
+    request = urllib.request.Request(
+        f"{status['url']}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         assert json.loads(answer.read())["choices"][0]["text"]
     (group,) = engine.file_sd()

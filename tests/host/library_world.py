@@ -61,9 +61,13 @@ def wait_state(root: Path, guid: str, *states: str) -> mf.ModelManifest:
 
 
 def queue(
-    root: Path, hub: Hub, *, include: list[str] | None = None, token: str | None = None,
+    root: Path,
+    hub: Hub,
+    *,
+    include: list[str] | None = None,
+    token: str | None = None,
     revision: str = "main",
-) -> mf.ModelManifest:  # fmt: skip
+) -> mf.ModelManifest:
     client = HubClient(hub.url, token)
     return add(root, client, REPO, revision, include=include or [GGUF], name=None)
 
@@ -85,24 +89,37 @@ def running(root: Path, **settings: Any) -> Iterator[Runner]:
 
 def cli(*args: str, env: dict[str, str], check: bool = False) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args], env=env, cwd=ROOT, text=True,
-        capture_output=True, timeout=WAIT, check=check,
-    )  # fmt: skip
+        [sys.executable, "-m", "supervisor.cli", *args],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=WAIT,
+        check=check,
+    )
 
 
 def cli_env(root: Path, hub: Hub, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(PYTHONPATH=str(ROOT), LUCIA_MODELS_DIR=str(root), HF_ENDPOINT=hub.url,
-               LUCIA_HF_TOKEN_FILE=str(root.parent / "no-token"))  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        LUCIA_MODELS_DIR=str(root),
+        HF_ENDPOINT=hub.url,
+        LUCIA_HF_TOKEN_FILE=str(root.parent / "no-token"),
+    )
     env.update(extra)
     return env
 
 
 def serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "models", "serve", *args], env=env, cwd=ROOT,
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [sys.executable, "-m", "supervisor.cli", "models", "serve", *args],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def hub_of(repo: Path, **faults: object) -> Hub:

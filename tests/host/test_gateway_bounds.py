@@ -55,8 +55,14 @@ def test_the_defaults_are_those_documented(where: str) -> None:
     text = (settings.__doc__ or "") if where == "settings.py" else readme
     limits = documented_limits(text)
     defaults = parse("", "test").limits
-    names = ("max_tokens", "max_n", "max_best_of", "max_logprobs", "max_messages",
-             "max_message_chars")  # fmt: skip
+    names = (
+        "max_tokens",
+        "max_n",
+        "max_best_of",
+        "max_logprobs",
+        "max_messages",
+        "max_message_chars",
+    )
     documented = {name: limits[name] for name in names}
     assert documented == {name: getattr(defaults, name) for name in names}
     assert (defaults.max_n, defaults.max_logprobs, defaults.max_messages) == (8, 20, 10_000)
@@ -77,11 +83,21 @@ REFUSED = [
     (body.CHAT, {"n": True}, "invalid_request", "n", "not true"),
     (body.CHAT, {"n": 2.0}, "invalid_request", "n", "not a number"),
     (body.CHAT, {"n": "2"}, "invalid_request", "n", "not a string"),
-    (body.COMPLETIONS, {"best_of": 6}, "best_of_too_large", "best_of",
-     "best_of is 6; at most 5 ([limits] max_best_of)"),
+    (
+        body.COMPLETIONS,
+        {"best_of": 6},
+        "best_of_too_large",
+        "best_of",
+        "best_of is 6; at most 5 ([limits] max_best_of)",
+    ),
     (body.COMPLETIONS, {"best_of": False}, "invalid_request", "best_of", "not false"),
-    (body.CHAT, {"top_logprobs": 4}, "logprobs_too_large", "top_logprobs",
-     "top_logprobs is 4; at most 3 ([limits] max_logprobs)"),
+    (
+        body.CHAT,
+        {"top_logprobs": 4},
+        "logprobs_too_large",
+        "top_logprobs",
+        "top_logprobs is 4; at most 3 ([limits] max_logprobs)",
+    ),
     (body.RESPONSES, {"top_logprobs": 4}, "logprobs_too_large", "top_logprobs", "is 4"),
     (body.CHAT, {"top_logprobs": -1}, "invalid_request", "top_logprobs", "from 0 to 3"),
     (body.CHAT, {"top_logprobs": True}, "invalid_request", "top_logprobs", "not true"),
@@ -89,31 +105,75 @@ REFUSED = [
     (body.COMPLETIONS, {"prompt_logprobs": 4}, "logprobs_too_large", "prompt_logprobs", "is 4"),
     (body.COMPLETIONS, {"logprobs": 4}, "logprobs_too_large", "logprobs", "logprobs is 4"),
     (body.COMPLETIONS, {"logprobs": "4"}, "invalid_request", "logprobs", "not a string"),
-    (body.CHAT, {"messages": [said("a")] * 4}, "too_many_messages", "messages",
-     "messages has 4 messages; at most 3 ([limits] max_messages)"),
+    (
+        body.CHAT,
+        {"messages": [said("a")] * 4},
+        "too_many_messages",
+        "messages",
+        "messages has 4 messages; at most 3 ([limits] max_messages)",
+    ),
     (body.RESPONSES, {"input": [said("a")] * 4}, "too_many_messages", "input", "has 4"),
-    (body.CHAT, {"messages": [said("a"), said("x" * 11)]}, "message_too_long", "messages[1]",
-     "messages[1] has 11 characters of text; at most 10 ([limits] max_message_chars)"),
-    (body.CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "x" * 6}, {"type": "text", "text": "é" * 5}]}]},
-     "message_too_long", "messages[0]", "has 11 characters"),
+    (
+        body.CHAT,
+        {"messages": [said("a"), said("x" * 11)]},
+        "message_too_long",
+        "messages[1]",
+        "messages[1] has 11 characters of text; at most 10 ([limits] max_message_chars)",
+    ),
+    (
+        body.CHAT,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "x" * 6},
+                        {"type": "text", "text": "é" * 5},
+                    ],
+                }
+            ]
+        },
+        "message_too_long",
+        "messages[0]",
+        "has 11 characters",
+    ),
     (body.RESPONSES, {"input": "x" * 11}, "message_too_long", "input[0]", "has 11"),
     # the token bounds: 400 invalid_request naming the field and its range, as before issue 36
-    (body.CHAT, {"max_tokens": 101}, "invalid_request", "max_tokens",
-     "max_tokens must be an integer from 1 to 100, not 101"),
+    (
+        body.CHAT,
+        {"max_tokens": 101},
+        "invalid_request",
+        "max_tokens",
+        "max_tokens must be an integer from 1 to 100, not 101",
+    ),
     (body.CHAT, {"max_tokens": 0}, "invalid_request", "max_tokens", "from 1 to 100, not 0"),
     (body.CHAT, {"max_tokens": -1}, "invalid_request", "max_tokens", "not -1"),
     (body.CHAT, {"max_tokens": True}, "invalid_request", "max_tokens", "not true"),
     (body.CHAT, {"max_tokens": 5.0}, "invalid_request", "max_tokens", "not a number"),
-    (body.CHAT, {"max_completion_tokens": 101}, "invalid_request", "max_completion_tokens",
-     "from 1 to 100"),
-    (body.RESPONSES, {"max_output_tokens": 101}, "invalid_request", "max_output_tokens",
-     "from 1 to 100"),
-    (body.CHAT, {"n_predict": 101}, "invalid_request", "n_predict",
-     "n_predict must be an integer from 1 to 100, or negative (until the bound), not 101"),
+    (
+        body.CHAT,
+        {"max_completion_tokens": 101},
+        "invalid_request",
+        "max_completion_tokens",
+        "from 1 to 100",
+    ),
+    (
+        body.RESPONSES,
+        {"max_output_tokens": 101},
+        "invalid_request",
+        "max_output_tokens",
+        "from 1 to 100",
+    ),
+    (
+        body.CHAT,
+        {"n_predict": 101},
+        "invalid_request",
+        "n_predict",
+        "n_predict must be an integer from 1 to 100, or negative (until the bound), not 101",
+    ),
     (body.CHAT, {"n_predict": 0}, "invalid_request", "n_predict", "not 0"),
     (body.CHAT, {"n_predict": True}, "invalid_request", "n_predict", "not true"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "fields", "code", "param", "words"), REFUSED)
@@ -135,13 +195,27 @@ PASSED = [
     (body.CHAT, {"logprobs": True, "top_logprobs": 3, "n_probs": 0}),
     (body.COMPLETIONS, {"logprobs": 3, "prompt_logprobs": 0}),
     (body.CHAT, {"messages": [said("x" * 10)] * 3}),
-    (body.CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "x" * 10},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 99}}]}]}),
+    (
+        body.CHAT,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "x" * 10},
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "data:image/png;base64," + "A" * 99},
+                        },
+                    ],
+                }
+            ]
+        },
+    ),
     (body.RESPONSES, {"input": "x" * 10}),
     (body.COMPLETIONS, {"prompt": "x" * 1000}),  # a prompt is bounded by the body's size
     (body.EMBEDDINGS, {"input": ["x" * 1000] * 4}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "fields"), PASSED)
@@ -233,9 +307,12 @@ def test_a_value_to_replace_serialises_the_body_once_and_leaves_no_second_name()
     sent = body.prepare(body.CHAT, raw, BOUNDS).body
     assert sent.count(b'"n_predict"') == 1 and sent.count(b'"stream_options"') == 1
     assert json.loads(sent) == {
-        "model": "m", "n_predict": 100, "stream": True, "timings_per_token": True,
+        "model": "m",
+        "n_predict": 100,
+        "stream": True,
+        "timings_per_token": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }  # fmt: skip
+    }
 
 
 # -- end to end: the gateway in front of its fast local upstream ---------------------------------
@@ -272,11 +349,15 @@ def test_a_chat_without_max_tokens_reaches_the_engine_with_n_predict(tmp_path: P
     ("fields", "code", "param", "words"),
     [
         ({"n": 64}, "n_too_large", "n", "n is 64; at most 8 ([limits] max_n)"),
-        ({"messages": [said("hi")] * 10_001}, "too_many_messages", "messages",
-         "messages has 10001 messages; at most 10000 ([limits] max_messages)"),
+        (
+            {"messages": [said("hi")] * 10_001},
+            "too_many_messages",
+            "messages",
+            "messages has 10001 messages; at most 10000 ([limits] max_messages)",
+        ),
         ({"max_tokens": 1001}, "invalid_request", "max_tokens", "from 1 to 1000, not 1001"),
     ],
-)  # fmt: skip
+)
 def test_a_request_over_a_bound_is_refused_and_nothing_is_forwarded(
     tmp_path: Path, fields: dict[str, Any], code: str, param: str, words: str
 ) -> None:

@@ -111,8 +111,13 @@ def test_the_refusal_names_the_count_the_budget_and_the_reset() -> None:
     assert refused.body()["budget"]["remaining_tokens"] == 0
 
 
-def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]], settings: str,
-        spending: Any, upstream: Upstream | None = None) -> None:  # fmt: skip
+def run(
+    tmp_path: Path,
+    scenario: Callable[[World], Awaitable[None]],
+    settings: str,
+    spending: Any,
+    upstream: Upstream | None = None,
+) -> None:
     async def main() -> None:
         async with world(tmp_path, settings, upstream or Upstream(), Keys(), spending) as w:
             write_status(w.data, "small", "running", url=w.upstream.url, generation=1)
@@ -146,11 +151,16 @@ def test_over_budget_is_refused_before_the_engine_and_under_it_is_served(tmp_pat
             assert len(w.upstream.bodies) == 1, "a refused request never reaches the engine"
             async with s.get(f"{w.base}/budget") as r:
                 assert await r.json() == {
-                    "object": "budget", "key_id": "inference", "day": today().isoformat(),
-                    "spent_tokens": 100, "budget_tokens": 100, "remaining_tokens": 0,
+                    "object": "budget",
+                    "key_id": "inference",
+                    "day": today().isoformat(),
+                    "spent_tokens": 100,
+                    "budget_tokens": 100,
+                    "remaining_tokens": 0,
                     "resets_at": resets_at(datetime.now(UTC)).isoformat().replace("+00:00", "Z"),
-                    "enforced": True, "reserved_tokens": 0,
-                }  # fmt: skip
+                    "enforced": True,
+                    "reserved_tokens": 0,
+                }
             # the owner has no budget; a key's own budget wins over the default
             owner = {"Authorization": f"Bearer {OWNER_KEY}"}
             async with s.post(f"{w.base}/chat/completions", json=CHAT, headers=owner) as r:

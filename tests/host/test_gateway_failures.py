@@ -78,8 +78,9 @@ def test_an_address_past_the_limit_gets_429_and_valid_keys_still_work(tmp_path: 
 
 def get_from(address: str, port: int, key: str | None, **headers: str) -> tuple[int, str | None]:
     """GET /v1/models over a connection from `address`: the status and its Retry-After."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
-                                            source_address=(address, 0))  # fmt: skip
+    connection = http.client.HTTPConnection(
+        "127.0.0.1", port, timeout=30, source_address=(address, 0)
+    )
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     try:

@@ -51,8 +51,14 @@ def serving(w: World) -> None:
 
 def head(path: str, length: int | None) -> bytes:
     sized = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
-    lines = [f"POST {path} HTTP/1.1", "Host: gw", "Content-Type: application/json", sized,
-             "Connection: close", *(f"{k}: {v}" for k, v in AUTH.items())]  # fmt: skip
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: gw",
+        "Content-Type: application/json",
+        sized,
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in AUTH.items()),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -205,9 +211,12 @@ def test_what_a_body_gets(
 
 @pytest.mark.parametrize(
     ("route_limit", "limit", "most"),
-    [(2 * MIB, DEFAULT_BODIES_BYTES, 2 * MIB), (16 * MIB, 3 * MIB, 3 * MIB),
-     (16 * MIB, 16 * MIB, 16 * MIB)],
-)  # fmt: skip
+    [
+        (2 * MIB, DEFAULT_BODIES_BYTES, 2 * MIB),
+        (16 * MIB, 3 * MIB, 3 * MIB),
+        (16 * MIB, 16 * MIB, 16 * MIB),
+    ],
+)
 def test_the_most_one_body_may_be(route_limit: int, limit: int, most: int) -> None:
     assert room(route_limit, limit) == most
 
@@ -216,12 +225,19 @@ def test_the_most_one_body_may_be(route_limit: int, limit: int, most: int) -> No
     ("path", "declared", "limit", "held", "status", "words", "close"),
     [
         ("/v1/embeddings", 16 * MIB + 1, DEFAULT_BODIES_BYTES, 0, 413, "limited to 16 MiB", False),
-        ("/v1/embeddings", 3 * MIB + 1, 3 * MIB, 0, 413, "3145728 bytes, the bytes of request",
-         False),
+        (
+            "/v1/embeddings",
+            3 * MIB + 1,
+            3 * MIB,
+            0,
+            413,
+            "3145728 bytes, the bytes of request",
+            False,
+        ),
         (CHAT, None, 3 * MIB, MIB + 1, 429, "holds 1048577 bytes", True),
         (CHAT, MIB, 3 * MIB, 2 * MIB + 1, 429, f"the {MIB} of this {CHAT} would pass", True),
     ],
-)  # fmt: skip
+)
 def test_a_body_that_cannot_be_held_is_refused_and_holds_nothing(
     path: str, declared: int | None, limit: int, held: int, status: int, words: str, close: bool
 ) -> None:
@@ -282,9 +298,12 @@ def test_the_loop_answers_while_a_large_body_parses(tmp_path: Path, monkeypatch:
 
 @pytest.mark.parametrize(
     ("size", "model", "on_the_loop"),
-    [(PARSE_INLINE, "tiny", True), (PARSE_INLINE + 1, "tiny", False),
-     (PARSE_INLINE + 1, "fast", False)],
-)  # fmt: skip
+    [
+        (PARSE_INLINE, "tiny", True),
+        (PARSE_INLINE + 1, "tiny", False),
+        (PARSE_INLINE + 1, "fast", False),
+    ],
+)
 def test_small_bodies_parse_on_the_loop_and_large_ones_beside_it(
     tmp_path: Path, monkeypatch: Any, size: int, model: str, on_the_loop: bool
 ) -> None:

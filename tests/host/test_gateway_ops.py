@@ -135,8 +135,9 @@ def test_metrics_count_requests_tokens_refusals_and_times(tmp_path: Path) -> Non
         assert one(found, "lucia_gateway_requests_total", **ok) == 3  # the tier resolved
         # the engine's own usage: 5 prompt and 3 completion tokens each, plain and streamed
         assert one(found, "lucia_gateway_prompt_tokens_total", model="tiny", engine="small") == 15
-        assert one(found, "lucia_gateway_completion_tokens_total", model="tiny",
-                   engine="small") == 9  # fmt: skip
+        assert (
+            one(found, "lucia_gateway_completion_tokens_total", model="tiny", engine="small") == 9
+        )
         assert one(found, "lucia_gateway_refusals_total", reason="model_not_found") == 1
         assert one(found, "lucia_gateway_refusals_total", reason="invalid_api_key") == 1
         for name in ("wait", "ttft", "duration"):
@@ -276,15 +277,17 @@ def test_an_engine_an_operator_started_is_never_stopped_for_idling(tmp_path: Pat
                 s.post(f"{w.base}/chat/completions", json={**CHAT, "model": "other-m"})
             )
             await until(lambda: w.desired("other") is not None)
-            write_status(w.data, "other", "running", url=w.upstream.url, generation=1,
-                         models=("other-m",))  # fmt: skip
+            write_status(
+                w.data, "other", "running", url=w.upstream.url, generation=1, models=("other-m",)
+            )
             async with await pending as r:
                 assert r.status == 200
             url = str(w.gateway.make_url("/api/host/engines/other"))
             async with s.post(url, json={"desired": "running"}, headers=OWNER) as r:
                 assert r.status == 202
-            write_status(w.data, "other", "running", url=w.upstream.url, generation=2,
-                         models=("other-m",))  # fmt: skip
+            write_status(
+                w.data, "other", "running", url=w.upstream.url, generation=2, models=("other-m",)
+            )
         checks = w.app.idle.checks
         await until(lambda: w.app.idle.checks >= checks + 20)  # many looks past the idle time
         assert (w.desired().generation, w.desired().desired) == (generation, "running")

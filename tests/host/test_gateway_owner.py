@@ -47,9 +47,10 @@ async def stop_as_operator(w: World, how: str) -> int:
     elif how == "host-api":
         async with (
             aiohttp.ClientSession(headers=OWNER) as s,
-            s.post(str(w.gateway.make_url("/api/host/engines/small")),
-                   json={"desired": "stopped"}) as r,
-        ):  # fmt: skip
+            s.post(
+                str(w.gateway.make_url("/api/host/engines/small")), json={"desired": "stopped"}
+            ) as r,
+        ):
             assert r.status == 202
     else:  # an older host: no requestedBy, no requestedAt
         previous = w.desired()
@@ -86,8 +87,9 @@ def test_an_engine_an_operator_stopped_is_not_started_on_demand(tmp_path: Path, 
                 assert_operators_stop(error, generation, when=how != "older-host")
             async with s.post(f"{w.base}/chat/completions", json={**CHAT, "stream": True}) as r:
                 last = (await r.read()).strip().split(b"\n\n")[-1]
-            assert_operators_stop(json.loads(last.removeprefix(b"data: ")), generation,
-                                  when=how != "older-host")  # fmt: skip
+            assert_operators_stop(
+                json.loads(last.removeprefix(b"data: ")), generation, when=how != "older-host"
+            )
         assert (w.desired().generation, w.desired().desired) == (generation, "stopped")
         assert w.app.starter.requests_written == 0 and w.upstream.bodies == []
 

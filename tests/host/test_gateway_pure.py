@@ -277,12 +277,18 @@ def test_the_refusal_of_an_operators_stop_says_who_when_and_the_way_on() -> None
     older = operator_stop("e", desired("stopped", 4))
     assert "an older host's request" in older.message and "not recorded" in older.message
     assert older.body()["stoppedBy"] == {
-        "requestedBy": "operator", "requestedAt": None, "generation": 4,
-    }  # fmt: skip
+        "requestedBy": "operator",
+        "requestedAt": None,
+        "generation": 4,
+    }
 
 
-def engine(name: str, answer: Status | None, request_: DesiredFile | None = None,
-           models: tuple[str, ...] = ("tiny",)) -> CatalogEntry:  # fmt: skip
+def engine(
+    name: str,
+    answer: Status | None,
+    request_: DesiredFile | None = None,
+    models: tuple[str, ...] = ("tiny",),
+) -> CatalogEntry:
     if answer is not None:
         answer = answer.model_copy(update={"models": models})
     return CatalogEntry(name, answer, request_)
@@ -446,15 +452,18 @@ def test_only_the_usage_only_event_is_kept_back_however_the_stream_is_cut(
         ("[limits\n", "not valid TOML"),
         ("[page]\nsession_s = 0.5", "page.session_s"),
         ("[page]\nsession_hours = 1", "page.session_hours: unknown setting"),
-        ('[tiers]\n"fast model" = "tiny"', "tiers: alias 'fast model' is not a served name: it "
-         "has a space: a served name has letters, digits and . _ : @ + - / only"),
+        (
+            '[tiers]\n"fast model" = "tiny"',
+            "tiers: alias 'fast model' is not a served name: it "
+            "has a space: a served name has letters, digits and . _ : @ + - / only",
+        ),
         ('[tiers]\n"Qwen 7B (Q4)" = "tiny"', "tiers: alias 'Qwen 7B (Q4)' is not a served name"),
         ('[tiers]\n"" = "tiny"', "tiers: alias '' is not a served name: it is empty"),
         ('[tiers]\n"-fast" = "tiny"', "tiers: alias '-fast' is not a served name: it starts"),
         ('[tiers]\n"a/../b" = "tiny"', "tiers: alias 'a/../b' is not a served name: it has '..'"),
         ('[tiers]\n"rápido" = "tiny"', "tiers: alias 'rápido' is not a served name"),
     ],
-)  # fmt: skip
+)
 def test_bad_settings_name_the_setting(text: str, words: str) -> None:
     with pytest.raises(SettingsError, match=r"^gw\.toml: ") as caught:
         parse(text, "gw.toml")

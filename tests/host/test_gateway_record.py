@@ -36,16 +36,28 @@ from tests.host.gateway_world import (
 )
 
 BUDGETED = SETTINGS + "[budget]\ndaily_tokens = 60\n"
-BUILD = RunningEngine(image="lucia-llama-server:1", image_id="sha256:" + "ab" * 32,
-                      container_id="c1", model="tiny", model_revision="rev-1",
-                      engine_version="b11669-Debian")  # fmt: skip
+BUILD = RunningEngine(
+    image="lucia-llama-server:1",
+    image_id="sha256:" + "ab" * 32,
+    container_id="c1",
+    model="tiny",
+    model_revision="rev-1",
+    engine_version="b11669-Debian",
+)
 
 
 def serving(data: Path, url: str, models: tuple[str, ...] = ("tiny",)) -> None:
     now = utc_now()
-    status = Status(generation=1, state="running", since=now, message="serving", url=url,
-                    checked_at=now, engine=BUILD.model_copy(update={"model": models[0]}),
-                    models=models)  # fmt: skip
+    status = Status(
+        generation=1,
+        state="running",
+        since=now,
+        message="serving",
+        url=url,
+        checked_at=now,
+        engine=BUILD.model_copy(update={"model": models[0]}),
+        models=models,
+    )
     write_atomic(ensure_dir(data / "small") / "status.json", dump(status))
 
 
@@ -55,8 +67,12 @@ def rows(path: Path) -> list[dict[str, Any]]:
         return [dict(r) for r in db.execute("SELECT * FROM generations ORDER BY at_us")]
 
 
-def run(tmp_path: Path, scenario: Callable[[World, Store], Awaitable[None]], settings: str,
-        upstream: Upstream | None = None) -> Path:  # fmt: skip
+def run(
+    tmp_path: Path,
+    scenario: Callable[[World, Store], Awaitable[None]],
+    settings: str,
+    upstream: Upstream | None = None,
+) -> Path:
     """The scenario against a gateway recording into a real SQLite file; its path."""
     path = tmp_path / "record.sqlite3"
 
@@ -83,8 +99,7 @@ def test_every_generation_is_a_row_naming_the_build_and_no_text(tmp_path: Path) 
         client = openai.AsyncOpenAI(base_url=w.base, api_key=INFERENCE_KEY)
         messages: Any = [{"role": "user", "content": secret}]
         await client.chat.completions.create(model="fast", messages=messages)  # a tier
-        stream = await client.chat.completions.create(model="tiny", messages=messages,
-                                                      stream=True)  # fmt: skip
+        stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True)
         async for _chunk in stream:
             pass
         async with aiohttp.ClientSession(headers=AUTH) as s:  # a refusal of the body's
@@ -141,7 +156,7 @@ def test_the_owner_api_gives_the_usage_figures_by_build(tmp_path: Path) -> None:
             group["imageId"],
             group["weightsRevision"],
         ) == ("small", "b11669-Debian", BUILD.image_id, "rev-1")
-        assert group["requests"] == 3 and group["promptTokens"] == 15  # fmt: skip
+        assert group["requests"] == 3 and group["promptTokens"] == 15
 
     run(tmp_path, scenario, SETTINGS)
 
@@ -210,8 +225,7 @@ def test_a_model_named_outside_the_rule_is_recorded_by_its_digest_and_charged(
         serving(w.data, w.upstream.url, models=(LEGACY,))
         client = openai.AsyncOpenAI(base_url=w.base, api_key=INFERENCE_KEY, max_retries=0)
         messages: Any = [{"role": "user", "content": "hi"}]
-        stream = await client.chat.completions.create(model=LEGACY, messages=messages,
-                                                      stream=True)  # fmt: skip
+        stream = await client.chat.completions.create(model=LEGACY, messages=messages, stream=True)
         async for _chunk in stream:
             pass  # 5 + 40 tokens: under 60
         with pytest.raises(openai.RateLimitError) as refused:  # 15 left: less than its bound
@@ -227,14 +241,18 @@ def test_a_model_named_outside_the_rule_is_recorded_by_its_digest_and_charged(
             async with s.get(url, params={"by": "model"}, headers=OWNER) as r:
                 figures = await r.json()
         assert (standing["spent_tokens"], standing["remaining_tokens"]) == (45, 15)
-        assert [(g["model"], g["requests"], g["promptTokens"], g["completionTokens"])
-                for g in figures["groups"]] == [(kept, 2, 5, 40)]  # fmt: skip
+        assert [
+            (g["model"], g["requests"], g["promptTokens"], g["completionTokens"])
+            for g in figures["groups"]
+        ] == [(kept, 2, 5, 40)]
         assert [b["model"] for b in w.upstream.bodies] == [LEGACY], "its own name"
 
     with structlog.testing.capture_logs() as logs:
         path = run(tmp_path, scenario, BUDGETED, Upstream(chunks=40))
     assert [(r["model"], r["engine"], r["outcome"], r["prompt_tokens"]) for r in rows(path)] == [
-        (kept, "small", "ok", 5), (kept, "small", "refused:budget_exceeded", None)]  # fmt: skip
+        (kept, "small", "ok", 5),
+        (kept, "small", "refused:budget_exceeded", None),
+    ]
     assert not [e for e in logs if e["event"] == "request not recorded"], logs
 
 
@@ -243,8 +261,9 @@ def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(
 ) -> None:
     data = ensure_dir(tmp_path / "served")
     (tmp_path / "a-file").write_text("")
-    settings = parse(f'[listen]\nport = 0\n[record]\npath = "{tmp_path}/a-file/record.db"\n',
-                     "gw.toml")  # fmt: skip
+    settings = parse(
+        f'[listen]\nport = 0\n[record]\npath = "{tmp_path}/a-file/record.db"\n', "gw.toml"
+    )
 
     async def main() -> None:
         up = Upstream()

@@ -35,8 +35,14 @@ async def chat(w: World, s: aiohttp.ClientSession, **extra: Any) -> tuple[int, d
 
 def gone(w: World, engine: str) -> None:
     """A running engine whose worker stopped writing its heartbeat long ago."""
-    write_status(w.data, engine, "running", url="http://127.0.0.1:9", generation=1,
-                 checked_at=utc_now() - timedelta(seconds=WORKER_GONE_S))  # fmt: skip
+    write_status(
+        w.data,
+        engine,
+        "running",
+        url="http://127.0.0.1:9",
+        generation=1,
+        checked_at=utc_now() - timedelta(seconds=WORKER_GONE_S),
+    )
 
 
 def test_a_worker_gone_silent_never_takes_a_request_another_engine_can_serve(
@@ -87,7 +93,9 @@ def test_an_engine_an_operator_stopped_is_passed_over_for_one_that_may_be_starte
             code, _ = await pending
         assert code == 200
         assert (w.desired("a-stopped").generation, w.desired("a-stopped").desired) == (
-            stop, "stopped")  # fmt: skip
+            stop,
+            "stopped",
+        )
 
     run(tmp_path, scenario)
 

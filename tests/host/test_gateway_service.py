@@ -196,10 +196,14 @@ def _keys(tmp_path: Path, owner: str, inference: str) -> str:
         ("[listen]\nheader_timeout_s = 0\n", OWNER_KEY, INFERENCE_KEY, "listen.header_timeout_s"),
         ("", "short", INFERENCE_KEY, "a key has at least 32 and at most 1024 characters"),
         ("", OWNER_KEY, OWNER_KEY, "must differ"),
-        ('[tiers]\n"fast model" = "tiny"\n', OWNER_KEY, INFERENCE_KEY,
-         "tiers: alias 'fast model' is not a served name: it has a space"),
+        (
+            '[tiers]\n"fast model" = "tiny"\n',
+            OWNER_KEY,
+            INFERENCE_KEY,
+            "tiers: alias 'fast model' is not a served name: it has a space",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_settings_or_keys_exit_78_with_the_rule(
     tmp_path: Path, settings: str, owner: str, inference: str, words: str
 ) -> None:
@@ -221,5 +225,9 @@ def test_a_settings_file_named_must_exist(tmp_path: Path) -> None:
 def gateway(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "supervisor.cli", "gateway", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

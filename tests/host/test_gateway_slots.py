@@ -115,8 +115,9 @@ def test_a_lower_bound_lets_the_running_finish_and_starts_none_beyond_it() -> No
     asyncio.run(main())
 
 
-def run(tmp_path: Path, settings: str, scenario: Callable[[World], Awaitable[None]],
-        hold: asyncio.Event) -> None:
+def run(
+    tmp_path: Path, settings: str, scenario: Callable[[World], Awaitable[None]], hold: asyncio.Event
+) -> None:
     async def main() -> None:
         async with world(tmp_path, settings, Upstream(hold=hold)) as w:
             await scenario(w)
@@ -135,21 +136,30 @@ def test_waiters_for_an_engine_started_on_demand_get_the_slots_it_publishes(
     async def scenario(w: World) -> None:
         write_status(w.data, "small", "stopped")
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            sent = [asyncio.ensure_future(s.post(f"{w.base}/chat/completions",
-                                                 json={**CHAT, "stream": True}))
-                    for _ in range(3)]  # fmt: skip
+            sent = [
+                asyncio.ensure_future(
+                    s.post(f"{w.base}/chat/completions", json={**CHAT, "stream": True})
+                )
+                for _ in range(3)
+            ]
             await until(lambda: w.desired() is not None)
-            write_status(w.data, "small", "running", url=w.upstream.url, generation=1,
-                         slots={"tiny": 1})  # fmt: skip
+            write_status(
+                w.data, "small", "running", url=w.upstream.url, generation=1, slots={"tiny": 1}
+            )
             gate = w.app.gate("small")
             await until(lambda: len(w.upstream.bodies) == 1 and gate.waiting == 2)
             assert gate.running == 1
-            async with s.get(f"{w.base.removesuffix('/v1')}/api/host/engines",
-                             headers=OWNER) as r:
+            async with s.get(f"{w.base.removesuffix('/v1')}/api/host/engines", headers=OWNER) as r:
                 (row,) = (await r.json())["engines"]
             assert (row["running"], row["waiting"], row["bound"]) == (1, 2, 1)
-            write_status(w.data, "small", "running", url=w.upstream.url, generation=1,
-                         slots={"tiny": 1, "other": 2})  # fmt: skip
+            write_status(
+                w.data,
+                "small",
+                "running",
+                url=w.upstream.url,
+                generation=1,
+                slots={"tiny": 1, "other": 2},
+            )
             await until(lambda: len(w.upstream.bodies) == 3)
             assert (gate.running, gate.waiting, gate.limits.running) == (3, 0, 3)
             hold.set()
@@ -166,12 +176,16 @@ def test_the_operators_running_bound_stands_whatever_the_engine_publishes(
     hold = asyncio.Event()
 
     async def scenario(w: World) -> None:
-        write_status(w.data, "small", "running", url=w.upstream.url, generation=1,
-                     slots={"tiny": 1})  # fmt: skip
+        write_status(
+            w.data, "small", "running", url=w.upstream.url, generation=1, slots={"tiny": 1}
+        )
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            sent = [asyncio.ensure_future(s.post(f"{w.base}/chat/completions",
-                                                 json={**CHAT, "stream": True}))
-                    for _ in range(3)]  # fmt: skip
+            sent = [
+                asyncio.ensure_future(
+                    s.post(f"{w.base}/chat/completions", json={**CHAT, "stream": True})
+                )
+                for _ in range(3)
+            ]
             gate = w.app.gate("small")
             await until(lambda: len(w.upstream.bodies) == 2 and gate.waiting == 1)
             assert gate.limits.running == 2  # [limits] running = 2

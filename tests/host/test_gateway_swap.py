@@ -27,8 +27,9 @@ SMALL = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 BIG = {**SMALL, "model": "huge"}
 
 
-def look(engine: str, idle_s: float, busy: bool = False, ours: bool = True,
-         state: str = "running") -> IdleLook:  # fmt: skip
+def look(
+    engine: str, idle_s: float, busy: bool = False, ours: bool = True, state: str = "running"
+) -> IdleLook:
     desired = DesiredFile.model_validate(
         {"schemaVersion": 1, "generation": 2 if ours else 3, "desired": "running"}
     )
@@ -65,9 +66,16 @@ async def started_small(w: World, s: aiohttp.ClientSession) -> None:
 
 
 def blocked(w: World, generation: int) -> None:
-    write_status(w.data, "big", "failed", models=("huge",), generation=generation,
-                 retrying=True, waiting_for="memory",
-                 message="needs 9.0 GiB; 2.0 GiB left: does not fit")  # fmt: skip
+    write_status(
+        w.data,
+        "big",
+        "failed",
+        models=("huge",),
+        generation=generation,
+        retrying=True,
+        waiting_for="memory",
+        message="needs 9.0 GiB; 2.0 GiB left: does not fit",
+    )
 
 
 def test_a_start_waiting_for_memory_stops_the_unused_engine_the_gateway_started(
@@ -83,8 +91,9 @@ def test_a_start_waiting_for_memory_stops_the_unused_engine_the_gateway_started(
             assert w.desired("big").generation == 1, "big is asked for again only once it stops"
             write_status(w.data, "small", "stopped", generation=w.desired().generation)
             await until(lambda: w.desired("big").generation == 2)  # asked for again at once
-            write_status(w.data, "big", "running", url=w.upstream.url, generation=2,
-                         models=("huge",))  # fmt: skip
+            write_status(
+                w.data, "big", "running", url=w.upstream.url, generation=2, models=("huge",)
+            )
             async with await pending as r:
                 assert r.status == 200
             assert w.app.idle.swapped == 1

@@ -97,8 +97,11 @@ def test_a_stream_ended_early_costs_the_engines_count_at_the_last_event_read(nam
             assert source == "counted", (cut, charged)
             continue
         assert charged is not None
-        ended = any(d.get("choices") == [] or d.get("type") == "response.completed"
-                    for e in all_events[:cut] for d in documents(e))  # fmt: skip
+        ended = any(
+            d.get("choices") == [] or d.get("type") == "response.completed"
+            for e in all_events[:cut]
+            for d in documents(e)
+        )
         at = ("engine", expected) if ended else ("engine_partial", expected + AFTER_CLOSE)
         assert (source, charged.get("completion_tokens", charged.get("output_tokens"))) == at
         if not ended:
@@ -112,9 +115,7 @@ def test_vllms_responses_stream_is_counted_by_its_deltas() -> None:
     and what the engine generates before it notices the close."""
     all_events = events("vllm_responses")
     deltas = [i for i, e in enumerate(all_events) if b"response.output_text.delta" in e]
-    text = b"".join(
-        d["delta"].encode() for e in all_events for d in documents(e) if "delta" in d
-    )
+    text = b"".join(d["delta"].encode() for e in all_events for d in documents(e) if "delta" in d)
     assert len(text) > len(deltas), "more bytes than events: the bytes are the bound"
     usage = UsageFilter(hide=False)
     for event in all_events[: deltas[-1] + 1]:

@@ -181,22 +181,28 @@ def test_the_space_check_speaks_once_more_is_written_than_the_hub_listed(
     """A mirror sends more than it listed, and the disk fills: the check that compared the
     free space with `total - done` (negative by then) said nothing, and hf wrote on."""
     pidfile = tmp_path / "hf.pid"
-    program = fake_hf(tmp_path, f"Path({str(pidfile)!r}).write_text(str(os.getpid()))\n"
-                      "(local / 'extra.bin').write_bytes(b'x' * 3 * 2**20)\n"
-                      "time.sleep(5)\n")  # fmt: skip
-    monkeypatch.setattr(job, "free_bytes", lambda path: 0 if (path / "extra.bin").exists()
-                        else 2**40)  # fmt: skip
+    program = fake_hf(
+        tmp_path,
+        f"Path({str(pidfile)!r}).write_text(str(os.getpid()))\n"
+        "(local / 'extra.bin').write_bytes(b'x' * 3 * 2**20)\n"
+        "time.sleep(5)\n",
+    )
+    monkeypatch.setattr(
+        job, "free_bytes", lambda path: 0 if (path / "extra.bin").exists() else 2**40
+    )
     with hub_of(repo) as hub:
         queued = queue(root, hub)
         with running(root, program=str(program)):
             model = wait_state(root, queued.id, "Ready", "Failed")
     # The child names itself: the download may end before its record's pid is ever read.
     pid = int(pidfile.read_text())
-    assert model.message.startswith("the disk filled during the download: not enough disk "
-                                    "space: "), model.message  # fmt: skip
+    assert model.message.startswith(
+        "the disk filled during the download: not enough disk space: "
+    ), model.message
     assert "no byte is free" in model.message
-    assert model.message.endswith("; files arrived that the hub's list does not name, removed: "
-                                  "'extra.bin'"), model.message  # fmt: skip
+    assert model.message.endswith(
+        "; files arrived that the hub's list does not name, removed: 'extra.bin'"
+    ), model.message
     assert not alive(pid)
     assert not (root / queued.id / "files" / "extra.bin").exists()
     assert os.listdir(root / queued.id / "files") in ([], [".cache"])
@@ -213,8 +219,12 @@ class Pages(BaseHTTPRequestHandler):
         server: Any = self.server
         server.seen.append((self.path, self.headers.get("Authorization")))
         second = "cursor=2" in self.path
-        entry = {"type": "file", "path": "b.gguf" if second else "a.gguf", "size": 1,
-                 "oid": "0" * 40}  # fmt: skip
+        entry = {
+            "type": "file",
+            "path": "b.gguf" if second else "a.gguf",
+            "size": 1,
+            "oid": "0" * 40,
+        }
         data = json.dumps([entry]).encode()
         self.send_response(200)
         if not second and server.link:
@@ -281,9 +291,12 @@ def test_the_hub_token_is_masked_in_what_hf_said(tmp_path: Path, repo: Path, roo
     token = "hf_" + "t" * 34
     token_file = tmp_path / "hf-token"
     token_file.write_text(token + "\n")
-    program = fake_hf(tmp_path, "token = Path(os.environ['HF_TOKEN_PATH']).read_text()\n"
-                      "print(f'401 Unauthorized: the token {token} is refused', file=sys.stderr)\n"
-                      "sys.exit(1)\n")  # fmt: skip
+    program = fake_hf(
+        tmp_path,
+        "token = Path(os.environ['HF_TOKEN_PATH']).read_text()\n"
+        "print(f'401 Unauthorized: the token {token} is refused', file=sys.stderr)\n"
+        "sys.exit(1)\n",
+    )
     with hub_of(repo) as hub, structlog.testing.capture_logs() as journal:
         queued = queue(root, hub)
         with running(root, program=str(program), token_file=token_file):

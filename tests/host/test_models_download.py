@@ -25,7 +25,7 @@ from tests.host.library_world import (
     running,
     wait_for,
     wait_state,
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -36,7 +36,6 @@ def repo(tmp_path: Path) -> Path:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return tmp_path / "models"
-
 
 
 def test_a_branch_is_resolved_and_the_gguf_becomes_ready_with_its_inspection(
@@ -198,8 +197,11 @@ def _hf_repo(directory: Path) -> Path:
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "max_position_embeddings": 512}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "max_position_embeddings": 512,
+    }
     (directory / "config.json").write_text(json.dumps(config))
     save_file({"w": np.ones((4, 4), dtype=np.float32)}, str(directory / "model.safetensors"))
     (directory / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
@@ -210,18 +212,28 @@ def _hf_repo(directory: Path) -> Path:
     ("damage", "state", "message"),
     [
         (None, "Ready", "ready: hf LlamaForCausalLM, context 512"),
-        ("model.safetensors", "Failed",
-         "model.safetensors: safetensors header check failed: tensors end at byte 136, "
-         "the file has 132"),
-        ("tokenizer.json", "Failed",
-         "HF layout check failed: no tokenizer.json or tokenizer.model"),
+        (
+            "model.safetensors",
+            "Failed",
+            "model.safetensors: safetensors header check failed: tensors end at byte 136, "
+            "the file has 132",
+        ),
+        (
+            "tokenizer.json",
+            "Failed",
+            "HF layout check failed: no tokenizer.json or tokenizer.model",
+        ),
         ("config.json", "Failed", "config.json: JSON check failed: not an object"),
     ],
-)  # fmt: skip
+)
 def test_an_hf_layout_model_gets_the_checks_that_fit_it(
-    tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch, damage: str | None, state: str,
+    tmp_path: Path,
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str | None,
+    state: str,
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     repo = _hf_repo(tmp_path / "hf")
     if damage == "model.safetensors":
         data = (repo / damage).read_bytes()

@@ -40,8 +40,9 @@ def small(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
         with image.open("wb") as handle:
             handle.truncate(2 * 2**20)
         subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-        device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
-                                capture_output=True, text=True).stdout.strip()  # fmt: skip
+        device = subprocess.run(
+            ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
+        ).stdout.strip()
         subprocess.run(["mount", device, str(mount)], check=True)
     try:
         yield mount
@@ -49,7 +50,6 @@ def small(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=True)
         if device is not None:
             subprocess.run(["losetup", "-d", device], check=False)
-
 
 
 def test_a_model_that_cannot_fit_is_refused_at_once(small: Path, tmp_path: Path) -> None:

@@ -48,10 +48,13 @@ def everything(directory: Path) -> dict[str, bytes]:
         (["sub/模型-Q4_K_M.gguf"], ["sub/*"], "'sub/模型-Q4_K_M.gguf' would be served as '模型-"),
         ([".hidden-Q4_K_M.gguf"], [".hidden*"], "'.hidden-Q4_K_M.gguf' would be served as '.hid"),
         (["x..y-Q4_K_M.gguf"], ["x..y*"], "'x..y-Q4_K_M.gguf' would be served as 'x..y-Q4_K_M'"),
-        (["Qwen 7B-00001-of-00002.gguf", "Qwen 7B-00002-of-00002.gguf"], ["Qwen 7B-*"],
-         "'Qwen 7B-00001-of-00002.gguf' would be served as 'Qwen 7B'"),  # a split's prefix
+        (
+            ["Qwen 7B-00001-of-00002.gguf", "Qwen 7B-00002-of-00002.gguf"],
+            ["Qwen 7B-*"],
+            "'Qwen 7B-00001-of-00002.gguf' would be served as 'Qwen 7B'",
+        ),  # a split's prefix
     ],
-)  # fmt: skip
+)
 def test_a_gguf_served_under_a_name_outside_the_rule_is_refused_at_add_losing_nothing(
     tmp_path: Path, root: Path, files: list[str], include: list[str], refused: str
 ) -> None:
@@ -76,8 +79,9 @@ def test_the_command_refuses_it_with_the_reason_and_exit_1(tmp_path: Path, root:
     repo = make_repo(tmp_path / "repo")
     write_gguf(repo / LEGACY)
     with hub_of(repo) as hub:
-        done = cli("models", "add", REPO, "--revision", "main", "--include", LEGACY,
-                   env=cli_env(root, hub))  # fmt: skip
+        done = cli(
+            "models", "add", REPO, "--revision", "main", "--include", LEGACY, env=cli_env(root, hub)
+        )
     assert done.returncode == 1, done
     assert done.stderr == (
         f"lucia-supervisor: {REPO}: {LEGACY!r} would be served as 'Qwen 7B (Q4)', which is not a "

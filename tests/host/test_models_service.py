@@ -27,7 +27,7 @@ from tests.host.library_world import (
     serve,
     wait_for,
     wait_state,
-)  # fmt: skip
+)
 from tests.hub_standin import Hub
 
 TOKEN = "hf_lucia" + "T0kenValue" * 3
@@ -65,8 +65,13 @@ def test_a_second_library_process_on_the_same_directory_is_refused(root: Path, h
     env = cli_env(root, hub)
     first = serve(env)
     try:
-        wait_for("the lease", lambda: (root / ".lucia-model-catalog.lease").is_file()
-                 and (root / ".lucia-model-catalog.lease").read_text().strip())  # fmt: skip
+        wait_for(
+            "the lease",
+            lambda: (
+                (root / ".lucia-model-catalog.lease").is_file()
+                and (root / ".lucia-model-catalog.lease").read_text().strip()
+            ),
+        )
         second = cli("models", "serve", env=env)
         assert second.returncode == 78
         assert f"the model library {root} is already run by pid {first.pid}" in second.stderr
@@ -122,8 +127,14 @@ def test_a_gated_repo_is_refused_without_a_token_and_the_token_is_only_a_file(
 
     token_file = tmp_path / "hf-token"
     token_file.write_text(TOKEN + "\n")
-    env = cli_env(root, hub, LUCIA_HF_TOKEN_FILE=str(token_file), HF_TOKEN="hf_stray_env_token",
-                  HUGGING_FACE_HUB_TOKEN="hf_stray_old", HF_OIDC_TOKEN="oidc-stray")  # fmt: skip
+    env = cli_env(
+        root,
+        hub,
+        LUCIA_HF_TOKEN_FILE=str(token_file),
+        HF_TOKEN="hf_stray_env_token",
+        HUGGING_FACE_HUB_TOKEN="hf_stray_old",
+        HF_OIDC_TOKEN="oidc-stray",
+    )
     write_gguf(repo / GGUF, elements=200_000)
     guid = _added(cli("models", "add", REPO, "--revision", "main", "--include", GGUF, env=env))
     hub.slow = True
@@ -132,9 +143,10 @@ def test_a_gated_repo_is_refused_without_a_token_and_the_token_is_only_a_file(
         pid = wait_for("the hf child", lambda: mf.load(root, guid).pid)
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         environ = dict(
-            item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            item.split(b"=", 1)
+            for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if b"=" in item
-        )  # fmt: skip
+        )
         assert b"download" in argv and COMMIT.encode() in argv and b"--quiet" in argv
         assert not any(TOKEN.encode() in arg for arg in argv)
         assert not any(TOKEN.encode() in value for value in environ.values())
@@ -162,8 +174,19 @@ def test_add_wait_follows_the_download_and_list_shows_it(root: Path, hub: Hub) -
     env = cli_env(root, hub)
     service = serve(env)
     try:
-        added = cli("models", "add", REPO, "--revision", COMMIT, "--include", GGUF,
-                    "--name", "tiny", "--wait", env=env)  # fmt: skip
+        added = cli(
+            "models",
+            "add",
+            REPO,
+            "--revision",
+            COMMIT,
+            "--include",
+            GGUF,
+            "--name",
+            "tiny",
+            "--wait",
+            env=env,
+        )
         assert added.returncode == 0, added.stderr
         assert added.stdout.splitlines()[-1] == "tiny: Ready: ready: gguf llama, context 128"
         listed = cli("models", "list", env=env, check=True).stdout.splitlines()

@@ -151,8 +151,21 @@ MARKUP = re.compile(
     r"\.html\s*\(|append\s*\(\s*[\"'`]|<[a-z]+[\s>]"
 )
 PROPERTIES = {"textContent", "className", "hidden", "disabled", "title", "type", "value"}
-SVG_ATTRIBUTES = {"viewBox", "role", "class", "x", "y", "x1", "y1", "x2", "y2", "points", "cx",
-                  "cy", "r"}  # fmt: skip
+SVG_ATTRIBUTES = {
+    "viewBox",
+    "role",
+    "class",
+    "x",
+    "y",
+    "x1",
+    "y1",
+    "x2",
+    "y2",
+    "points",
+    "cx",
+    "cy",
+    "r",
+}
 
 
 def test_the_pages_script_sets_what_it_was_sent_as_text_only() -> None:
@@ -218,13 +231,18 @@ def test_a_stop_from_the_page_is_an_operators_and_the_page_says_who_asked(
             (engine,) = (await answer.json())["engines"]
         asked = engine["desired"]
         assert (asked["desired"], asked["generation"], asked["requestedBy"]) == (
-            "stopped", generation, "operator")  # fmt: skip
+            "stopped",
+            generation,
+            "operator",
+        )
         assert asked["requestedAt"].endswith("Z")
         async with (
             aiohttp.ClientSession(headers={"Authorization": f"Bearer {INFERENCE_KEY}"}) as s,
-            s.post(str(w.gateway.make_url("/v1/chat/completions")),
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}) as r,
-        ):  # fmt: skip
+            s.post(
+                str(w.gateway.make_url("/v1/chat/completions")),
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            ) as r,
+        ):
             assert r.status == 503
             error = (await r.json())["error"]
         assert "stopped by an operator" in error["message"]
@@ -359,8 +377,11 @@ def test_the_pages_files_ship_in_the_package() -> None:
     ]["supervisor"]
     static = root / "supervisor" / "host" / "page" / "static"
     names = sorted(p.relative_to(root / "supervisor").as_posix() for p in static.iterdir())
-    assert names == ["host/page/static/index.html", "host/page/static/page.css",
-                     "host/page/static/page.js"]  # fmt: skip
+    assert names == [
+        "host/page/static/index.html",
+        "host/page/static/page.css",
+        "host/page/static/page.js",
+    ]
     for name in names:
         assert any(fnmatch.fnmatch(name, glob) for glob in globs), name
 
@@ -383,8 +404,13 @@ def test_traffic_and_key_use_come_from_the_record(tmp_path: Path) -> None:
                 async with http.post(base + "keys", json={"name": "alice"}, headers=headers) as a:
                     alice = (await a.json())["id"]
                 db = open_sqlite(settings.record.target(data).path)  # type: ignore[arg-type]
-                batch.write(db, [row(key_id=alice, ttft_s=0.25), row(key_id=alice, ttft_s=None,
-                                 outcome="refused:rate_limited")])  # fmt: skip
+                batch.write(
+                    db,
+                    [
+                        row(key_id=alice, ttft_s=0.25),
+                        row(key_id=alice, ttft_s=None, outcome="refused:rate_limited"),
+                    ],
+                )
                 db.close()
                 async with http.get(base + "overview") as answer:
                     found = await answer.json()

@@ -32,17 +32,26 @@ def plan(
     age_s: int = 0,
 ) -> MemoryPlan:
     return MemoryPlan(
-        need=need, fits=fits, message=message, limit=limit,
+        need=need,
+        fits=fits,
+        message=message,
+        limit=limit,
         limit_source=source,  # type: ignore[arg-type]
-        reserves=Reserves(**RESERVES), planned_at=AT - timedelta(seconds=age_s),
-    )  # fmt: skip
+        reserves=Reserves(**RESERVES),
+        planned_at=AT - timedelta(seconds=age_s),
+    )
 
 
 def status(state: str, memory: MemoryPlan | None = None) -> Status:
     return Status(
-        generation=1, state=state, since=AT, message=state, checked_at=AT,  # type: ignore[arg-type]
-        url="http://127.0.0.1:1" if state == "running" else None, memory=memory,
-    )  # fmt: skip
+        generation=1,
+        state=state,
+        since=AT,
+        message=state,
+        checked_at=AT,  # type: ignore[arg-type]
+        url="http://127.0.0.1:1" if state == "running" else None,
+        memory=memory,
+    )
 
 
 def test_no_plan_and_no_meminfo_is_not_available() -> None:
@@ -120,11 +129,25 @@ def test_the_newest_plan_gives_the_limit_and_each_idle_engine_its_need() -> None
     assert shown["plan"] == {"engine": "new", "plannedAt": "2026-12-02T12:00:00.000Z"}
     assert shown["availableNow"] is None, "no /proc/meminfo: the plan's limit still shows"
     assert shown["needs"] == [
-        {"name": "new", "state": "failed", "need": None, "fits": False, "message": HOSTILE,
-         "plannedAt": "2026-12-02T12:00:00.000Z", "outdatedBy": None},
-        {"name": "old", "state": "stopped", "need": 4 * GiB, "fits": True, "message": "",
-         "plannedAt": "2026-12-02T11:59:00.000Z", "outdatedBy": "run"},
-    ]  # fmt: skip
+        {
+            "name": "new",
+            "state": "failed",
+            "need": None,
+            "fits": False,
+            "message": HOSTILE,
+            "plannedAt": "2026-12-02T12:00:00.000Z",
+            "outdatedBy": None,
+        },
+        {
+            "name": "old",
+            "state": "stopped",
+            "need": 4 * GiB,
+            "fits": True,
+            "message": "",
+            "plannedAt": "2026-12-02T11:59:00.000Z",
+            "outdatedBy": "run",
+        },
+    ]
     assert shown["unplanned"] == ["bare"], "a running engine's plan is no need: it holds"
 
 
@@ -207,8 +230,13 @@ def test_the_overview_carries_the_plans(tmp_path: Path) -> None:
         engines = {row["name"]: row["status"]["memory"] for row in found["engines"]}
         assert engines["other"] is None
         assert engines["small"] == {
-            "need": 200 * GiB, "fits": False, "message": HOSTILE, "limit": 128 * GiB,
-            "limitSource": "host", "reserves": RESERVES, "plannedAt": "2026-12-02T12:00:00.000Z",
-        }  # fmt: skip
+            "need": 200 * GiB,
+            "fits": False,
+            "message": HOSTILE,
+            "limit": 128 * GiB,
+            "limitSource": "host",
+            "reserves": RESERVES,
+            "plannedAt": "2026-12-02T12:00:00.000Z",
+        }
 
     asyncio.run(main())

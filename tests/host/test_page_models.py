@@ -57,8 +57,10 @@ def test_a_model_is_added_canceled_retried_and_removed(tmp_path: Path) -> None:
         assert status == 400 and "already in the library" in refused["error"]["message"]
         assert (await post("models", {"repo": 7}))[0] == 400
         guid = added["id"]
-        assert await post(f"models/{guid}/cancel", {}) == (200, {"action": "cancel",
-                                                                "applied": True})  # fmt: skip
+        assert await post(f"models/{guid}/cancel", {}) == (
+            200,
+            {"action": "cancel", "applied": True},
+        )
         assert mf.load(root, guid).state == "Canceled"
         status, refused = await post(f"models/{guid}/cancel", {})
         assert status == 400 and "only a queued or running download" in refused["error"]["message"]

@@ -36,23 +36,27 @@ JSON = {"Content-Type": "application/json"}
             8, "0 a fail, 1 a fail, 2 a fail, 3 a 57, 3 b 0", id="the limit blocks that address"
         ),
         pytest.param(
-            8, "0 a fail, 1 a fail, 2 a fail, 59 a 1, 60 a 0, 60 a fail, 61 a 0",
+            8,
+            "0 a fail, 1 a fail, 2 a fail, 59 a 1, 60 a 0, 60 a fail, 61 a 0",
             id="the window moves on",
         ),
         pytest.param(
-            8, "0 a fail, 0 b fail, 0 b fail, 0 b fail, 0 a fail, 0 a fail, 1 a 59, 1 b 59",
+            8,
+            "0 a fail, 0 b fail, 0 b fail, 0 b fail, 0 a fail, 0 a fail, 1 a 59, 1 b 59",
             id="each address counts its own",
         ),
         pytest.param(
-            2, "0 a fail, 0 a fail, 0 a fail, 1 b fail, 2 c fail, 3 a 0, 3 b 0",
+            2,
+            "0 a fail, 0 a fail, 0 a fail, 1 b fail, 2 c fail, 3 a 0, 3 b 0",
             id="past the bound the least recently failed is forgotten",
         ),
         pytest.param(
-            2, "0 a fail, 0 a fail, 1 b fail, 2 a fail, 3 c fail, 4 a 56, 4 b 0",
+            2,
+            "0 a fail, 0 a fail, 1 b fail, 2 a fail, 3 c fail, 4 a 56, 4 b 0",
             id="a new failure renews an address's place",
         ),
     ],
-)  # fmt: skip
+)
 def test_the_sign_in_limit(addresses: int, steps: str) -> None:
     clock = Clock()
     start = clock.now
@@ -126,11 +130,16 @@ def test_the_cookie_lasts_as_the_settings_say(tmp_path: Path, page: str, max_age
 
 def sign_in_from(address: str, port: int, key: str, **headers: str) -> tuple[int, str | None]:
     """A sign-in over a connection from `address`: the status and its Retry-After."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
-                                            source_address=(address, 0))  # fmt: skip
+    connection = http.client.HTTPConnection(
+        "127.0.0.1", port, timeout=30, source_address=(address, 0)
+    )
     try:
-        connection.request("POST", "/page/api/signin", body=json.dumps({"key": key}),
-                           headers={"Content-Type": "application/json", **headers})  # fmt: skip
+        connection.request(
+            "POST",
+            "/page/api/signin",
+            body=json.dumps({"key": key}),
+            headers={"Content-Type": "application/json", **headers},
+        )
         answer = connection.getresponse()
         answer.read()
         return answer.status, answer.getheader("Retry-After")
@@ -167,8 +176,9 @@ def test_a_success_takes_its_attempt_back() -> None:
     assert limit.blocked("a") == 0 and len(limit) == 1
 
 
-async def held_sign_in(w: World, key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
-                                                   bytes]:  # fmt: skip
+async def held_sign_in(
+    w: World, key: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     """A sign-in whose headers are sent and whose body is held back (returned, to send)."""
     body = json.dumps({"key": key}).encode()
     reader, writer = await asyncio.open_connection(w.gateway.host, w.gateway.port)

@@ -40,16 +40,22 @@ def _build_change() -> list[Row]:
         start = NOW.replace(minute=0) - timedelta(hours=hour)
         build, scale = (OLD, 0.4) if hour > 3 else (NEW, 0.2)
         for n in range(20):
-            made.append(row(start + timedelta(minutes=2 * n), build=build,
-                            ttft_s=float(rng.exponential(scale))))  # fmt: skip
+            made.append(
+                row(
+                    start + timedelta(minutes=2 * n),
+                    build=build,
+                    ttft_s=float(rng.exponential(scale)),
+                )
+            )
     return made
 
 
 def test_hourly_gives_each_builds_percentiles_per_hour(tmp_path: Path) -> None:
     made = _build_change()
     made.append(row(NOW - timedelta(days=2), build=OLD, ttft_s=99.0))  # before since
-    made.append(row(NOW - timedelta(hours=2), build=NEW, outcome=refused("rate_limited"),
-                    ttft_s=None))  # fmt: skip
+    made.append(
+        row(NOW - timedelta(hours=2), build=NEW, outcome=refused("rate_limited"), ttft_s=None)
+    )
     target = written(tmp_path / "r.sqlite3", made)
     db = open_reader(target)
     found = queries.hourly(db, NOW - timedelta(days=1), "build")
@@ -57,9 +63,14 @@ def test_hourly_gives_each_builds_percentiles_per_hour(tmp_path: Path) -> None:
     assert [start for start, _ in found] == sorted(start for start, _ in found)
     assert len(found) == 9
     for start, line in found:
-        mine = [r for r in made if r.at >= start and r.at < start + timedelta(hours=1)
-                and (r.engine, r.build.engine_version, r.build.image_id,
-                     r.build.weights_revision) == line.group]  # fmt: skip
+        mine = [
+            r
+            for r in made
+            if r.at >= start
+            and r.at < start + timedelta(hours=1)
+            and (r.engine, r.build.engine_version, r.build.image_id, r.build.weights_revision)
+            == line.group
+        ]
         assert start.minute == 0 and start.tzinfo is not None
         assert line.requests == len(mine)
         times = sorted(r.ttft_s for r in mine if r.ttft_s is not None)
@@ -71,10 +82,15 @@ def test_hourly_gives_each_builds_percentiles_per_hour(tmp_path: Path) -> None:
 
 def test_last_use_is_each_keys_latest_row(tmp_path: Path) -> None:
     latest = NOW - timedelta(minutes=5, microseconds=7)
-    target = written(tmp_path / "r.sqlite3", [
-        row(NOW - timedelta(hours=3)), row(latest), row(NOW - timedelta(hours=1), key_id=OTHER),
-        row(NOW - timedelta(days=9), key_id="key_000000000000"),
-    ])  # fmt: skip
+    target = written(
+        tmp_path / "r.sqlite3",
+        [
+            row(NOW - timedelta(hours=3)),
+            row(latest),
+            row(NOW - timedelta(hours=1), key_id=OTHER),
+            row(NOW - timedelta(days=9), key_id="key_000000000000"),
+        ],
+    )
     db = open_reader(target)
     found = queries.last_use(db, NOW - timedelta(days=7))
     db.close()
@@ -82,8 +98,12 @@ def test_last_use_is_each_keys_latest_row(tmp_path: Path) -> None:
 
 
 def test_the_traffic_section_counts_refusals_and_charts_each_build(tmp_path: Path) -> None:
-    made = [*_build_change(), row(NOW - timedelta(minutes=10), outcome=refused("budget_exceeded"),
-                                  ttft_s=None, model="m2")]  # fmt: skip
+    made = [
+        *_build_change(),
+        row(
+            NOW - timedelta(minutes=10), outcome=refused("budget_exceeded"), ttft_s=None, model="m2"
+        ),
+    ]
     data = traffic_of(written(tmp_path / "r.sqlite3", made), NOW)
     json.dumps(data)  # JSON-ready
     assert data["day"]["requests"] == len(made)
@@ -140,8 +160,13 @@ def test_key_use_is_the_last_use_and_the_days_spending_against_the_budget(
     use = KeyUse(target, PageSpending(), keys_file, 100_000).read()
     assert use is not None
     when = (NOW - timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
-    assert use[alice] == {"lastUse": when, "lastUseKnown": True, "spentTokens": 1234,
-                          "spentRequests": 5, "budget": 5000}  # fmt: skip
+    assert use[alice] == {
+        "lastUse": when,
+        "lastUseKnown": True,
+        "spentTokens": 1234,
+        "spentRequests": 5,
+        "budget": 5000,
+    }
     assert use[bob]["lastUse"] is None and use[bob]["budget"] == 100_000
     assert use[bob]["spentTokens"] is None
     assert KeyUse(target, None, keys_file, 0).read()[bob]["budget"] is None  # type: ignore[index]

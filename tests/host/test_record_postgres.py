@@ -127,8 +127,11 @@ def test_a_name_outside_the_rule_is_kept_by_its_digest_charged_and_reported(
     legacy = "Qwen 7B (Q4)"
     usage = {"prompt_tokens": 5, "completion_tokens": 3}
     for _ in range(2):
-        made = row_of(Trace(arrived=0.0, outcome="ok", usage=usage),
-                      Request(KEY, legacy, legacy, "small"), now=1.0)  # fmt: skip
+        made = row_of(
+            Trace(arrived=0.0, outcome="ok", usage=usage),
+            Request(KEY, legacy, legacy, "small"),
+            now=1.0,
+        )
         assert store.record(made)
     until(lambda: store.committed == 2, what="the rows committed")
     assert store.spending(KEY) == Spent(16, 2)
@@ -264,8 +267,9 @@ def test_old_rows_are_pruned_in_batches(postgres: Cluster, stores: Any) -> None:
     db = open_postgres(dsn)
     until(lambda: facts(db).ids == [1000], what="the prune")
     store.close()
-    assert db.query("SELECT COUNT(*) FROM daily_totals WHERE day < ?",
-                    (days_ago(7).date().isoformat(),)) == [(0,)]  # fmt: skip
+    assert db.query(
+        "SELECT COUNT(*) FROM daily_totals WHERE day < ?", (days_ago(7).date().isoformat(),)
+    ) == [(0,)]
     db.close()
 
 
@@ -275,13 +279,16 @@ def test_usage_is_the_same_on_both_and_its_percentiles_are_percentile_conts(
     start = datetime.now(UTC) - timedelta(hours=2)
     made = [
         row(
-            start + timedelta(seconds=n), key_id=KEY if n % 3 else OTHER,
+            start + timedelta(seconds=n),
+            key_id=KEY if n % 3 else OTHER,
             build=Build("0.32.0", "sha256:" + "12" * 32, "abc") if n % 2 else Build(),
-            outcome="ok" if n % 7 else refused("rate_limited"), prompt=n, completion=n % 13,
+            outcome="ok" if n % 7 else refused("rate_limited"),
+            prompt=n,
+            completion=n % 13,
             ttft_s=(n * 37 % 101) / 100 if n % 7 else None,
         )
         for n in range(500)
-    ]  # fmt: skip
+    ]
     pg = open_postgres(postgres.database())
     lite = open_sqlite(tmp_path / "r.sqlite3")
     for db in (pg, lite):
@@ -299,7 +306,8 @@ def test_usage_is_the_same_on_both_and_its_percentiles_are_percentile_conts(
     lines = {line.group[0]: line for line in queries.usage(pg, start, "key")}
     for key, p50, p95 in cont:
         assert (lines[key].ttft_p50, lines[key].ttft_p95) == (
-            pytest.approx(p50), pytest.approx(p95),
-        )  # fmt: skip
+            pytest.approx(p50),
+            pytest.approx(p95),
+        )
     pg.close()
     lite.close()

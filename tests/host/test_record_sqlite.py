@@ -44,8 +44,9 @@ def store_at(tmp_path: Path) -> Iterator[Any]:
     def make(
         path: Path | None = None, retention_days: int = 0, timing: WriterTuning = FAST
     ) -> Store:
-        store = Store.open(Target(path=path or tmp_path / "record" / "record.sqlite3"),
-                           retention_days, timing)  # fmt: skip
+        store = Store.open(
+            Target(path=path or tmp_path / "record" / "record.sqlite3"), retention_days, timing
+        )
         opened.append(store)
         return store
 
@@ -232,8 +233,10 @@ def test_a_full_disk_makes_the_store_unavailable_until_there_is_room(
     events = [e["event"] for e in logs if e["event"].startswith("record ")]
     # each loss said once, each recovery once: while the disk is nearly full a write may pass
     # again (SQLite frees pages), so the store may go and come back more than once on the way
-    down, up = "record unavailable: rows are not recorded and budgets not enforced", \
-        "record available again"
+    down, up = (
+        "record unavailable: rows are not recorded and budgets not enforced",
+        "record available again",
+    )
     changes = [event for event in events if event in (down, up)]
     assert changes and changes[0] == down and changes[-1] == up, events
     assert all(a != b for a, b in itertools.pairwise(changes)), events
@@ -255,8 +258,9 @@ def loop_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     with image.open("wb") as handle:
         handle.truncate(8 * 2**20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    device = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True,
-                            text=True, check=True).stdout.strip()  # fmt: skip
+    device = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
+    ).stdout.strip()
     where.mkdir()
     try:
         subprocess.run(["mount", device, str(where)], check=True)
@@ -316,8 +320,11 @@ def test_a_read_only_place_makes_the_store_unavailable_until_it_is_writable(
 
 def test_a_stop_interrupts_the_back_off(tmp_path: Path) -> None:
     (tmp_path / "a-file").touch()
-    store = Store.open(Target(path=tmp_path / "a-file" / "r.sqlite3"), 0,
-                       WriterTuning(backoff_s=3600.0, backoff_max_s=3600.0))  # fmt: skip
+    store = Store.open(
+        Target(path=tmp_path / "a-file" / "r.sqlite3"),
+        0,
+        WriterTuning(backoff_s=3600.0, backoff_max_s=3600.0),
+    )
     assert not store.available and "FileExistsError" in str(store.reason)
     store.close(timeout_s=30)
     assert not store._writer.is_alive()
@@ -369,13 +376,19 @@ def _filled(path: Path) -> list[Row]:
     made = []
     for n in range(400):
         outcome = "ok" if n % 10 else refused("rate_limited" if n % 20 else "budget_exceeded")
-        made.append(row(
-            hour + timedelta(seconds=n), key_id=KEY if n % 3 else OTHER,
-            model="m1" if n % 2 else "m2",
-            build=Build("0.32.0", "sha256:" + "cd" * 32, "e5a1f00d") if n % 4 else Build(),
-            outcome=outcome, prompt=n, completion=2 * n, cached=n // 2,
-            ttft_s=float(rng.exponential(0.2)) if outcome == "ok" else None,
-        ))  # fmt: skip
+        made.append(
+            row(
+                hour + timedelta(seconds=n),
+                key_id=KEY if n % 3 else OTHER,
+                model="m1" if n % 2 else "m2",
+                build=Build("0.32.0", "sha256:" + "cd" * 32, "e5a1f00d") if n % 4 else Build(),
+                outcome=outcome,
+                prompt=n,
+                completion=2 * n,
+                cached=n // 2,
+                ttft_s=float(rng.exponential(0.2)) if outcome == "ok" else None,
+            )
+        )
     made.append(row(days_ago(3), prompt=99))  # before --since
     db = open_sqlite(path)
     schema.migrate(db)
@@ -394,8 +407,12 @@ def test_usage_counts_and_percentiles_match_the_rows(tmp_path: Path, by: str) ->
     db.close()
     for line in lines:
         if by == "build":
-            mine = [r for r in made if (r.engine, r.build.engine_version, r.build.image_id,
-                                        r.build.weights_revision) == line.group]  # fmt: skip
+            mine = [
+                r
+                for r in made
+                if (r.engine, r.build.engine_version, r.build.image_id, r.build.weights_revision)
+                == line.group
+            ]
         else:
             mine = [r for r in made if getattr(r, column[by]) == line.group[0]]
         assert line.requests == len(mine)
@@ -416,14 +433,29 @@ def test_the_usage_command_prints_the_build_and_weights(
     _filled(data / "record" / "record.sqlite3")
     settings = tmp_path / "gw.toml"
     settings.write_text("")
-    assert cli.main(["usage", "--by", "build", "--data-dir", str(data),
-                     "--settings", str(settings)]) == 0  # fmt: skip
+    assert (
+        cli.main(["usage", "--by", "build", "--data-dir", str(data), "--settings", str(settings)])
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:4] == ["ENGINE", "VERSION", "IMAGE", "WEIGHTS"]
     assert out[1].split()[:6] == ["e1", "0.32.0", "sha256:cdcdcdcdcdcd", "e5a1f00d", "300", "280"]
     assert out[2].split()[:5] == ["e1", "unknown", "unknown", "unknown", "100"]
-    assert cli.main(["usage", "--json", "--since", "2w", "--data-dir", str(data),
-                     "--settings", str(settings)]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "usage",
+                "--json",
+                "--since",
+                "2w",
+                "--data-dir",
+                str(data),
+                "--settings",
+                str(settings),
+            ]
+        )
+        == 0
+    )
     document = json.loads(capsys.readouterr().out)
     assert sum(group["requests"] for group in document["groups"]) == 401
     assert {group["keyId"] for group in document["groups"]} == {KEY, OTHER}
@@ -451,16 +483,32 @@ def test_no_prompt_text_reaches_the_file_or_the_logs(tmp_path: Path, store_at: A
     path = tmp_path / "record" / "record.sqlite3"
     with structlog.testing.capture_logs() as logs:
         store = store_at(path)
-        usage = {"prompt_tokens": 9, "completion_tokens": 4, "echo": prompt,
-                 "prompt_tokens_details": {"cached_tokens": 2, "text": prompt}}  # fmt: skip
-        engine = RunningEngine.model_validate({
-            "image": unique, "imageId": "sha256:" + "ef" * 32, "containerId": unique,
-            "model": unique, "engineVersion": prompt,
-        })  # fmt: skip
+        usage = {
+            "prompt_tokens": 9,
+            "completion_tokens": 4,
+            "echo": prompt,
+            "prompt_tokens_details": {"cached_tokens": 2, "text": prompt},
+        }
+        engine = RunningEngine.model_validate(
+            {
+                "image": unique,
+                "imageId": "sha256:" + "ef" * 32,
+                "containerId": unique,
+                "model": unique,
+                "engineVersion": prompt,
+            }
+        )
         prompt_tokens, completion_tokens, cached = tokens_of(usage)
         for outcome in ("ok", refused("rate_limited"), "engine_error"):
-            store.record(row(build=Build.of(engine), outcome=outcome, prompt=prompt_tokens,
-                             completion=completion_tokens, cached=cached))  # fmt: skip
+            store.record(
+                row(
+                    build=Build.of(engine),
+                    outcome=outcome,
+                    prompt=prompt_tokens,
+                    completion=completion_tokens,
+                    cached=cached,
+                )
+            )
         for field in ("model", "engine"):
             with pytest.raises(RowRefused):
                 row(**{field: prompt})

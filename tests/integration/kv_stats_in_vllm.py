@@ -27,8 +27,13 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-EXTRA = {"namespace": "stats", "nvme_dir": "/tmp/nvme", "nvme_bytes": 1 << 20,
-         "hdd_dir": "/tmp/hdd", "hdd_bytes": 1 << 22}  # fmt: skip
+EXTRA = {
+    "namespace": "stats",
+    "nvme_dir": "/tmp/nvme",
+    "nvme_bytes": 1 << 20,
+    "hdd_dir": "/tmp/hdd",
+    "hdd_bytes": 1 << 22,
+}
 
 
 def worker_output(metrics: Metrics) -> ModelRunnerOutput:

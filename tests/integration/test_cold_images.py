@@ -53,19 +53,34 @@ class Cold:
         self.tags.append(tag)
         return tag
 
-    def build(self, name: str, *, path: Path | None = None, dockerfile_text: str | None = None,
-              buildargs: Mapping[str, str] | None = None,
-              labels: Mapping[str, str] | None = None) -> str:
+    def build(
+        self,
+        name: str,
+        *,
+        path: Path | None = None,
+        dockerfile_text: str | None = None,
+        buildargs: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> str:
         """The image id; every step ran (the build log shows no cached step)."""
         tag = self.tag(name)
         source: dict[str, Any] = (
-            {"path": str(path)} if path is not None
+            {"path": str(path)}
+            if path is not None
             else {"fileobj": io.BytesIO((dockerfile_text or "").encode())}
         )
-        chunks = list(self.client.api.build(
-            **source, tag=tag, nocache=True, rm=True, forcerm=True, decode=True,
-            buildargs=dict(buildargs or {}), labels={**LABELS, **(labels or {})},
-        ))
+        chunks = list(
+            self.client.api.build(
+                **source,
+                tag=tag,
+                nocache=True,
+                rm=True,
+                forcerm=True,
+                decode=True,
+                buildargs=dict(buildargs or {}),
+                labels={**LABELS, **(labels or {})},
+            )
+        )
         log = "".join(str(chunk.get("stream", "")) for chunk in chunks)
         errors = [str(chunk["error"]) for chunk in chunks if "error" in chunk]
         assert errors == [], f"{name}: {errors}\n{log[-3000:]}"
@@ -122,36 +137,46 @@ def answer(container: Any, port: int, path: str, wanted: str, timeout: float = 6
 
 
 def test_the_busybox_base(client: docker.DockerClient, cold_base: str) -> None:
-    out = client.containers.run(cold_base, ["sh", "-c", "echo $((6 * 7)); stat -c %a /tmp"],
-                                remove=True, labels=LABELS)
+    out = client.containers.run(
+        cold_base, ["sh", "-c", "echo $((6 * 7)); stat -c %a /tmp"], remove=True, labels=LABELS
+    )
     assert out.decode().split() == ["42", "1777"]
 
 
 def test_the_vllm_stand_in(cold: Cold, cold_base: str, containers: Callable[..., Any]) -> None:
-    image = cold.build("vllm-standin", path=ROOT / "tests" / "vllm-standin",
-                       buildargs={"BASE": cold_base})
+    image = cold.build(
+        "vllm-standin", path=ROOT / "tests" / "vllm-standin", buildargs={"BASE": cold_base}
+    )
     engine = containers(image, ["tiny-model", "--served-model-name", "tiny", "--port", "8000"])
     assert '"tiny"' in answer(engine, 8000, "/v1/models", "tiny")
 
 
-def test_the_llama_server_stand_in(cold: Cold, cold_base: str, containers: Callable[..., Any],
-                                   tmp_path: Path) -> None:
-    image = cold.build("llama-router", path=ROOT / "demo" / "llama-router",
-                       buildargs={"BASE": cold_base})
+def test_the_llama_server_stand_in(
+    cold: Cold, cold_base: str, containers: Callable[..., Any], tmp_path: Path
+) -> None:
+    image = cold.build(
+        "llama-router", path=ROOT / "demo" / "llama-router", buildargs={"BASE": cold_base}
+    )
     (tmp_path / "tiny.gguf").write_bytes(b"GGUF" + bytes(28))
     (tmp_path / "llama-models.ini").write_text(
-        "version = 1\n[tiny]\nmodel = /models/tiny.gguf\nload-on-startup = true\n")
-    router = containers(image, ["--models-preset", "/models/llama-models.ini", "--port", "8080"],
-                        environment={"LOAD_DELAY": "0"},
-                        volumes={str(tmp_path): {"bind": "/models", "mode": "ro"}})
+        "version = 1\n[tiny]\nmodel = /models/tiny.gguf\nload-on-startup = true\n"
+    )
+    router = containers(
+        image,
+        ["--models-preset", "/models/llama-models.ini", "--port", "8080"],
+        environment={"LOAD_DELAY": "0"},
+        volumes={str(tmp_path): {"bind": "/models", "mode": "ro"}},
+    )
     assert '"value":"loaded"' in answer(router, 8080, "/models", '"loaded"')
 
 
 def test_the_demo_recipe_image(cold: Cold, cold_base: str, containers: Callable[..., Any]) -> None:
-    image = cold.build("demo-recipe", path=ROOT / "demo" / "recipe-repo",
-                       buildargs={"BASE": cold_base})
-    engine = containers(image, environment={"PORT": "8000", "MODEL_ID": "test/tiny-model",
-                                            "SERVED_NAME": "tiny"})
+    image = cold.build(
+        "demo-recipe", path=ROOT / "demo" / "recipe-repo", buildargs={"BASE": cold_base}
+    )
+    engine = containers(
+        image, environment={"PORT": "8000", "MODEL_ID": "test/tiny-model", "SERVED_NAME": "tiny"}
+    )
     assert '"tiny"' in answer(engine, 8000, "/v1/models", "tiny")
 
 
@@ -162,17 +187,29 @@ def test_the_spark_recipe_image_and_the_grammar_image_on_it(
     # Dockerfile (FROM scratch and the host's busybox)
     image = cold.tag("tensorfold")
     env = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8",
-        "HF_CACHE": str(tmp_path / "hf"), "KERNEL_CACHE": str(tmp_path / "kernels"),
-        "IMAGE": image, "PULL": "0", "GHCR_IMAGE": f"lucia-test-cold-ghcr-{RUN_ID}",
-        "TEST_DOWNLOAD_SECONDS": "0", "TEST_BUILD_LABEL": f"{TEST_LABEL}={RUN_ID}",
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path / "home"),
+        "LANG": "C.UTF-8",
+        "HF_CACHE": str(tmp_path / "hf"),
+        "KERNEL_CACHE": str(tmp_path / "kernels"),
+        "IMAGE": image,
+        "PULL": "0",
+        "GHCR_IMAGE": f"lucia-test-cold-ghcr-{RUN_ID}",
+        "TEST_DOWNLOAD_SECONDS": "0",
+        "TEST_BUILD_LABEL": f"{TEST_LABEL}={RUN_ID}",
         "TEST_RUN_LABEL": f"{TEST_LABEL}={RUN_ID}",
         **({"DOCKER_HOST": os.environ["DOCKER_HOST"]} if "DOCKER_HOST" in os.environ else {}),
     }
     (tmp_path / "home").mkdir()
     recipe = shutil.copytree(ROOT / "tests" / "tensorfold-recipe", tmp_path / "recipe")
-    done = subprocess.run(["./scripts/prepare.sh", "--rebuild"], cwd=recipe, env=env,
-                          capture_output=True, check=False, timeout=600)
+    done = subprocess.run(
+        ["./scripts/prepare.sh", "--rebuild"],
+        cwd=recipe,
+        env=env,
+        capture_output=True,
+        check=False,
+        timeout=600,
+    )
     out, err = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
     assert done.returncode == 0, out[-3000:] + err[-3000:]
     assert "Using cache" not in out
@@ -181,13 +218,24 @@ def test_the_spark_recipe_image_and_the_grammar_image_on_it(
     assert base.labels["tf.patches"]
     # the grammar image: the engine's own Dockerfile text, FROM that image's id
     pin = Grammar(requirement="xgrammar>=0.2.8,<0.3", modules=["xgrammar", "tensorfold"])
-    grammar_image = cold.build("grammar", dockerfile_text=grammar.dockerfile(pin, str(base.id)),
-                               labels=grammar.labels(pin, str(base.id)))
+    grammar_image = cold.build(
+        "grammar",
+        dockerfile_text=grammar.dockerfile(pin, str(base.id)),
+        labels=grammar.labels(pin, str(base.id)),
+    )
     assert grammar.current(pin, str(base.id), client.images.get(grammar_image).labels)
     printed = client.containers.run(
-        grammar_image, ["sh", "-c", 'python -c "import xgrammar, tensorfold" && '
-                        "cat /site/xgrammar/REQUIREMENT && tensorfold --version"],
-        entrypoint=[], remove=True, labels=LABELS)
+        grammar_image,
+        [
+            "sh",
+            "-c",
+            'python -c "import xgrammar, tensorfold" && '
+            "cat /site/xgrammar/REQUIREMENT && tensorfold --version",
+        ],
+        entrypoint=[],
+        remove=True,
+        labels=LABELS,
+    )
     assert bytes(printed).decode().splitlines() == ["xgrammar>=0.2.8,<0.3", "tensorfold 0.6.6"]
 
 
@@ -208,8 +256,11 @@ LLAMA_LABEL = f"lucia.test.cold.llama-server.version-{RUN_ID}"
 
 
 def private_llama_server(tmp: Path) -> dict[str, str]:
-    return {"LUCIA_LLAMA_REPOSITORY": LLAMA_REPOSITORY, "LUCIA_LLAMA_LABEL": LLAMA_LABEL,
-            "LUCIA_LLAMA_CACHE": str(tmp / "apt")}
+    return {
+        "LUCIA_LLAMA_REPOSITORY": LLAMA_REPOSITORY,
+        "LUCIA_LLAMA_LABEL": LLAMA_LABEL,
+        "LUCIA_LLAMA_CACHE": str(tmp / "apt"),
+    }
 
 
 def check_llama_server(client: docker.DockerClient, image: str, tmp: Path) -> None:
@@ -223,9 +274,11 @@ def check_llama_server(client: docker.DockerClient, image: str, tmp: Path) -> No
         gateway = str(network.attrs["IPAM"]["Config"][0]["Gateway"])
         port = free_port()
         container = client.containers.run(
-            image, ["-m", "/models/tiny.gguf", "--host", "0.0.0.0", "--port", "8080",
-                    "--ctx-size", "256"],
-            detach=True, labels=LABELS, network=network.name,
+            image,
+            ["-m", "/models/tiny.gguf", "--host", "0.0.0.0", "--port", "8080", "--ctx-size", "256"],
+            detach=True,
+            labels=LABELS,
+            network=network.name,
             ports={"8080/tcp": (gateway, port)},
             volumes={str(tmp / "models"): {"bind": "/models", "mode": "ro"}},
         )
@@ -246,19 +299,31 @@ def check_llama_server(client: docker.DockerClient, image: str, tmp: Path) -> No
 
 
 IMAGE_SCRIPTS = [
-    ImageScript("llama-server", ROOT / "scripts" / "llama-server-image.sh", LLAMA_REPOSITORY,
-                private_llama_server, check_llama_server),
+    ImageScript(
+        "llama-server",
+        ROOT / "scripts" / "llama-server-image.sh",
+        LLAMA_REPOSITORY,
+        private_llama_server,
+        check_llama_server,
+    ),
 ]
 
 
 def run_script(script: Path, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False,
-                          timeout=1800, env={**os.environ, **env})
+    return subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+        env={**os.environ, **env},
+    )
 
 
 @pytest.mark.parametrize("case", IMAGE_SCRIPTS, ids=lambda case: case.name)
-def test_an_image_script_builds_from_nothing(client: docker.DockerClient, case: ImageScript,
-                                             tmp_path: Path) -> None:
+def test_an_image_script_builds_from_nothing(
+    client: docker.DockerClient, case: ImageScript, tmp_path: Path
+) -> None:
     if os.geteuid() != 0:
         pytest.fail(f"{case.script} runs as root; run these tests as root (as CI does)")
     private = case.private(tmp_path)

@@ -42,10 +42,15 @@ def llama_url(llama_server_image: str) -> Iterator[str]:
 
 
 def raw_request(stream: bool) -> bytes:
-    document = json.dumps({
-        "model": MODEL, "stream": stream, "max_tokens": TOKENS, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "hello"}],
-    }).encode()  # fmt: skip
+    document = json.dumps(
+        {
+            "model": MODEL,
+            "stream": stream,
+            "max_tokens": TOKENS,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+    ).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: llama\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(document) + document
@@ -66,8 +71,11 @@ def read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
             assert got, f"closed before the last chunk: {rest[-200:]!r}"
             rest += got
         return head, rest
-    length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(
-        b"content-length:")).split(b":")[1])  # fmt: skip
+    length = int(
+        next(
+            line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")
+        ).split(b":")[1]
+    )
     while len(rest) < length:
         got = sock.recv(65536)
         assert got, "closed before the body ended"
@@ -112,9 +120,15 @@ def test_the_benchs_direct_path_gets_every_answer_whole(llama_url: str) -> None:
     fresh = fresh_paths("auto", "llama", urls)
     assert fresh == {"direct"}
     run = measure(
-        urls, {}, body(TOKENS, "llama"), levels=[1, 4], requests=16, rounds=2, tokens=TOKENS,
+        urls,
+        {},
+        body(TOKENS, "llama"),
+        levels=[1, 4],
+        requests=16,
+        rounds=2,
+        tokens=TOKENS,
         fresh=fresh,
-    )  # fmt: skip
+    )
     results = asyncio.run(run)
     for streams, got in results.items():
         direct = got["direct"]
@@ -132,11 +146,23 @@ def test_the_gateway_answers_every_stream_though_llama_server_closes_its_connect
     do, so that a connection is taken again before its close is seen."""
     data = tmp_path_factory.mktemp("solo-data")
     now = utc_now()
-    status = Status(generation=1, state="running", since=now, message="serving", url=llama_url,
-                    checked_at=now, models=(MODEL,))  # fmt: skip
+    status = Status(
+        generation=1,
+        state="running",
+        since=now,
+        message="serving",
+        url=llama_url,
+        checked_at=now,
+        models=(MODEL,),
+    )
     write_atomic(ensure_dir(data / "solo") / "status.json", dump(status))
-    document = {"model": MODEL, "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+    document = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
 
     async def client(url: str, key: str, count: int) -> Counter[int]:
         seen: Counter[int] = Counter()
@@ -155,5 +181,13 @@ def test_the_gateway_answers_every_stream_though_llama_server_closes_its_connect
     with running_gateway(tmp_path_factory.mktemp("solo-gateway"), data) as gateway:
         seen = asyncio.run(clients(gateway.url + "/v1/chat/completions", gateway.issued))
         assert seen == Counter({200: 40}), seen
-        assert metric(gateway.metrics(), "lucia_gateway_requests_total", model=MODEL,
-                      engine="solo", outcome="ok") == 40  # fmt: skip
+        assert (
+            metric(
+                gateway.metrics(),
+                "lucia_gateway_requests_total",
+                model=MODEL,
+                engine="solo",
+                outcome="ok",
+            )
+            == 40
+        )

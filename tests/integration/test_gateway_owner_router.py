@@ -221,8 +221,15 @@ def test_a_second_engine_whose_worker_is_gone_never_takes_the_chats(
     gone = router.data_dir / "a-gone"  # before the router's name: the engine routed to first
     assert gone.name < router.name
     at = utc_now() - timedelta(seconds=126)
-    status = Status(generation=3, state="running", since=at, message="serving",
-                    url="http://127.0.0.1:9", checked_at=at, models=("tiny",))  # fmt: skip
+    status = Status(
+        generation=3,
+        state="running",
+        since=at,
+        message="serving",
+        url="http://127.0.0.1:9",
+        checked_at=at,
+        models=("tiny",),
+    )
     write_atomic(ensure_dir(gone) / "status.json", dump(status))
     try:
         for _ in range(5):

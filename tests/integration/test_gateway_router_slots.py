@@ -41,15 +41,22 @@ AT_ONCE = 16
 
 
 @pytest.fixture(scope="module", params=sorted(SLOTS), ids=lambda ctx: f"ctx-size-{ctx}")
-def router(client: docker.DockerClient, base_image: str,
-           tmp_path_factory: pytest.TempPathFactory,
-           request: pytest.FixtureRequest) -> Iterator[Engine]:
+def router(
+    client: docker.DockerClient,
+    base_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Engine]:
     """A llama-router engine serving `tiny` with llama-server's auto slots in a cache of
     ctx-size cells, running."""
     directory = tmp_path_factory.mktemp("gateway-slots")
     factory = own_recipe_factory(client, base_image, directory, request)
-    engine = factory(kind="llama-router", models_max=1, load_on_startup=("tiny",),
-                     defaults={"ctx-size": request.param})
+    engine = factory(
+        kind="llama-router",
+        models_max=1,
+        load_on_startup=("tiny",),
+        defaults={"ctx-size": request.param},
+    )
     engine.models_dir.mkdir(exist_ok=True)
     write_llama(add_model(engine.models_dir, "Ready") / "tiny.gguf", TinyLlama(context=CONTEXT))
     engine.start_worker()
@@ -73,7 +80,8 @@ def _chat(gateway: Gateway) -> tuple[int, str]:
     """One demo chat through the gateway: its status, and the error message when not 200."""
     try:
         answer = gateway.client(timeout=120).chat.completions.with_raw_response.create(
-            model="tiny", messages=HELLO, max_tokens=8)
+            model="tiny", messages=HELLO, max_tokens=8
+        )
     except openai.APIStatusError as error:
         return error.status_code, error.message
     return answer.http_response.status_code, ""
@@ -84,8 +92,11 @@ def _slots(router: Engine) -> int:
 
 
 def test_the_worker_publishes_the_slots_the_routers_cache_holds(router: Engine) -> None:
-    status = router.wait_status(lambda s: s["state"] == "running" and bool(s.get("slots")),
-                                timeout=60, what="the model's slots")
+    status = router.wait_status(
+        lambda s: s["state"] == "running" and bool(s.get("slots")),
+        timeout=60,
+        what="the model's slots",
+    )
     props = _props(status["url"])
     # llama-server's own figures: 4 slots, each of a 256-token context, in one shared cache
     assert (props["total_slots"], props["default_generation_settings"]["n_ctx"]) == (4, CONTEXT)
@@ -93,7 +104,8 @@ def test_the_worker_publishes_the_slots_the_routers_cache_holds(router: Engine) 
 
 
 def test_sixteen_chats_at_once_through_the_gateway_are_all_answered(
-        router: Engine, gateway: Gateway) -> None:
+    router: Engine, gateway: Gateway
+) -> None:
     first = gateway.client().chat.completions.create(model="tiny", messages=HELLO, max_tokens=8)
     assert first.usage is not None
     # a chat takes more than a quarter of the cache: the 4 slots cannot all hold one at once

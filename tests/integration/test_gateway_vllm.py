@@ -18,18 +18,20 @@ pytestmark = pytest.mark.docker
 
 
 def test_a_stream_starts_the_stopped_vllm_engine_and_its_usage_is_counted_not_shown(
-        make_engine: Callable[..., Engine], tmp_path: Path) -> None:
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
     engine: Engine = make_engine(kind="vllm", vllm_device="cpu")
     engine.start_worker()
     # stopped as the gateway stops an idle engine it started: traffic may start it again
     stopped = engine.wait_state(engine.request("stopped", by="gateway"), "stopped", timeout=120)
     assert stopped["models"] == ["tiny"], "the served name, while stopped"
-    with running_gateway(tmp_path / "gateway", engine.data_dir,
-                         "[limits]\nload_wait_s = 900\n") as gateway:
+    with running_gateway(
+        tmp_path / "gateway", engine.data_dir, "[limits]\nload_wait_s = 900\n"
+    ) as gateway:
         # the client's own timeout is the bound of the load (the recipe allows 900 s)
         stream = gateway.client(timeout=1200).completions.create(
-            model="tiny", prompt="the quick brown fox", max_tokens=6, temperature=0,
-            stream=True)
+            model="tiny", prompt="the quick brown fox", max_tokens=6, temperature=0, stream=True
+        )
         chunks = list(stream)
         assert chunks and all(c.usage is None and c.choices for c in chunks), "no usage chunk"
         text = "".join(c.choices[0].text for c in chunks)
@@ -38,8 +40,11 @@ def test_a_stream_starts_the_stopped_vllm_engine_and_its_usage_is_counted_not_sh
         assert running is not None and running["state"] == "running"
         labels = {"model": "tiny", "engine": engine.name}
         # the request is counted as its handler ends, just after the client saw the stream end
-        wait_for(lambda: metric(gateway.metrics(), "lucia_gateway_requests_total",
-                                **labels) == 1, 30, "the request counted")
+        wait_for(
+            lambda: metric(gateway.metrics(), "lucia_gateway_requests_total", **labels) == 1,
+            30,
+            "the request counted",
+        )
         exposed = gateway.metrics()
         shown = [line for line in exposed.splitlines() if "tiny" in line]
         assert metric(exposed, "lucia_gateway_completion_tokens_total", **labels) == 6, shown

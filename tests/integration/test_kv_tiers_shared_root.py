@@ -68,8 +68,11 @@ def block_names(directory: Path) -> set[str]:
 
 def held_bytes(directory: Path) -> int:
     """What a namespace directory holds on disk, as prune counts it (allocated bytes)."""
-    return sum(path.lstat().st_blocks * 512 for path in directory.rglob("*")
-               if not stat.S_ISDIR(path.lstat().st_mode))  # fmt: skip
+    return sum(
+        path.lstat().st_blocks * 512
+        for path in directory.rglob("*")
+        if not stat.S_ISDIR(path.lstat().st_mode)
+    )
 
 
 def variant(text: str, engine: Engine, **tables: dict[str, Any]) -> str:
@@ -129,16 +132,26 @@ def shared(
     metrics_dir = root / name / "kv-metrics"
     metrics_dir.mkdir(mode=0o700)
     engine = Engine(
-        name=name, repo=repo, base="", root=root / name,
-        kind="vllm", vllm_device="cpu", vllm_image=base_ref, vllm_guid=files.parent.name,
-        ready_timeout=900, env={"LUCIA_MACHINE_FILE": str(machine)},
+        name=name,
+        repo=repo,
+        base="",
+        root=root / name,
+        kind="vllm",
+        vllm_device="cpu",
+        vllm_image=base_ref,
+        vllm_guid=files.parent.name,
+        ready_timeout=900,
+        env={"LUCIA_MACHINE_FILE": str(machine)},
         secrets={"LUCIA_KV_KEY": str(key)},
         settings={"LUCIA_KV_METRICS_FILE": f"{METRICS_TARGET}/lucia_kv.prom"},
         run_extra={"volumes": [{"source": str(metrics_dir), "target": METRICS_TARGET}]},
-        vllm={"max_model_len": 2048, "prefix_caching": False,
-              "args": ["--dtype", "bfloat16", "--enforce-eager"]},
+        vllm={
+            "max_model_len": 2048,
+            "prefix_caching": False,
+            "args": ["--dtype", "bfloat16", "--enforce-eager"],
+        },
         tiers_extra={tier: {"path": str(roots[tier]), "max_bytes": CAPS[tier]} for tier in TIERS},
-    )  # fmt: skip
+    )
     a = TieredEngine(
         engine, client, key.read_text().strip(), roots, image, metrics_dir / "lucia_kv.prom"
     )
@@ -213,9 +226,11 @@ def test_a_namespace_a_created_container_names_is_kept_until_the_container_goes(
         (root / space).mkdir(mode=0o700, parents=True)
         (root / space / "block").write_bytes(os.urandom(8192))
     made = client.containers.create(
-        base_image, ["true"], name=f"lucia-test-{RUN_ID}-kv-label",
+        base_image,
+        ["true"],
+        name=f"lucia-test-{RUN_ID}-kv-label",
         labels={TEST_LABEL: RUN_ID, namespaces.LABEL: labelled},
-    )  # fmt: skip
+    )
     try:
         listed = namespaces.named(Runtime())
         assert labelled in listed  # a container never started still names its namespace
@@ -273,13 +288,25 @@ def test_another_namespaces_start_on_the_root_leaves_a_held_one_whole_and_a_read
     key_b.chmod(0o600)
     text = shared.a.engine.recipe_path.read_text()
     b = TieredEngine(
-        shared.make("b", lambda engine: variant(
-            text, engine, secrets={"LUCIA_KV_KEY": str(key_b)},
-            settings={"LUCIA_KV_METRICS_FILE": None}, run={"volumes": None},  # A's stay A's
-            tiers={tier: {"path": str(shared.roots[tier]), "max_bytes": SMALL}
-                   for tier in TIERS})),
-        shared.a.client, key_b.read_text().strip(), shared.roots, shared.a.image,
-        shared.root / "b-has-no-metrics-file")  # fmt: skip
+        shared.make(
+            "b",
+            lambda engine: variant(
+                text,
+                engine,
+                secrets={"LUCIA_KV_KEY": str(key_b)},
+                settings={"LUCIA_KV_METRICS_FILE": None},
+                run={"volumes": None},  # A's stay A's
+                tiers={
+                    tier: {"path": str(shared.roots[tier]), "max_bytes": SMALL} for tier in TIERS
+                },
+            ),
+        ),
+        shared.a.client,
+        key_b.read_text().strip(),
+        shared.roots,
+        shared.a.image,
+        shared.root / "b-has-no-metrics-file",
+    )
     b.start()
     assert b.namespace != shared.space
     assert all((root / b.namespace).is_dir() for root in shared.roots.values())
@@ -313,7 +340,6 @@ def test_once_a_is_stopped_a_prune_for_b_removes_as_namespace(shared: Shared) ->
     shared.a.stop()
     small = int(str(parse_bytes(SMALL)))
     for tier, root in shared.roots.items():
-        gone = namespaces.prune(root, space_b, small, small,
-                                lambda: namespaces.named(Runtime()))
+        gone = namespaces.prune(root, space_b, small, small, lambda: namespaces.named(Runtime()))
         assert gone == [root / shared.space], (tier, gone)
         assert sorted(p.name for p in root.iterdir()) == [space_b]

@@ -317,16 +317,18 @@ def _serve(
     }
     return start(
         args=[
-            "--max-model-len", "2048",  # after the fixture's 1024: argparse keeps the last
+            "--max-model-len",
+            "2048",  # after the fixture's 1024: argparse keeps the last
             "--enable-prompt-tokens-details",
             "--no-enable-prefix-caching",  # a repeat of the prompt goes to the connector
             "--enforce-eager",  # no torch.compile warm-up (test_vllm_cpu_image.py compiles)
-            "--kv-transfer-config", transfer,
+            "--kv-transfer-config",
+            transfer,
         ],
         image=image,
         volumes=volumes,
         environment={"LUCIA_KV_KEY": key.hex()},
-    )  # fmt: skip
+    )
 
 
 def _ask(server: VllmServer, salt: str | None = None, prompt_logprobs: int | None = None) -> Run:

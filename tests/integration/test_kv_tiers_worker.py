@@ -102,8 +102,10 @@ class TieredEngine:
 
     def caps(self) -> dict[str, int]:
         """Each disk tier's byte cap, as the recipe now says."""
-        return {name: int(str(parse_bytes(self.engine.tiers_extra[name]["max_bytes"])))
-                for name in self.tier_roots}  # fmt: skip
+        return {
+            name: int(str(parse_bytes(self.engine.tiers_extra[name]["max_bytes"])))
+            for name in self.tier_roots
+        }
 
     def counters(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], int]:
         """The store's counters from its metrics file (empty before its first write)."""
@@ -111,16 +113,21 @@ class TieredEngine:
             text = self.metrics_file.read_text()
         except FileNotFoundError:
             return {}
-        return {(m.group(1), tuple(sorted(LABEL.findall(m.group(2))))): int(m.group(3))
-                for m in COUNTER.finditer(text)}  # fmt: skip
+        return {
+            (m.group(1), tuple(sorted(LABEL.findall(m.group(2))))): int(m.group(3))
+            for m in COUNTER.finditer(text)
+        }
 
     def counter(self, name: str, tier: str | None = None, reason: str | None = None) -> int:
         """A counter summed over the labels not given."""
         total = 0
         for (key, labels), value in self.counters().items():
             found = dict(labels)
-            if key == name and tier in (None, found.get("tier")) \
-                    and reason in (None, found.get("reason")):
+            if (
+                key == name
+                and tier in (None, found.get("tier"))
+                and reason in (None, found.get("reason"))
+            ):
                 total += value
         return total
 
@@ -138,16 +145,26 @@ class TieredEngine:
     def complete(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Answer:
         answer = http_json.post(
             self.url + "/v1/completions",
-            {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-             "ignore_eos": True, "return_token_ids": True},
+            {
+                "model": SERVED,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
             timeout=600,
-        )  # fmt: skip
+        )
         assert answer.status == 200, answer.body[-2000:]
         body = answer.json()
         (choice,) = body["choices"]
         details = body["usage"].get("prompt_tokens_details") or {}
-        return Answer(tuple(choice["token_ids"]), choice["text"], body["usage"]["prompt_tokens"],
-                      details.get("cached_tokens"))
+        return Answer(
+            tuple(choice["token_ids"]),
+            choice["text"],
+            body["usage"]["prompt_tokens"],
+            details.get("cached_tokens"),
+        )
 
     def start(self) -> dict[str, Any]:
         """`request running`, until running (the status messages on the way are kept)."""
@@ -203,21 +220,31 @@ def tiered(
     metrics_dir = root / name / "kv-metrics"  # outside the tiers: its bytes are not theirs
     metrics_dir.mkdir(mode=0o700)
     engine = Engine(
-        name=name, repo=_repo(REPO_TEMPLATE, root / "recipe-repo"), base="", root=root / name,
-        kind="vllm", vllm_device="cpu", vllm_image=base_ref, vllm_guid=files.parent.name,
-        ready_timeout=900, env={"LUCIA_MACHINE_FILE": str(machine)},
+        name=name,
+        repo=_repo(REPO_TEMPLATE, root / "recipe-repo"),
+        base="",
+        root=root / name,
+        kind="vllm",
+        vllm_device="cpu",
+        vllm_image=base_ref,
+        vllm_guid=files.parent.name,
+        ready_timeout=900,
+        env={"LUCIA_MACHINE_FILE": str(machine)},
         secrets={"LUCIA_KV_KEY": str(key)},
         settings={"LUCIA_KV_METRICS_FILE": f"{METRICS_TARGET}/lucia_kv.prom"},
         run_extra={"volumes": [{"source": str(metrics_dir), "target": METRICS_TARGET}]},
-        vllm={"max_model_len": 2048,  # the tiny model's max_position_embeddings
-              "prefix_caching": False,
-              "args": ["--dtype", "bfloat16", "--enforce-eager",
-                       "--enable-prompt-tokens-details"]},
-        tiers_extra={tier: {"path": str(path), "max_bytes": CAPS[tier]}
-                     for tier, path in tier_roots.items()},
-    )  # fmt: skip
-    tiered = TieredEngine(engine, client, key.read_text().strip(), tier_roots, image,
-                          metrics_dir / "lucia_kv.prom")
+        vllm={
+            "max_model_len": 2048,  # the tiny model's max_position_embeddings
+            "prefix_caching": False,
+            "args": ["--dtype", "bfloat16", "--enforce-eager", "--enable-prompt-tokens-details"],
+        },
+        tiers_extra={
+            tier: {"path": str(path), "max_bytes": CAPS[tier]} for tier, path in tier_roots.items()
+        },
+    )
+    tiered = TieredEngine(
+        engine, client, key.read_text().strip(), tier_roots, image, metrics_dir / "lucia_kv.prom"
+    )
     built: list[str] = []
     try:
         engine.start_worker()
@@ -260,15 +287,18 @@ def reuse(tiered: TieredEngine) -> Reuse:
     def written() -> bool:  # vLLM's SIGTERM drops the writers' queue: wait for every block
         return all(len(tiered.block_files(tier)) >= FULL_BLOCKS for tier in ("nvme", "hdd"))
 
-    wait_for(written, "every block on NVMe and HDD",
-             lambda: f"({len(tiered.block_files('nvme'))} on NVMe, "
-                     f"{len(tiered.block_files('hdd'))} on HDD)")
+    wait_for(
+        written,
+        "every block on NVMe and HDD",
+        lambda: (
+            f"({len(tiered.block_files('nvme'))} on NVMe, {len(tiered.block_files('hdd'))} on HDD)"
+        ),
+    )
     blocks = names(tiered.block_files("hdd"))
     tiered.stop()
     tiered.start()
     warm = tiered.complete(PROMPT)
-    return Reuse(cold, warm, cold_sources, tiered.by_source(), first, tiered.container().id,
-                 blocks)
+    return Reuse(cold, warm, cold_sources, tiered.by_source(), first, tiered.container().id, blocks)
 
 
 def test_the_worker_built_the_tier_image_and_runs_the_engine_on_it(tiered: TieredEngine) -> None:
@@ -299,17 +329,17 @@ def test_after_a_stop_and_start_the_prompt_comes_from_the_tiers_with_the_same_an
     assert reuse.cold.prompt_tokens == reuse.warm.prompt_tokens == len(PROMPT)
     assert reuse.cold_sources.get("external_kv_transfer", 0.0) == 0.0
     external = reuse.warm_sources.get("external_kv_transfer", 0.0)
-    print(f"\nafter the restart: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers; "
-          f"cached_tokens {reuse.cold.cached_tokens} cold, {reuse.warm.cached_tokens} warm")
+    print(
+        f"\nafter the restart: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers; "
+        f"cached_tokens {reuse.cold.cached_tokens} cold, {reuse.warm.cached_tokens} warm"
+    )
     assert external >= 0.9 * len(PROMPT)
     assert external == FULL_BLOCKS * BLOCK_TOKENS
     assert reuse.warm.token_ids == reuse.cold.token_ids
     assert reuse.warm.text == reuse.cold.text
 
 
-def test_block_files_are_0600_and_tier_directories_0700(
-    tiered: TieredEngine, reuse: Reuse
-) -> None:
+def test_block_files_are_0600_and_tier_directories_0700(tiered: TieredEngine, reuse: Reuse) -> None:
     for tier in ("nvme", "hdd"):
         found = tiered.block_files(tier)
         assert len(found) >= FULL_BLOCKS, (tier, found)
@@ -360,12 +390,21 @@ def test_with_the_nvme_copy_deleted_the_hdd_serves_and_the_copy_comes_back(
     assert answer.token_ids == reuse.cold.token_ids and answer.text == reuse.cold.text
     # the index still named the NVMe copies: each read found no file (corrupt, "missing"),
     # dropped it and went on to the HDD, which served it and queued it for promotion
-    wait_for(lambda: tiered.counter("hits", "hdd") - hits >= FULL_BLOCKS, "HDD hits",
-             lambda: str(tiered.counters()))
-    wait_for(lambda: names(tiered.block_files("nvme")) == on_nvme, "the NVMe copy back",
-             lambda: f"({len(tiered.block_files('nvme'))} of {FULL_BLOCKS})")
-    wait_for(lambda: tiered.counter("promotions", "nvme") - promoted >= FULL_BLOCKS,
-             "the promotions counted", lambda: str(tiered.counters()))
+    wait_for(
+        lambda: tiered.counter("hits", "hdd") - hits >= FULL_BLOCKS,
+        "HDD hits",
+        lambda: str(tiered.counters()),
+    )
+    wait_for(
+        lambda: names(tiered.block_files("nvme")) == on_nvme,
+        "the NVMe copy back",
+        lambda: f"({len(tiered.block_files('nvme'))} of {FULL_BLOCKS})",
+    )
+    wait_for(
+        lambda: tiered.counter("promotions", "nvme") - promoted >= FULL_BLOCKS,
+        "the promotions counted",
+        lambda: str(tiered.counters()),
+    )
     assert tiered.counter("corrupt", "nvme", "missing") >= FULL_BLOCKS
 
 
@@ -382,12 +421,15 @@ def test_a_flipped_byte_in_every_block_is_a_miss_the_answer_is_the_cold_one_noth
     flipped = {path: path.read_bytes() for path in damaged}
     answer = tiered.complete(PROMPT)
     assert answer.token_ids == reuse.cold.token_ids and answer.text == reuse.cold.text
-    wait_for(lambda: all(tiered.counter("corrupt", tier, "auth") > corrupt[tier]
-                         for tier in corrupt), "the corrupt counter of each tier",
-             lambda: str(tiered.counters()))
-    print("\ncorrupt (auth) after flipping a byte of each block: "
-          + ", ".join(f"{t} {tiered.counter('corrupt', t, 'auth') - n}"
-                      for t, n in corrupt.items()))
+    wait_for(
+        lambda: all(tiered.counter("corrupt", tier, "auth") > corrupt[tier] for tier in corrupt),
+        "the corrupt counter of each tier",
+        lambda: str(tiered.counters()),
+    )
+    print(
+        "\ncorrupt (auth) after flipping a byte of each block: "
+        + ", ".join(f"{t} {tiered.counter('corrupt', t, 'auth') - n}" for t, n in corrupt.items())
+    )
     assert http_json.get(tiered.url + "/health", 30).status == 200
     status = tiered.engine.status()
     assert status is not None and status["state"] == "running", status
@@ -396,13 +438,17 @@ def test_a_flipped_byte_in_every_block_is_a_miss_the_answer_is_the_cold_one_noth
     assert container.status == "running"
     assert container.attrs["RestartCount"] == 0
     assert container.attrs["State"]["StartedAt"] == started
+
     # the recomputed prompt was saved again: sealed afresh (a fresh nonce: other bytes), under
     # the same names; a file gone between the listing and the read is not saved yet
     def still_damaged() -> list[Path]:
         return [path for path in flipped if _bytes(path) in (flipped[path], None)]
 
-    wait_for(lambda: not still_damaged(), "every damaged block saved again",
-             lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)")
+    wait_for(
+        lambda: not still_damaged(),
+        "every damaged block saved again",
+        lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)",
+    )
     assert tiered.block_files() == damaged
 
 
@@ -454,13 +500,17 @@ class TierSampler(threading.Thread):
                 return
 
 
-def test_300_prompts_keep_the_tiers_within_their_caps(
-    tiered: TieredEngine, reuse: Reuse
-) -> None:
+def test_300_prompts_keep_the_tiers_within_their_caps(tiered: TieredEngine, reuse: Reuse) -> None:
     rng = random.Random(3333)
     # distinct from each other and from PROMPT in their first token: no shared blocks
-    prompts = [[3 + n % 2, n // 2 % 509 + 3, *(rng.randrange(3, 512) for _ in range(
-        rng.randrange(300, 601) - 2))] for n in range(300)]
+    prompts = [
+        [
+            3 + n % 2,
+            n // 2 % 509 + 3,
+            *(rng.randrange(3, 512) for _ in range(rng.randrange(300, 601) - 2)),
+        ]
+        for n in range(300)
+    ]
     assert len({tuple(p[:2]) for p in prompts}) == 300
     # every tenth request repeats an earlier prompt: loads from the tiers while they evict
     work = []
@@ -478,16 +528,21 @@ def test_300_prompts_keep_the_tiers_within_their_caps(
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda p: tiered.complete(p, max_tokens=4), work))
         tiered_external = tiered.by_source().get("external_kv_transfer", 0.0) - external
-        wait_for(lambda: tiered.counter("evictions", "nvme") > evictions, "NVMe evictions",
-                 lambda: str(tiered.counters()))
+        wait_for(
+            lambda: tiered.counter("evictions", "nvme") > evictions,
+            "NVMe evictions",
+            lambda: str(tiered.counters()),
+        )
         time.sleep(1.0)  # a few more samples after the load (the writers' queue drains)
     finally:
         sampler.done.set()
         sampler.join(30)
-    print(f"\n{len(work)} requests: most bytes seen {sampler.apparent} (apparent), "
-          f"{sampler.allocated} (allocated), caps {caps}, over {sampler.samples} samples; "
-          f"NVMe evictions {tiered.counter('evictions', 'nvme') - evictions}; "
-          f"{tiered_external:.0f} prompt tokens of the repeats from the tiers")
+    print(
+        f"\n{len(work)} requests: most bytes seen {sampler.apparent} (apparent), "
+        f"{sampler.allocated} (allocated), caps {caps}, over {sampler.samples} samples; "
+        f"NVMe evictions {tiered.counter('evictions', 'nvme') - evictions}; "
+        f"{tiered_external:.0f} prompt tokens of the repeats from the tiers"
+    )
     assert len(answers) == len(work) and all(len(a.token_ids) == 4 for a in answers)
     assert sampler.samples > 10
     for tier, cap in caps.items():
@@ -505,8 +560,10 @@ def test_a_shrunk_nvme_cap_replaces_the_engine_and_its_rebuild_evicts_down_to_it
     held = TierSampler.measure(tiered.tier_dirs()["nvme"])[0]
     cap = int(str(parse_bytes(SHRUNK)))
     assert held > cap, f"the NVMe tier holds {held} bytes, not above the new cap {cap}"
-    changed = {**tiered.engine.tiers_extra,
-               "nvme": {**tiered.engine.tiers_extra["nvme"], "max_bytes": SHRUNK}}
+    changed = {
+        **tiered.engine.tiers_extra,
+        "nvme": {**tiered.engine.tiers_extra["nvme"], "max_bytes": SHRUNK},
+    }
     tiered.engine.reload(tiers_extra=changed)  # the recipe edited, then `systemctl reload`
     began = time.monotonic()
     while True:
@@ -533,6 +590,9 @@ def test_a_shrunk_nvme_cap_replaces_the_engine_and_its_rebuild_evicts_down_to_it
     print(f"after the shrink: {external:.0f} of {len(PROMPT)} prompt tokens from the tiers")
     assert external >= 0.9 * len(PROMPT)
     assert answer.token_ids == reuse.cold.token_ids
-    wait_for(lambda: tiered.counter("evictions", "nvme") > 0, "the rebuild's evictions counted",
-             lambda: str(tiered.counters()))
+    wait_for(
+        lambda: tiered.counter("evictions", "nvme") > 0,
+        "the rebuild's evictions counted",
+        lambda: str(tiered.counters()),
+    )
     assert TierSampler.measure(tiered.tier_dirs()["nvme"])[0] <= cap

@@ -85,8 +85,11 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
     cache = engine.cache_dir
     assert sorted(p.name for p in (cache / "alpha").iterdir()) == ["alpha.gguf"]
     assert sorted(p.name for p in (cache / "beta").iterdir()) == [
-        "beta-00001-of-00003.gguf", "beta-00002-of-00003.gguf", "beta-00003-of-00003.gguf",
-        "mmproj-beta-f16.gguf"]
+        "beta-00001-of-00003.gguf",
+        "beta-00002-of-00003.gguf",
+        "beta-00003-of-00003.gguf",
+        "mmproj-beta-f16.gguf",
+    ]
     present = {p.name for p in cache.iterdir() if p.is_dir()}
     assert present == {"alpha", "beta", "zeta"}, "corrupt, bad-version, non-Ready: not copied"
     assert "gamma.gguf" in status["message"] and "delta.gguf" in status["message"]
@@ -94,8 +97,10 @@ def test_first_sync_cache_preset_and_skipped_files(make_engine, client) -> None:
     assert "version = 1" in preset
     assert "[*]\nctx-size = 4096" in preset
     assert "[alpha]\nmodel = /models/alpha/alpha.gguf\nload-on-startup = true" in preset
-    assert ("[beta]\nmodel = /models/beta/beta-00001-of-00003.gguf\n"
-            "mmproj = /models/beta/mmproj-beta-f16.gguf\n") in preset
+    assert (
+        "[beta]\nmodel = /models/beta/beta-00001-of-00003.gguf\n"
+        "mmproj = /models/beta/mmproj-beta-f16.gguf\n"
+    ) in preset
     assert "gamma" not in preset and "delta" not in preset and "q-" not in preset
     container = client.containers.get(engine.container)
     args = container.attrs["Args"]
@@ -176,25 +181,31 @@ def test_a_router_that_never_ran_says_whether_its_start_would_fit(
     # its acknowledgement (`stopping`) may already carry the new plan: the answer is `stopped`
     roomy = engine.wait_status(
         lambda s: s["generation"] == again and s["state"] == "stopped" and s["memory"]["fits"],
-        timeout=60, what="stopped, and fits in 1 GiB")
+        timeout=60,
+        what="stopped, and fits in 1 GiB",
+    )
     assert (roomy["memory"]["need"], roomy["memory"]["message"]) == (plan["need"], "")
 
 
 def test_readiness_comes_from_models_not_health(make_engine, router_standin) -> None:
     """The stand-in: the real router loads a tiny model too fast to see /health answer
     before it; the stand-in takes LOAD_DELAY seconds."""
-    engine = _router(make_engine, load_on_startup=("alpha",), settings={"LOAD_DELAY": "4"},
-                     router_image=router_standin)
+    engine = _router(
+        make_engine,
+        load_on_startup=("alpha",),
+        settings={"LOAD_DELAY": "4"},
+        router_image=router_standin,
+    )
     write_gguf(add_model(engine.models_dir, "Ready") / "alpha.gguf")
     engine.start_worker()
     generation = engine.request("running")
     engine.wait_status(lambda s: "router listening" in s["message"], timeout=60)
-    with urllib.request.urlopen(f"http://{engine.gateway()}:{engine.port}/health",
-                                timeout=5) as response:
+    with urllib.request.urlopen(
+        f"http://{engine.gateway()}:{engine.port}/health", timeout=5
+    ) as response:
         assert response.status == 200
     assert engine.status()["state"] == "starting", "/health alone must not mean running"
     engine.wait_state(generation, "running", timeout=30)
-
 
 
 def test_a_model_that_fails_to_load_fails_the_start_naming_it(make_engine) -> None:
@@ -237,27 +248,33 @@ def test_library_changes_while_running_resync_and_reload_without_a_restart(
     model_json.write_text(model_json.read_text().replace('"bytesTotal": 123', '"bytesTotal": 9'))
     time.sleep(3)
     assert (preset_path.stat().st_ino, preset_path.stat().st_mtime_ns) == (
-        before.st_ino, before.st_mtime_ns)
+        before.st_ino,
+        before.st_mtime_ns,
+    )
     assert (engine.state_dir / "synced.json").stat().st_mtime_ns == stamp.st_mtime_ns
 
     # a model becomes Ready: copied, in the preset, the router reloads; no restart
     files = add_model(engine.models_dir, "Ready")
     write_gguf(files / "epsilon.gguf")
-    engine.wait_status(lambda s: "epsilon" in _safe_models(engine), timeout=30,
-                       what="epsilon served")
+    engine.wait_status(
+        lambda s: "epsilon" in _safe_models(engine), timeout=30, what="epsilon served"
+    )
     assert (engine.cache_dir / "epsilon" / "epsilon.gguf").exists()
     assert "[epsilon]" in preset_path.read_text()
 
     # a model stops being Ready: removed from the cache and the preset
     beta = dirs["beta"] / "model.json"
     beta.write_text(beta.read_text().replace('"Ready"', '"Failed"'))
-    engine.wait_status(lambda s: "beta" not in _safe_models(engine), timeout=30,
-                       what="beta dropped")
+    engine.wait_status(
+        lambda s: "beta" not in _safe_models(engine), timeout=30, what="beta dropped"
+    )
     assert not (engine.cache_dir / "beta").exists()
     assert "[beta]" not in preset_path.read_text()
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
-        container.id, container.attrs["State"]["StartedAt"])
+        container.id,
+        container.attrs["State"]["StartedAt"],
+    )
     status = engine.status()
     assert status["state"] == "running" and status["generation"] == generation
 
@@ -285,21 +302,28 @@ def test_a_changed_load_on_startup_set_goes_through_the_router_api(make_engine, 
     chatting.start()
     try:
         engine.reload(load_on_startup=("alpha", "zeta"))
-        engine.wait_status(lambda s: s["state"] == "running"
-                           and "loaded: alpha, zeta;" in s["message"], timeout=60,
-                           what="zeta loaded beside alpha")
+        engine.wait_status(
+            lambda s: s["state"] == "running" and "loaded: alpha, zeta;" in s["message"],
+            timeout=60,
+            what="zeta loaded beside alpha",
+        )
     finally:
         stop.set()
         chatting.join(60)
     assert len(answers) >= 2 and set(answers) == {200}, "alpha answered while zeta loaded"
     engine.reload(load_on_startup=("zeta",))
-    engine.wait_status(lambda s: s["state"] == "running"
-                       and "loaded: zeta;" in s["message"], timeout=60, what="alpha unloaded")
+    engine.wait_status(
+        lambda s: s["state"] == "running" and "loaded: zeta;" in s["message"],
+        timeout=60,
+        what="alpha unloaded",
+    )
     assert _models(engine) == {"alpha": "unloaded", "beta": "unloaded", "zeta": "loaded"}
     assert [g["labels"]["model"] for g in engine.file_sd()] == ["zeta"]
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
-        container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
+        container.id,
+        container.attrs["State"]["StartedAt"],
+    ), "the router was not replaced"
     # zeta was loaded by the worker's POST /models/load; alpha was unloaded by the router itself
     # as it re-read a preset whose alpha section had changed (test_llama_server_facts), before
     # the worker's POST /models/unload would have been needed
@@ -323,21 +347,38 @@ def test_a_changed_preset_default_keeps_the_router_and_loads_the_startup_set_aga
     container = client.containers.get(engine.container)
     asked = engine.log_tail(10_000).count(RELOAD_ASKED)
     engine.reload(defaults={"ctx-size": 2048})
-    engine.wait_status(lambda s: "[*]\nctx-size = 2048" in (
-        engine.cache_dir / "llama-models.ini").read_text(), timeout=30, what="the new preset")
+    engine.wait_status(
+        lambda s: "[*]\nctx-size = 2048" in (engine.cache_dir / "llama-models.ini").read_text(),
+        timeout=30,
+        what="the new preset",
+    )
     # a serving router stays running with its last message through the reload: wait for the
     # reload itself, then for alpha loaded again after it
-    engine.wait_status(lambda s: engine.log_tail(10_000).count(RELOAD_ASKED) > asked,
-                       timeout=30, what="the preset reloaded")
-    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"]
-                       and _models(engine).get("alpha") == "loaded",
-                       timeout=60, what="alpha loaded again")
+    engine.wait_status(
+        lambda s: engine.log_tail(10_000).count(RELOAD_ASKED) > asked,
+        timeout=30,
+        what="the preset reloaded",
+    )
+    engine.wait_status(
+        lambda s: (
+            s["state"] == "running"
+            and "loaded: alpha;" in s["message"]
+            and _models(engine).get("alpha") == "loaded"
+        ),
+        timeout=60,
+        what="alpha loaded again",
+    )
     after = client.containers.get(engine.container)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (
-        container.id, container.attrs["State"]["StartedAt"]), "the router was not replaced"
+        container.id,
+        container.attrs["State"]["StartedAt"],
+    ), "the router was not replaced"
     # its target is written again at the look that sees alpha loaded
-    engine.wait_status(lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
-                       timeout=30, what="alpha's target")
+    engine.wait_status(
+        lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
+        timeout=30,
+        what="alpha's target",
+    )
 
 
 def _planned_context(engine: Engine, model: str) -> int:
@@ -363,11 +404,17 @@ def test_new_machine_settings_replan_the_contexts_in_the_same_router(
     assert _planned_context(engine, "alpha") == 32768  # 1 GiB: all of its native context
     container = client.containers.get(engine.container)
     machine.write_text('limit = 0.01\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
-    engine.wait_status(lambda s: _planned_context(engine, "alpha") < 32768, timeout=30,
-                       what="the context planned again for 0.01 GiB")
+    engine.wait_status(
+        lambda s: _planned_context(engine, "alpha") < 32768,
+        timeout=30,
+        what="the context planned again for 0.01 GiB",
+    )
     smaller = _planned_context(engine, "alpha")
-    engine.wait_status(lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
-                       timeout=60, what="alpha loaded again")
+    engine.wait_status(
+        lambda s: s["state"] == "running" and "loaded: alpha;" in s["message"],
+        timeout=60,
+        what="alpha loaded again",
+    )
     after = client.containers.get(engine.container)
     assert after.id == container.id, "the router was not replaced"
     assert 0 < smaller * 512 < 0.01 * 1024**3
@@ -376,11 +423,13 @@ def test_new_machine_settings_replan_the_contexts_in_the_same_router(
 
 def _chat_until(engine: Engine, model: str, stop: threading.Event, answers: list[int]) -> None:
     url = engine.status()["url"]  # type: ignore[index]
-    body = json.dumps({"model": model, "max_tokens": 2,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps(
+        {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
     while not stop.is_set():
-        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 answers.append(response.status)
@@ -391,10 +440,10 @@ def _chat_until(engine: Engine, model: str, stop: threading.Event, answers: list
 
 def _scrape(group: dict[str, Any]) -> tuple[int, bytes]:
     labels = group["labels"]
-    params = {k.removeprefix("__param_"): v for k, v in labels.items()
-              if k.startswith("__param_")}
-    url = (f"http://{group['targets'][0]}{labels['__metrics_path__']}?"
-           + urllib.parse.urlencode(params))
+    params = {k.removeprefix("__param_"): v for k, v in labels.items() if k.startswith("__param_")}
+    url = f"http://{group['targets'][0]}{labels['__metrics_path__']}?" + urllib.parse.urlencode(
+        params
+    )
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.status, response.read()
 
@@ -409,23 +458,33 @@ def test_one_target_per_loaded_model_and_failures_named(make_engine) -> None:
     status = engine.wait_state(generation, "running", timeout=120)
     (group,) = engine.file_sd()
     assert group["labels"] == {
-        "__metrics_path__": "/metrics", "__param_model": "alpha", "__param_autoload": "false",
-        "model": "alpha", "engine": "llama-router", "name": engine.name}
+        "__metrics_path__": "/metrics",
+        "__param_model": "alpha",
+        "__param_autoload": "false",
+        "model": "alpha",
+        "engine": "llama-router",
+        "name": engine.name,
+    }
     assert group["targets"] == [status["url"].removeprefix("http://")]
 
-    post = urllib.request.Request(status["url"] + "/models/load", method="POST",
-                                  data=json.dumps({"model": "zeta"}).encode())
+    post = urllib.request.Request(
+        status["url"] + "/models/load", method="POST", data=json.dumps({"model": "zeta"}).encode()
+    )
     urllib.request.urlopen(post, timeout=10).close()
     engine.wait_status(lambda s: len(engine.file_sd()) == 2, timeout=10, what="zeta's target")
     before = _models(engine)
     for target in engine.file_sd():
         code, body = _scrape(target)
         assert code == 200 and b"llamacpp:" in body, target
-    assert _models(engine) == before == {"alpha": "loaded", "beta": "unloaded",
-                                         "zeta": "loaded", "broken": "unloaded"}
+    assert (
+        _models(engine)
+        == before
+        == {"alpha": "loaded", "beta": "unloaded", "zeta": "loaded", "broken": "unloaded"}
+    )
 
-    post = urllib.request.Request(status["url"] + "/models/load", method="POST",
-                                  data=json.dumps({"model": "broken"}).encode())
+    post = urllib.request.Request(
+        status["url"] + "/models/load", method="POST", data=json.dumps({"model": "broken"}).encode()
+    )
     urllib.request.urlopen(post, timeout=10).close()
     failed = engine.wait_status(lambda s: "failed to load" in s["message"], timeout=30)
     assert "failed to load: broken (exit code 1)" in failed["message"]
@@ -434,20 +493,41 @@ def test_one_target_per_loaded_model_and_failures_named(make_engine) -> None:
         exposed = answer.read().decode()
     assert 'lucia_router_model_load_failed{model="broken"} 1.0' in exposed
 
-    post = urllib.request.Request(status["url"] + "/models/unload", method="POST",
-                                  data=json.dumps({"model": "zeta"}).encode())
+    post = urllib.request.Request(
+        status["url"] + "/models/unload", method="POST", data=json.dumps({"model": "zeta"}).encode()
+    )
     urllib.request.urlopen(post, timeout=10).close()
-    engine.wait_status(lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
-                       timeout=10, what="zeta's target gone")
+    engine.wait_status(
+        lambda s: [g["labels"]["model"] for g in engine.file_sd()] == ["alpha"],
+        timeout=10,
+        what="zeta's target gone",
+    )
 
 
 def test_cli_status_reads_the_router(make_engine) -> None:
     engine = _router(make_engine, load_on_startup=("alpha",))
     write_llama(add_model(engine.models_dir, "Ready") / "alpha.gguf")
     engine.start_worker()
-    out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
-                          "--data-dir", str(engine.data_dir), "--recipes-dir", str(engine.root)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
+    out = subprocess.run(
+        [
+            *CLI,
+            "request",
+            engine.name,
+            "running",
+            "--wait",
+            "--timeout",
+            "120",
+            "--data-dir",
+            str(engine.data_dir),
+            "--recipes-dir",
+            str(engine.root),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
 
 

@@ -256,7 +256,9 @@ def test_reload_of_a_new_global_section_unloads_all_and_loads_none(
     router.wait_value("b", "loaded")
     router.write_preset(sections, defaults={"ctx-size": 512})
     assert {n: s["value"] for n, s in router.models(reload=True).items()} == {
-        "a": "unloaded", "b": "unloaded"}
+        "a": "unloaded",
+        "b": "unloaded",
+    }
     _stays_unloaded(router, "a")
 
 

@@ -33,20 +33,36 @@ def test_an_image_built_from_the_scripts_image_is_never_taken_for_it(
     label = f"lucia.test.llama-server.version-{RUN_ID}"
     repository = f"lucia-test-llama-server-kept-{RUN_ID}"
     own, derived = f"{repository}:1_0.1_test-1", f"lucia-test-from-llama-{RUN_ID}:1"
-    client.images.build(fileobj=io.BytesIO(f"FROM {base_image}\n".encode()), tag=own, rm=True,
-                        labels={TEST_LABEL: RUN_ID, label: "1:0.1+test-1"})  # fmt: skip
+    client.images.build(
+        fileobj=io.BytesIO(f"FROM {base_image}\n".encode()),
+        tag=own,
+        rm=True,
+        labels={TEST_LABEL: RUN_ID, label: "1:0.1+test-1"},
+    )
     time.sleep(1.1)  # an image's CreatedAt counts seconds: the derived one is the newer
-    client.images.build(fileobj=io.BytesIO(f"FROM {own}\n".encode()), tag=derived, rm=True,
-                        labels={TEST_LABEL: RUN_ID, "version": "2"})  # fmt: skip
+    client.images.build(
+        fileobj=io.BytesIO(f"FROM {own}\n".encode()),
+        tag=derived,
+        rm=True,
+        labels={TEST_LABEL: RUN_ID, "version": "2"},
+    )
     try:
         assert client.images.get(derived).labels[label] == "1:0.1+test-1"  # inherited
         done = subprocess.run(
-            ["bash", str(SCRIPT)], capture_output=True, text=True, check=False, timeout=300,
-            env={**os.environ, "LUCIA_LLAMA_LABEL": label, "LUCIA_LLAMA_REPOSITORY": repository,
-                 # nothing listens on the discard port: the image built before is kept
-                 "LUCIA_LLAMA_MIRROR": "http://127.0.0.1:9/debian",
-                 "LUCIA_LLAMA_CACHE": str(tmp_path / "apt")},
-        )  # fmt: skip
+            ["bash", str(SCRIPT)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+            env={
+                **os.environ,
+                "LUCIA_LLAMA_LABEL": label,
+                "LUCIA_LLAMA_REPOSITORY": repository,
+                # nothing listens on the discard port: the image built before is kept
+                "LUCIA_LLAMA_MIRROR": "http://127.0.0.1:9/debian",
+                "LUCIA_LLAMA_CACHE": str(tmp_path / "apt"),
+            },
+        )
         assert done.returncode == 0, done.stderr
         assert "keeping the image built before" in done.stderr
         assert done.stdout.splitlines()[-1] == own, done.stdout

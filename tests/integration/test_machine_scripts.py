@@ -28,8 +28,14 @@ def machine(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         # nothing listens on the discard port: sid's index is out of reach at once
         "LUCIA_LLAMA_MIRROR": "http://127.0.0.1:9/debian",
     }
-    return subprocess.run(["bash", str(MACHINE)], capture_output=True, text=True, check=False,
-                          timeout=600, env={**os.environ, **private, **env})
+    return subprocess.run(
+        ["bash", str(MACHINE)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env={**os.environ, **private, **env},
+    )
 
 
 def test_a_failed_step_shows_its_log_and_its_reason(tmp_path: Path) -> None:

@@ -28,14 +28,22 @@ FF = 512
 CASES: dict[str, tuple[TinyLlama, int, int | None]] = {
     "plain": (TinyLlama(n_ff=FF), 256, None),
     "gqa": (TinyLlama(layers=3, heads=4, kv_heads=2, context=2048, n_ff=FF), 2048, None),
-    "padded": (TinyLlama(heads=2, kv_heads=1, key_length=48, value_length=48, n_ff=FF, seed=3),
-               300, None),
-    "past-native": (TinyLlama(layers=1, heads=8, kv_heads=8, n_embd=128, context=256, n_ff=FF),
-                    2048, None),
-    "two-slots": (TinyLlama(layers=3, heads=4, kv_heads=2, context=512, n_ff=FF, seed=1),
-                  1024, 2),
-    "three-slots": (TinyLlama(layers=2, heads=4, kv_heads=1, context=1024, n_ff=FF, seed=2),
-                    1000, 3),
+    "padded": (
+        TinyLlama(heads=2, kv_heads=1, key_length=48, value_length=48, n_ff=FF, seed=3),
+        300,
+        None,
+    ),
+    "past-native": (
+        TinyLlama(layers=1, heads=8, kv_heads=8, n_embd=128, context=256, n_ff=FF),
+        2048,
+        None,
+    ),
+    "two-slots": (TinyLlama(layers=3, heads=4, kv_heads=2, context=512, n_ff=FF, seed=1), 1024, 2),
+    "three-slots": (
+        TinyLlama(layers=2, heads=4, kv_heads=1, context=1024, n_ff=FF, seed=2),
+        1000,
+        3,
+    ),
 }
 
 
@@ -63,8 +71,9 @@ def test_plan_equals_what_llama_server_allocates(llama_router, tmp_path: Path) -
         found = read_model(Unit(name, (path,)))
         kv_shape = shape(read_metadata(path))
         slots = parallel or 1
-        planned = plan_model(name, found.weights, kv_shape, 1 << 40, context=ctx_size,
-                             parallel=slots)  # fmt: skip
+        planned = plan_model(
+            name, found.weights, kv_shape, 1 << 40, context=ctx_size, parallel=slots
+        )
         line = kv[name]
         streams = int(line["streams"])
         assert (int(line["seqs"]), streams) == ((4, 1) if parallel is None else (slots, slots))
@@ -73,8 +82,9 @@ def test_plan_equals_what_llama_server_allocates(llama_router, tmp_path: Path) -
         assert (line["ktype"], line["vtype"]) == ("f16", "f16")
         assert line["size"] == f"{planned.kv / MIB:.2f}", name  # exactly, to the engine's digits
         cells = kv_shape.cells(ctx_size, slots)
-        k = cells * sum(row_size("f16", layer.kv_heads * layer.key_length)
-                        for layer in kv_shape.layers)  # fmt: skip
+        k = cells * sum(
+            row_size("f16", layer.kv_heads * layer.key_length) for layer in kv_shape.layers
+        )
         assert (line["k"], line["v"]) == (f"{k / MIB:.2f}", f"{(planned.kv - k) / MIB:.2f}")
         logged = float(buffers[name]["size"]) * MIB
         assert buffers[name]["buffer"] == "CPU_Mapped"

@@ -39,11 +39,12 @@ def shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return data
 
 
-
 def _settled(engine: Engine, generation: int) -> dict[str, Any]:
     return engine.wait_status(
         lambda s: s["generation"] == generation and s["state"] in ("running", "failed"),
-        timeout=180, what="running or failed")
+        timeout=180,
+        what="running or failed",
+    )
 
 
 def _gauge(text: str, name: str) -> float:
@@ -130,14 +131,18 @@ def test_a_replacement_stopped_before_it_started_frees_its_claim(
 ) -> None:
     # a's Check for the replacement claims its memory; a stop request lands while the old
     # container drains (5 s), so the replacement never starts: that claim must not outlive it
-    a: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180,
-                            settings={"STOP_DELAY": "5"})
+    a: Engine = make_engine(
+        memory=FIGURES, data_root=shared, ready_timeout=180, settings={"STOP_DELAY": "5"}
+    )
     b: Engine = make_engine(memory=FIGURES, data_root=shared, ready_timeout=180)
     a.up()
     a.settings["READY_DELAY"] = "2"  # a new run spec: a replacement
     a.reload()
-    a.wait_status(lambda s: s["message"].startswith("stopping the engine container (replacing"),
-                  timeout=60, what="the replacement's stop under way")
+    a.wait_status(
+        lambda s: s["message"].startswith("stopping the engine container (replacing"),
+        timeout=60,
+        what="the replacement's stop under way",
+    )
     a.wait_state(a.request("stopped"), "stopped", timeout=60)
     assert _none(client, a)
     claims = json.loads((shared / "memory" / "claims.json").read_text())["claims"]

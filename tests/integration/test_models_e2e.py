@@ -46,9 +46,11 @@ def test_a_model_added_from_the_hub_is_served_by_the_router_and_the_gateway(
         assert status is not None and MODEL in status["models"], status
         with running_gateway(tmp_path / "gateway", engine.data_dir, SETTINGS) as gateway:
             answer = gateway.client().chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
         assert answer.usage is not None and answer.usage.completion_tokens == 4
     finally:
         factory.close()

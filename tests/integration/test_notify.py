@@ -87,8 +87,9 @@ def test_without_a_notify_socket_the_worker_runs_quietly(make_engine, monkeypatc
     assert proc.wait(30) == 0
 
 
-def test_a_manager_that_never_reads_cannot_stall_the_worker(make_engine, monkeypatch,
-                                                            tmp_path) -> None:
+def test_a_manager_that_never_reads_cannot_stall_the_worker(
+    make_engine, monkeypatch, tmp_path
+) -> None:
     """A full notify queue drops messages; it must never block the loop (or the heartbeat)."""
     engine: Engine = make_engine()
     deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -172,8 +172,11 @@ def test_the_owner_signs_in_and_sees_the_engine_stopped(
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/page/"
     assert gateway.owner not in cookie["value"]
     assert "No model in the library" in text(browser, "#models-body")
-    until(browser, lambda d: "0 requests" in d.find_element(By.ID, "traffic-body").text,
-          what="the record's traffic, nothing yet")  # fmt: skip
+    until(
+        browser,
+        lambda d: "0 requests" in d.find_element(By.ID, "traffic-body").text,
+        what="the record's traffic, nothing yet",
+    )
     shot(browser, "2-engines-stopped")
 
 
@@ -182,8 +185,15 @@ def test_markup_in_a_message_shows_as_text(
 ) -> None:
     old = datetime.now(UTC) - timedelta(seconds=120)
     unfit = memory_plan(router_plan(router), need=GiB, fits=False, message=HOSTILE)
-    write_status(router.data_dir, "hostile", "failed", message=HOSTILE, models=("evil<b>",),
-                 checked_at=old, memory=unfit)  # fmt: skip
+    write_status(
+        router.data_dir,
+        "hostile",
+        "failed",
+        message=HOSTILE,
+        models=("evil<b>",),
+        checked_at=old,
+        memory=unfit,
+    )
     until(browser, lambda d: engine_state(d, "hostile") == "failed", what="the hostile engine")
     assert text(browser, engine("hostile") + " .message") == HOSTILE
     assert text(browser, engine("hostile") + " .cannot-fit") == "cannot fit: " + HOSTILE
@@ -240,15 +250,29 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         f"{like.limit / GiB:.1f}, reserves {reserved / GiB:.1f}, held by {router.name} 0.0). "
         f"Lower the context or stop {router.name}."
     )
-    write_status(router.data_dir, "spare", "stopped", models=("qwen3-0.6b",),
-                 memory=memory_plan(like, GiB, True))  # fmt: skip
-    write_status(router.data_dir, "later", "stopped",
-                 memory=memory_plan(like, None, True, NOT_PLANNED))  # fmt: skip
-    write_status(router.data_dir, "big", "stopped", models=("qwen3-32b",),
-                 memory=memory_plan(like, need, False, refusal))  # fmt: skip
+    write_status(
+        router.data_dir,
+        "spare",
+        "stopped",
+        models=("qwen3-0.6b",),
+        memory=memory_plan(like, GiB, True),
+    )
+    write_status(
+        router.data_dir, "later", "stopped", memory=memory_plan(like, None, True, NOT_PLANNED)
+    )
+    write_status(
+        router.data_dir,
+        "big",
+        "stopped",
+        models=("qwen3-32b",),
+        memory=memory_plan(like, need, False, refusal),
+    )
     big = engine("big")
-    until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .cannot-fit"),
-          what="the engine that cannot fit marked")  # fmt: skip
+    until(
+        browser,
+        lambda d: d.find_elements(By.CSS_SELECTOR, big + " .cannot-fit"),
+        what="the engine that cannot fit marked",
+    )
     assert text(browser, big + " .cannot-fit") == "cannot fit: " + refusal
     start = browser.find_element(By.CSS_SELECTOR, big + " button.act-running")
     assert not start.is_enabled() and start.get_attribute("title") == "cannot fit: " + refusal
@@ -267,8 +291,11 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
     )
     shot(browser, "5b-cannot-fit")
     body = "#memory-body"
-    until(browser, lambda d: "reserves from" in d.find_element(By.CSS_SELECTOR, body).text,
-          what="the limit and reserves from a plan")  # fmt: skip
+    until(
+        browser,
+        lambda d: "reserves from" in d.find_element(By.CSS_SELECTOR, body).text,
+        what="the limit and reserves from a plan",
+    )
     reserves = [
         e.text for e in browser.find_elements(By.CSS_SELECTOR, body + " .legend li.reserve")
     ]
@@ -299,10 +326,18 @@ def test_memory_shows_the_plan_and_a_start_that_cannot_fit(
         browser.set_window_size(1280, 1600)
     # spare's state changes after big's plan was made: what spare holds may have changed the
     # verdict, so big's Start is not held back on it until its worker looks again
-    write_status(router.data_dir, "spare", "failed", models=("qwen3-0.6b",),
-                 memory=memory_plan(like, GiB, True))  # fmt: skip
-    until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, big + " .may-not-fit"),
-          what="big's refusal marked as planned before spare changed")  # fmt: skip
+    write_status(
+        router.data_dir,
+        "spare",
+        "failed",
+        models=("qwen3-0.6b",),
+        memory=memory_plan(like, GiB, True),
+    )
+    until(
+        browser,
+        lambda d: d.find_elements(By.CSS_SELECTOR, big + " .may-not-fit"),
+        what="big's refusal marked as planned before spare changed",
+    )
     assert text(browser, big + " .may-not-fit") == "may not fit: " + refusal
     assert text(browser, big + " .plan-outdated") == "planned before spare changed"
     assert browser.find_element(By.CSS_SELECTOR, big + " button.act-running").is_enabled()
@@ -341,13 +376,19 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     )
     used = answer.usage.total_tokens if answer.usage else 0
     laptop = "//tr[td[@class='key-name' and text()='laptop']]"
-    until(browser, lambda d: "T" in d.find_element(By.XPATH, laptop + "/td[@class='last-use']")
-          .text, what="the key's last use")  # fmt: skip
+    until(
+        browser,
+        lambda d: "T" in d.find_element(By.XPATH, laptop + "/td[@class='last-use']").text,
+        what="the key's last use",
+    )
     spent = browser.find_element(By.XPATH, laptop + "/td[@class='spent']").text
     assert spent.startswith(f"{used} tokens, 1 requests"), spent
     shot(browser, "6b-key-used")
-    until(browser, lambda d: "1 requests" in d.find_element(By.CSS_SELECTOR, ".span-hour").text,
-          what="the chat in the traffic")  # fmt: skip
+    until(
+        browser,
+        lambda d: "1 requests" in d.find_element(By.CSS_SELECTOR, ".span-hour").text,
+        what="the chat in the traffic",
+    )
     hour = browser.find_element(By.CSS_SELECTOR, ".span-hour .by-model").text
     assert "alpha" in hour
     assert browser.find_elements(By.CSS_SELECTOR, "#traffic svg polyline.series")
@@ -369,28 +410,39 @@ def bar(driver: WebDriver) -> tuple[str, int, int] | None:
     try:
         model = driver.find_element(By.CSS_SELECTOR, ".model")
         shown = model.find_element(By.CSS_SELECTOR, ".bar")
-        return (model.find_element(By.CSS_SELECTOR, ".state").text,
-                int(shown.get_attribute("data-done") or 0),
-                int(shown.get_attribute("data-total") or 0))  # fmt: skip
+        return (
+            model.find_element(By.CSS_SELECTOR, ".state").text,
+            int(shown.get_attribute("data-done") or 0),
+            int(shown.get_attribute("data-total") or 0),
+        )
     except RETRY:
         return None
 
 
 def test_a_model_is_added_and_its_progress_bar_moves(browser: WebDriver, library: Any) -> None:
-    for field, value in (("model-repo", REPO), ("model-revision", "main"),
-                         ("model-include", GGUF), ("model-name", "tiny")):  # fmt: skip
+    for field, value in (
+        ("model-repo", REPO),
+        ("model-revision", "main"),
+        ("model-include", GGUF),
+        ("model-name", "tiny"),
+    ):
         browser.find_element(By.ID, field).send_keys(value)
     browser.find_element(By.CSS_SELECTOR, "#model-add button").click()
     # the hf CLI writes a file in large blocks: the bar shows the bytes that came so far
-    first = until(browser, lambda d: (b := bar(d)) and b[0] == "Downloading" and b[1] > 0 and b,
-                  START_S, what="the download under way")  # fmt: skip
+    first = until(
+        browser,
+        lambda d: (b := bar(d)) and b[0] == "Downloading" and b[1] > 0 and b,
+        START_S,
+        what="the download under way",
+    )
     assert first[1] < first[2], "under way, not done"
     assert text(browser, ".model .name") == "tiny"
     assert text(browser, ".model .source").startswith(f"{REPO} @ main")
     browser.execute_script("document.getElementById('models').scrollIntoView()")
     shot(browser, "7a-model-downloading")
-    done = until(browser, lambda d: (b := bar(d)) and b[1] > first[1] and b, START_S,
-                 what="the bar moving")  # fmt: skip
+    done = until(
+        browser, lambda d: (b := bar(d)) and b[1] > first[1] and b, START_S, what="the bar moving"
+    )
     assert done[2] == first[2]
     until(browser, lambda d: text(d, ".model .state") == "Ready", START_S, what="Ready")
     assert "100.0%" in text(browser, ".model .figures")

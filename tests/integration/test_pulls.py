@@ -46,14 +46,17 @@ class Published:
 
 @pytest.fixture(scope="session")
 def published(
-    client: docker.DockerClient, registry: Registry, vllm_images: tuple[str, str],
+    client: docker.DockerClient,
+    registry: Registry,
+    vllm_images: tuple[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Published:
     context = tmp_path_factory.mktemp("pulled")
     with open(context / "filler", "wb") as out:
         out.write(os.urandom(FILLER))
     (context / "Dockerfile").write_text(
-        f"FROM {vllm_images[0]}:{PICKED}\nCOPY filler /opt/lucia-filler\n")
+        f"FROM {vllm_images[0]}:{PICKED}\nCOPY filler /opt/lucia-filler\n"
+    )
     local = f"lucia-test-pulled-{RUN_ID}:1"
     client.images.build(path=str(context), tag=local, rm=True, labels={TEST_LABEL: RUN_ID})
     try:
@@ -82,7 +85,10 @@ def _pull(ref: str) -> tuple[str, list[str]]:
 
 
 def test_runtime_pulls_a_tag_and_a_digest_from_the_registry_with_progress(
-    client: docker.DockerClient, registry: Registry, published: Published, pulled: list[str],
+    client: docker.DockerClient,
+    registry: Registry,
+    published: Published,
+    pulled: list[str],
 ) -> None:
     ref = f"{registry.host}/{PATH}:{published.tag}"
     image_id, lines = _pull(ref)
@@ -91,8 +97,9 @@ def test_runtime_pulls_a_tag_and_a_digest_from_the_registry_with_progress(
     assert downloads, lines
     assert float(downloads[-1][2]) == pytest.approx(FILLER / 1e6, rel=0.01)
     assert f"Status: Downloaded newer image for {ref}" in lines
-    digest = next(d for d in client.images.get(ref).attrs["RepoDigests"]
-                  if d.startswith(f"{registry.host}/"))
+    digest = next(
+        d for d in client.images.get(ref).attrs["RepoDigests"] if d.startswith(f"{registry.host}/")
+    )
     remove_ours(client, (registry.host,))
     assert ours(client, (registry.host,)) == []
     by_digest, lines = _pull(digest)
@@ -101,7 +108,9 @@ def test_runtime_pulls_a_tag_and_a_digest_from_the_registry_with_progress(
 
 
 def test_a_missing_tag_is_a_permanent_error_naming_it(
-    registry: Registry, published: Published, pulled: list[str],
+    registry: Registry,
+    published: Published,
+    pulled: list[str],
 ) -> None:
     ref = f"{registry.host}/{PATH}:v0.0.0-missing"
     with pytest.raises(Permanent) as info:
@@ -121,7 +130,10 @@ def test_a_registry_that_does_not_answer_is_transient() -> None:
 
 
 def test_the_vllm_worker_pulls_the_picked_tag_from_a_mirror_with_a_port(
-    client: docker.DockerClient, registry: Registry, published: Published, pulled: list[str],
+    client: docker.DockerClient,
+    registry: Registry,
+    published: Published,
+    pulled: list[str],
     make_engine: Callable[..., Engine],
 ) -> None:
     # through the gate: the download is held after a fifth, until status.json showed it

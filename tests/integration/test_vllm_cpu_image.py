@@ -200,7 +200,9 @@ def test_a_cold_build_under_a_private_tag_then_a_cached_run(
         config = built.attrs["Config"]
         assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in config["Env"]
         assert config["Entrypoint"] == [
-            "/usr/bin/python3", "-m", "vllm.entrypoints.openai.api_server"
+            "/usr/bin/python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
         ]
 
         started = time.monotonic()

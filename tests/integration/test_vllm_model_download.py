@@ -57,17 +57,27 @@ def tiny_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _download(
-    image: str, network: str, cache: Path, hub: Hub, *, secrets: dict[str, str],
-    settings: dict[str, str] | None = None, cancel: threading.Event | None = None,
-    lines: list[str] | None = None, name: str = "",
+    image: str,
+    network: str,
+    cache: Path,
+    hub: Hub,
+    *,
+    secrets: dict[str, str],
+    settings: dict[str, str] | None = None,
+    cancel: threading.Event | None = None,
+    lines: list[str] | None = None,
+    name: str = "",
 ) -> None:
     inside = model.snapshot({}, REPO, REVISION)
     volumes = (Mount(str(cache), "/var/cache/huggingface"),)
     where = model.Where(image, network, volumes, model.on_host(inside, volumes))
     seen = lines if lines is not None else []
     model.download(
-        Runtime(), ModelDownload(REPO, REVISION), where,
-        settings={"HF_ENDPOINT": hub.url, **(settings or {})}, secrets=secrets,
+        Runtime(),
+        ModelDownload(REPO, REVISION),
+        where,
+        settings={"HF_ENDPOINT": hub.url, **(settings or {})},
+        secrets=secrets,
         secrets_root=cache.parent / "secrets",
         labels={labels.NAME: name or f"t{RUN_ID}-download", TEST_LABEL: RUN_ID},
         ctx=StepContext(cancel or threading.Event(), seen.append),
@@ -77,20 +87,25 @@ def _download(
 def _sent(hub: Hub) -> set[str | None]:
     """The Authorization headers of the model's own routes (the CLI also asks the hub for its
     hints, never with a token)."""
-    found = {auth for path, auth in zip(hub.paths, hub.authorizations, strict=True)
-             if f"/{REPO}/" in path}
+    found = {
+        auth
+        for path, auth in zip(hub.paths, hub.authorizations, strict=True)
+        if f"/{REPO}/" in path
+    }
     assert found, hub.paths
     return found
 
 
 def test_the_real_hf_cli_downloads_the_pinned_revision_with_the_token_as_a_file(
-    vllm_cpu_image: str, network: tuple[str, str], tiny_repo: Path, tmp_path: Path,
+    vllm_cpu_image: str,
+    network: tuple[str, str],
+    tiny_repo: Path,
+    tmp_path: Path,
 ) -> None:
     cache = tmp_path / "hf"
     lines: list[str] = []
     with Hub(REPO, REVISION, tiny_repo, network[1]) as hub:
-        _download(vllm_cpu_image, network[0], cache, hub, secrets={"HF_TOKEN": TOKEN},
-                  lines=lines)
+        _download(vllm_cpu_image, network[0], cache, hub, secrets={"HF_TOKEN": TOKEN}, lines=lines)
     snapshot = cache / "hub" / "models--lucia-test--tiny-llama" / "snapshots" / REVISION
     for name in FILES:
         assert (snapshot / name).read_bytes() == (tiny_repo / name).read_bytes(), name
@@ -104,21 +119,39 @@ def test_the_real_hf_cli_downloads_the_pinned_revision_with_the_token_as_a_file(
 
 
 def test_without_a_recipe_token_none_is_sent_not_even_the_caches_or_a_settings(
-    vllm_cpu_image: str, network: tuple[str, str], tiny_repo: Path, tmp_path: Path,
+    vllm_cpu_image: str,
+    network: tuple[str, str],
+    tiny_repo: Path,
+    tmp_path: Path,
 ) -> None:
     cache = tmp_path / "hf"
     cache.mkdir()
     (cache / "token").write_text("hf_cached_token_never_sent\n")  # huggingface_hub's default
     with Hub(REPO, REVISION, tiny_repo, network[1]) as hub:
-        _download(vllm_cpu_image, network[0], cache, hub, secrets={},
-                  settings={"HF_TOKEN": "hf_setting_token_never_sent"})
+        _download(
+            vllm_cpu_image,
+            network[0],
+            cache,
+            hub,
+            secrets={},
+            settings={"HF_TOKEN": "hf_setting_token_never_sent"},
+        )
     assert _sent(hub) == {None}, list(zip(hub.paths, hub.authorizations, strict=True))
-    assert (cache / "hub" / "models--lucia-test--tiny-llama" / "snapshots" / REVISION
-            / "model.safetensors").is_file()
+    assert (
+        cache
+        / "hub"
+        / "models--lucia-test--tiny-llama"
+        / "snapshots"
+        / REVISION
+        / "model.safetensors"
+    ).is_file()
 
 
 def test_a_cancel_ends_a_slow_download_within_a_second_and_inspect_shows_no_token(
-    vllm_cpu_image: str, network: tuple[str, str], tiny_repo: Path, tmp_path: Path,
+    vllm_cpu_image: str,
+    network: tuple[str, str],
+    tiny_repo: Path,
+    tmp_path: Path,
     client: docker.DockerClient,
 ) -> None:
     cancel = threading.Event()
@@ -128,8 +161,15 @@ def test_a_cancel_ends_a_slow_download_within_a_second_and_inspect_shows_no_toke
 
     def run() -> None:
         try:
-            _download(vllm_cpu_image, network[0], tmp_path / "hf", hub,
-                      secrets={"HF_TOKEN": TOKEN}, cancel=cancel, name=name)
+            _download(
+                vllm_cpu_image,
+                network[0],
+                tmp_path / "hf",
+                hub,
+                secrets={"HF_TOKEN": TOKEN},
+                cancel=cancel,
+                name=name,
+            )
         except BaseException as exc:
             failure.append(exc)
         ended.set()
@@ -160,7 +200,10 @@ def test_a_cancel_ends_a_slow_download_within_a_second_and_inspect_shows_no_toke
 
 
 def test_as_a_uid_without_a_passwd_entry_it_downloads_and_every_file_is_that_uids(
-    vllm_cpu_image: str, network: tuple[str, str], tiny_repo: Path, tmp_path: Path,
+    vllm_cpu_image: str,
+    network: tuple[str, str],
+    tiny_repo: Path,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The worker's uid when it is not root, as `docker run --user` gives it: the image has no

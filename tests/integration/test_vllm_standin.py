@@ -25,8 +25,13 @@ STANDIN = ROOT / "tests" / "vllm-standin"
 @pytest.fixture(scope="module")
 def standin_image(client: docker.DockerClient, base_image: str) -> str:
     tag = f"lucia-test-vllm-{RUN_ID}:0.32.0"
-    client.images.build(path=str(STANDIN), tag=tag, rm=True, buildargs={"BASE": base_image},
-                        labels={TEST_LABEL: RUN_ID})
+    client.images.build(
+        path=str(STANDIN),
+        tag=tag,
+        rm=True,
+        buildargs={"BASE": base_image},
+        labels={TEST_LABEL: RUN_ID},
+    )
     return tag
 
 
@@ -36,8 +41,12 @@ def run(client: docker.DockerClient, standin_image: str) -> Iterator[Any]:
 
     def start(args: tuple[str, ...], **env: str) -> Any:
         container = client.containers.run(
-            standin_image, list(args), detach=True, environment=env,
-            labels={TEST_LABEL: RUN_ID}, ports={"8000/tcp": ("127.0.0.1", None)},
+            standin_image,
+            list(args),
+            detach=True,
+            environment=env,
+            labels={TEST_LABEL: RUN_ID},
+            ports={"8000/tcp": ("127.0.0.1", None)},
         )
         started.append(container)
         return container
@@ -70,14 +79,22 @@ def wait_healthy(container: Any, timeout: float = 30) -> float:
     raise AssertionError(f"not healthy in {timeout}s: {container.logs().decode()[-2000:]}")
 
 
-H100 = GpuFacts((Gpu(0, "NVIDIA H100 80GB HBM3", (9, 0), 81559, 81559, "580.95.05"),),
-                CudaVersion(13, 0))
+H100 = GpuFacts(
+    (Gpu(0, "NVIDIA H100 80GB HBM3", (9, 0), 81559, 81559, "580.95.05"),), CudaVersion(13, 0)
+)
 
 
 def launch(**kw: Any) -> pf.Launch:
-    choices = pf.Choices(channel="stable", quantization="fp8", memory_share=90,
-                         model="org/model", revision="a" * 40, served_name="served-1",
-                         max_model_len=8192, **kw)
+    choices = pf.Choices(
+        channel="stable",
+        quantization="fp8",
+        memory_share=90,
+        model="org/model",
+        revision="a" * 40,
+        served_name="served-1",
+        max_model_len=8192,
+        **kw,
+    )
     result = pf.decide(choices, H100)
     assert isinstance(result, pf.Launch)
     return result
@@ -97,9 +114,13 @@ def test_the_preflights_arguments_serve_the_routes(run: Any) -> None:
     assert models["data"][0]["max_model_len"] == 8192 and models["data"][0]["root"] == "org/model"
     assert json.loads(get(container, "/version")[1]) == {"version": "0.32.0"}
     metrics = get(container, "/metrics")[1].decode()
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
-                 "vllm:generation_tokens_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:generation_tokens_total",
+    ):
         assert f'{name}{{engine="0",model_name="served-1"}} 0.0' in metrics
     logs = container.logs().decode()
     assert "gpu_memory_utilization=0.90" in logs and "quantization='fp8'" in logs
@@ -121,8 +142,9 @@ def test_the_entrypoint_is_vllm_serve(client: docker.DockerClient, standin_image
         ((), 2, "required: model_tag"),
     ],
 )
-def test_refused_arguments_exit_like_vllm(run: Any, args: tuple[str, ...], code: int,
-                                          needle: str) -> None:
+def test_refused_arguments_exit_like_vllm(
+    run: Any, args: tuple[str, ...], code: int, needle: str
+) -> None:
     container = run(args)
     assert container.wait(timeout=30)["StatusCode"] == code
     assert needle in container.logs().decode()

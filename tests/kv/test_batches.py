@@ -59,8 +59,9 @@ def request(first: int, count: int, misses: Sequence[int] = ()) -> list[tuple[in
 @pytest.mark.parametrize(("rows", "count"), [(1, 5), (4, 10), (8, 8), (64, 10), (3, 0)])
 def test_loads_hold_at_most_one_buffer_of_bytes(rows: int, count: int) -> None:
     moves = Moves(rows)
-    errors = batches.load(moves, [request(0, count // 2), request(100, count - count // 2)],
-                          moves.read)  # fmt: skip
+    errors = batches.load(
+        moves, [request(0, count // 2), request(100, count - count // 2)], moves.read
+    )
     assert errors == set()
     assert moves.most <= rows
     assert len(moves.loads) == math.ceil(count / rows)

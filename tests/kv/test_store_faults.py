@@ -168,8 +168,7 @@ def test_a_disk_filled_by_another_evicts_down_to_what_it_holds(
 
 
 def test_a_tier_directory_removed_under_the_store_is_made_again(tmp_path: Path) -> None:
-    settings = replace(config(tmp_path, {"nvme": 16 * PAGE, "hdd": 16 * PAGE}),
-                       retry_seconds=0.2)  # fmt: skip
+    settings = replace(config(tmp_path, {"nvme": 16 * PAGE, "hdd": 16 * PAGE}), retry_seconds=0.2)
     store = Store(settings)
     try:
         store.save(block_key(1), payload(1, SIZE))
@@ -239,8 +238,9 @@ def test_a_slow_restart_keeps_every_block(tmp_path: Path) -> None:
 def test_a_slow_tier_never_holds_a_fast_one(tmp_path: Path) -> None:
     """One queue wrote every tier: the HDD's fsyncs held the NVMe's writes, and a full queue
     dropped a block from all of them. Each tier now has its own writers and bound."""
-    settings = replace(config(tmp_path, {"nvme": 64 * PAGE, "hdd": 64 * PAGE}, writers=1),
-                       queue_blocks=4)  # fmt: skip
+    settings = replace(
+        config(tmp_path, {"nvme": 64 * PAGE, "hdd": 64 * PAGE}, writers=1), queue_blocks=4
+    )
     store = Store(settings)
     gate = threading.Event()
     try:
@@ -270,8 +270,9 @@ def test_a_slow_tier_never_holds_a_fast_one(tmp_path: Path) -> None:
 def test_the_queued_blocks_are_bounded_in_bytes(tmp_path: Path) -> None:
     """The write queue was bounded in blocks only: 1024 of them, 16 GiB at a CPU block size.
     Now every queued block's bytes count against queue_bytes, once however many tiers hold it."""
-    settings = replace(config(tmp_path, {"nvme": 64 * PAGE, "hdd": 64 * PAGE}, writers=1),
-                       queue_bytes=3 * SIZE)  # fmt: skip
+    settings = replace(
+        config(tmp_path, {"nvme": 64 * PAGE, "hdd": 64 * PAGE}, writers=1), queue_bytes=3 * SIZE
+    )
     store = Store(settings)
     gate = threading.Event()
     try:

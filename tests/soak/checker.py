@@ -109,9 +109,19 @@ def desired_document(path: Path) -> dict[str, Any] | None:
 
 class Checker:
     def __init__(self, config: dict[str, Any]) -> None:
-        self.engines = [EngineTruth(e["name"], Path(e["status"]), Path(e["desired"]),
-                                    Path(e["file_sd"]), Path(e["recipe"]), e["container"],
-                                    e["setting"], e["ready_path"]) for e in config["engines"]]
+        self.engines = [
+            EngineTruth(
+                e["name"],
+                Path(e["status"]),
+                Path(e["desired"]),
+                Path(e["file_sd"]),
+                Path(e["recipe"]),
+                e["container"],
+                e["setting"],
+                e["ready_path"],
+            )
+            for e in config["engines"]
+        ]
         self.events_path = Path(config["events"])
         self.stop_path = Path(config["stop"])
         self.verdict_path = Path(config["verdict"])
@@ -124,14 +134,20 @@ class Checker:
         self.violations: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {"worst_heartbeat_age": 0.0, "ack": [], "samples": 0}
         self.front_door: dict[str, Any] | None = config.get("front_door")
-        self.counters = (None if self.front_door is None else frontdoor_check.Sampler(
-            Path(self.front_door["status"]), self.front_door["model"]))
+        self.counters = (
+            None
+            if self.front_door is None
+            else frontdoor_check.Sampler(Path(self.front_door["status"]), self.front_door["model"])
+        )
 
     def _violate(self, violation: dict[str, Any]) -> None:
         """Record a violation, and say it at once: a long soak shows it when it happens."""
         self.violations.append(violation)
-        print(f"  checker: VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
-              f"{violation['detail']}", flush=True)
+        print(
+            f"  checker: VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
+            f"{violation['detail']}",
+            flush=True,
+        )
 
     # -- events --------------------------------------------------------------------------------
 
@@ -155,8 +171,11 @@ class Checker:
         return excused(self.events, engine, invariant, now)
 
     def _since_edit(self, engine: str, now: float) -> float:
-        edits = [e["start"] for e in self.events if e["kind"] == "recipe-edit"
-                 and e["engine"] == engine and e["start"] <= now]
+        edits = [
+            e["start"]
+            for e in self.events
+            if e["kind"] == "recipe-edit" and e["engine"] == engine and e["start"] <= now
+        ]
         return now - max(edits) if edits else float("inf")
 
     # -- one sample ----------------------------------------------------------------------------
@@ -168,16 +187,25 @@ class Checker:
         for engine in self.engines:
             self._check(engine, now)
 
-    def _breach(self, engine: EngineTruth, invariant: str, now: float, failing: bool,
-                detail: str, *, tolerance: float = TOLERANCE) -> None:
+    def _breach(
+        self,
+        engine: EngineTruth,
+        invariant: str,
+        now: float,
+        failing: bool,
+        detail: str,
+        *,
+        tolerance: float = TOLERANCE,
+    ) -> None:
         key = invariant
         if not failing or self._active(engine.name, invariant, now):
             engine.breaches.pop(key, None)
             return
         since = engine.breaches.setdefault(key, now)
         if now - since >= tolerance:
-            self._violate({"t": now, "engine": engine.name, "invariant": invariant,
-                                    "detail": detail})
+            self._violate(
+                {"t": now, "engine": engine.name, "invariant": invariant, "detail": detail}
+            )
             engine.breaches[key] = now + 3600  # once an hour at most per invariant
 
     def _check(self, engine: EngineTruth, now: float) -> None:
@@ -210,23 +238,27 @@ class Checker:
         request = engine.requests.get(status["generation"])
         if request is not None and status["state"] not in request.reached:
             engine.requests[request.generation] = replace(
-                request, reached={**request.reached, status["state"]: now})
+                request, reached={**request.reached, status["state"]: now}
+            )
 
     def _check_liveness(self, engine: EngineTruth, now: float) -> None:
         for generation, request in engine.requests.items():
             if generation in engine.judged:
                 continue
-            for invariant, detail in (("failed-without-cause",
-                                       unexplained_failure(request, self.events)),
-                                      ("liveness", late(request, self.events, now))):
+            for invariant, detail in (
+                ("failed-without-cause", unexplained_failure(request, self.events)),
+                ("liveness", late(request, self.events, now)),
+            ):
                 if detail is not None:
                     engine.judged.add(generation)
-                    self._violate({"t": now, "engine": engine.name, "invariant": invariant,
-                                   "detail": detail})
+                    self._violate(
+                        {"t": now, "engine": engine.name, "invariant": invariant, "detail": detail}
+                    )
                     break
 
-    def _read_json(self, engine: EngineTruth, path: Path,
-                   schema: jsonschema.Draft202012Validator, now: float) -> Any:
+    def _read_json(
+        self, engine: EngineTruth, path: Path, schema: jsonschema.Draft202012Validator, now: float
+    ) -> Any:
         try:
             text = path.read_text()
         except (FileNotFoundError, IsADirectoryError):
@@ -235,97 +267,151 @@ class Checker:
             value = json.loads(text)
             schema.validate(value)  # the schema itself was checked once, when loaded
         except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            self._violate({"t": now, "engine": engine.name, "invariant": "whole-file",
-                                    "detail": f"{path.name}: {str(exc)[:200]}"})
+            self._violate(
+                {
+                    "t": now,
+                    "engine": engine.name,
+                    "invariant": "whole-file",
+                    "detail": f"{path.name}: {str(exc)[:200]}",
+                }
+            )
             return None
         return value
 
     def _desired(self, engine: EngineTruth) -> dict[str, Any] | None:
         return desired_document(engine.desired)
 
-    def _check_status(self, engine: EngineTruth, status: dict[str, Any],
-                      desired: dict[str, Any] | None, file_sd: Any, now: float) -> None:
+    def _check_status(
+        self,
+        engine: EngineTruth,
+        status: dict[str, Any],
+        desired: dict[str, Any] | None,
+        file_sd: Any,
+        now: float,
+    ) -> None:
         checked = datetime.fromisoformat(status["checkedAt"].replace("Z", "+00:00")).timestamp()
         age = now - checked
         if not self._active(engine.name, "stale", now):
             self.figures["worst_heartbeat_age"] = max(self.figures["worst_heartbeat_age"], age)
-        self._breach(engine, "stale", now, age > STALE, f"checkedAt {age:.1f} s old",
-                     tolerance=0)
+        self._breach(engine, "stale", now, age > STALE, f"checkedAt {age:.1f} s old", tolerance=0)
         for generation, first in engine.seen_generation.items():
             if generation in engine.acked:
                 continue
-            if status["generation"] >= generation or (desired and desired["generation"]
-                                                      > generation):
+            if status["generation"] >= generation or (
+                desired and desired["generation"] > generation
+            ):
                 engine.acked.add(generation)
                 if status["generation"] == generation:
                     self.figures["ack"].append(now - first)
                 continue
-            self._breach(engine, f"ack {generation}", now, now - first > ACK_BOUND,
-                         f"generation {generation} not acknowledged after {now - first:.1f} s",
-                         tolerance=0)
+            self._breach(
+                engine,
+                f"ack {generation}",
+                now,
+                now - first > ACK_BOUND,
+                f"generation {generation} not acknowledged after {now - first:.1f} s",
+                tolerance=0,
+            )
         for secret in self.secrets:
             if secret in json.dumps(status):
-                self._violate({"t": now, "engine": engine.name,
-                                        "invariant": "secret", "detail": "status.json"})
+                self._violate(
+                    {
+                        "t": now,
+                        "engine": engine.name,
+                        "invariant": "secret",
+                        "detail": "status.json",
+                    }
+                )
         current = desired is not None and status["generation"] == desired["generation"]
         if file_sd is not None and current:
             named = any(group["labels"].get("name") == engine.name for group in file_sd)
-            self._breach(engine, "file_sd", now,
-                         (status["state"] == "running") != named,
-                         f"state {status['state']} but file_sd "
-                         f"{'names' if named else 'does not name'} the engine")
+            self._breach(
+                engine,
+                "file_sd",
+                now,
+                (status["state"] == "running") != named,
+                f"state {status['state']} but file_sd "
+                f"{'names' if named else 'does not name'} the engine",
+            )
 
-    def _check_docker(self, engine: EngineTruth, status: dict[str, Any] | None,
-                      now: float) -> None:
+    def _check_docker(self, engine: EngineTruth, status: dict[str, Any] | None, now: float) -> None:
         try:
             found = self.docker.containers.list(all=True, filters={"name": engine.container})
         except (docker.errors.DockerException, OSError):
             return  # dockerd down or stalled: nothing to compare with
         ours = [c for c in found if c.name == engine.container]
-        self._breach(engine, "one-container", now, len(ours) > 1,
-                     f"{len(ours)} containers named {engine.container}", tolerance=0)
+        self._breach(
+            engine,
+            "one-container",
+            now,
+            len(ours) > 1,
+            f"{len(ours)} containers named {engine.container}",
+            tolerance=0,
+        )
         container = ours[0] if ours else None
         running = container is not None and container.status == "running"
         if running and container is not None and container.id != engine.container_id:
             before = engine.container_id
             if before is not None and not self._caused(engine):
-                self._violate({"t": now, "engine": engine.name,
-                               "invariant": "restart-without-cause",
-                               "detail": f"{before[:12]} -> {str(container.id)[:12]}"})
+                self._violate(
+                    {
+                        "t": now,
+                        "engine": engine.name,
+                        "invariant": "restart-without-cause",
+                        "detail": f"{before[:12]} -> {str(container.id)[:12]}",
+                    }
+                )
             engine.container_id, engine.causes_since = container.id, now
         if status is None or status["state"] != "running":
             if status is not None and status["state"] == "stopped" and not running:
                 engine.container_id = None  # a stop asked for: the next start has its cause
             return
         state = container.status if container is not None else "absent"
-        self._breach(engine, "running", now, not running,
-                     f"status running but the container is {state}")
+        self._breach(
+            engine, "running", now, not running, f"status running but the container is {state}"
+        )
         if running and container is not None:
             self._check_spec(engine, container, status, now)
 
     def _caused(self, engine: EngineTruth) -> bool:
         since = engine.causes_since - TOLERANCE
-        return any(e["start"] >= since and e["engine"] in (engine.name, "*")
-                   and (e["kind"] in CAUSES or (e["kind"] in ("request", "burst", "race")
-                                                and e.get("stops")))
-                   for e in self.events)
+        return any(
+            e["start"] >= since
+            and e["engine"] in (engine.name, "*")
+            and (
+                e["kind"] in CAUSES
+                or (e["kind"] in ("request", "burst", "race") and e.get("stops"))
+            )
+            for e in self.events
+        )
 
-    def _check_spec(self, engine: EngineTruth, container: Any, status: dict[str, Any],
-                    now: float) -> None:
+    def _check_spec(
+        self, engine: EngineTruth, container: Any, status: dict[str, Any], now: float
+    ) -> None:
         recipe = tomllib.loads(engine.recipe.read_text())
         want = str(recipe.get("settings", {}).get(engine.setting, ""))
         env = container.attrs["Config"]["Env"] or []
         stale = f"{engine.setting}={want}" not in env
-        self._breach(engine, "spec", now, stale and self._since_edit(engine.name, now)
-                     > EDIT_GRACE, f"runs {engine.setting} other than the recipe's {want}")
+        self._breach(
+            engine,
+            "spec",
+            now,
+            stale and self._since_edit(engine.name, now) > EDIT_GRACE,
+            f"runs {engine.setting} other than the recipe's {want}",
+        )
         ok = False
         try:
             with urllib.request.urlopen(status["url"] + engine.ready_path, timeout=2) as r:
                 ok = r.status == 200
         except (OSError, ValueError):
             ok = False
-        self._breach(engine, "ready", now, not ok, f"{status['url']}{engine.ready_path} does not "
-                     "answer 200 while status is running")
+        self._breach(
+            engine,
+            "ready",
+            now,
+            not ok,
+            f"{status['url']}{engine.ready_path} does not answer 200 while status is running",
+        )
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -335,50 +421,90 @@ class Checker:
             status = self._read_json(engine, engine.status, self.status_schema, now)
             desired = self._desired(engine)
             if status is None or desired is None:
-                self._violate({"t": now, "engine": engine.name, "invariant": "final",
-                                        "detail": "no status or no valid desired.json"})
+                self._violate(
+                    {
+                        "t": now,
+                        "engine": engine.name,
+                        "invariant": "final",
+                        "detail": "no status or no valid desired.json",
+                    }
+                )
                 continue
             self._reach(engine, status, now)
             self._check_liveness(engine, now)
             # the request's own state, or a failure (which the liveness rule needs a cause for)
-            answered = (status["generation"] == desired["generation"]
-                        and status["state"] in (desired["desired"], "failed"))
+            answered = status["generation"] == desired["generation"] and status["state"] in (
+                desired["desired"],
+                "failed",
+            )
             if not answered:
-                self._violate({"t": now, "engine": engine.name, "invariant": "final",
-                                        "detail": f"generation {desired['generation']} "
-                                                  f"unanswered: {status['state']} "
-                                                  f"{status['message'][:120]}"})
-            journal = subprocess.run(["journalctl", "-q", "-o", "cat", "-t",
-                                      f"lucia-{engine.name}"], capture_output=True, text=True,
-                                     check=False).stdout
+                self._violate(
+                    {
+                        "t": now,
+                        "engine": engine.name,
+                        "invariant": "final",
+                        "detail": f"generation {desired['generation']} "
+                        f"unanswered: {status['state']} "
+                        f"{status['message'][:120]}",
+                    }
+                )
+            journal = subprocess.run(
+                ["journalctl", "-q", "-o", "cat", "-t", f"lucia-{engine.name}"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout
             for secret in self.secrets:
                 if secret in journal:
-                    self._violate({"t": now, "engine": engine.name,
-                                            "invariant": "secret", "detail": "journal"})
+                    self._violate(
+                        {
+                            "t": now,
+                            "engine": engine.name,
+                            "invariant": "secret",
+                            "detail": "journal",
+                        }
+                    )
         acks = sorted(self.figures.pop("ack"))
         self.figures["ack_p50"] = acks[len(acks) // 2] if acks else None
         self.figures["ack_max"] = acks[-1] if acks else None
         self.figures["acks"] = len(acks)
         requests = [r for engine in self.engines for r in engine.requests.values()]
         self.figures["reached"] = reached_counts(requests)
-        to_running = sorted(r.reached["running"] - r.seen for r in requests
-                            if r.desired == "running" and "running" in r.reached)
+        to_running = sorted(
+            r.reached["running"] - r.seen
+            for r in requests
+            if r.desired == "running" and "running" in r.reached
+        )
         self.figures["to_running_p50"] = to_running[len(to_running) // 2] if to_running else None
         self.figures["to_running_max"] = to_running[-1] if to_running else None
         if self.front_door is not None and self.counters is not None:
             self._judge_front_door(self.front_door, self.counters.stop(), now)
-        self.verdict_path.write_text(json.dumps({"violations": self.violations,
-                                                 "figures": self.figures}, indent=2))
+        self.verdict_path.write_text(
+            json.dumps({"violations": self.violations, "figures": self.figures}, indent=2)
+        )
 
-    def _judge_front_door(self, config: dict[str, Any], lives: frontdoor_check.Lives,
-                          now: float) -> None:
+    def _judge_front_door(
+        self, config: dict[str, Any], lives: frontdoor_check.Lives, now: float
+    ) -> None:
         try:
             violations, figures = frontdoor_check.judge(
-                config, lives, self.events,
-                {e.name: list(e.desired_seen.values()) for e in self.engines})
+                config,
+                lives,
+                self.events,
+                {e.name: list(e.desired_seen.values()) for e in self.engines},
+            )
         except Exception as exc:  # a front door that cannot be judged fails
-            violations, figures = [{"t": now, "engine": "gateway", "invariant": "front-door",
-                                    "detail": f"not judged: {exc!r}"[:300]}], None
+            violations, figures = (
+                [
+                    {
+                        "t": now,
+                        "engine": "gateway",
+                        "invariant": "front-door",
+                        "detail": f"not judged: {exc!r}"[:300],
+                    }
+                ],
+                None,
+            )
         for violation in violations:
             self._violate(violation)
         self.figures["front_door"] = figures

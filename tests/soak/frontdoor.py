@@ -98,7 +98,9 @@ class FrontDoor:
         owner, inference = (self.work / "owner.key", self.work / "inference.key")
         for path in (owner, inference):
             _user_file(path, random.SystemRandom().randbytes(24).hex() + "\n")
-        _user_file(self.settings, f"""\
+        _user_file(
+            self.settings,
+            f"""\
 [listen]
 address = "127.0.0.1"
 port = {self.port}
@@ -107,7 +109,8 @@ owner_file = "{owner}"
 inference_file = "{inference}"
 [record]
 dsn = "{self.dsn}"
-""")
+""",
+        )
         systemctl("set-environment", f"LUCIA_GATEWAY_SETTINGS={self.settings}")
         systemctl("start", UNIT)
         for key in KEYS:
@@ -132,11 +135,21 @@ dsn = "{self.dsn}"
 
     def config(self) -> dict[str, Any]:
         """What the checker needs: the record, the clients' log and each key's body."""
-        keys = {key.name: {"budget": key.budget, "max_tokens": key.max_tokens,
-                           "prompt_estimate": len(self._body(key, False)) // 4 + 16}
-                for key in KEYS}
-        return {"dsn": self.dsn, "calls": str(self.calls_path), "keys": keys,
-                "key_ids": self.key_ids, "model": self.model}
+        keys = {
+            key.name: {
+                "budget": key.budget,
+                "max_tokens": key.max_tokens,
+                "prompt_estimate": len(self._body(key, False)) // 4 + 16,
+            }
+            for key in KEYS
+        }
+        return {
+            "dsn": self.dsn,
+            "calls": str(self.calls_path),
+            "keys": keys,
+            "key_ids": self.key_ids,
+            "model": self.model,
+        }
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -159,8 +172,11 @@ dsn = "{self.dsn}"
     # -- the clients -----------------------------------------------------------------------------
 
     def start_clients(self) -> None:
-        for name, target in (("whole", self._whole), ("leave", self._leave),
-                             ("burst", self._burst)):
+        for name, target in (
+            ("whole", self._whole),
+            ("leave", self._leave),
+            ("burst", self._burst),
+        ):
             thread = threading.Thread(target=target, name=f"client-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -198,10 +214,14 @@ dsn = "{self.dsn}"
         while not self._stop.wait(self._uniform(6.0, 14.0)):
             with self._lock:
                 size = self.rng.randint(10, 30)
-                plan = [(self.rng.choice(KEYS), self.rng.choice((None, None, 1, 2, 3)))
-                        for _ in range(size)]
-            threads = [threading.Thread(target=self._ask, args=(key, "burst", after))
-                       for key, after in plan]
+                plan = [
+                    (self.rng.choice(KEYS), self.rng.choice((None, None, 1, 2, 3)))
+                    for _ in range(size)
+                ]
+            threads = [
+                threading.Thread(target=self._ask, args=(key, "burst", after))
+                for key, after in plan
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -212,18 +232,30 @@ dsn = "{self.dsn}"
             return self.rng.uniform(low, high)
 
     def _body(self, key: Key, stream: bool = True) -> bytes:
-        return json.dumps({"model": self.model, "stream": stream, "max_tokens": key.max_tokens,
-                           "messages": [{"role": "user", "content": key.message}]}).encode()
+        return json.dumps(
+            {
+                "model": self.model,
+                "stream": stream,
+                "max_tokens": key.max_tokens,
+                "messages": [{"role": "user", "content": key.message}],
+            }
+        ).encode()
 
     def _ask(self, key: Key, kind: str, after: int | None) -> None:
         """One streamed chat completion; `after`: leave after that many events."""
         body = self._body(key)
         call = Call(key.name, kind, time.time(), body_bytes=len(body), max_tokens=key.max_tokens)
         try:
-            with requests.post(self.url + "/v1/chat/completions", data=body, stream=True,
-                               timeout=(5, 60), headers={
-                                   "Authorization": f"Bearer {self.secrets[key.name]}",
-                                   "Content-Type": "application/json"}) as answer:
+            with requests.post(
+                self.url + "/v1/chat/completions",
+                data=body,
+                stream=True,
+                timeout=(5, 60),
+                headers={
+                    "Authorization": f"Bearer {self.secrets[key.name]}",
+                    "Content-Type": "application/json",
+                },
+            ) as answer:
                 call.status = answer.status_code
                 if answer.status_code != 200:
                     with contextlib.suppress(ValueError, requests.RequestException):
@@ -259,5 +291,11 @@ dsn = "{self.dsn}"
 
 def _user_file(path: Path, text: str) -> None:
     """A file of the test user's, mode 0600, written as that user."""
-    as_user("sh", "-c", 'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"', "write", str(path),
-            input=text)
+    as_user(
+        "sh",
+        "-c",
+        'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+        "write",
+        str(path),
+        input=text,
+    )

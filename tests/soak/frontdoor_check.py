@@ -115,8 +115,9 @@ def maybe(call: Mapping[str, Any], lost: Sequence[tuple[float, float]]) -> bool:
     return any(start <= end and call["start"] <= stop for start, stop in lost)
 
 
-def one_row(calls: Iterable[Mapping[str, Any]], rows: Iterable[Row],
-            lost: Sequence[tuple[float, float]]) -> list[str]:
+def one_row(
+    calls: Iterable[Mapping[str, Any]], rows: Iterable[Row], lost: Sequence[tuple[float, float]]
+) -> list[str]:
     """Per key: sure <= rows <= sure + maybe."""
     sure: dict[str, int] = {}
     unsure: dict[str, int] = {}
@@ -133,33 +134,45 @@ def one_row(calls: Iterable[Mapping[str, Any]], rows: Iterable[Row],
         low, have = sure.get(key, 0), counted.get(key, 0)
         high = low + unsure.get(key, 0)
         if not low <= have <= high:
-            problems.append(f"key {key}: {have} rows for {low} requests routed (and {high - low} "
-                            "a fault may have lost)")
+            problems.append(
+                f"key {key}: {have} rows for {low} requests routed (and {high - low} "
+                "a fault may have lost)"
+            )
     return problems
 
 
-def all_charged(generated: int, rows: Iterable[Row], engine: str,
-                calls: Iterable[Mapping[str, Any]],
-                lost: Sequence[tuple[float, float]]) -> tuple[str | None, dict[str, int]]:
+def all_charged(
+    generated: int,
+    rows: Iterable[Row],
+    engine: str,
+    calls: Iterable[Mapping[str, Any]],
+    lost: Sequence[tuple[float, float]],
+) -> tuple[str | None, dict[str, int]]:
     """The engine's generated tokens <= the completion tokens charged + what lost rows may have
     held; and the figures."""
     charged = sum(row.completion for row in rows if row.engine == engine)
-    allowance = sum(call["max_tokens"] for call in calls
-                    if call["status"] in (200, None) and maybe(call, lost))
+    allowance = sum(
+        call["max_tokens"] for call in calls if call["status"] in (200, None) and maybe(call, lost)
+    )
     figures = {"generated": generated, "charged": charged, "allowance": allowance}
     if generated > charged + allowance:
-        return (f"{engine} generated {generated} tokens, {charged} charged, and rows a fault "
-                f"may have lost account for {allowance} more", figures)
+        return (
+            f"{engine} generated {generated} tokens, {charged} charged, and rows a fault "
+            f"may have lost account for {allowance} more",
+            figures,
+        )
     return None, figures
 
 
 def excess(row: Row, key: Mapping[str, Any]) -> int:
-    return (max(0, row.prompt - key["prompt_estimate"])
-            + max(0, row.completion - key["max_tokens"]))
+    return max(0, row.prompt - key["prompt_estimate"]) + max(0, row.completion - key["max_tokens"])
 
 
-def within_budget(rows: Sequence[Row], keys: Mapping[str, Mapping[str, Any]],
-                  unknown: Sequence[tuple[float, float]]) -> list[str]:
+def within_budget(
+    rows: Sequence[Row],
+    keys: Mapping[str, Mapping[str, Any]],
+    unknown: Sequence[tuple[float, float]],
+) -> list[str]:
     """Per key and UTC day: total <= budget + the excess of the rows in flight at the last
     admission + every row admitted while no budget was known."""
     problems = []
@@ -178,15 +191,19 @@ def within_budget(rows: Sequence[Row], keys: Mapping[str, Mapping[str, Any]],
         last = max(r.at for r in admitted)
         # ended before the last admission: in its total (less CLOCKS_S, for a row's arrival on
         # the wall clock and its duration on the event loop's)
-        in_flight = sum(excess(r, key) for r in admitted
-                        if r.at + r.duration >= last - CLOCKS_S)
-        blind = sum(r.prompt + r.completion for r in found
-                    if any(start <= r.at <= stop for start, stop in unknown))
+        in_flight = sum(excess(r, key) for r in admitted if r.at + r.duration >= last - CLOCKS_S)
+        blind = sum(
+            r.prompt + r.completion
+            for r in found
+            if any(start <= r.at <= stop for start, stop in unknown)
+        )
         bound = key["budget"] + in_flight + blind
         if total > bound:
-            problems.append(f"key {name} spent {total} tokens on {day}: past its budget "
-                            f"{key['budget']} + {in_flight} its last requests in flight cost "
-                            f"past their bounds + {blind} admitted with no budget known")
+            problems.append(
+                f"key {name} spent {total} tokens on {day}: past its budget "
+                f"{key['budget']} + {in_flight} its last requests in flight cost "
+                f"past their bounds + {blind} admitted with no budget known"
+            )
     return problems
 
 
@@ -195,8 +212,9 @@ def started_by_traffic(seen: Iterable[Mapping[str, Any]]) -> list[str]:
     problems = []
     stopped_at: int | None = None  # the operator's stop in force, as far as is known
     previous: int | None = None
-    for doc in sorted({d["generation"]: d for d in seen}.values(),
-                      key=lambda d: int(d["generation"])):
+    for doc in sorted(
+        {d["generation"]: d for d in seen}.values(), key=lambda d: int(d["generation"])
+    ):
         generation, by = int(doc["generation"]), doc.get("requestedBy", "operator")
         if previous is not None and generation != previous + 1 and by != "operator":
             stopped_at = None  # a generation between was missed: who wrote it is unknown
@@ -204,8 +222,10 @@ def started_by_traffic(seen: Iterable[Mapping[str, Any]]) -> list[str]:
         if by == "operator":
             stopped_at = generation if doc["desired"] == "stopped" else None
         elif doc["desired"] == "running" and stopped_at is not None:
-            problems.append(f"generation {generation} (running) written by the gateway after "
-                            f"the operator's stop in generation {stopped_at}")
+            problems.append(
+                f"generation {generation} (running) written by the gateway after "
+                f"the operator's stop in generation {stopped_at}"
+            )
             stopped_at = None
     return problems
 
@@ -218,10 +238,21 @@ def read_rows(dsn: str, names: Mapping[str, str]) -> list[Row]:
         found = conn.execute(
             "SELECT at_us, key_id, engine, outcome, COALESCE(usage_source, ''), "
             "COALESCE(prompt_tokens, 0), COALESCE(completion_tokens, 0), duration_s "
-            "FROM generations").fetchall()
-    return [Row(at / 1e6, names.get(key, key), engine, outcome, source, int(prompt),
-                int(completion), float(duration))
-            for at, key, engine, outcome, source, prompt, completion, duration in found]
+            "FROM generations"
+        ).fetchall()
+    return [
+        Row(
+            at / 1e6,
+            names.get(key, key),
+            engine,
+            outcome,
+            source,
+            int(prompt),
+            int(completion),
+            float(duration),
+        )
+        for at, key, engine, outcome, source, prompt, completion, duration in found
+    ]
 
 
 class Sampler:
@@ -251,31 +282,41 @@ class Sampler:
     def _read(self) -> tuple[float, float] | None:
         try:
             url = json.loads(self.status.read_text())["url"]
-            with urllib.request.urlopen(f"{url}/metrics?model={self.model}&autoload=false",
-                                        timeout=1) as answer:
+            with urllib.request.urlopen(
+                f"{url}/metrics?model={self.model}&autoload=false", timeout=1
+            ) as answer:
                 text = answer.read().decode()
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return (metric(text, "llamacpp:prompt_tokens_total"),
-                metric(text, "llamacpp:tokens_predicted_total"))
+        return (
+            metric(text, "llamacpp:prompt_tokens_total"),
+            metric(text, "llamacpp:tokens_predicted_total"),
+        )
 
 
-def judge(config: Mapping[str, Any], lives: Lives, events: Sequence[Mapping[str, Any]],
-          desired_seen: Mapping[str, Sequence[Mapping[str, Any]]]
-          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def judge(
+    config: Mapping[str, Any],
+    lives: Lives,
+    events: Sequence[Mapping[str, Any]],
+    desired_seen: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every front-door invariant at the end: violations and figures."""
     now = time.time()
     calls = [json.loads(line) for line in Path(config["calls"]).read_text().splitlines()]
     rows = read_rows(config["dsn"], config["key_ids"])
     ours = [r for r in rows if r.key in config["keys"]]
     lost = windows(events)
-    unknown = [(e["start"] - COMMIT_S, e["end"] + WRITER_BACK_S) for e in events
-               if e["kind"] == "record-down"]
+    unknown = [
+        (e["start"] - COMMIT_S, e["end"] + WRITER_BACK_S)
+        for e in events
+        if e["kind"] == "record-down"
+    ]
     violations: list[dict[str, Any]] = []
 
     def add(invariant: str, engine: str, details: Iterable[str]) -> None:
-        violations.extend({"t": now, "engine": engine, "invariant": invariant, "detail": d}
-                          for d in details)
+        violations.extend(
+            {"t": now, "engine": engine, "invariant": invariant, "detail": d} for d in details
+        )
 
     add("one-row", "gateway", one_row(calls, ours, lost))
     charged, figures = all_charged(lives.total_generated, ours, config["engine"], calls, lost)
@@ -283,11 +324,15 @@ def judge(config: Mapping[str, Any], lives: Lives, events: Sequence[Mapping[str,
     add("budget", "gateway", within_budget(ours, config["keys"], unknown))
     for engine, seen in desired_seen.items():
         add("operator-stop", engine, started_by_traffic(seen))
-    figures.update(calls=len(calls), routed=sum(routed(c) for c in calls), rows=len(ours),
-                   maybe=sum(routed(c) and maybe(c, lost) for c in calls),
-                   lives=len(lives.generated), counter_samples=lives.samples,
-                   left=sum(bool(c["left"]) for c in calls),
-                   refused=sum(r.outcome.startswith("refused") for r in ours),
-                   sources={s: sum(r.source == s for r in ours)
-                            for s in sorted({r.source for r in ours})})
+    figures.update(
+        calls=len(calls),
+        routed=sum(routed(c) for c in calls),
+        rows=len(ours),
+        maybe=sum(routed(c) and maybe(c, lost) for c in calls),
+        lives=len(lives.generated),
+        counter_samples=lives.samples,
+        left=sum(bool(c["left"]) for c in calls),
+        refused=sum(r.outcome.startswith("refused") for r in ours),
+        sources={s: sum(r.source == s for r in ours) for s in sorted({r.source for r in ours})},
+    )
     return violations, figures

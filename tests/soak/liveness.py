@@ -21,12 +21,18 @@ TOLERANCE: Final = 3.0  # files and Docker are sampled one by one
 RETURN: Final = 15.0  # systemd's restart and the worker's first status after a fault
 # a fault that may make a request fail: its engine died, or Docker could not be asked, or the
 # data directory could not be written
-FAILS: Final = frozenset({"engine-kill", "engine-oom", "dockerd-restart", "dockerd-stall",
-                          "disk-full"})
+FAILS: Final = frozenset(
+    {"engine-kill", "engine-oom", "dockerd-restart", "dockerd-stall", "disk-full"}
+)
 # a fault that may only make an answer late: the worker was away, re-read its recipe, replaced
 # its engine, or saw no valid request for a while
-DELAYS: Final = FAILS | {"worker-kill", "worker-stop", "worker-reload", "recipe-edit",
-                         "bad-desired"}
+DELAYS: Final = FAILS | {
+    "worker-kill",
+    "worker-stop",
+    "worker-reload",
+    "recipe-edit",
+    "bad-desired",
+}
 STATES: Final = ("starting", "running", "stopping", "stopped", "failed")
 
 
@@ -46,8 +52,9 @@ class Request:
         return self.seen + BOUND
 
 
-def touches(event: Mapping[str, Any], engine: str, start: float, end: float,
-            kinds: frozenset[str]) -> bool:
+def touches(
+    event: Mapping[str, Any], engine: str, start: float, end: float, kinds: frozenset[str]
+) -> bool:
     """Whether a fault of one of `kinds` was under way for `engine` during [start, end]. A
     fault still under way (no end yet) lasts until now, which is past any window asked about."""
     if event["kind"] not in kinds or event["engine"] not in (engine, "*"):
@@ -68,8 +75,10 @@ def late(request: Request, events: Iterable[Mapping[str, Any]], now: float) -> s
     if any(touches(e, request.engine, request.seen, request.deadline, DELAYS) for e in events):
         return None
     states = ", ".join(sorted(request.reached, key=request.reached.__getitem__)) or "nothing"
-    return (f"generation {request.generation} (running) untouched by any fault, not running "
-            f"{BOUND:g} s after it was written (reached: {states})")
+    return (
+        f"generation {request.generation} (running) untouched by any fault, not running "
+        f"{BOUND:g} s after it was written (reached: {states})"
+    )
 
 
 def unexplained_failure(request: Request, events: Iterable[Mapping[str, Any]]) -> str | None:
@@ -80,9 +89,11 @@ def unexplained_failure(request: Request, events: Iterable[Mapping[str, Any]]) -
         return None
     if any(touches(e, request.engine, request.seen, failed, FAILS) for e in events):
         return None
-    return (f"generation {request.generation} ({request.desired}) failed "
-            f"{failed - request.seen:.1f} s after it was written, and no fault in the schedule "
-            "touched it")
+    return (
+        f"generation {request.generation} ({request.desired}) failed "
+        f"{failed - request.seen:.1f} s after it was written, and no fault in the schedule "
+        "touched it"
+    )
 
 
 def reached_counts(requests: Iterable[Request]) -> dict[str, int]:

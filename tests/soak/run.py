@@ -57,8 +57,14 @@ from tests.system.harness import USER, as_user, copy_project, machine_settings, 
 ROOT = Path(__file__).resolve().parents[2]
 SETTLE = 240.0  # after the schedule: every engine answers its last request within this
 # faults that last a while run beside the next ones, so that faults overlap as on a real machine
-LASTING = ("worker-stop", "dockerd-stall", "disk-full", "bad-desired", "record-down",
-           "operator-stop")
+LASTING = (
+    "worker-stop",
+    "dockerd-stall",
+    "disk-full",
+    "bad-desired",
+    "record-down",
+    "operator-stop",
+)
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -77,8 +83,14 @@ class SoakEngine:
 
 
 class Soak:
-    def __init__(self, seed: int, seconds: float, max_stall: float,
-                 broken_engine: bool = False, front_door: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        seconds: float,
+        max_stall: float,
+        broken_engine: bool = False,
+        front_door: bool = False,
+    ) -> None:
         self.seed, self.seconds, self.max_stall = seed, seconds, max_stall
         self.broken_engine = broken_engine
         self.run_id = uuid.uuid4().hex[:6]
@@ -110,13 +122,24 @@ class Soak:
         # as the user: created by root, the share directory would be root's, and install.sh
         # (run as the user) could not set its permissions on a machine that never ran it before
         as_user("mkdir", "-p", str(self.data))
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,uid={self.user.pw_uid},"
-                        f"gid={self.user.pw_gid},mode=0750", "tmpfs", str(self.data)], check=True)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size=64m,uid={self.user.pw_uid},gid={self.user.pw_gid},mode=0750",
+                "tmpfs",
+                str(self.data),
+            ],
+            check=True,
+        )
         self.mounted = True
         recipes = [self._tensorfold_recipe(), self._router_recipe()]
         source = copy_project(self.work / "src")
-        subprocess.run(["chown", "-R", f"{self.user.pw_uid}:{self.user.pw_gid}", str(self.work)],
-                       check=True)
+        subprocess.run(
+            ["chown", "-R", f"{self.user.pw_uid}:{self.user.pw_gid}", str(self.work)], check=True
+        )
         args = [arg for recipe in recipes for arg in ("--recipe", str(recipe))]
         as_user(str(source / "install.sh"), *args, timeout=900)
         for engine in self.engines:
@@ -141,7 +164,10 @@ class Soak:
         user manager) pointed at it."""
         self.router_image = subprocess.run(
             ["bash", str(ROOT / "scripts" / "llama-server-image.sh")],
-            capture_output=True, text=True, check=True).stdout.split()[-1]
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[-1]
         self.dockerd.start()
         with contextlib.closing(docker.from_env(timeout=120)) as machine:
             self.dockerd.load(machine, self.router_image)
@@ -171,11 +197,25 @@ class Soak:
         run: dict[str, Any] = {"stop_grace": 5, "memory": "64m"}
         if self.broken_engine:  # loads for a day, and is given 15 s to become ready
             settings["READY_DELAY"], run["ready_timeout"] = "86400", 15
-        recipe.write_text(demo_recipe(
-            name, repo, commit, tag, self._base_image(), port, self.network,
-            settings=settings, secrets={"SOAK_TOKEN": str(secret)}, run=run))
-        self.engines.append(SoakEngine(name, "tensorfold", self._installed(name),
-                                       f"lucia-{name}", "/v1/models", oom=True))
+        recipe.write_text(
+            demo_recipe(
+                name,
+                repo,
+                commit,
+                tag,
+                self._base_image(),
+                port,
+                self.network,
+                settings=settings,
+                secrets={"SOAK_TOKEN": str(secret)},
+                run=run,
+            )
+        )
+        self.engines.append(
+            SoakEngine(
+                name, "tensorfold", self._installed(name), f"lucia-{name}", "/v1/models", oom=True
+            )
+        )
         return recipe
 
     def _router_recipe(self) -> Path:
@@ -191,7 +231,7 @@ engine = "llama-router"
 model = "gguf-library"
 [library]
 models_dir = "{models}"
-cache_dir = "{self.work / 'cache'}"
+cache_dir = "{self.work / "cache"}"
 poll_seconds = 2
 [router]
 image = "{image}"
@@ -206,8 +246,11 @@ port = {port}
 ready_timeout = 120
 stop_grace = 5
 """)
-        self.engines.append(SoakEngine(name, "llama-router", self._installed(name),
-                                       f"lucia-{name}", "/health", oom=False))
+        self.engines.append(
+            SoakEngine(
+                name, "llama-router", self._installed(name), f"lucia-{name}", "/health", oom=False
+            )
+        )
         return recipe
 
     def _installed(self, name: str) -> Path:
@@ -235,8 +278,11 @@ stop_grace = 5
         except (OSError, json.JSONDecodeError):
             return False
         status = self.status(engine)
-        return (status is not None and status["generation"] == desired["generation"]
-                and status["state"] in ("running", "stopped", "failed"))
+        return (
+            status is not None
+            and status["generation"] == desired["generation"]
+            and status["state"] in ("running", "stopped", "failed")
+        )
 
     def wait_answered(self, engine: SoakEngine, timeout: float) -> float | None:
         started = time.monotonic()
@@ -248,8 +294,19 @@ stop_grace = 5
 
     def _event(self, fault: Fault, start: float, end: float, **extra: Any) -> None:
         with self.events.open("a") as out:
-            out.write(json.dumps({"kind": fault.kind, "engine": fault.engine, "start": start,
-                                  "end": end, **fault.params, **extra}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "kind": fault.kind,
+                        "engine": fault.engine,
+                        "start": start,
+                        "end": end,
+                        **fault.params,
+                        **extra,
+                    }
+                )
+                + "\n"
+            )
 
     def inject(self, fault: Fault) -> None:  # noqa: PLR0912 - one case per kind of fault
         engine = next((e for e in self.engines if e.name == fault.engine), self.engines[0])
@@ -270,8 +327,10 @@ stop_grace = 5
                 self.request(engine, p["second"])
             case "recipe-edit":
                 text = engine.recipe.read_text()
-                lines = [f'SOAK_EDIT = "{p["value"]}"' if line.startswith("SOAK_EDIT")
-                         else line for line in text.splitlines()]
+                lines = [
+                    f'SOAK_EDIT = "{p["value"]}"' if line.startswith("SOAK_EDIT") else line
+                    for line in text.splitlines()
+                ]
                 tmp = engine.recipe.with_suffix(".tmp")
                 tmp.write_text("\n".join(lines) + "\n")
                 os.replace(tmp, engine.recipe)
@@ -296,7 +355,8 @@ stop_grace = 5
             case "engine-oom":
                 with contextlib.suppress(*_DOCKER_ERRORS):
                     self.docker.containers.get(engine.container).exec_run(
-                        ["sh", "-c", "echo 200 > /tmp/hog"])
+                        ["sh", "-c", "echo 200 > /tmp/hog"]
+                    )
             case "disk-full":
                 filler = self.data / ".soak-filler"
                 with contextlib.suppress(OSError), filler.open("wb") as out:
@@ -329,8 +389,9 @@ stop_grace = 5
                 desired.unlink(missing_ok=True)
                 desired.mkdir()
             else:
-                desired.write_bytes(valid[: len(valid) // 2] if how == "truncated" and valid
-                                    else b"\x00garbage{")
+                desired.write_bytes(
+                    valid[: len(valid) // 2] if how == "truncated" and valid else b"\x00garbage{"
+                )
         time.sleep(pause)
         self._restore(desired, valid)
 
@@ -364,12 +425,23 @@ stop_grace = 5
     def run(self) -> int:
         names = tuple(e.name for e in self.engines)
         oom = {e.name for e in self.engines if e.oom}
-        schedule = [f if f.kind != "engine-oom" or f.engine in oom
-                    else Fault(f.at, "engine-kill", f.engine, f.params)
-                    for f in draw(self.seed, self.seconds, names, max_stall=self.max_stall,
-                                  traffic=self.router.name if self.front else None)]
-        print(f"soak {self.run_id}: seed {self.seed}, {self.seconds:g} s, "
-              f"{len(schedule)} faults on {', '.join(names)}", flush=True)
+        schedule = [
+            f
+            if f.kind != "engine-oom" or f.engine in oom
+            else Fault(f.at, "engine-kill", f.engine, f.params)
+            for f in draw(
+                self.seed,
+                self.seconds,
+                names,
+                max_stall=self.max_stall,
+                traffic=self.router.name if self.front else None,
+            )
+        ]
+        print(
+            f"soak {self.run_id}: seed {self.seed}, {self.seconds:g} s, "
+            f"{len(schedule)} faults on {', '.join(names)}",
+            flush=True,
+        )
         checker = self._start_checker()
         if self.front is not None:
             self.front.start_clients()
@@ -381,8 +453,9 @@ stop_grace = 5
             time.sleep(max(fault.at - (time.monotonic() - started), 0.0))
             print(f"  {fault.describe()}", flush=True)
             self.started[fault.at] = time.time()
-            if fault.kind in LASTING and not any(t.name == fault.kind and t.is_alive()
-                                                 for t in lasting):
+            if fault.kind in LASTING and not any(
+                t.name == fault.kind and t.is_alive() for t in lasting
+            ):
                 thread = threading.Thread(target=self.inject, args=(fault,), name=fault.kind)
                 thread.start()
                 lasting.append(thread)
@@ -408,61 +481,87 @@ stop_grace = 5
 
     def _start_checker(self) -> subprocess.Popen[bytes]:
         config = {
-            "engines": [{"name": e.name, "status": str(self.data / e.name / "status.json"),
-                         "desired": str(self.data / e.name / "desired.json"),
-                         "file_sd": str(self.data / "telemetry" / f"{e.name}.json"),
-                         "recipe": str(e.recipe), "container": e.container,
-                         "setting": "SOAK_EDIT", "ready_path": e.ready_path}
-                        for e in self.engines],
-            "events": str(self.events), "stop": str(self.work / "stop"),
-            "verdict": str(self.work / "verdict.json"), "secrets": [self.token],
+            "engines": [
+                {
+                    "name": e.name,
+                    "status": str(self.data / e.name / "status.json"),
+                    "desired": str(self.data / e.name / "desired.json"),
+                    "file_sd": str(self.data / "telemetry" / f"{e.name}.json"),
+                    "recipe": str(e.recipe),
+                    "container": e.container,
+                    "setting": "SOAK_EDIT",
+                    "ready_path": e.ready_path,
+                }
+                for e in self.engines
+            ],
+            "events": str(self.events),
+            "stop": str(self.work / "stop"),
+            "verdict": str(self.work / "verdict.json"),
+            "secrets": [self.token],
         }
         if self.front is not None:
-            config["front_door"] = {**self.front.config(), "engine": self.router.name,
-                                    "status": str(self.data / self.router.name / "status.json")}
+            config["front_door"] = {
+                **self.front.config(),
+                "engine": self.router.name,
+                "status": str(self.data / self.router.name / "status.json"),
+            }
         path = self.work / "checker.json"
         path.write_text(json.dumps(config))
-        return subprocess.Popen([sys.executable, "-m", "tests.soak.checker", str(path)],
-                                cwd=ROOT)
+        return subprocess.Popen([sys.executable, "-m", "tests.soak.checker", str(path)], cwd=ROOT)
 
-    def _report(self, verdict: dict[str, Any], done: list[Fault], recoveries: list[float],
-                settled: bool) -> int:
+    def _report(
+        self, verdict: dict[str, Any], done: list[Fault], recoveries: list[float], settled: bool
+    ) -> int:
         figures = verdict["figures"]
         counts = Counter(f.kind for f in done)
         print("faults injected: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
-        print(f"worst heartbeat age {figures['worst_heartbeat_age']:.2f} s; acknowledgement "
-              f"p50 {_ms(figures['ack_p50'])}, max {_ms(figures['ack_max'])} over "
-              f"{figures['acks']}; recovery to the last answer "
-              f"max {max(recoveries, default=0):.1f} s; {figures['samples']} samples")
+        print(
+            f"worst heartbeat age {figures['worst_heartbeat_age']:.2f} s; acknowledgement "
+            f"p50 {_ms(figures['ack_p50'])}, max {_ms(figures['ack_max'])} over "
+            f"{figures['acks']}; recovery to the last answer "
+            f"max {max(recoveries, default=0):.1f} s; {figures['samples']} samples"
+        )
         reached = dict(figures["reached"])
-        print(f"requests seen {reached.pop('requests')}; reached "
-              + ", ".join(f"{state} {n}" for state, n in reached.items())
-              + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
-              f"max {_ms(figures['to_running_max'])}")
+        print(
+            f"requests seen {reached.pop('requests')}; reached "
+            + ", ".join(f"{state} {n}" for state, n in reached.items())
+            + f"; written to running p50 {_ms(figures['to_running_p50'])}, "
+            f"max {_ms(figures['to_running_max'])}"
+        )
         front = figures.get("front_door")
         if front:
-            print(f"front door: {front['calls']} requests, {front['routed']} routed, "
-                  f"{front['rows']} rows ({front['maybe']} a fault may have lost; "
-                  f"{front['refused']} refusals; {front['left']} left early; sources "
-                  f"{front['sources']}); completion tokens charged {front['charged']}, "
-                  f"generated {front['generated']} (allowance {front['allowance']}) over "
-                  f"{front['lives']} engine lives, {front['counter_samples']} samples")
+            print(
+                f"front door: {front['calls']} requests, {front['routed']} routed, "
+                f"{front['rows']} rows ({front['maybe']} a fault may have lost; "
+                f"{front['refused']} refusals; {front['left']} left early; sources "
+                f"{front['sources']}); completion tokens charged {front['charged']}, "
+                f"generated {front['generated']} (allowance {front['allowance']}) over "
+                f"{front['lives']} engine lives, {front['counter_samples']} samples"
+            )
         violations = verdict["violations"]
         if not settled:
-            violations.append({"invariant": "settle", "detail": "not every engine answered "
-                               f"its last request within {SETTLE:g} s"})
+            violations.append(
+                {
+                    "invariant": "settle",
+                    "detail": f"not every engine answered its last request within {SETTLE:g} s",
+                }
+            )
         print(f"{len(violations)} invariant violations")
         if not violations:
             return 0
         first = min((v.get("t", float("inf")) for v in violations), default=float("inf"))
         for violation in violations[:20]:
-            print(f"  VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
-                  f"{violation['detail']}")
-        print(f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
-              f"--seed {self.seed} --max-stall {self.max_stall:g}"
-              f"{' --broken-engine' if self.broken_engine else ''}"
-              f"{' --front-door' if self.front else ''}; "
-              "the schedule up to the first violation:")
+            print(
+                f"  VIOLATION {violation['invariant']}: {violation.get('engine', '')} "
+                f"{violation['detail']}"
+            )
+        print(
+            f"replay with: .venv/bin/python -m tests.soak.run --seconds {self.seconds:g} "
+            f"--seed {self.seed} --max-stall {self.max_stall:g}"
+            f"{' --broken-engine' if self.broken_engine else ''}"
+            f"{' --front-door' if self.front else ''}; "
+            "the schedule up to the first violation:"
+        )
         for fault in done:
             if self.started[fault.at] <= first:
                 print(f"  {fault.describe()}")
@@ -516,18 +615,31 @@ def _ms(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.soak.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.soak.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--seconds", type=float, default=180.0)
     parser.add_argument("--seed", type=int, help="default: a random seed, printed")
-    parser.add_argument("--max-stall", type=float, default=90.0,
-                        help="longest dockerd SIGSTOP, seconds (default 90)")
-    parser.add_argument("--broken-engine", action="store_true",
-                        help="a tensorfold recipe whose engine never becomes ready: the "
-                             "liveness invariants must fail")
-    parser.add_argument("--front-door", action="store_true",
-                        help="the real gateway, its record in PostgreSQL, and clients with "
-                             "budgeted keys streaming through it; their faults and invariants")
+    parser.add_argument(
+        "--max-stall",
+        type=float,
+        default=90.0,
+        help="longest dockerd SIGSTOP, seconds (default 90)",
+    )
+    parser.add_argument(
+        "--broken-engine",
+        action="store_true",
+        help="a tensorfold recipe whose engine never becomes ready: the "
+        "liveness invariants must fail",
+    )
+    parser.add_argument(
+        "--front-door",
+        action="store_true",
+        help="the real gateway, its record in PostgreSQL, and clients with "
+        "budgeted keys streaming through it; their faults and invariants",
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     soak = Soak(seed, args.seconds, args.max_stall, args.broken_engine, args.front_door)

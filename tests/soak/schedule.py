@@ -54,9 +54,15 @@ class Fault:
         return asdict(self)
 
 
-def draw(seed: int, seconds: float, engines: tuple[str, ...], *,
-         gap: tuple[float, float] = (3.0, 9.0), max_stall: float = 90.0,
-         traffic: str | None = None) -> list[Fault]:
+def draw(
+    seed: int,
+    seconds: float,
+    engines: tuple[str, ...],
+    *,
+    gap: tuple[float, float] = (3.0, 9.0),
+    max_stall: float = 90.0,
+    traffic: str | None = None,
+) -> list[Fault]:
     """Faults at random gaps until `seconds`, leaving the last fifth for the system to settle
     (every generation must be answered by the end). `traffic`: the engine the front door's
     clients use; given, the front door's faults are drawn too (a seed without it draws the
@@ -74,14 +80,22 @@ def draw(seed: int, seconds: float, engines: tuple[str, ...], *,
         at += rng.uniform(*gap)
     if traffic is not None:
         extra = random.Random(seed + 1)
-        faults += [_fault(extra, extra.uniform(0.1, 0.8) * seconds, kind, engines, traffic,
-                          max_stall) for kind in FRONT_DOOR]
+        faults += [
+            _fault(extra, extra.uniform(0.1, 0.8) * seconds, kind, engines, traffic, max_stall)
+            for kind in FRONT_DOOR
+        ]
         faults.sort(key=lambda f: f.at)
     return faults
 
 
-def _fault(rng: random.Random, at: float, kind: str, engines: tuple[str, ...],
-           traffic: str | None, max_stall: float) -> Fault:
+def _fault(
+    rng: random.Random,
+    at: float,
+    kind: str,
+    engines: tuple[str, ...],
+    traffic: str | None,
+    max_stall: float,
+) -> Fault:
     engine = rng.choice(engines)
     if kind in MACHINE_WIDE or kind in ("gateway-kill", "record-down"):
         engine = "*"
@@ -97,8 +111,10 @@ def _params(rng: random.Random, kind: str, max_stall: float) -> dict[str, Any]:
         case "burst":
             return {"count": rng.randint(3, 6), "desired": rng.choice(("running", "stopped"))}
         case "race":
-            return {"first": rng.choice(("running", "stopped")),
-                    "second": rng.choice(("running", "stopped"))}
+            return {
+                "first": rng.choice(("running", "stopped")),
+                "second": rng.choice(("running", "stopped")),
+            }
         case "recipe-edit":
             return {"value": str(rng.randint(1000, 999_999))}
         case "worker-stop":

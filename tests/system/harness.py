@@ -41,16 +41,24 @@ if USER == OPERATOR_USER:
     raise RuntimeError(f"LUCIA_TEST_USER={USER}: the tests never run as the operator's user")
 
 
-def as_user(*args: str, check: bool = True, timeout: float = 300,
-            input: str | None = None) -> subprocess.CompletedProcess[str]:
+def as_user(
+    *args: str, check: bool = True, timeout: float = 300, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """args run as the test user (scripts/as-lucia with LUCIA_USER set to it)."""
-    result = subprocess.run([str(AS_USER), *args], capture_output=True, text=True,
-                            timeout=timeout, check=False, input=input,
-                            env={**os.environ, "LUCIA_USER": USER},
-                            stdin=None if input is not None else subprocess.DEVNULL)
+    result = subprocess.run(
+        [str(AS_USER), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        input=input,
+        env={**os.environ, "LUCIA_USER": USER},
+        stdin=None if input is not None else subprocess.DEVNULL,
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
-                             f"{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 
@@ -124,8 +132,12 @@ class Installation:
 
 def copy_project(source: Path) -> Path:
     """The project as a user would have it: a copy of the tracked (and new) files."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
     for rel in filter(None, files):
         path = Path(rel.decode())
         if (ROOT / path).is_file():
@@ -152,8 +164,7 @@ def prometheus_targets(base: str, name: str) -> list[dict[str, Any]]:
 
 def prometheus_query(base: str, expr: str) -> dict[str, str]:
     """model -> value of an instant query."""
-    data = prometheus_api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {
-        "result": []}
+    data = prometheus_api(base, "/api/v1/query?query=" + urllib.parse.quote(expr)) or {"result": []}
     return {r["metric"].get("model", ""): r["value"][1] for r in data["result"]}
 
 
@@ -170,11 +181,19 @@ def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
         f"      - files: ['{telemetry}/*.json']\n"
-        "        refresh_interval: 1s\n")
+        "        refresh_interval: 1s\n"
+    )
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: prometheus_api(url, "/-/ready", raw=True), 60, "prometheus to be ready")
@@ -193,16 +212,29 @@ def machine_settings(home: Path) -> Iterator[Path]:
     default reserves (18 GiB), which leave this machine less than an engine beside a demo."""
     path = home / ".config/lucia/machine.toml"
     before = path.read_text() if path.exists() else None
-    as_user("sh", "-c", 'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && '
-            'mv "$1.tmp" "$1"', "machine-settings", str(path), input=DEFAULT_MACHINE)
+    as_user(
+        "sh",
+        "-c",
+        'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+        "machine-settings",
+        str(path),
+        input=DEFAULT_MACHINE,
+    )
     try:
         yield path
     finally:
         if before is None:
             as_user("rm", "-f", str(path), check=False)
         else:
-            as_user("sh", "-c", 'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"',
-                    "machine-settings", str(path), input=before, check=False)
+            as_user(
+                "sh",
+                "-c",
+                'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+                "machine-settings",
+                str(path),
+                input=before,
+                check=False,
+            )
 
 
 @pytest.fixture(scope="session")
@@ -213,8 +245,9 @@ def user_manager() -> pwd.struct_passwd:
         pytest.fail(f"no user {USER}: scripts/machine.sh sets up the systemd user manager")
     state = systemctl("is-system-running", check=False).stdout.strip()
     if state not in ("running", "degraded"):
-        pytest.fail(f"the systemd user manager of {USER} is not running ({state!r}); "
-                    "run scripts/machine.sh")
+        pytest.fail(
+            f"the systemd user manager of {USER} is not running ({state!r}); run scripts/machine.sh"
+        )
     return entry
 
 
@@ -227,8 +260,11 @@ def docker_client() -> Iterator[docker.DockerClient]:
 
 
 @pytest.fixture(scope="session")
-def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerClient,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
+def installation(
+    user_manager: pwd.struct_passwd,
+    docker_client: docker.DockerClient,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Installation]:
     home = Path(user_manager.pw_dir)
     uid, gid = user_manager.pw_uid, user_manager.pw_gid
     work = home / f"lucia-system-test-{RUN_ID}"
@@ -236,8 +272,11 @@ def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerCl
         shutil.rmtree(work)
     source = copy_project(work / "src")
     # the stand-in recipe repository and its base image
-    base = busybox_image(docker_client, tmp_path_factory.mktemp("base") / "context",
-                         f"lucia-systest-busybox-{RUN_ID}:1")
+    base = busybox_image(
+        docker_client,
+        tmp_path_factory.mktemp("base") / "context",
+        f"lucia-systest-busybox-{RUN_ID}:1",
+    )
     repo = work / "recipe-repo"
     commit = recipe_repository(repo)
     name = f"sys{RUN_ID}"
@@ -245,12 +284,16 @@ def installation(user_manager: pwd.struct_passwd, docker_client: docker.DockerCl
     network = f"lucia-systest-{RUN_ID}"
     image_tag = f"lucia-systest-recipe-{RUN_ID}:v1"
     recipe = work / f"{name}.toml"
-    recipe.write_text(demo_recipe(name, repo, commit, image_tag, base, port, network,
-                                  run={"metrics_path": "/metrics"}))
+    recipe.write_text(
+        demo_recipe(
+            name, repo, commit, image_tag, base, port, network, run={"metrics_path": "/metrics"}
+        )
+    )
     subprocess.run(["chown", "-R", f"{uid}:{gid}", str(work)], check=True)
     install = as_user(str(source / "install.sh"), "--recipe", str(recipe), timeout=900)
-    installed = Installation(name, home, uid, recipe, port, network, image_tag, source,
-                             install.stdout + install.stderr)
+    installed = Installation(
+        name, home, uid, recipe, port, network, image_tag, source, install.stdout + install.stderr
+    )
     with machine_settings(home):
         yield installed
         systemctl("stop", installed.unit, check=False)

@@ -43,15 +43,25 @@ def nvme_disk(mount: Path, image: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def engine(installation: Installation, client: docker.DockerClient, vllm_cpu_image: str,
-           tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def engine(
+    installation: Installation,
+    client: docker.DockerClient,
+    vllm_cpu_image: str,
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Served]:
     if os.geteuid() != 0:
         pytest.skip("a loop device for the NVMe tier needs root")
     image = tmp_path_factory.mktemp("nvme-disk") / "nvme.img"
     with installed_engine(
-        installation, client, vllm_cpu_image, tiny_llama_dir, label="kvfault",
-        settings=SETTINGS, prepare=lambda work: nvme_disk(work / "kv-nvme", image),
-    ) as served:  # fmt: skip
+        installation,
+        client,
+        vllm_cpu_image,
+        tiny_llama_dir,
+        label="kvfault",
+        settings=SETTINGS,
+        prepare=lambda work: nvme_disk(work / "kv-nvme", image),
+    ) as served:
         yield served
 
 
@@ -99,16 +109,20 @@ def test_the_engine_serves_on_through_every_fault_of_its_tiers(
     _, external = serving("after a restart with a rebuild deadline of 0")
     after = {t: {p.name for p in engine.blocks(t)} for t in ("nvme", "hdd")}
     assert all(before[t] <= after[t] for t in before), "a valid block was deleted"
-    table.append(f"rebuild deadline 0 | served, {external:.0f} prompt tokens from the tiers, "
-                 f"{sum(len(before[t] - after[t]) for t in before)} blocks deleted")  # fmt: skip
+    table.append(
+        f"rebuild deadline 0 | served, {external:.0f} prompt tokens from the tiers, "
+        f"{sum(len(before[t] - after[t]) for t in before)} blocks deleted"
+    )
 
     # 2. a truncated block: removed, the answer recomputed or read from the HDD, saved again
     victim = engine.blocks("nvme")[0]
     whole = victim.stat().st_size
     os.truncate(victim, whole // 2)
     serving("a truncated block")
-    wait_until(lambda: victim.exists() and victim.stat().st_size == whole,
-               "the truncated block saved again")  # fmt: skip
+    wait_until(
+        lambda: victim.exists() and victim.stat().st_size == whole,
+        "the truncated block saved again",
+    )
     assert container_id() == engine_id
     table.append("a block truncated | served, the block removed and saved again")
 
@@ -120,8 +134,10 @@ def test_the_engine_serves_on_through_every_fault_of_its_tiers(
             handle.write(b"\1" * 2**20)
             handle.flush()
     first, _ = serving("a full disk", OTHER)
-    wait_until(lambda: len({p.name for p in engine.blocks("nvme")} - after["nvme"]) > 0,
-               "a block of the new prompt on the full disk")  # fmt: skip
+    wait_until(
+        lambda: len({p.name for p in engine.blocks("nvme")} - after["nvme"]) > 0,
+        "a block of the new prompt on the full disk",
+    )
     again, _ = serving("a full disk, the prompt again", OTHER)
     assert again == first
     assert container_id() == engine_id

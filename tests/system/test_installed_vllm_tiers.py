@@ -34,8 +34,12 @@ pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")
-def served(installation: Installation, client: docker.DockerClient, vllm_cpu_image: str,
-           tiny_llama_dir: Path) -> Iterator[Served]:
+def served(
+    installation: Installation,
+    client: docker.DockerClient,
+    vllm_cpu_image: str,
+    tiny_llama_dir: Path,
+) -> Iterator[Served]:
     with installed_engine(installation, client, vllm_cpu_image, tiny_llama_dir) as engine:
         yield engine
 
@@ -71,8 +75,11 @@ def test_the_service_users_engine_reuses_its_tiers_after_a_restart_a_lost_copy_a
     print(f"NVMe copy deleted: {total - external:.0f} prompt tokens from the tiers")
     assert total - external == FULL_BLOCKS * BLOCK_TOKENS
     assert again == cold
-    wait_until(lambda: {path.name for path in served.blocks("nvme")} == on_nvme,
-               "the NVMe copy back", lambda: f"({len(served.blocks('nvme'))} blocks)")
+    wait_until(
+        lambda: {path.name for path in served.blocks("nvme")} == on_nvme,
+        "the NVMe copy back",
+        lambda: f"({len(served.blocks('nvme'))} blocks)",
+    )
 
     # a flipped byte in every block of both tiers: a miss, the cold answer from the same
     # engine, and every damaged block saved again (sealed afresh: other bytes)
@@ -90,8 +97,11 @@ def test_the_service_users_engine_reuses_its_tiers_after_a_restart_a_lost_copy_a
     def still_damaged() -> list[Path]:
         return [path for path in flipped if _read(path) in (flipped[path], None)]
 
-    wait_until(lambda: not still_damaged(), "every damaged block saved again",
-               lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)")
+    wait_until(
+        lambda: not still_damaged(),
+        "every damaged block saved again",
+        lambda: f"({len(still_damaged())} of {len(flipped)} still damaged)",
+    )
     served.request("stopped")
     # what the engine wrote is the test user's, owner-only, and the worker removes all of it
     for tier in ("nvme", "hdd"):

@@ -21,9 +21,21 @@ UNIT = "lucia-models.service"
 def _journal(since: float) -> list[str]:
     """The test user's lucia-models lines (an operator's may log beside them)."""
     result = subprocess.run(
-        ["journalctl", "-t", "lucia-models", f"_UID={pwd.getpwnam(USER).pw_uid}", "--no-pager",
-         "-o", "cat", "--since", f"@{int(since) - 1}"],
-        capture_output=True, text=True, check=True)  # fmt: skip
+        [
+            "journalctl",
+            "-t",
+            "lucia-models",
+            f"_UID={pwd.getpwnam(USER).pw_uid}",
+            "--no-pager",
+            "-o",
+            "cat",
+            "--since",
+            f"@{int(since) - 1}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 
@@ -42,14 +54,21 @@ def test_installed_stopped_then_started_it_holds_the_lease(installation: Install
         assert show(UNIT, "ActiveState") == "active"
         pid = int(show(UNIT, "MainPID"))
         assert (library / ".lucia-model-catalog.lease").read_text().strip() == str(pid)
-        wait_for(lambda: any("model library running" in line for line in _journal(started)),
-                 20, "the start line")  # fmt: skip
-        second = as_user("env", f"LUCIA_MODELS_DIR={library}", cli, "models", "serve",
-                         check=False)  # fmt: skip
+        wait_for(
+            lambda: any("model library running" in line for line in _journal(started)),
+            20,
+            "the start line",
+        )
+        second = as_user("env", f"LUCIA_MODELS_DIR={library}", cli, "models", "serve", check=False)
         assert second.returncode == 78
         assert f"is already run by pid {pid}" in second.stderr
         assert as_user(cli, "models", "list").stdout.split() == [
-            "ID", "NAME", "STATE", "PROGRESS", "MESSAGE"]  # fmt: skip
+            "ID",
+            "NAME",
+            "STATE",
+            "PROGRESS",
+            "MESSAGE",
+        ]
     finally:
         systemctl("stop", UNIT, check=False)
         systemctl("reset-failed", UNIT, check=False)

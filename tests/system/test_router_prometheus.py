@@ -37,16 +37,18 @@ def _models(url: str) -> dict[str, str]:
 
 
 def _load(url: str, model: str) -> None:
-    request = urllib.request.Request(url + "/models/load", method="POST",
-                                     data=json.dumps({"model": model}).encode())
+    request = urllib.request.Request(
+        url + "/models/load", method="POST", data=json.dumps({"model": model}).encode()
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.loads(response.read()) == {"success": True}
 
 
 @pytest.fixture
 def router_engine(make_engine) -> Engine:
-    engine: Engine = make_engine(kind="llama-router", load_on_startup=("alpha",), models_max=2,
-                                 defaults={"ctx-size": 256})
+    engine: Engine = make_engine(
+        kind="llama-router", load_on_startup=("alpha",), models_max=2, defaults={"ctx-size": 256}
+    )
     for name in ("alpha", "beta", "zeta"):
         write_llama(add_model(engine.models_dir, "Ready") / f"{name}.gguf")
     return engine
@@ -80,11 +82,18 @@ def test_prometheus_scrapes_every_loaded_model_without_loading_any(
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(target["scrapeUrl"]).query)
         assert query == {"model": [target["labels"]["model"]], "autoload": ["false"]}
         assert target["labels"]["engine"] == "llama-router"
-    assert wait_for(lambda: _query(prometheus, f'up{{name="{engine.name}"}}') == {
-        "alpha": "1", "zeta": "1"} or None, 30, "up == 1 for both")
-    series = wait_for(lambda: _query(
-        prometheus, f'llamacpp:prompt_tokens_total{{name="{engine.name}"}}') or None, 30,
-        "llamacpp: series")
+    assert wait_for(
+        lambda: (
+            _query(prometheus, f'up{{name="{engine.name}"}}') == {"alpha": "1", "zeta": "1"} or None
+        ),
+        30,
+        "up == 1 for both",
+    )
+    series = wait_for(
+        lambda: _query(prometheus, f'llamacpp:prompt_tokens_total{{name="{engine.name}"}}') or None,
+        30,
+        "llamacpp: series",
+    )
     assert set(series) == {"alpha", "zeta"}
     time.sleep(3)  # a few more scrapes of each target
     assert _models(url) == before, "a scrape loaded or unloaded a model"
@@ -94,13 +103,25 @@ def test_prometheus_scrapes_every_loaded_model_without_loading_any(
     wait_for(lambda: _models(url)["beta"] == "loaded", 60, "beta loaded")
     loaded = sorted(name for name, value in _models(url).items() if value == "loaded")
     assert len(loaded) == 2 and "beta" in loaded, loaded
-    wait_for(lambda: sorted(g["labels"]["model"] for g in engine.file_sd()) == loaded, 3,
-             "file_sd follows the eviction by the next poll")
-    wait_for(lambda: sorted(t["labels"]["model"] for t in _targets(prometheus, engine.name))
-             == loaded, 30, "Prometheus drops the evicted model's target")
-    assert wait_for(lambda: all(t["health"] == "up" for t in _targets(prometheus, engine.name))
-                    and _query(prometheus, f'up{{name="{engine.name}"}} == 1'), 30,
-                    "the new target up")
+    wait_for(
+        lambda: sorted(g["labels"]["model"] for g in engine.file_sd()) == loaded,
+        3,
+        "file_sd follows the eviction by the next poll",
+    )
+    wait_for(
+        lambda: sorted(t["labels"]["model"] for t in _targets(prometheus, engine.name)) == loaded,
+        30,
+        "Prometheus drops the evicted model's target",
+    )
+    assert wait_for(
+        lambda: (
+            all(t["health"] == "up" for t in _targets(prometheus, engine.name))
+            and _query(prometheus, f'up{{name="{engine.name}"}} == 1')
+        ),
+        30,
+        "the new target up",
+    )
     time.sleep(3)
     assert sorted(name for name, value in _models(url).items() if value == "loaded") == loaded, (
-        "a scrape of the evicted model's target, before file_sd dropped it, loaded it back")
+        "a scrape of the evicted model's target, before file_sd dropped it, loaded it back"
+    )

@@ -73,15 +73,20 @@ def test_installed_inactive_disabled_and_valid(installation: Installation) -> No
 def test_a_second_install_changes_nothing(installation: Installation) -> None:
     unit_file = installation.home / ".config/systemd/user" / installation.unit
     before = unit_file.stat().st_mtime_ns
-    again = as_user(str(installation.source / "install.sh"), "--recipe",
-                    str(installation.recipe), timeout=300)
+    again = as_user(
+        str(installation.source / "install.sh"), "--recipe", str(installation.recipe), timeout=300
+    )
     assert "nothing to change" in again.stdout, again.stdout + again.stderr
     assert unit_file.stat().st_mtime_ns == before
 
 
 def test_install_refuses_root_with_the_fix(installation: Installation) -> None:
-    result = subprocess.run(["bash", str(installation.source / "install.sh")],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["bash", str(installation.source / "install.sh")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode != 0
     assert "not as root" in result.stderr
 
@@ -111,8 +116,9 @@ def test_request_running_brings_the_engine_up(installation: Installation) -> Non
     assert set(planned["reserves"]) == {"os", "services", "voice", "runtime"}, planned
 
 
-def test_restart_leaves_the_engine_untouched(installation: Installation,
-                                             docker_client: docker.DockerClient) -> None:
+def test_restart_leaves_the_engine_untouched(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
     before = _engine(docker_client, installation)
     generation = installation.status()["generation"]  # type: ignore[index]
     restarted = time.time()
@@ -130,8 +136,9 @@ def _watchdog_dropin(installation: Installation, seconds: int) -> None:
     systemctl("daemon-reload")
 
 
-def test_a_hung_worker_is_restarted_by_the_watchdog(installation: Installation,
-                                                     docker_client: docker.DockerClient) -> None:
+def test_a_hung_worker_is_restarted_by_the_watchdog(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
     _watchdog_dropin(installation, 4)
     try:
         systemctl("restart", installation.unit)
@@ -148,13 +155,15 @@ def test_a_hung_worker_is_restarted_by_the_watchdog(installation: Installation,
         assert after["Id"] == before["Id"]
         assert after["State"]["StartedAt"] == before["State"]["StartedAt"]
     finally:
-        as_user("rm", "-rf", str(installation.home / ".config/systemd/user" /
-                                 f"{installation.unit}.d"))
+        as_user(
+            "rm", "-rf", str(installation.home / ".config/systemd/user" / f"{installation.unit}.d")
+        )
         systemctl("daemon-reload")
 
 
-def test_a_killed_worker_is_restarted(installation: Installation,
-                                      docker_client: docker.DockerClient) -> None:
+def test_a_killed_worker_is_restarted(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
     systemctl("restart", installation.unit)
     before = _engine(docker_client, installation)
     generation = installation.status()["generation"]  # type: ignore[index]
@@ -166,8 +175,10 @@ def test_a_killed_worker_is_restarted(installation: Installation,
     assert int(show(installation.unit, "NRestarts")) == restarts + 1
     wait_for(lambda: _running(installation, generation, killed_at), 20, "adoption")
     after = _engine(docker_client, installation)
-    assert (after["Id"], after["State"]["StartedAt"]) == (before["Id"],
-                                                          before["State"]["StartedAt"])
+    assert (after["Id"], after["State"]["StartedAt"]) == (
+        before["Id"],
+        before["State"]["StartedAt"],
+    )
 
 
 def _journal(installation: Installation, *extra: str) -> list[str]:
@@ -175,7 +186,10 @@ def _journal(installation: Installation, *extra: str) -> list[str]:
     which matches the caller's own uid)."""
     result = subprocess.run(
         ["journalctl", "-t", f"lucia-{installation.name}", "--no-pager", "-o", "cat", *extra],
-        capture_output=True, text=True, check=True)
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 
@@ -186,8 +200,11 @@ def _write_as_user(path: str, text: str) -> None:
 
 def _journal_json(installation: Installation) -> list[dict]:
     result = subprocess.run(
-        ["journalctl", "-t", f"lucia-{installation.name}", "--no-pager", "-o", "json",
-         "-n", "500"], capture_output=True, text=True, check=True)
+        ["journalctl", "-t", f"lucia-{installation.name}", "--no-pager", "-o", "json", "-n", "500"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
 
@@ -202,15 +219,19 @@ def test_the_journal_has_one_line_per_event_with_its_priority(
     wait_for(lambda: (installation.status() or {}).get("refused") is None, 10, "no refusal")
 
     def refused_entries() -> list[dict]:
-        return [e for e in _journal_json(installation)
-                if str(e.get("MESSAGE", "")).startswith("desired.json refused")]
+        return [
+            e
+            for e in _journal_json(installation)
+            if str(e.get("MESSAGE", "")).startswith("desired.json refused")
+        ]
 
     (entry, *_) = wait_for(refused_entries, 10, "the refusal in the journal")
     assert entry["PRIORITY"] == "4"
     assert "paused" in entry["MESSAGE"] or "schemaVersion" in entry["MESSAGE"]
     entries = _journal_json(installation)
-    acknowledged = [e for e in entries if str(e.get("MESSAGE", "")).startswith(
-        "request acknowledged")]
+    acknowledged = [
+        e for e in entries if str(e.get("MESSAGE", "")).startswith("request acknowledged")
+    ]
     assert acknowledged and all(e["PRIORITY"] == "6" for e in acknowledged)
     assert all(not str(e.get("MESSAGE", "")).startswith("<") for e in entries)
 
@@ -229,16 +250,21 @@ def test_prometheus_discovers_scrapes_and_drops_the_engine(
     installation: Installation, prometheus: str, docker_client: docker.DockerClient
 ) -> None:
     installation.request("running", "--wait", "--timeout", "120")  # whatever ran before
-    (target,) = wait_for(lambda: [t for t in _targets(prometheus, installation.name)
-                                  if t["health"] == "up"], 60, "the engine target up")
-    gateway = docker_client.networks.get(installation.network).attrs["IPAM"]["Config"][0][
-        "Gateway"]
+    (target,) = wait_for(
+        lambda: [t for t in _targets(prometheus, installation.name) if t["health"] == "up"],
+        60,
+        "the engine target up",
+    )
+    gateway = docker_client.networks.get(installation.network).attrs["IPAM"]["Config"][0]["Gateway"]
     assert target["discoveredLabels"]["__address__"] == f"{gateway}:{installation.port}"
     assert target["labels"]["engine"] == "tensorfold"
     assert target["scrapeUrl"].endswith("/metrics")
     query = urllib.parse.quote(f'up{{name="{installation.name}"}}')
-    result = wait_for(lambda: (_api(prometheus, f"/api/v1/query?query={query}") or
-                               {"result": []})["result"], 30, "an up sample")  # type: ignore[index]
+    result = wait_for(
+        lambda: (_api(prometheus, f"/api/v1/query?query={query}") or {"result": []})["result"],
+        30,
+        "an up sample",
+    )  # type: ignore[index]
     assert result[0]["value"][1] == "1"
 
     installation.request("stopped", "--wait", "--timeout", "120")

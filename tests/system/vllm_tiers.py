@@ -31,8 +31,14 @@ SERVED = "tiny"
 START_LIMIT = 1800.0  # the tier image build, then the server's load on a loaded machine
 
 
-def recipe_text(name: str, work: Path, base: str, port: int, network: str,
-                settings: Mapping[str, str] | None = None) -> str:
+def recipe_text(
+    name: str,
+    work: Path,
+    base: str,
+    port: int,
+    network: str,
+    settings: Mapping[str, str] | None = None,
+) -> str:
     """The engine's recipe; `settings` are more of its [settings] (the container's environment)."""
     more = "".join(f'{key} = "{value}"\n' for key, value in (settings or {}).items())
     return f"""name = "{name}"
@@ -47,14 +53,14 @@ max_model_len = 2048
 prefix_caching = false
 args = ["--dtype", "bfloat16", "--enforce-eager"]
 [vllm.model.library]
-models_dir = "{work / 'models'}"
+models_dir = "{work / "models"}"
 guid = "tiny-llama"
 [tiers]
-nvme = {{ path = "{work / 'kv-nvme'}", max_bytes = "64m" }}
-hdd = {{ path = "{work / 'kv-hdd'}", max_bytes = "256m" }}
+nvme = {{ path = "{work / "kv-nvme"}", max_bytes = "64m" }}
+hdd = {{ path = "{work / "kv-hdd"}", max_bytes = "256m" }}
 key_secret = "LUCIA_KV_KEY"
 [secrets]
-LUCIA_KV_KEY = "{work / 'kv.key'}"
+LUCIA_KV_KEY = "{work / "kv.key"}"
 [settings]
 HF_HUB_OFFLINE = 1
 {more}[run]
@@ -87,7 +93,9 @@ class Served:
         def settled() -> dict[str, Any] | None:
             status = self.installed.status() or {}
             done = status.get("generation") == generation and status.get("state") in (
-                desired, "failed")
+                desired,
+                "failed",
+            )
             return status if done else None
 
         status: dict[str, Any] = wait_for(settled, START_LIMIT, f"{desired} or failed")
@@ -96,8 +104,11 @@ class Served:
 
     def tier_files(self, tier: str) -> list[Path]:
         """Every file the engine left in a tier (blocks, the owner lock), temp files aside."""
-        return sorted(p for p in (self.work / f"kv-{tier}").rglob("*")
-                      if p.is_file() and not p.name.startswith(".tmp-"))
+        return sorted(
+            p
+            for p in (self.work / f"kv-{tier}").rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-")
+        )
 
     def blocks(self, tier: str) -> list[Path]:
         return [p for p in self.tier_files(tier) if BLOCK_NAME.fullmatch(p.name)]
@@ -105,21 +116,37 @@ class Served:
 
 def complete(url: str, prompt: list[int] = PROMPT) -> tuple[tuple[int, ...], float]:
     """The answer's token ids, and the prompt tokens the server says came from the tiers."""
-    answer = http_json.post(url + "/v1/completions", {
-        "model": SERVED, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True}, timeout=600)
+    answer = http_json.post(
+        url + "/v1/completions",
+        {
+            "model": SERVED,
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=600,
+    )
     assert answer.status == 200, answer.body[-2000:]
     (choice,) = answer.json()["choices"]
     metrics = http_json.get(url + "/metrics", 30).body.decode()
-    external = sum(float(m.group(2)) for m in PROMPT_SOURCE.finditer(metrics)
-                   if m.group(1) == "external_kv_transfer")
+    external = sum(
+        float(m.group(2))
+        for m in PROMPT_SOURCE.finditer(metrics)
+        if m.group(1) == "external_kv_transfer"
+    )
     return tuple(choice["token_ids"]), external
 
 
 @contextlib.contextmanager
 def installed_engine(
-    installation: Installation, client: docker.DockerClient, vllm_cpu_image: str,
-    tiny_llama_dir: Path, label: str = "kv", settings: Mapping[str, str] | None = None,
+    installation: Installation,
+    client: docker.DockerClient,
+    vllm_cpu_image: str,
+    tiny_llama_dir: Path,
+    label: str = "kv",
+    settings: Mapping[str, str] | None = None,
     prepare: Callable[[Path], AbstractContextManager[object]] | None = None,
 ) -> Iterator[Served]:
     """The engine installed as the test user and its unit started. `prepare(work)` is entered
@@ -149,8 +176,12 @@ def installed_engine(
     installed = dataclasses.replace(installation, name=name, recipe=recipe, network=network)
     dropin = installation.home / ".config/systemd/user" / f"{installed.unit}.d"
     as_user("mkdir", "-p", str(dropin))
-    as_user("sh", "-c", f"printf '[Service]\\nEnvironment=LUCIA_MACHINE_FILE=%s\\n' "
-            f"'{work / 'machine.toml'}' > {dropin}/machine.conf")
+    as_user(
+        "sh",
+        "-c",
+        f"printf '[Service]\\nEnvironment=LUCIA_MACHINE_FILE=%s\\n' "
+        f"'{work / 'machine.toml'}' > {dropin}/machine.conf",
+    )
     systemctl("daemon-reload")
     systemctl("start", installed.unit)
     try:
@@ -164,8 +195,14 @@ def installed_engine(
                 client.images.remove(ref, force=True)
         with contextlib.suppress(docker.errors.NotFound):
             client.networks.get(network).remove()
-        as_user("rm", "-rf", str(installation.home / ".config/systemd/user" / installed.unit),
-                str(dropin), str(installation.share / "recipes" / f"{name}.toml"), check=False)
+        as_user(
+            "rm",
+            "-rf",
+            str(installation.home / ".config/systemd/user" / installed.unit),
+            str(dropin),
+            str(installation.share / "recipes" / f"{name}.toml"),
+            check=False,
+        )
         systemctl("daemon-reload", check=False)
         shutil.rmtree(installed.engine_dir, ignore_errors=True)
         stack.close()

@@ -10,9 +10,16 @@ from bench.report import SEPARATE_SCRIPTS, Row, write_results
 def _write(path: Path, p50: float) -> None:
     row = Row("ack", "request -> status", "ms", p50, p50 + 1, 10, "20 ms", "+1 ms")
     write_results(
-        path, rows=[row], machine={"cores": "2"}, command="python -m bench.run", wall=60.0,
-        durations={"ack": 15.0}, run_id="abc12345", load=("0.1", "0.2"), problems=[],
-    )  # fmt: skip
+        path,
+        rows=[row],
+        machine={"cores": "2"},
+        command="python -m bench.run",
+        wall=60.0,
+        durations={"ack": 15.0},
+        run_id="abc12345",
+        load=("0.1", "0.2"),
+        problems=[],
+    )
 
 
 def test_a_rewrite_keeps_the_separate_scripts_results_and_replaces_the_suites(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def repeats(sources: Mapping[str, str]) -> dict[str, list[str]]:
     """Each top-level class name defined in more than one of these modules (path: source),
     with the modules that define it."""

@@ -62,7 +62,11 @@ def write_status(
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(CLI), *args], capture_output=True, text=True, timeout=timeout, check=False,
+        [str(CLI), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
         env={k: v for k, v in os.environ.items() if k != "LUCIA_DATA_DIR"},
     )
 
@@ -128,7 +132,9 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert pending["answer"] == "pending"
     assert (pending["requested"], pending["applied"], pending["desired"]) == (3, 2, "stopped")
     assert (pending["requestedBy"], pending["requestedAt"]) == (
-        "operator", "2026-11-30T17:14:35.239Z")  # fmt: skip
+        "operator",
+        "2026-11-30T17:14:35.239Z",
+    )
     assert rows["stale"]["requestedBy"] == "gateway"
     # an older host's request names no requester: said as such, not guessed
     assert (current["requestedBy"], current["requestedAt"]) == (None, None)
@@ -152,8 +158,7 @@ def test_status_json(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_status_text(engines: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["status", "--data-dir", str(engines)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == [
-        "NAME", "STATE", "REQ", "BY", "APPLIED", "AGE", "URL", "MESSAGE"]  # fmt: skip
+    assert lines[0].split() == ["NAME", "STATE", "REQ", "BY", "APPLIED", "AGE", "URL", "MESSAGE"]
     by_name = {line.split()[0]: line for line in lines[1:]}
     assert sorted(by_name) == ["current", "pending", "refused", "stale", "unknown"]
     assert by_name["current"].split()[1:5] == ["running", "2", "-", "2"]
@@ -265,13 +270,19 @@ def test_status_json_says_which_worker_version_wrote_it(
 
 def test_status_through_the_console_script_and_env(engines: Path) -> None:
     run = subprocess.run(
-        [str(CLI), "status", "--json"], capture_output=True, text=True, timeout=60,
-        check=False, env={**os.environ, "LUCIA_DATA_DIR": str(engines)},
+        [str(CLI), "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "LUCIA_DATA_DIR": str(engines)},
     )
     assert run.returncode == 1, run.stderr  # "refused" failed
     rows = rows_by_name(run.stdout)
     assert [rows[n]["answer"] for n in ("current", "pending", "stale")] == [
-        "current", "pending", "unavailable"
+        "current",
+        "pending",
+        "unavailable",
     ]
 
 
@@ -281,7 +292,9 @@ def test_status_through_the_console_script_and_env(engines: Path) -> None:
 def start_request(data: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [str(CLI), "request", "tf", "running", "--wait", "--data-dir", str(data), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != "LUCIA_DATA_DIR"},
     )
     assert proc.stdout is not None
@@ -351,8 +364,17 @@ def test_request_wait_waits_through_a_failure_the_worker_retries(
 
 def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
-    run = run_cli("request", "tf", "running", "--wait", "--timeout", "1", "--create",
-                  "--data-dir", str(tmp_path))
+    run = run_cli(
+        "request",
+        "tf",
+        "running",
+        "--wait",
+        "--timeout",
+        "1",
+        "--create",
+        "--data-dir",
+        str(tmp_path),
+    )
     elapsed = time.monotonic() - started
     assert run.returncode == 3, run.stderr
     assert run.stdout.strip() == "1"
@@ -367,8 +389,9 @@ def test_request_wait_exits_3_on_timeout(tmp_path: Path) -> None:
 def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -> None:
     write_status(tmp_path, "tf", 1, "running", age=timedelta(seconds=61))
     started = time.monotonic()
-    run = run_cli("request", "tf", "running", "--wait", "--timeout", "15",
-                  "--data-dir", str(tmp_path))
+    run = run_cli(
+        "request", "tf", "running", "--wait", "--timeout", "15", "--data-dir", str(tmp_path)
+    )
     assert run.returncode == 3, run.stderr
     assert run.stdout.strip() == "2"
     assert "worker unavailable" in run.stderr
@@ -378,8 +401,15 @@ def test_request_wait_exits_3_at_once_when_the_worker_is_stale(tmp_path: Path) -
 def test_request_without_wait_returns_at_once(tmp_path: Path) -> None:
     recipes = ensure_dir(tmp_path / "recipes")
     (recipes / "tf.toml").write_text("# only its name counts here\n")
-    run = run_cli("request", "tf", "stopped", "--data-dir", str(tmp_path / "data"),
-                  "--recipes-dir", str(recipes))
+    run = run_cli(
+        "request",
+        "tf",
+        "stopped",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--recipes-dir",
+        str(recipes),
+    )
     assert (run.returncode, run.stdout) == (0, "1\n")
 
 
@@ -391,7 +421,9 @@ def test_a_request_from_the_command_line_is_an_operators(
     assert cli.main(["request", "tf", "stopped", "--create", "--data-dir", str(data)]) == 0
     written = reads.read_desired(data / "tf")
     assert written is not None and (written.desired, written.requested_by) == (
-        "stopped", "operator")  # fmt: skip
+        "stopped",
+        "operator",
+    )
     assert written.requested_at is not None and before <= written.requested_at <= utc_now()
     assert written.operator_stop
     capsys.readouterr()
@@ -415,8 +447,16 @@ def test_a_name_with_no_recipe_unit_or_status_is_refused(tmp_path: Path, home: P
     install_unit(home, "router")
     write_status(data, "old", 1, "stopped")
     for desired in ("running", "stopped"):
-        run = run_cli("request", "sprak", desired, "--wait", "--data-dir", str(data),
-                      "--recipes-dir", str(recipes))
+        run = run_cli(
+            "request",
+            "sprak",
+            desired,
+            "--wait",
+            "--data-dir",
+            str(data),
+            "--recipes-dir",
+            str(recipes),
+        )
         assert run.returncode == 2, run.stderr
         assert run.stdout == ""
         [line] = run.stderr.splitlines()  # one line, with what to do
@@ -442,15 +482,14 @@ def test_a_known_name_or_create_is_requested(known_by: str, tmp_path: Path, home
         write_status(data, "tf", 1, "stopped")
     else:
         extra = ["--create"]
-    run = run_cli("request", "tf", "running", "--data-dir", str(data),
-                  "--recipes-dir", str(recipes), *extra)
+    run = run_cli(
+        "request", "tf", "running", "--data-dir", str(data), "--recipes-dir", str(recipes), *extra
+    )
     assert run.returncode == 0, run.stderr
     assert reads.read_desired(data / "tf") is not None
 
 
-def test_installed_recipes_make_a_name_known_without_any_option(
-    tmp_path: Path, home: Path
-) -> None:
+def test_installed_recipes_make_a_name_known_without_any_option(tmp_path: Path, home: Path) -> None:
     installed = ensure_dir(home / "share" / "lucia" / "recipes")
     (installed / "mine.toml").write_text("# installed by install.sh\n")
     run = run_cli("request", "mine", "running", "--data-dir", str(tmp_path / "data"))
@@ -462,9 +501,15 @@ def test_waiting_for_a_worker_that_never_writes_fails_with_the_hint(
 ) -> None:
     """The worker acknowledges at once; no status at all means no worker (60 s by default)."""
     generation = host.request(tmp_path, "tf", "running")
-    code = waiting.await_state(tmp_path, "tf", generation, "running", 3600.0,
-                               keep_waiting="lucia-supervisor wait tf --state running",
-                               no_status_after=0.0)  # fmt: skip
+    code = waiting.await_state(
+        tmp_path,
+        "tf",
+        generation,
+        "running",
+        3600.0,
+        keep_waiting="lucia-supervisor wait tf --state running",
+        no_status_after=0.0,
+    )
     assert code == 3
     err = capsys.readouterr().err
     assert "tf: no worker has written a status in 0s; start it with: " in err

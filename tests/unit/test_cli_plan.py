@@ -41,8 +41,9 @@ def _setup(tmp_path: Path, limit_mib: float, startup: str = "[]") -> dict[str, s
     # small: 3 layers x 2 heads x (16 + 16) x 2 = 384 B/token, native 2048
     write_model(add_model(models) / "small.gguf", context=2048)
     # wide: 2 layers x 4 heads x (64 + 64) x 2 = 2048 B/token (embedding 256 / 4 heads = 64)
-    write_model(add_model(models) / "wide.gguf", context=4096, blocks=2, heads=4, kv_heads=4,
-                embedding=256)  # fmt: skip
+    write_model(
+        add_model(models) / "wide.gguf", context=4096, blocks=2, heads=4, kv_heads=4, embedding=256
+    )
     # heavy: 1M float32 elements = 4 MiB of weights, 8 MiB with the multiplier
     write_model(add_model(models) / "heavy.gguf", elements=1024 * 1024)
     (recipes / "router.toml").write_text(
@@ -77,8 +78,16 @@ def test_everything_fits(tmp_path: Path) -> None:
     done = _plan(env, "router")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["ENGINE", "MODEL", "ROLE", "WEIGHTS", "KV", "B/TOKEN", "CONTEXT",
-                                "NEED"]  # fmt: skip
+    assert lines[0].split() == [
+        "ENGINE",
+        "MODEL",
+        "ROLE",
+        "WEIGHTS",
+        "KV",
+        "B/TOKEN",
+        "CONTEXT",
+        "NEED",
+    ]
     rows = {line.split()[1]: line.split() for line in lines[1:] if line.startswith("router ")}
     # ENGINE MODEL ROLE <weights> <unit> KV CONTEXT <need> <unit>
     assert rows["small"][5:7] == ["384", "2048"]  # native: plenty of room
@@ -121,8 +130,9 @@ def test_what_others_hold_counts(tmp_path: Path) -> None:
     env = _setup(tmp_path, limit_mib=64, startup='["small"]')
     ledger = Ledger.for_data_dir(tmp_path / "data")
     other = EngineNeed("other", (figures("other", 63 * MIB + MIB // 2, 0, 0, multiplier=1.0),))
-    assert ledger.claim("other", running=(), decide=lambda held: check(other, Budget(
-        64 * MIB, 0, held))).fits  # fmt: skip
+    assert ledger.claim(
+        "other", running=(), decide=lambda held: check(other, Budget(64 * MIB, 0, held))
+    ).fits
     done = _plan(env, "router", "--json")  # this test process lives: its claim holds
     plan = json.loads(done.stdout)
     assert plan["held"] == [{"name": "other", "bytes": 63 * MIB + MIB // 2}]
@@ -199,8 +209,9 @@ def _claims_with_containers(data: Path, needs: dict[str, int]) -> None:
     ledger = Ledger.for_data_dir(data)
     for name, need in needs.items():  # in progress first (this live process holds them) ...
         engine = EngineNeed(name, (figures(name, need, 0, 0, multiplier=1.0),))
-        assert ledger.claim(name, running=(),
-                            decide=lambda held, e=engine: check(e, Budget(64 * MIB, 0, held))).fits
+        assert ledger.claim(
+            name, running=(), decide=lambda held, e=engine: check(e, Budget(64 * MIB, 0, held))
+        ).fits
     for name in needs:  # ... then attached: the pid alone no longer keeps them
         assert ledger.attach(name, f"container-of-{name}")
     assert len(ledger.claims()) == len(needs)
@@ -235,8 +246,13 @@ def test_plan_runs_on_a_host_without_docker(tmp_path: Path) -> None:
         "sys.meta_path.insert(0, NoDocker())\n"
     )
     env["PYTHONPATH"] = f"{blocker}:{env['PYTHONPATH']}"
-    blocked = subprocess.run([sys.executable, "-c", "import docker"], env=env,
-                             capture_output=True, text=True, check=False)
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import docker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert "no Docker on this host" in blocked.stderr  # the blocker works
     done = _plan(env, "router")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -58,8 +58,7 @@ def test_an_engine_handed_on_is_the_next_cases_and_starts_nothing(relay: BookRel
     assert relay.engines.discarded == []
 
 
-def test_an_engine_not_handed_on_is_discarded_and_a_fresh_one_started(
-        relay: BookRelay) -> None:
+def test_an_engine_not_handed_on_is_discarded_and_a_fresh_one_started(relay: BookRelay) -> None:
     first, _ = relay.take(relay.engines, 1)  # its case stopped it, killed it, or failed
     second, _ = relay.take(relay.engines, 1)
     assert second is not first and relay.starts == 2

@@ -32,17 +32,20 @@ ANSWERS = ("targets", "notes", "served", "failed", "version", "slots", "answers"
 
 
 def _router(tmp_path: Path) -> tuple[ContainerEngine[Any, Any], Look[Any]]:
-    recipe = load_text(tmp_path, ROUTER.format(models=tmp_path / "models",
-                                               cache=tmp_path / "cache", settings=""))
+    recipe = load_text(
+        tmp_path, ROUTER.format(models=tmp_path / "models", cache=tmp_path / "cache", settings="")
+    )
     (tmp_path / "state").mkdir()
     engine = LlamaRouter("router", recipe, NoDocker(), tmp_path / "state")
     recorded = json.loads((CAPTURED / "auto-ctx256.json").read_text())["models"]
     broken = router_api.ModelState("broken", "unloaded", failed=True, exit_code=1)
     listing = (*router_api.parse(recorded), broken)
-    synced = Synced("lib", (("tiny", "tiny.gguf", None),), "preset", skipped="bad.gguf",
-                    unfit="heavy")
-    own = RouterLook((), None, None, ("broken", "tiny"), True, synced, listing, "b7000",
-                     {"tiny": 1})
+    synced = Synced(
+        "lib", (("tiny", "tiny.gguf", None),), "preset", skipped="bad.gguf", unfit="heavy"
+    )
+    own = RouterLook(
+        (), None, None, ("broken", "tiny"), True, synced, listing, "b7000", {"tiny": 1}
+    )
     return engine, Look(container(), ENDPOINT, (), None, own)
 
 
@@ -67,8 +70,9 @@ def load_text(tmp_path: Path, text: str) -> Any:
 
 
 @pytest.mark.parametrize("make", [_router, _vllm, _tensorfold])
-def test_the_answers_do_not_depend_on_the_order_they_are_asked_in(tmp_path: Path,
-                                                                  make: Any) -> None:
+def test_the_answers_do_not_depend_on_the_order_they_are_asked_in(
+    tmp_path: Path, make: Any
+) -> None:
     engine, look = make(tmp_path)
     first = {name: getattr(engine, name)(look) for name in ANSWERS}
     assert first["answers"].targets and first["answers"].models, "a look of a serving engine"

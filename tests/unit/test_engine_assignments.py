@@ -19,7 +19,16 @@ ALLOWED = frozenset(
 # of the router's sync step: a copy that falls back to a plain copy once, and its progress
 # messages' throttle
 CACHES = frozenset(
-    {"Headers", "GitCheckout", "Starting", "Versions", "TierWatch", "Current", "_Copier", "_Throttle"}
+    {
+        "Headers",
+        "GitCheckout",
+        "Starting",
+        "Versions",
+        "TierWatch",
+        "Current",
+        "_Copier",
+        "_Throttle",
+    }
 )
 
 
@@ -51,10 +60,15 @@ def assignments(path: Path) -> Iterator[str]:
                 continue
             for node in ast.walk(method):
                 for target in (t for top in _targets(node) for t in _flat(top)):
-                    if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                            and target.value.id == "self"):
-                        yield f"{path.relative_to(ENGINES)}: {cls.name}.{method.name}: " \
-                              f"self.{target.attr}"
+                    if (
+                        isinstance(target, ast.Attribute)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id == "self"
+                    ):
+                        yield (
+                            f"{path.relative_to(ENGINES)}: {cls.name}.{method.name}: "
+                            f"self.{target.attr}"
+                        )
 
 
 def test_only_the_look_and_the_steps_keep_state() -> None:

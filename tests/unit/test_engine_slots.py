@@ -36,8 +36,7 @@ CAPTURED = ROOT / "tests" / "data" / "llama-server"
 
 def container(container_id: str = "c1", status: str = "running", managed: bool = True) -> Container:
     found = {labels.MANAGED: "true"} if managed else {}
-    return Container(container_id, "lucia-x", "sha256:" + "a" * 64, status, 0, False, "", found,
-                     ())
+    return Container(container_id, "lucia-x", "sha256:" + "a" * 64, status, 0, False, "", found, ())
 
 
 def look_at(
@@ -201,8 +200,9 @@ def answers() -> Iterator[tuple[type[RouterAnswers], Endpoint]]:
 
 
 def router(tmp_path: Path, settings: str = "") -> LlamaRouter:
-    recipe = parse(ROUTER.format(models=tmp_path / "models", cache=tmp_path / "cache",
-                                 settings=settings))
+    recipe = parse(
+        ROUTER.format(models=tmp_path / "models", cache=tmp_path / "cache", settings=settings)
+    )
     assert isinstance(recipe, LlamaRouterRecipe)
     (tmp_path / "state").mkdir(exist_ok=True)
     return LlamaRouter("router", recipe, NoDocker(), tmp_path / "state")

@@ -26,7 +26,6 @@ from tests.support import within
 T = TypeVar("T")
 
 
-
 @contextmanager
 def umask(value: int) -> Iterator[None]:
     old = os.umask(value)
@@ -154,10 +153,22 @@ def test_readers_never_see_a_partial_status(tmp_path: Path) -> None:
     base = datetime(2024, 5, 1, tzinfo=UTC)
     variants = [
         Status(generation=0, state="starting", since=base, message="", checked_at=base),
-        Status(generation=0, state="running", since=base, message="serving " * 60,
-               url="http://172.17.0.1:8888", checked_at=base),
-        Status(generation=0, state="failed", since=base, message="exit code 137",
-               refused="desired: input should be 'running' or 'stopped'", checked_at=base),
+        Status(
+            generation=0,
+            state="running",
+            since=base,
+            message="serving " * 60,
+            url="http://172.17.0.1:8888",
+            checked_at=base,
+        ),
+        Status(
+            generation=0,
+            state="failed",
+            since=base,
+            message="exit code 137",
+            refused="desired: input should be 'running' or 'stopped'",
+            checked_at=base,
+        ),
         Status(generation=0, state="stopping", since=base, message="é" * 500, checked_at=base),
     ]
     payloads = [
@@ -350,7 +361,10 @@ def test_lease_release_is_idempotent_and_allows_a_new_holder(tmp_path: Path) -> 
 def _contend(directory: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", CONTENDER, str(directory)],
-        capture_output=True, text=True, timeout=15, check=False,
+        capture_output=True,
+        text=True,
+        timeout=15,
+        check=False,
     )
 
 
@@ -372,7 +386,9 @@ def test_a_second_holder_in_another_process_fails_at_once(tmp_path: Path) -> Non
 def test_a_killed_holder_releases_the_lease(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(tmp_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None

@@ -65,24 +65,41 @@ QUERY_HEADER = "name, compute_cap, memory.total [MiB], memory.free [MiB], driver
 @pytest.mark.parametrize(
     ("row", "expected"),
     [
-        ("NVIDIA H100 80GB HBM3, 9.0, 81559, 81559, 570.148.08",
-         ("NVIDIA H100 80GB HBM3", (9, 0), 81559, 81559, "570.148.08")),
-        ("NVIDIA A100-SXM4-40GB, 8.0, 40960, 40362, 580.126.09",
-         ("NVIDIA A100-SXM4-40GB", (8, 0), 40960, 40362, "580.126.09")),
-        ("NVIDIA L4, 8.9, 23034, 23034, 570.133.20",
-         ("NVIDIA L4", (8, 9), 23034, 23034, "570.133.20")),
-        ("NVIDIA GB10, 12.1, [N/A], [N/A], 580.126.09",
-         ("NVIDIA GB10", (12, 1), None, None, "580.126.09")),
-        ("NVIDIA GB10, 12.1, [Not Supported], [Not Supported], 580.95.05",
-         ("NVIDIA GB10", (12, 1), None, None, "580.95.05")),
-        ("NVIDIA B200, 10.0, 183359 MiB, 183359 MiB, 610.43.02",
-         ("NVIDIA B200", (10, 0), 183359, 183359, "610.43.02")),
+        (
+            "NVIDIA H100 80GB HBM3, 9.0, 81559, 81559, 570.148.08",
+            ("NVIDIA H100 80GB HBM3", (9, 0), 81559, 81559, "570.148.08"),
+        ),
+        (
+            "NVIDIA A100-SXM4-40GB, 8.0, 40960, 40362, 580.126.09",
+            ("NVIDIA A100-SXM4-40GB", (8, 0), 40960, 40362, "580.126.09"),
+        ),
+        (
+            "NVIDIA L4, 8.9, 23034, 23034, 570.133.20",
+            ("NVIDIA L4", (8, 9), 23034, 23034, "570.133.20"),
+        ),
+        (
+            "NVIDIA GB10, 12.1, [N/A], [N/A], 580.126.09",
+            ("NVIDIA GB10", (12, 1), None, None, "580.126.09"),
+        ),
+        (
+            "NVIDIA GB10, 12.1, [Not Supported], [Not Supported], 580.95.05",
+            ("NVIDIA GB10", (12, 1), None, None, "580.95.05"),
+        ),
+        (
+            "NVIDIA B200, 10.0, 183359 MiB, 183359 MiB, 610.43.02",
+            ("NVIDIA B200", (10, 0), 183359, 183359, "610.43.02"),
+        ),
     ],
 )
 def test_query_rows(row: str, expected: tuple[object, ...]) -> None:
     (one,) = gpu.parse_query(QUERY_HEADER + row + "\n")
-    assert (one.name, one.compute_capability, one.memory_total_mib, one.memory_free_mib,
-            one.driver_version) == expected
+    assert (
+        one.name,
+        one.compute_capability,
+        one.memory_total_mib,
+        one.memory_free_mib,
+        one.driver_version,
+    ) == expected
 
 
 BAD_QUERY = [
@@ -96,8 +113,9 @@ BAD_QUERY = [
 ]
 
 
-@pytest.mark.parametrize(("text", "needle"), [b[1:] for b in BAD_QUERY],
-                         ids=[b[0] for b in BAD_QUERY])
+@pytest.mark.parametrize(
+    ("text", "needle"), [b[1:] for b in BAD_QUERY], ids=[b[0] for b in BAD_QUERY]
+)
 def test_unparseable_queries_say_why(text: str, needle: str) -> None:
     with pytest.raises(GpuParseError, match=needle):
         gpu.parse_query(text)
@@ -144,11 +162,21 @@ def test_probe_reads_both_outputs_with_the_timeout() -> None:
         (FileNotFoundError(2, "No such file"), "absent", "no NVIDIA GPU/driver"),
         (subprocess.TimeoutExpired("nvidia-smi", 3), "timeout", "within 3 s"),
         (PermissionError(13, "Permission denied"), "failed", "could not run"),
-        (Completed(9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
-                      "driver. Make sure that the latest NVIDIA driver is installed and running.\n",
-                   ""), "failed", "exited with 9: NVIDIA-SMI has failed"),
-        (Completed(2, "", 'Field "compute_cap" is not a valid field to query.\n'), "failed",
-         "compute_cap"),
+        (
+            Completed(
+                9,
+                "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
+                "driver. Make sure that the latest NVIDIA driver is installed and running.\n",
+                "",
+            ),
+            "failed",
+            "exited with 9: NVIDIA-SMI has failed",
+        ),
+        (
+            Completed(2, "", 'Field "compute_cap" is not a valid field to query.\n'),
+            "failed",
+            "compute_cap",
+        ),
         ("garbage\n", "unparseable", "not understood"),
     ],
 )
@@ -162,16 +190,19 @@ def test_probe_failures_are_results_not_crashes(
     assert "\n" not in result.reason
 
 
-def test_the_real_runner_on_a_host_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path) -> None:
+def test_the_real_runner_on_a_host_without_nvidia_smi(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     result = gpu.probe()
     assert result == GpuUnavailable(
-        "absent", "no NVIDIA GPU/driver: nvidia-smi is not installed on this host")
+        "absent", "no NVIDIA GPU/driver: nvidia-smi is not installed on this host"
+    )
 
 
-def test_the_real_runner_kills_a_hung_nvidia_smi(monkeypatch: pytest.MonkeyPatch,
-                                                 tmp_path: Path) -> None:
+def test_the_real_runner_kills_a_hung_nvidia_smi(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nexec sleep 30\n")
     fake.chmod(0o755)

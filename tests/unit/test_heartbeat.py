@@ -74,7 +74,8 @@ def test_status_json_names_the_worker_version_that_wrote_it(tmp_path: Path) -> N
     beat.tick()
     written = json.loads(path.read_text())
     assert (written["message"], written["workerVersion"]) == (
-        "downloading 10%", metadata.version("lucia-supervisor")
+        "downloading 10%",
+        metadata.version("lucia-supervisor"),
     )
     # readers keep it optional: a file from an older worker still reads, and the schema agrees
     del written["workerVersion"]
@@ -86,10 +87,14 @@ def test_status_json_names_the_worker_version_that_wrote_it(tmp_path: Path) -> N
 
 def _plan(fits: bool, minute: int) -> MemoryPlan:
     return MemoryPlan(
-        need=6 * 2**30, fits=fits, message="" if fits else "does not fit", limit=16 * 2**30,
-        limit_source="host", reserves=Reserves(os=1, services=2, voice=3, runtime=4),
+        need=6 * 2**30,
+        fits=fits,
+        message="" if fits else "does not fit",
+        limit=16 * 2**30,
+        limit_source="host",
+        reserves=Reserves(os=1, services=2, voice=3, runtime=4),
         planned_at=datetime(2026, 12, 2, 10, minute, tzinfo=UTC),
-    )  # fmt: skip
+    )
 
 
 def test_a_new_memory_verdict_is_written_at_once_the_same_one_with_the_heartbeat(

@@ -56,8 +56,13 @@ CLASSIFY = [
     ("fresh-newer", (4, timedelta(seconds=5)), 3, "pending", "the worker answers 4"),
     ("exactly-60s-other", (2, timedelta(seconds=60)), 3, "pending", "waiting"),
     ("stale-61s", (3, timedelta(seconds=61)), 3, "unavailable", "last heartbeat 61s ago"),
-    ("stale-60.001s", (3, timedelta(seconds=60, milliseconds=1)), 3, "unavailable",
-     "worker unavailable"),
+    (
+        "stale-60.001s",
+        (3, timedelta(seconds=60, milliseconds=1)),
+        3,
+        "unavailable",
+        "worker unavailable",
+    ),
     ("stale-beats-pending", (2, timedelta(minutes=10)), 3, "unavailable", "600s ago"),
     ("future-heartbeat", (3, timedelta(seconds=-5)), 3, "current", "running"),
 ]
@@ -195,7 +200,8 @@ def test_a_restored_older_request_never_makes_a_generation_reused(tmp_path: Path
         request(tmp_path, "tf", "running")
     directory = tmp_path / "tf"
     (directory / layout.DESIRED).write_bytes(
-        b'{"schemaVersion": 1, "generation": 38, "desired": "stopped"}')
+        b'{"schemaVersion": 1, "generation": 38, "desired": "stopped"}'
+    )
     write_atomic(directory / layout.STATUS, dump(heartbeat(38, timedelta(0), "stopped")))
     assert request(tmp_path, "tf", "running") == 42
     (directory / ".generation").write_text("not a number\n")  # damaged: the files still count
@@ -213,8 +219,25 @@ def test_request_replaces_a_symlinked_desired(tmp_path: Path) -> None:
 
 
 BAD_NAMES = [
-    "", "TF", "tf/x", "../etc", "..", ".", ".hidden", "-flag", "_x", "a..b", "a b", "tf\n",
-    "é", "a" * 64, "tf\x00", "tf/", "/abs", "telemetry", "memory",
+    "",
+    "TF",
+    "tf/x",
+    "../etc",
+    "..",
+    ".",
+    ".hidden",
+    "-flag",
+    "_x",
+    "a..b",
+    "a b",
+    "tf\n",
+    "é",
+    "a" * 64,
+    "tf\x00",
+    "tf/",
+    "/abs",
+    "telemetry",
+    "memory",
 ]
 GOOD_NAMES = ["a", "0", "tf", "qwen3.8-flash", "llama_router", "a" * 63, "x.y-z_0"]
 
@@ -242,7 +265,10 @@ def test_twenty_concurrent_requesters_get_distinct_generations(tmp_path: Path) -
     procs = [
         subprocess.Popen(
             [str(CLI), "request", "tf", "running", "--create", "--data-dir", str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for _ in range(20)
     ]

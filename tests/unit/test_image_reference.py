@@ -64,8 +64,11 @@ REFUSED = [
 
 @pytest.mark.parametrize(("value", "pull", "build", "repo"), ACCEPTED, ids=[a[0] for a in ACCEPTED])
 def test_accepted_forms(value: str, pull: bool, build: bool, repo: bool) -> None:
-    for check, accepted in ((reference.image_reference, pull), (reference.image_tag, build),
-                            (reference.repository, repo)):
+    for check, accepted in (
+        (reference.image_reference, pull),
+        (reference.image_tag, build),
+        (reference.repository, repo),
+    ):
         if accepted:
             assert check(value) == value
         else:
@@ -96,22 +99,30 @@ port = 8000
 """
 
 
-@pytest.mark.parametrize("repository", [
-    "localhost:5000/vllm/vllm-openai", "127.0.0.1:5000/vllm/vllm-openai",
-    "mirror.example:8443/vllm/vllm-openai", "mirror.local/vllm",
-])
+@pytest.mark.parametrize(
+    "repository",
+    [
+        "localhost:5000/vllm/vllm-openai",
+        "127.0.0.1:5000/vllm/vllm-openai",
+        "mirror.example:8443/vllm/vllm-openai",
+        "mirror.local/vllm",
+    ],
+)
 def test_a_vllm_mirror_may_name_a_registry_with_a_port(repository: str) -> None:
     recipe = parse(VLLM.format(repository=repository))
     assert isinstance(recipe, VllmRecipe)
     assert recipe.preflight_choices().repository == repository
 
 
-@pytest.mark.parametrize(("repository", "why"), [
-    ("localhost:5000/vllm/vllm-openai:v0.32.0", "no tag or digest"),  # the preflight picks it
-    (f"vllm/vllm-openai@{DIGEST}", "no tag or digest"),
-    ("localhost:5000/Vllm", "lower-case"),
-    ("localhost:70000/vllm", "port 70000 is out of range"),
-])
+@pytest.mark.parametrize(
+    ("repository", "why"),
+    [
+        ("localhost:5000/vllm/vllm-openai:v0.32.0", "no tag or digest"),  # the preflight picks it
+        (f"vllm/vllm-openai@{DIGEST}", "no tag or digest"),
+        ("localhost:5000/Vllm", "lower-case"),
+        ("localhost:70000/vllm", "port 70000 is out of range"),
+    ],
+)
 def test_a_vllm_mirror_with_a_tag_or_a_bad_name_is_refused(repository: str, why: str) -> None:
     with pytest.raises(RecipeError) as info:
         parse(VLLM.format(repository=repository), "v.toml")

@@ -22,7 +22,7 @@ def children_graph(graph: grimp.ImportGraph, package: str) -> dict[str, set[str]
     everything under it)."""
 
     def child(module: str) -> str:
-        return f"{package}.{module[len(package) + 1:].split('.', maxsplit=1)[0]}"
+        return f"{package}.{module[len(package) + 1 :].split('.', maxsplit=1)[0]}"
 
     edges: dict[str, set[str]] = defaultdict(set)
     for module in graph.modules:

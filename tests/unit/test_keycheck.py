@@ -78,8 +78,11 @@ def test_a_fixed_key_rule(text: str, rule: str | None) -> None:
 def test_a_missing_or_odd_secret_file_is_unreadable(tmp_path: Path) -> None:
     (tmp_path / "real").write_text(OWNER_KEY)
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    for path, detail in [(tmp_path / "none", "does not exist"), (tmp_path, "a directory"),
-                         (tmp_path / "link", "symlink")]:  # fmt: skip
+    for path, detail in [
+        (tmp_path / "none", "does not exist"),
+        (tmp_path, "a directory"),
+        (tmp_path / "link", "symlink"),
+    ]:
         with pytest.raises(SecretRefused, match=detail) as caught:
             read_secret(path)
         assert caught.value.rule == "readable"
@@ -132,14 +135,18 @@ def issued(n: int, secret: str, **changes: object) -> keys.IssuedKey:
     return keys.IssuedKey(**(fields | changes))  # type: ignore[arg-type]
 
 
-RING = KeyRing.build(OWNER_KEY, INFERENCE_KEY, [
-    issued(1, "lucia_inf_active"),
-    issued(2, "lucia_inf_later", expires=NOW + timedelta(seconds=1)),
-    issued(3, "lucia_inf_now", expires=NOW),
-    issued(4, "lucia_inf_expired", expires=NOW - timedelta(days=1)),
-    issued(5, "lucia_inf_revoked", revoked=NOW - timedelta(hours=1)),
-    issued(6, "lucia_inf_revoked_later", revoked=NOW, expires=NOW + timedelta(days=1)),
-])  # fmt: skip
+RING = KeyRing.build(
+    OWNER_KEY,
+    INFERENCE_KEY,
+    [
+        issued(1, "lucia_inf_active"),
+        issued(2, "lucia_inf_later", expires=NOW + timedelta(seconds=1)),
+        issued(3, "lucia_inf_now", expires=NOW),
+        issued(4, "lucia_inf_expired", expires=NOW - timedelta(days=1)),
+        issued(5, "lucia_inf_revoked", revoked=NOW - timedelta(hours=1)),
+        issued(6, "lucia_inf_revoked_later", revoked=NOW, expires=NOW + timedelta(days=1)),
+    ],
+)
 
 VERIFY = [
     ("owner", OWNER_KEY, OWNER),
@@ -182,8 +189,13 @@ def setup(tmp_path: Path) -> tuple[Verifier, Path, Clock]:
     (tmp_path / "inference").write_text(INFERENCE_KEY + "\n")
     path = paths.keys_file(tmp_path)
     clock = Clock()
-    verifier = Verifier.open(path, tmp_path / "owner", tmp_path / "inference",
-                             clock=clock.time, monotonic=clock.monotonic)  # fmt: skip
+    verifier = Verifier.open(
+        path,
+        tmp_path / "owner",
+        tmp_path / "inference",
+        clock=clock.time,
+        monotonic=clock.monotonic,
+    )
     return verifier, path, clock
 
 
@@ -252,7 +264,8 @@ def test_a_removed_keys_file_is_no_issued_keys(setup: tuple[Verifier, Path, Cloc
 
 
 def test_an_unknown_key_looks_again_at_most_once_per_interval(
-    setup: tuple[Verifier, Path, Clock], monkeypatch: pytest.MonkeyPatch,
+    setup: tuple[Verifier, Path, Clock],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A flood of bad keys costs one stat per UNKNOWN_RECHECK_S, not one per request; a key
     created inside that interval works at the first request after it."""

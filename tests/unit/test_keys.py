@@ -110,8 +110,9 @@ ADD_CLASHES = [
 ]
 
 
-@pytest.mark.parametrize(("new", "problem"), [c[1:] for c in ADD_CLASHES],
-                         ids=[c[0] for c in ADD_CLASHES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("new", "problem"), [c[1:] for c in ADD_CLASHES], ids=[c[0] for c in ADD_CLASHES]
+)
 def test_a_clash_is_refused(new: IssuedKey, problem: str) -> None:
     with pytest.raises(KeyRefused, match=problem):
         keys.add((entry(1),), new)
@@ -218,11 +219,19 @@ INVALID = [
     ("not JSON", "{", "Invalid JSON"),
     ("unknown field", '{"schemaVersion": 1, "keys": [], "x": 1}', "x: Extra inputs"),
     ("other version", '{"schemaVersion": 2, "keys": []}', "schemaVersion"),
-    ("a key in clear", '{"schemaVersion": 1, "keys": [{"id": "key_000000000001", "name": "a", '
-     '"sha256": "lucia_inf_x", "created": "2025-06-01T00:00:00Z"}]}', "keys.0.sha256"),
-    ("naive time", '{"schemaVersion": 1, "keys": [{"id": "key_000000000001", "name": "a", '
-     f'"sha256": "{"0" * 64}", "created": "2025-06-01T00:00:00"}}]}}', "keys.0.created"),
-]  # fmt: skip
+    (
+        "a key in clear",
+        '{"schemaVersion": 1, "keys": [{"id": "key_000000000001", "name": "a", '
+        '"sha256": "lucia_inf_x", "created": "2025-06-01T00:00:00Z"}]}',
+        "keys.0.sha256",
+    ),
+    (
+        "naive time",
+        '{"schemaVersion": 1, "keys": [{"id": "key_000000000001", "name": "a", '
+        f'"sha256": "{"0" * 64}", "created": "2025-06-01T00:00:00"}}]}}',
+        "keys.0.created",
+    ),
+]
 
 
 @pytest.mark.parametrize(("text", "where"), [i[1:] for i in INVALID], ids=[i[0] for i in INVALID])
@@ -277,14 +286,22 @@ COMMAND_CODES = [
     ("a bad name", [], ["keys", "create", "a b"], 1, "is not a key name"),
     ("an unknown key", [], ["keys", "revoke", "b"], 1, "no key has the id"),
     ("a budget of none", [], ["keys", "create", "a", "--budget", "0"], 1, "1 to"),
-    ("a budget of words", [["keys", "create", "a"]], ["keys", "budget", "a", "lots"], 1,
-     "not a whole number"),
+    (
+        "a budget of words",
+        [["keys", "create", "a"]],
+        ["keys", "budget", "a", "lots"],
+        1,
+        "not a whole number",
+    ),
     ("a budget for nobody", [], ["keys", "budget", "b", "5"], 1, "no key has the id"),
 ]
 
 
-@pytest.mark.parametrize(("before", "argv", "code", "message"), [c[1:] for c in COMMAND_CODES],
-                         ids=[c[0] for c in COMMAND_CODES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("before", "argv", "code", "message"),
+    [c[1:] for c in COMMAND_CODES],
+    ids=[c[0] for c in COMMAND_CODES],
+)
 def test_command_refusals(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

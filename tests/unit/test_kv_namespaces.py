@@ -30,6 +30,7 @@ def old(name: str, changed: int, size: int = 10, **held: bool) -> Old:
 
 # -- the decision ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("found", "cap", "reserve", "removed"),
     [
@@ -46,13 +47,18 @@ def old(name: str, changed: int, size: int = 10, **held: bool) -> Old:
         ([old("a", 1, starting=True), old("b", 2), old("c", 3)], 100, 85, ["b", "c"]),
         ([old("a", 1, owned=True), old("b", 2), old("c", 3)], 100, 85, ["b", "c"]),
         # nothing free: nothing goes, however far over the cap
-        ([old("a", 1, named=True), old("b", 2, starting=True), old("c", 3, owned=True)],
-         10, 10, []),
+        (
+            [old("a", 1, named=True), old("b", 2, starting=True), old("c", 3, owned=True)],
+            10,
+            10,
+            [],
+        ),
         ([], 10, 100, []),
     ],
 )
-def test_which_old_namespaces_go(found: list[Old], cap: int, reserve: int,
-                                 removed: list[str]) -> None:
+def test_which_old_namespaces_go(
+    found: list[Old], cap: int, reserve: int, removed: list[str]
+) -> None:
     assert [path.name[0] for path in chosen(found, cap, reserve)] == removed
 
 
@@ -62,6 +68,7 @@ def test_held_is_any_of_the_three() -> None:
 
 
 # -- real directories --------------------------------------------------------------------------
+
 
 def _namespace(root: Path, name: str, size: int, age: int) -> Path:
     """A namespace directory holding one file of size bytes, last changed age seconds ago."""
@@ -171,10 +178,13 @@ def starting_elsewhere(root: Path, space: str) -> Iterator[subprocess.Popen[str]
     """Another process (another engine's worker) starting an engine on space, until its input
     closes."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(root), space], cwd=ROOT,
+        [sys.executable, "-c", _CHILD, str(root), space],
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None
     try:
         assert child.stdout.readline().strip() == f"held {root / space}"

@@ -73,10 +73,15 @@ def test_the_key_id_is_an_hmac_never_the_key() -> None:
     assert KEY not in kv.namespace(BASE)
 
 
-PLAN = TierPlan(shm_bytes=8 * GIB, shm_size=10 * GIB, memory=26 * GIB, disks=(
-    DiskTier("nvme", Path("/srv/nvme/kv"), 16 * GIB),
-    DiskTier("hdd", Path("/srv/hdd/kv"), 256 * GIB),
-))
+PLAN = TierPlan(
+    shm_bytes=8 * GIB,
+    shm_size=10 * GIB,
+    memory=26 * GIB,
+    disks=(
+        DiskTier("nvme", Path("/srv/nvme/kv"), 16 * GIB),
+        DiskTier("hdd", Path("/srv/hdd/kv"), 256 * GIB),
+    ),
+)
 
 
 @pytest.mark.parametrize(
@@ -102,8 +107,10 @@ def test_only_64_hex_digits_are_a_cache_key(key: str, refused: bool) -> None:
 def test_what_the_container_gets_in_the_prepared_configuration() -> None:
     space = kv.namespace(BASE)
     got = kv.container(PLAN, space, BASE.key_id)
-    assert got.volumes == ((f"/srv/nvme/kv/{space}", "/kv/nvme"),
-                           (f"/srv/hdd/kv/{space}", "/kv/hdd"))
+    assert got.volumes == (
+        (f"/srv/nvme/kv/{space}", "/kv/nvme"),
+        (f"/srv/hdd/kv/{space}", "/kv/hdd"),
+    )
     assert got.environment == {
         "LUCIA_KV_NAMESPACE": space,
         "LUCIA_KV_KEY_ID": BASE.key_id,
@@ -236,11 +243,14 @@ def test_the_owner_is_the_workers_user(tmp_path: Path) -> None:
         kv.prepare(root, SPACE, uid=4242)
 
 
-@pytest.mark.parametrize(("root", "space", "needle"), [
-    (Path("relative/nvme"), SPACE, "absolute"),
-    (Path("/tmp/x"), "../../etc", "not a namespace"),
-    (Path("/tmp/x"), SPACE.upper(), "not a namespace"),
-])
+@pytest.mark.parametrize(
+    ("root", "space", "needle"),
+    [
+        (Path("relative/nvme"), SPACE, "absolute"),
+        (Path("/tmp/x"), "../../etc", "not a namespace"),
+        (Path("/tmp/x"), SPACE.upper(), "not a namespace"),
+    ],
+)
 def test_bad_inputs(root: Path, space: str, needle: str) -> None:
     with pytest.raises(TierRefused, match=needle):
         kv.prepare(root, space)
@@ -248,8 +258,10 @@ def test_bad_inputs(root: Path, space: str, needle: str) -> None:
 
 # -- two workers making one root at once ---------------------------------------------------------
 
-def _another_worker_first(monkeypatch: pytest.MonkeyPatch, mode: int = 0o700,
-                          kind: str = "directory") -> list[str]:
+
+def _another_worker_first(
+    monkeypatch: pytest.MonkeyPatch, mode: int = 0o700, kind: str = "directory"
+) -> list[str]:
     """Each missing directory on the way to a root is made by another worker just before this
     one's mkdir (the interleaving two workers started together can run in): this one's mkdir
     then finds it there."""
@@ -275,17 +287,25 @@ def test_a_root_another_worker_makes_at_the_same_time_is_used(
 ) -> None:
     raced = _another_worker_first(monkeypatch)
     directory = kv.prepare(tmp_path / "a" / "b" / "nvme", SPACE)
-    assert raced == [str(tmp_path / "a"), str(tmp_path / "a" / "b"), str(tmp_path / "a" / "b" /
-                                                                           "nvme")]
+    assert raced == [
+        str(tmp_path / "a"),
+        str(tmp_path / "a" / "b"),
+        str(tmp_path / "a" / "b" / "nvme"),
+    ]
     assert directory == tmp_path / "a" / "b" / "nvme" / SPACE and directory.is_dir()
     assert all(mode(Path(path)) == 0o700 for path in raced)
 
 
-@pytest.mark.parametrize(("made", "needle"), [
-    ({"mode": 0o755}, "appeared with owner .* and mode 0755; it must be owned by uid .* with "
-                      "mode 0700"),
-    ({"kind": "file"}, "appeared and is not a directory"),
-])
+@pytest.mark.parametrize(
+    ("made", "needle"),
+    [
+        (
+            {"mode": 0o755},
+            "appeared with owner .* and mode 0755; it must be owned by uid .* with mode 0700",
+        ),
+        ({"kind": "file"}, "appeared and is not a directory"),
+    ],
+)
 def test_a_root_that_appears_open_to_others_or_not_a_directory_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: dict[str, object], needle: str
 ) -> None:
@@ -301,8 +321,11 @@ def test_workers_making_one_root_at_once_all_take_it(tmp_path: Path) -> None:
         start = threading.Barrier(4)
         errors: list[BaseException] = []
 
-        def make(root: Path = root, start: threading.Barrier = start,
-                 errors: list[BaseException] = errors) -> None:
+        def make(
+            root: Path = root,
+            start: threading.Barrier = start,
+            errors: list[BaseException] = errors,
+        ) -> None:
             start.wait()
             try:
                 kv.prepare(root, SPACE)

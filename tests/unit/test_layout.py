@@ -20,7 +20,7 @@ LONG_OPENING = frozenset(
         "supervisor/engines/llama_router/plan.py",
         "supervisor/engines/vllm/engine.py",
         "supervisor/engines/vllm/preflight.py",
-                "supervisor/redaction.py",
+        "supervisor/redaction.py",
         "supervisor/worker/actions.py",
     }
 )

@@ -38,8 +38,14 @@ def rootfs(path: Path, status: str | None) -> Path:
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          check=False, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_the_version_is_read_from_a_status_file_far_larger_than_a_pipe(tmp_path: Path) -> None:
@@ -53,8 +59,12 @@ def test_the_version_is_read_from_a_status_file_far_larger_than_a_pipe(tmp_path:
 
 
 def test_only_the_package_s_own_stanza_counts(tmp_path: Path) -> None:
-    status = (stanza("llama.cpp-tools-extra", "9.9-9") + stanza("libllama0", "8.8-8")
-              + stanza("llama.cpp-tools", VERSION) + stanza("zlib1g", "1:1.3-1"))
+    status = (
+        stanza("llama.cpp-tools-extra", "9.9-9")
+        + stanza("libllama0", "8.8-8")
+        + stanza("llama.cpp-tools", VERSION)
+        + stanza("zlib1g", "1:1.3-1")
+    )
     done = run("--rootfs-version", str(rootfs(tmp_path / "rootfs.tar", status)))
     assert (done.returncode, done.stdout) == (0, f"{VERSION}\n")
 

@@ -42,7 +42,10 @@ def run_logging(tmp_path: Path, mode: str, **env: str) -> list[str]:
     with err.open("wb") as stream:
         run = subprocess.run(
             [sys.executable, "-c", SCRIPT, mode],
-            stdout=subprocess.PIPE, stderr=stream, timeout=60, check=False,
+            stdout=subprocess.PIPE,
+            stderr=stream,
+            timeout=60,
+            check=False,
             env={**{k: v for k, v in os.environ.items() if k != "LUCIA_LOG_LEVEL"}, **env},
         )
     text = err.read_bytes().decode()

@@ -31,9 +31,13 @@ def fits(name: str, gib: int) -> object:
 def write_status(data: Path, name: str, state: State) -> None:
     now = utc_now()
     status = Status(
-        generation=1, state=state, since=now, message=state, checked_at=now,
+        generation=1,
+        state=state,
+        since=now,
+        message=state,
+        checked_at=now,
         url="http://127.0.0.1:1" if state == "running" else None,
-    )  # fmt: skip
+    )
     write_atomic(ensure_dir(engine_dir(data, name)) / STATUS, dump(status))
 
 
@@ -55,8 +59,10 @@ def test_a_claims_file_the_ledger_wrote_is_read_by_the_protocol_readers(tmp_path
     assert [c.container for c in parse_claims(text)] == ["c0ffee", None, "d00d"]
     assert all(c.pid == os.getpid() for c in parse_claims(text))
     assert [(h.name, h.bytes) for h in held_claims(text)] == [
-        ("big", 30 * G), ("small", 5 * G), ("idle", 7 * G),
-    ]  # fmt: skip
+        ("big", 30 * G),
+        ("small", 5 * G),
+        ("idle", 7 * G),
+    ]
 
 
 def test_the_page_and_the_plan_read_the_same_figures_from_the_same_files(tmp_path: Path) -> None:

@@ -24,16 +24,30 @@ CASES: list[tuple[str, dict[str, Any], int, int]] = [
     # explicit lengths win over 512 / 16 = 32: 2 x 4 x (128 + 64) x 2 = 3072
     (
         "gqa-explicit-lengths",
-        {"blocks": 2, "heads": 16, "kv_heads": 4, "embedding": 512,
-         "key_length": 128, "value_length": 64},
+        {
+            "blocks": 2,
+            "heads": 16,
+            "kv_heads": 4,
+            "embedding": 512,
+            "key_length": 128,
+            "value_length": 64,
+        },
         2,
         3072,
     ),
     # qwen3next, 8 blocks, interval 4: layers 3 and 7 hold KV: 2 x 2 x (256 + 256) x 2 = 4096
     (
         "qwen3next-interval-4",
-        {"arch": "qwen3next", "blocks": 8, "heads": 16, "kv_heads": 2, "embedding": 2048,
-         "key_length": 256, "value_length": 256, "interval": 4},
+        {
+            "arch": "qwen3next",
+            "blocks": 8,
+            "heads": 16,
+            "kv_heads": 2,
+            "embedding": 2048,
+            "key_length": 256,
+            "value_length": 256,
+            "interval": 4,
+        },
         2,
         4096,
     ),
@@ -41,8 +55,15 @@ CASES: list[tuple[str, dict[str, Any], int, int]] = [
     # 3 x 4 x (128 + 128) x 2 = 6144
     (
         "qwen35-default-interval",
-        {"arch": "qwen35", "blocks": 12, "heads": 8, "kv_heads": 4, "embedding": 1024,
-         "key_length": 128, "value_length": 128},
+        {
+            "arch": "qwen35",
+            "blocks": 12,
+            "heads": 8,
+            "kv_heads": 4,
+            "embedding": 1024,
+            "key_length": 128,
+            "value_length": 128,
+        },
         3,
         6144,
     ),
@@ -50,8 +71,14 @@ CASES: list[tuple[str, dict[str, Any], int, int]] = [
     # 3 x 1 x (64 + 64) x 2 = 768
     (
         "qwen3next-interval-2",
-        {"arch": "qwen3next", "blocks": 6, "heads": 8, "kv_heads": 1, "embedding": 512,
-         "interval": 2},
+        {
+            "arch": "qwen3next",
+            "blocks": 6,
+            "heads": 8,
+            "kv_heads": 1,
+            "embedding": 512,
+            "interval": 2,
+        },
         3,
         768,
     ),
@@ -75,12 +102,18 @@ CASES: list[tuple[str, dict[str, Any], int, int]] = [
     # 1 x 4 x (32 + 32) x 2 = 512 (256 / 8 = 32)
     (
         "interval-and-zero",
-        {"arch": "qwen3next", "blocks": 4, "heads": 8, "kv_heads": [4, 0, 4, 4],
-         "embedding": 256, "interval": 2},
+        {
+            "arch": "qwen3next",
+            "blocks": 4,
+            "heads": 8,
+            "kv_heads": [4, 0, 4, 4],
+            "embedding": 256,
+            "interval": 2,
+        },
         1,
         512,
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "args", "layers", "per_token"), CASES, ids=[c[0] for c in CASES])

@@ -77,9 +77,14 @@ def _hold(ledger: Ledger, name: str, gib: int) -> None:
     ],
 )
 def test_the_plan_of_a_start(
-    ledger: Ledger, held: dict[str, int], running: tuple[str, ...], free: int, need: int,
-    fits: bool, says: str,
-) -> None:  # fmt: skip
+    ledger: Ledger,
+    held: dict[str, int],
+    running: tuple[str, ...],
+    free: int,
+    need: int,
+    fits: bool,
+    says: str,
+) -> None:
     for name, gib in held.items():
         _hold(ledger, name, gib)
     before = ledger.claims()

@@ -30,10 +30,15 @@ G = GIB
         ("weight_multiplier = 1.5", "unified", "workstation", (4, 3, 8, 3), 1.5),
         ("[reserves]\nos = 6\nvoice = 12", "unified", "workstation", (6, 3, 12, 3), 2.0),
         ('limit = "gpu"\n[reserves]\nvoice = 1', "gpu", "gpu-server", (0, 0, 1, 2), 2.0),
-        ('profile = "production"\n[reserves]\nruntime = 0.5', "unified", "production",
-         (8, 8, 8, 0.5), 2.0),
+        (
+            'profile = "production"\n[reserves]\nruntime = 0.5',
+            "unified",
+            "production",
+            (8, 8, 8, 0.5),
+            2.0,
+        ),
     ],
-)  # fmt: skip
+)
 def test_settings(
     text: str,
     limit: object,

@@ -50,9 +50,13 @@ def test_space(needed: int, free: int, problem: str | None) -> None:
 
 def _model(state: str, name: str = "m") -> mf.ModelManifest:
     return mf.ModelManifest(
-        id=mf.new_guid(), name=name, state=state, since="t", created="t",  # type: ignore[arg-type]
+        id=mf.new_guid(),
+        name=name,
+        state=state,
+        since="t",
+        created="t",  # type: ignore[arg-type]
         source=mf.FileOrigin(repo="o/r", revision="main", commit=C),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -68,22 +72,46 @@ def test_the_queue_counts_queued_and_downloading(states: list[str], refused: boo
     assert (queue_problem([_model(s) for s in states]) is not None) is refused
 
 
-BASE = {"PATH": "/bin", "HF_ENDPOINT": "http://hub", "HF_TOKEN": "t", "HUGGING_FACE_HUB_TOKEN": "t",
-        "HF_TOKEN_PATH": "/x", "HF_HOME": "/home/u/.cache/hf", "HF_OIDC_TOKEN": "o",
-        "HF_OIDC_ISSUER": "i", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "0"}  # fmt: skip
+BASE = {
+    "PATH": "/bin",
+    "HF_ENDPOINT": "http://hub",
+    "HF_TOKEN": "t",
+    "HUGGING_FACE_HUB_TOKEN": "t",
+    "HF_TOKEN_PATH": "/x",
+    "HF_HOME": "/home/u/.cache/hf",
+    "HF_OIDC_TOKEN": "o",
+    "HF_OIDC_ISSUER": "i",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN": "0",
+}
 
 
 @pytest.mark.parametrize(
     ("token_file", "expected"),
     [
-        (None, {"PATH": "/bin", "HF_ENDPOINT": "http://hub", "HF_HOME": "/lib/.hf-home",
-                "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-                "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}),
-        (Path("/lib/tok"), {"PATH": "/bin", "HF_ENDPOINT": "http://hub",
-                            "HF_HOME": "/lib/.hf-home", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
-                            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN_PATH": "/lib/tok"}),
+        (
+            None,
+            {
+                "PATH": "/bin",
+                "HF_ENDPOINT": "http://hub",
+                "HF_HOME": "/lib/.hf-home",
+                "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+                "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+            },
+        ),
+        (
+            Path("/lib/tok"),
+            {
+                "PATH": "/bin",
+                "HF_ENDPOINT": "http://hub",
+                "HF_HOME": "/lib/.hf-home",
+                "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+                "HF_TOKEN_PATH": "/lib/tok",
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_childs_environment_follows_the_token_rules(
     token_file: Path | None, expected: dict[str, str]
 ) -> None:
@@ -99,15 +127,23 @@ def test_the_childs_environment_follows_the_token_rules(
 )
 def test_the_childs_argv(include: list[str], tail: list[str]) -> None:
     argv = child_argv("hf", "o/r", C, Path("/lib/g/files"), include)
-    assert argv == ["hf", "download", "o/r", "--revision", C, "--local-dir", "/lib/g/files",
-                    *tail]  # fmt: skip
+    assert argv == ["hf", "download", "o/r", "--revision", C, "--local-dir", "/lib/g/files", *tail]
 
 
 @pytest.mark.parametrize(
     ("path", "safe"),
-    [("a.gguf", True), ("d/a.gguf", True), ("../a", False), ("/etc/passwd", False),
-     ("a//b", False), ("d/./a", False), ("a\nb", False), ("", False), ("a\\b", False)],
-)  # fmt: skip
+    [
+        ("a.gguf", True),
+        ("d/a.gguf", True),
+        ("../a", False),
+        ("/etc/passwd", False),
+        ("a//b", False),
+        ("d/./a", False),
+        ("a\nb", False),
+        ("", False),
+        ("a\\b", False),
+    ],
+)
 def test_tree_paths(path: str, safe: bool) -> None:
     assert safe_path(path) is safe
 
@@ -120,7 +156,9 @@ def test_the_tree_keeps_files_with_their_lfs_ids_and_refuses_unsafe_paths() -> N
     ]
     files = parse_tree(page)
     assert [(f.path, f.size, f.sha256, f.git_oid) for f in files] == [
-        ("a.gguf", 5, "s1", "g1"), ("README.md", 2, None, "g2")]  # fmt: skip
+        ("a.gguf", 5, "s1", "g1"),
+        ("README.md", 2, None, "g2"),
+    ]
     with pytest.raises(HubRefused, match="not safe"):
         parse_tree([{"type": "file", "path": "../x", "size": 1, "oid": "g"}])
     with pytest.raises(HubRefused, match="not a list"):
@@ -140,10 +178,14 @@ def test_bad_repo_ids(repo: str) -> None:
 
 @pytest.mark.parametrize(
     ("repo", "include", "name"),
-    [("o/Qwen3-8B-GGUF", ["*Q4_K_M*"], "Qwen3-8B-GGUF:Q4_K_M"),
-     ("o/r", [], "r"), ("o/r", ["*.gguf"], "r"), ("o/r", ["Q8_0/"], "r:Q8_0"),
-     ("o/r", ["*.json", "*.safetensors"], "r")],
-)  # fmt: skip
+    [
+        ("o/Qwen3-8B-GGUF", ["*Q4_K_M*"], "Qwen3-8B-GGUF:Q4_K_M"),
+        ("o/r", [], "r"),
+        ("o/r", ["*.gguf"], "r"),
+        ("o/r", ["Q8_0/"], "r:Q8_0"),
+        ("o/r", ["*.json", "*.safetensors"], "r"),
+    ],
+)
 def test_default_names(repo: str, include: list[str], name: str) -> None:
     assert default_name(repo, include) == name
 
@@ -173,12 +215,18 @@ def test_progress_shows_speed_and_time_left_only_while_downloading() -> None:
     assert progress_text(model.transition("Failed", "x")) == "1.0 KiB/4.0 KiB"
 
 
-@pytest.mark.parametrize("state", ["Queued", "Downloading", "Ready", "Failed", "Canceled",
-                                   "Interrupted"])  # fmt: skip
+@pytest.mark.parametrize(
+    "state", ["Queued", "Downloading", "Ready", "Failed", "Canceled", "Interrupted"]
+)
 def test_what_the_library_writes_the_router_reads(state: str) -> None:
-    model = _model(state).model_copy(update={"hub_files": [
-        mf.HubFile(path="a.gguf", size=1, gitOid="g"),
-        mf.HubFile(path="Q8/b-00001-of-00002.gguf", size=1, gitOid="g")]})  # fmt: skip
+    model = _model(state).model_copy(
+        update={
+            "hub_files": [
+                mf.HubFile(path="a.gguf", size=1, gitOid="g"),
+                mf.HubFile(path="Q8/b-00001-of-00002.gguf", size=1, gitOid="g"),
+            ]
+        }
+    )
     model = model.model_copy(update={"files": mf.plain_names(model.hub_files)})
     read = parse_model_json(mf.dump(model).decode())
     assert read.state == state

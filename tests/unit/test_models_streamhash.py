@@ -51,9 +51,13 @@ def _download(local: Path, how: str) -> StreamHasher:
 
 @pytest.mark.parametrize(
     ("how", "proven"),
-    [("in order", {"m.gguf"}), ("out of order", set()), ("copied", set()),
-     ("changed after", set())],
-)  # fmt: skip
+    [
+        ("in order", {"m.gguf"}),
+        ("out of order", set()),
+        ("copied", set()),
+        ("changed after", set()),
+    ],
+)
 def test_a_file_is_proven_only_when_the_streamed_bytes_are_the_final_files(
     tmp_path: Path, how: str, proven: set[str]
 ) -> None:
@@ -61,8 +65,10 @@ def test_a_file_is_proven_only_when_the_streamed_bytes_are_the_final_files(
 
 
 def test_files_without_an_lfs_id_or_already_verified_are_not_followed(tmp_path: Path) -> None:
-    files = [HubFile(path="README.md", size=1, gitOid="g"),
-             HubFile(path="m.gguf", size=1, sha256=SHA, gitOid="g", verified=True)]  # fmt: skip
+    files = [
+        HubFile(path="README.md", size=1, gitOid="g"),
+        HubFile(path="m.gguf", size=1, sha256=SHA, gitOid="g", verified=True),
+    ]
     hasher = StreamHasher(tmp_path, files)
     (tmp_path / PARTIALS).mkdir(parents=True)
     (tmp_path / PARTIALS / f"x.{SHA}.incomplete").write_bytes(DATA)

@@ -253,8 +253,13 @@ _BEFORE = (
     ("before", "after", "changed"),
     [
         (_BEFORE, _BEFORE, ()),
-        (_BEFORE, _BEFORE.replace("[b]\nmodel = /models/b.gguf", "[b]\nmodel = /models/b.gguf\n"
-                                  "load-on-startup = true"), ("b",)),
+        (
+            _BEFORE,
+            _BEFORE.replace(
+                "[b]\nmodel = /models/b.gguf", "[b]\nmodel = /models/b.gguf\nload-on-startup = true"
+            ),
+            ("b",),
+        ),
         (_BEFORE, _BEFORE.replace("ctx-size = 256", "ctx-size = 512"), ("a", "b")),
         (_BEFORE, _BEFORE + "\n[c]\nmodel = /models/c.gguf\n", ("c",)),
         (_BEFORE, _BEFORE.replace("version = 1", "version = 2"), ("a", "b")),

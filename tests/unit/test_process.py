@@ -35,14 +35,16 @@ def test_segments(data: bytes, found: list[tuple[str, bool]], rest: bytes) -> No
     [
         ([("a", True), ("b", True)], ["a", "b"]),
         ([("1%", False), ("2%", False), ("3%", False)], ["3%"]),
-        ([("start", True), ("1%", False), ("100%", True), ("done", True)],
-         ["start", "100%", "done"]),
-        ([("x 1%", False), ("x 100%", True), ("y 1%", False), ("y 9%", False)],
-         ["x 100%", "y 9%"]),
+        (
+            [("start", True), ("1%", False), ("100%", True), ("done", True)],
+            ["start", "100%", "done"],
+        ),
+        ([("x 1%", False), ("x 100%", True), ("y 1%", False), ("y 9%", False)], ["x 100%", "y 9%"]),
     ],
 )
-def test_a_progress_bar_is_one_line_of_the_tail(added: list[tuple[str, bool]],
-                                                lines: list[str]) -> None:
+def test_a_progress_bar_is_one_line_of_the_tail(
+    added: list[tuple[str, bool]], lines: list[str]
+) -> None:
     tail = Tail()
     for text, line in added:
         tail.add(text, line)
@@ -70,20 +72,27 @@ class Chunks(io.RawIOBase):
     ("chunks", "messages", "tail"),
     [
         # a hundred redraws in one read: one message, the latest, and one line of the tail
-        ([b"Fetching 3 files\n" + b"".join(
-            f"model.safetensors: {p:3d}%|\r".encode() for p in range(100))],
-         ["Fetching 3 files", "model.safetensors:  99%|"],
-         ["Fetching 3 files", "model.safetensors:  99%|"]),
+        (
+            [
+                b"Fetching 3 files\n"
+                + b"".join(f"model.safetensors: {p:3d}%|\r".encode() for p in range(100))
+            ],
+            ["Fetching 3 files", "model.safetensors:  99%|"],
+            ["Fetching 3 files", "model.safetensors:  99%|"],
+        ),
         # a bar cut in the middle of a read waits for its end
-        ([BAR[:20].encode(), BAR[20:].encode() + b"\r", b"done\n"],
-         [BAR, "done"], ["done"]),
+        ([BAR[:20].encode(), BAR[20:].encode() + b"\r", b"done\n"], [BAR, "done"], ["done"]),
         ([b"no newline at the end"], ["no newline at the end"], ["no newline at the end"]),
-        ([b"a\n", b"b 1%\rb 50%\r", b"b 100%\r\n", b"c"], ["a", "b 50%", "b 100%", "c"],
-         ["a", "b 100%", "c"]),
+        (
+            [b"a\n", b"b 1%\rb 50%\r", b"b 100%\r\n", b"c"],
+            ["a", "b 50%", "b 100%", "c"],
+            ["a", "b 100%", "c"],
+        ),
     ],
 )
-def test_pump_reports_the_latest_segment(chunks: list[bytes], messages: list[str],
-                                         tail: list[str]) -> None:
+def test_pump_reports_the_latest_segment(
+    chunks: list[bytes], messages: list[str], tail: list[str]
+) -> None:
     seen: list[str] = []
     kept: list[str] = []
     _pump(Chunks(chunks), seen.append, kept)  # type: ignore[arg-type]

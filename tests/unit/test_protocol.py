@@ -43,7 +43,6 @@ T = TypeVar("T")
 VALID_IDS = [name for name, *_ in VALID]
 
 
-
 # --- desired.json: the bad-input corpus ---------------------------------------------------------
 
 
@@ -75,9 +74,7 @@ def test_invalid_desired_is_refused_with_one_line_naming_the_problem(
         assert str(path) in message
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in INVALID if c.stage == "document"], ids=str
-)
+@pytest.mark.parametrize("case", [c for c in INVALID if c.stage == "document"], ids=str)
 def test_invalid_desired_text_is_refused_by_parse_desired_alone(case: Case) -> None:
     with pytest.raises(InvalidDocument) as caught:
         parse_desired(case.content.decode("utf-8"))
@@ -121,21 +118,32 @@ def test_dump_of_desired_is_what_parse_desired_reads() -> None:
     document = DesiredFile(schema_version=1, generation=MAX_GENERATION, desired="stopped")
     text = dump(document).decode()
     assert json.loads(text) == {
-        "schemaVersion": 1, "generation": MAX_GENERATION, "desired": "stopped"
+        "schemaVersion": 1,
+        "generation": MAX_GENERATION,
+        "desired": "stopped",
     }
     assert parse_desired(text) == document
 
 
 def test_who_asked_and_when_round_trip_in_utc() -> None:
     at = datetime(2026, 11, 30, 18, 14, 35, 239000, tzinfo=timezone(timedelta(hours=1)))
-    document = DesiredFile.model_validate({"schemaVersion": 1, "generation": 15,
-                                           "desired": "stopped", "requestedBy": "operator",
-                                           "requestedAt": at})  # fmt: skip
+    document = DesiredFile.model_validate(
+        {
+            "schemaVersion": 1,
+            "generation": 15,
+            "desired": "stopped",
+            "requestedBy": "operator",
+            "requestedAt": at,
+        }
+    )
     text = dump(document).decode()
     assert json.loads(text) == {
-        "schemaVersion": 1, "generation": 15, "desired": "stopped",
-        "requestedBy": "operator", "requestedAt": "2026-11-30T17:14:35.239Z",
-    }  # fmt: skip
+        "schemaVersion": 1,
+        "generation": 15,
+        "desired": "stopped",
+        "requestedBy": "operator",
+        "requestedAt": "2026-11-30T17:14:35.239Z",
+    }
     assert parse_desired(text) == document
 
 
@@ -234,8 +242,9 @@ def test_status_slots_are_optional_and_name_each_model(
     assert json.loads(dump(parse_status(json.dumps(wire))))["slots"] == slots
 
 
-@pytest.mark.parametrize("bad", [{"tiny": 0}, {"tiny": -1}, {"tiny": MAX_SLOTS + 1},
-                                 {"tiny": "many"}, ["tiny"], 4])
+@pytest.mark.parametrize(
+    "bad", [{"tiny": 0}, {"tiny": -1}, {"tiny": MAX_SLOTS + 1}, {"tiny": "many"}, ["tiny"], 4]
+)
 def test_status_slots_are_whole_numbers_of_at_least_one(bad: object) -> None:
     wire = json.loads(dump(status()))
     wire["slots"] = bad
@@ -249,8 +258,12 @@ def test_status_memory_plan_is_optional_and_camel_case() -> None:
     del wire["memory"]
     assert parse_status(json.dumps(wire)).memory is None
     wire["memory"] = {
-        "need": 5 * 2**30, "fits": False, "message": "does not fit", "limit": 16 * 2**30,
-        "limitSource": "host", "reserves": {"os": 1, "services": 2, "voice": 3, "runtime": 4},
+        "need": 5 * 2**30,
+        "fits": False,
+        "message": "does not fit",
+        "limit": 16 * 2**30,
+        "limitSource": "host",
+        "reserves": {"os": 1, "services": 2, "voice": 3, "runtime": 4},
         "plannedAt": "2026-12-02T10:00:00.000Z",
     }
     plan = parse_status(json.dumps(wire)).memory
@@ -264,9 +277,22 @@ def test_status_memory_plan_is_optional_and_camel_case() -> None:
 
 def test_status_keys_are_camel_case_on_the_wire() -> None:
     wire = json.loads(dump(status()))
-    assert set(wire) == {"generation", "state", "since", "message", "url", "checkedAt", "refused",
-                         "engine", "retrying", "waitingFor", "models", "slots", "memory",
-                         "workerVersion"}
+    assert set(wire) == {
+        "generation",
+        "state",
+        "since",
+        "message",
+        "url",
+        "checkedAt",
+        "refused",
+        "engine",
+        "retrying",
+        "waitingFor",
+        "models",
+        "slots",
+        "memory",
+        "workerVersion",
+    }
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
@@ -354,18 +380,30 @@ CLEAN = [
     ("ansi-256-colour", "\x1b[38;5;208mwarn\x1b[39m", "warn"),
     ("ansi-cursor", "\x1b[2K\x1b[1Gstep 3/9", "step 3/9"),
     ("osc-title-bel", "\x1b]0;docker build\x07Step 1/4", "Step 1/4"),
-    ("osc-hyperlink-st", "see \x1b]8;;https://x.invalid\x1b\\docs\x1b]8;;\x1b\\ now",
-     "see docs now"),
-    ("carriage-return-progress", "Downloading  10%\rDownloading  55%\rDownloading 100%",
-     "Downloading 100%"),
-    ("progress-with-erase", "\r 10%|#   |\x1b[K\r 55%|##  |\x1b[K\r 99%|### |\x1b[K\r",
-     "99%|### |"),
+    (
+        "osc-hyperlink-st",
+        "see \x1b]8;;https://x.invalid\x1b\\docs\x1b]8;;\x1b\\ now",
+        "see docs now",
+    ),
+    (
+        "carriage-return-progress",
+        "Downloading  10%\rDownloading  55%\rDownloading 100%",
+        "Downloading 100%",
+    ),
+    (
+        "progress-with-erase",
+        "\r 10%|#   |\x1b[K\r 55%|##  |\x1b[K\r 99%|### |\x1b[K\r",
+        "99%|### |",
+    ),
     ("progress-then-newline", "fetch 1%\rfetch 2%\nbuilding", "fetch 2% building"),
     ("crlf", "first\r\nsecond\r\n", "first second"),
     ("control-characters", "a\x00b\x07c\x08d\x7fe\x9bf", "abcdef"),
     ("tab", "\tindented", "indented"),
-    ("multi-line", "Traceback:\n  File x\n\n    raise\nValueError: bad\n",
-     "Traceback: File x raise ValueError: bad"),
+    (
+        "multi-line",
+        "Traceback:\n  File x\n\n    raise\nValueError: bad\n",
+        "Traceback: File x raise ValueError: bad",
+    ),
     ("only-noise", "\n\r\n\x1b[0m\r  \n", ""),
     ("empty", "", ""),
     ("unicode-kept", "Qwen3.8 — ready ✓", "Qwen3.8 — ready ✓"),
@@ -414,7 +452,10 @@ def test_schemas_command_writes_the_checked_in_files(tmp_path: Path) -> None:
     out = tmp_path / "out" / "schemas"
     run = subprocess.run(
         [str(CLI), "schemas", "--out", str(out)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in SCHEMAS.iterdir())
@@ -438,12 +479,30 @@ def test_valid_documents_match_the_desired_schema(
 
 
 SCHEMA_REJECTS = [
-    "unknown-field", "missing-generation", "missing-desired", "missing-schema-version",
-    "generation-string", "generation-negative", "generation-bool", "generation-2**53",
-    "desired-paused", "desired-number", "schema-version-2", "schema-version-string",
-    "schema-version-bool", "snake-case-field", "snake-case-extra", "list", "null",
-    "requested-by-root", "requested-by-number", "requested-at-timestamp", "requested-at-number",
-    "requested-at-date-only", "requested-at-no-zone", "requested-at-space",
+    "unknown-field",
+    "missing-generation",
+    "missing-desired",
+    "missing-schema-version",
+    "generation-string",
+    "generation-negative",
+    "generation-bool",
+    "generation-2**53",
+    "desired-paused",
+    "desired-number",
+    "schema-version-2",
+    "schema-version-string",
+    "schema-version-bool",
+    "snake-case-field",
+    "snake-case-extra",
+    "list",
+    "null",
+    "requested-by-root",
+    "requested-by-number",
+    "requested-at-timestamp",
+    "requested-at-number",
+    "requested-at-date-only",
+    "requested-at-no-zone",
+    "requested-at-space",
 ]
 
 
@@ -471,13 +530,24 @@ def test_file_module_limit_is_the_one_the_corpus_assumes() -> None:
 
 
 def test_status_names_what_runs_only_while_running() -> None:
-    engine = RunningEngine(image="tf:1-grammar", image_id="sha256:" + "a" * 64,
-                           container_id="c" * 64, recipe_commit="0" * 40, model="qwen",
-                           model_revision=None)
+    engine = RunningEngine(
+        image="tf:1-grammar",
+        image_id="sha256:" + "a" * 64,
+        container_id="c" * 64,
+        recipe_commit="0" * 40,
+        model="qwen",
+        model_revision=None,
+    )
     wire = json.loads(dump(status(engine=engine)))
-    assert wire["engine"] == {"image": "tf:1-grammar", "imageId": "sha256:" + "a" * 64,
-                              "containerId": "c" * 64, "recipeCommit": "0" * 40,
-                              "model": "qwen", "modelRevision": None, "engineVersion": None}
+    assert wire["engine"] == {
+        "image": "tf:1-grammar",
+        "imageId": "sha256:" + "a" * 64,
+        "containerId": "c" * 64,
+        "recipeCommit": "0" * 40,
+        "model": "qwen",
+        "modelRevision": None,
+        "engineVersion": None,
+    }
     assert parse_status(json.dumps(wire)).engine == engine
     with pytest.raises(ValueError, match="engine must be null"):
         status(state="stopped", url=None, engine=engine)

@@ -42,22 +42,52 @@ def test_the_spark_recipe_serves_as_start_sh_does() -> None:
     assert recipe.image.from_ == "prepare"  # type: ignore[union-attr]
     assert recipe.prepare.commands == [["bash", "scripts/prepare.sh"]]  # type: ignore[union-attr]
     assert recipe.command[3:] == [
-        "--host", "0.0.0.0", "--port", "8888", "--name", "Qwen3.8-Flash-Next",
-        "--parallel", "4", "--context", "200000", "--kv-dtype", "int8", "--mtp-drafts", "6",
-        "--mtp-confidence", "0.60", "--temperature", "1.0", "--top-p", "0.95", "--top-k", "20",
-        "--max-tokens", "32768", "--vision", "--vision-max-images", "50",
-        "--vision-image-tokens", "16384", "--thinking",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8888",
+        "--name",
+        "Qwen3.8-Flash-Next",
+        "--parallel",
+        "4",
+        "--context",
+        "200000",
+        "--kv-dtype",
+        "int8",
+        "--mtp-drafts",
+        "6",
+        "--mtp-confidence",
+        "0.60",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "20",
+        "--max-tokens",
+        "32768",
+        "--vision",
+        "--vision-max-images",
+        "50",
+        "--vision-image-tokens",
+        "16384",
+        "--thinking",
     ]
     env = recipe.environment
     assert {k: v for k, v in env.items() if k.startswith("TENSORFOLD_")} == {
-        "TENSORFOLD_VISION_WORKSPACE_MIB": "0", "TENSORFOLD_IMAGE_TOKENS": "16384",
-        "TENSORFOLD_VIDEO_TOKENS": "16384", "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
-        "TENSORFOLD_MTP_COPY": "1", "TENSORFOLD_NO_UPDATE_CHECK": "1",
+        "TENSORFOLD_VISION_WORKSPACE_MIB": "0",
+        "TENSORFOLD_IMAGE_TOKENS": "16384",
+        "TENSORFOLD_VIDEO_TOKENS": "16384",
+        "TENSORFOLD_MEMORY_RESERVE_GIB": "4",
+        "TENSORFOLD_MTP_COPY": "1",
+        "TENSORFOLD_NO_UPDATE_CHECK": "1",
     }
     assert env["HF_HUB_OFFLINE"] == "1" and env["PULL"] == "0"
     assert env["IMAGE"] == recipe.image.tag  # type: ignore[union-attr]
     assert [(v.source, v.target) for v in recipe.run.volumes] == [
-        ("${HF_CACHE}", "/root/.cache/huggingface"), ("${KERNEL_CACHE}", "/cache")]
+        ("${HF_CACHE}", "/root/.cache/huggingface"),
+        ("${KERNEL_CACHE}", "/cache"),
+    ]
     assert env["KERNEL_CACHE"] == "~/.cache/tensorfold-qwen38"
     # start.sh's check: TensorFold's own parser on exactly the arguments it will serve with
     assert recipe.check_command[:2] == ["python", "-c"]
@@ -70,29 +100,55 @@ MINIMAL = MINIMAL_RECIPE
 BAD = [
     ("not toml", "name = ", "not valid TOML"),
     ("unknown key", MINIMAL + "\nsurprise = 1\n", "surprise"),
-    ("short commit", MINIMAL.replace("0123456789abcdef0123456789abcdef01234567", "abc123"),
-     "source.commit"),
+    (
+        "short commit",
+        MINIMAL.replace("0123456789abcdef0123456789abcdef01234567", "abc123"),
+        "source.commit",
+    ),
     ("unknown engine", MINIMAL.replace('engine = "tensorfold"', 'engine = "sglang"'), "engine"),
     ("port out of range", MINIMAL.replace("port = 8888", "port = 70000"), "run.port"),
-    ("module name with code", MINIMAL.replace('["xgrammar"]', '["os; rm -rf /"]'),
-     "not module names"),
-    ("dockerfile outside the checkout", MINIMAL.replace('tag = "img:1"',
-                                                         'tag = "img:1"\ndockerfile = "../x"'),
-     "inside the checkout"),
-    ("bad image tag", MINIMAL.replace('tag = "img:1"', 'tag = "Img With Spaces"'),
-     "image reference"),
+    (
+        "module name with code",
+        MINIMAL.replace('["xgrammar"]', '["os; rm -rf /"]'),
+        "not module names",
+    ),
+    (
+        "dockerfile outside the checkout",
+        MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\ndockerfile = "../x"'),
+        "inside the checkout",
+    ),
+    (
+        "bad image tag",
+        MINIMAL.replace('tag = "img:1"', 'tag = "Img With Spaces"'),
+        "image reference",
+    ),
     ("command names an unknown setting", MINIMAL + 'command = ["serve", "${NOPE}"]\n', "NOPE"),
     ("check names an unknown setting", MINIMAL + 'check = ["python", "${NOPE}"]\n', "NOPE"),
-    ("volume names an unknown setting",
-     MINIMAL + 'volumes = [{ source = "${NOPE}", target = "/a" }]\n', "NOPE"),
-    ("image from a prepare without commands",
-     MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "prepare"'), "prepare.commands"),
-    ("image from something else", MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "x"'),
-     "image.from"),
-    ("relative volume target",
-     MINIMAL + 'volumes = [{ source = "/a", target = "rel" }]\n', "absolute"),
-    ("setting that is not an env name", MINIMAL + '[settings]\n"A-B" = "1"\n',
-     "environment variable"),
+    (
+        "volume names an unknown setting",
+        MINIMAL + 'volumes = [{ source = "${NOPE}", target = "/a" }]\n',
+        "NOPE",
+    ),
+    (
+        "image from a prepare without commands",
+        MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "prepare"'),
+        "prepare.commands",
+    ),
+    (
+        "image from something else",
+        MINIMAL.replace('tag = "img:1"', 'tag = "img:1"\nfrom = "x"'),
+        "image.from",
+    ),
+    (
+        "relative volume target",
+        MINIMAL + 'volumes = [{ source = "/a", target = "rel" }]\n',
+        "absolute",
+    ),
+    (
+        "setting that is not an env name",
+        MINIMAL + '[settings]\n"A-B" = "1"\n',
+        "environment variable",
+    ),
 ]
 
 
@@ -140,11 +196,19 @@ def test_grammar_dockerfile_is_exec_form_and_never_the_engine_extra() -> None:
         (grammar.labels(PIN, "sha256:base"), True),
         ({**grammar.labels(PIN, "sha256:base"), "other": "x"}, True),
         (grammar.labels(PIN, "sha256:older"), False),
-        (grammar.labels(Grammar(requirement="xgrammar==0.2.8", modules=["xgrammar",
-                                                                       "tensorfold"]),
-                        "sha256:base"), False),
-        (grammar.labels(Grammar(requirement=PIN.requirement, modules=["xgrammar"]),
-                        "sha256:base"), False),
+        (
+            grammar.labels(
+                Grammar(requirement="xgrammar==0.2.8", modules=["xgrammar", "tensorfold"]),
+                "sha256:base",
+            ),
+            False,
+        ),
+        (
+            grammar.labels(
+                Grammar(requirement=PIN.requirement, modules=["xgrammar"]), "sha256:base"
+            ),
+            False,
+        ),
         ({}, False),
     ],
 )
@@ -185,8 +249,7 @@ def test_the_shipped_vllm_recipe() -> None:
     plan = recipe.tier_plan()
     buffers = 512 * 1024**2  # the tier plugin's staging buffer and write queue, by default
     assert (plan.shm_bytes, plan.shm_size, plan.memory) == (8 * GIB, 10 * GIB, 26 * GIB + buffers)
-    assert [(d.name, d.max_bytes) for d in plan.disks] == [("nvme", 16 * GIB),
-                                                            ("hdd", 256 * GIB)]
+    assert [(d.name, d.max_bytes) for d in plan.disks] == [("nvme", 16 * GIB), ("hdd", 256 * GIB)]
     assert "LUCIA_KV_KEY" in recipe.secrets
     choices = recipe.preflight_choices()
     assert (choices.memory_share, choices.served_name, choices.port) == (90, "llama-3.2-1b", 8000)
@@ -204,7 +267,8 @@ def test_minimal_vllm_defaults() -> None:
 def test_a_library_model_is_served_from_its_mount() -> None:
     text = VLLM_MINIMAL.replace(
         '[vllm.model.hf]\nid = "org/model"\nrevision = "0123456789abcdef0123456789abcdef01234567"',
-        '[vllm.model.library]\nmodels_dir = "/lib"\nguid = "abc-123"')
+        '[vllm.model.library]\nmodels_dir = "/lib"\nguid = "abc-123"',
+    )
     recipe = parse(text)
     assert recipe.model_argument == "/models/abc-123"  # type: ignore[union-attr]
     assert recipe.model_revision is None  # type: ignore[union-attr]
@@ -212,51 +276,91 @@ def test_a_library_model_is_served_from_its_mount() -> None:
 
 VM = VLLM_MINIMAL
 KEYED = '[secrets]\nLUCIA_KV_KEY = "/run/kv.key"\n'
-SHM_FITS = VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\nmemory = "26g"')
-IPC_HOST_SHM = (SHM_FITS.replace('port = 8000', 'port = 8000\nipc = "host"')
-                + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED)
+SHM_FITS = VM.replace("port = 8000", 'port = 8000\nshm_size = "10g"\nmemory = "26g"')
+IPC_HOST_SHM = (
+    SHM_FITS.replace("port = 8000", 'port = 8000\nipc = "host"')
+    + '[tiers]\nshm_bytes = "8GiB"\n'
+    + KEYED
+)
 VLLM_BAD = [
-    ("channel", VM.replace('[vllm]\n', '[vllm]\nchannel = "beta"\n'), "vllm.channel"),
-    ("quantization", VM.replace('[vllm]\n', '[vllm]\nquantization = "int4"\n'),
-     "vllm.quantization"),
-    ("memory below 10", VM.replace('[vllm]\n', '[vllm]\nmemory = 9\n'), "vllm.memory"),
-    ("memory above 95", VM.replace('[vllm]\n', '[vllm]\nmemory = 96\n'), "vllm.memory"),
-    ("memory as a fraction", VM.replace('[vllm]\n', '[vllm]\nmemory = 0.9\n'), "vllm.memory"),
-    ("nightly without its commit", VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\n'),
-     "nightly_commit"),
-    ("nightly with the short commit",
-     VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "e68efc685ab1"\n'),
-     "nightly_commit"),
-    ("nightly on another main commit",
-     VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "' + "a" * 40 + '"\n'),
-     "not the guide's pinned nightly: it must be the full 40-hex commit of vLLM main e68efc685ab1"),
-    ("revision a branch", VM.replace("0123456789abcdef0123456789abcdef01234567", "main"),
-     "revision"),
-    ("revision a tag", VM.replace("0123456789abcdef0123456789abcdef01234567", "v1.0"),
-     "revision"),
+    ("channel", VM.replace("[vllm]\n", '[vllm]\nchannel = "beta"\n'), "vllm.channel"),
+    (
+        "quantization",
+        VM.replace("[vllm]\n", '[vllm]\nquantization = "int4"\n'),
+        "vllm.quantization",
+    ),
+    ("memory below 10", VM.replace("[vllm]\n", "[vllm]\nmemory = 9\n"), "vllm.memory"),
+    ("memory above 95", VM.replace("[vllm]\n", "[vllm]\nmemory = 96\n"), "vllm.memory"),
+    ("memory as a fraction", VM.replace("[vllm]\n", "[vllm]\nmemory = 0.9\n"), "vllm.memory"),
+    (
+        "nightly without its commit",
+        VM.replace("[vllm]\n", '[vllm]\nchannel = "nightly"\n'),
+        "nightly_commit",
+    ),
+    (
+        "nightly with the short commit",
+        VM.replace("[vllm]\n", '[vllm]\nchannel = "nightly"\nnightly_commit = "e68efc685ab1"\n'),
+        "nightly_commit",
+    ),
+    (
+        "nightly on another main commit",
+        VM.replace(
+            "[vllm]\n", '[vllm]\nchannel = "nightly"\nnightly_commit = "' + "a" * 40 + '"\n'
+        ),
+        "not the guide's pinned nightly: it must be the full 40-hex commit of vLLM main "
+        "e68efc685ab1",
+    ),
+    (
+        "revision a branch",
+        VM.replace("0123456789abcdef0123456789abcdef01234567", "main"),
+        "revision",
+    ),
+    ("revision a tag", VM.replace("0123456789abcdef0123456789abcdef01234567", "v1.0"), "revision"),
     ("both models", VM + '[vllm.model.library]\nmodels_dir = "/l"\nguid = "g"\n', "exactly one"),
-    ("no model", VM.replace(
-        '[vllm.model.hf]\nid = "org/model"\nrevision = "0123456789abcdef0123456789abcdef01234567"',
-        ""), "vllm.model"),
+    (
+        "no model",
+        VM.replace(
+            '[vllm.model.hf]\nid = "org/model"\n'
+            'revision = "0123456789abcdef0123456789abcdef01234567"',
+            "",
+        ),
+        "vllm.model",
+    ),
     ("hf id with a path", VM.replace('id = "org/model"', 'id = "../../etc"'), "id"),
-    ("disk tier without the key", VM + '[tiers]\nnvme = { path = "/n", max_bytes = "16GiB" }\n',
-     "cache key"),
-    ("hdd tier without the key", VM + '[tiers]\nhdd = { path = "/h", max_bytes = "16GiB" }\n',
-     "cache key"),
+    (
+        "disk tier without the key",
+        VM + '[tiers]\nnvme = { path = "/n", max_bytes = "16GiB" }\n',
+        "cache key",
+    ),
+    (
+        "hdd tier without the key",
+        VM + '[tiers]\nhdd = { path = "/h", max_bytes = "16GiB" }\n',
+        "cache key",
+    ),
     # the shm offload seals its blocks too: without the key the plugin would stop vLLM
     ("shm tier without the key", SHM_FITS + '[tiers]\nshm_bytes = "8GiB"\n', "cache key"),
     ("relative tier path", VM + '[tiers]\nnvme = { path = "n", max_bytes = 1 }\n', "absolute"),
     ("tier size", VM + '[tiers]\nhdd = { path = "/h", max_bytes = "lots" }\n', "not a size"),
-    ("shm offload without shm_size", VM + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED,
-     "run.shm_size"),
-    ("shm offload larger than shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "8g"\n'
-                                               'memory = "26g"') + '[tiers]\nshm_bytes = "8GiB"\n'
-     + KEYED, "run.shm_size"),
-    ("memory limit below shm", VM.replace('port = 8000', 'port = 8000\nshm_size = "10g"\n'
-                                          'memory = "9g"') + '[tiers]\nshm_bytes = "8GiB"\n'
-     + KEYED, "run.memory"),
-    ("unknown vllm key", VM.replace('[vllm]\n', '[vllm]\ngpu_memory_utilization = 0.9\n'),
-     "unknown key"),
+    ("shm offload without shm_size", VM + '[tiers]\nshm_bytes = "8GiB"\n' + KEYED, "run.shm_size"),
+    (
+        "shm offload larger than shm",
+        VM.replace("port = 8000", 'port = 8000\nshm_size = "8g"\nmemory = "26g"')
+        + '[tiers]\nshm_bytes = "8GiB"\n'
+        + KEYED,
+        "run.shm_size",
+    ),
+    (
+        "memory limit below shm",
+        VM.replace("port = 8000", 'port = 8000\nshm_size = "10g"\nmemory = "9g"')
+        + '[tiers]\nshm_bytes = "8GiB"\n'
+        + KEYED,
+        "run.memory",
+    ),
+    (
+        "unknown vllm key",
+        VM.replace("[vllm]\n", "[vllm]\ngpu_memory_utilization = 0.9\n"),
+        "unknown key",
+    ),
     # the offload would be in the host's /dev/shm, which no prune ever reaches
     ("shm offload with the host's ipc", IPC_HOST_SHM, 'tiers.shm_bytes with run.ipc = "host"'),
 ]
@@ -296,13 +400,16 @@ def test_the_data_parallel_size_reaches_the_namespace_and_the_plugin() -> None:
 
 
 def test_the_pinned_nightly_is_accepted() -> None:
-    text = VM.replace('[vllm]\n', '[vllm]\nchannel = "nightly"\nnightly_commit = "'
-                      + "e68efc685ab1" + "7" * 28 + '"\n')
+    text = VM.replace(
+        "[vllm]\n",
+        '[vllm]\nchannel = "nightly"\nnightly_commit = "' + "e68efc685ab1" + "7" * 28 + '"\n',
+    )
     assert parse(text, "nightly.toml").vllm.nightly_commit.startswith("e68efc685ab1")  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("text", "needle"), [b[1:] for b in VLLM_BAD],
-                         ids=[b[0] for b in VLLM_BAD])
+@pytest.mark.parametrize(
+    ("text", "needle"), [b[1:] for b in VLLM_BAD], ids=[b[0] for b in VLLM_BAD]
+)
 def test_bad_vllm_recipes_are_refused(text: str, needle: str) -> None:
     with pytest.raises(RecipeError) as info:
         parse(text, "bad.toml")

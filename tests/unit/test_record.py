@@ -59,8 +59,10 @@ def test_a_row_has_these_fields_and_no_other() -> None:
         ("usage_source", "str"),
     ]
     assert [f.name for f in dataclasses.fields(Build)] == [
-        "engine_version", "image_id", "weights_revision",
-    ]  # fmt: skip
+        "engine_version",
+        "image_id",
+        "weights_revision",
+    ]
 
 
 PROSE = "tell me a story about zq-unique-7f3a"
@@ -323,9 +325,15 @@ def test_since_at_the_edges_of_the_range_is_kept(text: str, since: datetime) -> 
 
 def _line() -> Line:
     line = Line(
-        ("e1", "0.32.0", "sha256:" + "ab" * 32, "e5a1f00d"), requests=5, prompt_tokens=40,
-        completion_tokens=80, cached_tokens=8, timed=3, ttft_p50=0.1234, ttft_p95=0.5,
-    )  # fmt: skip
+        ("e1", "0.32.0", "sha256:" + "ab" * 32, "e5a1f00d"),
+        requests=5,
+        prompt_tokens=40,
+        completion_tokens=80,
+        cached_tokens=8,
+        timed=3,
+        ttft_p50=0.1234,
+        ttft_p95=0.5,
+    )
     line.outcomes = {"ok": 3, "refused:rate_limited": 1, "timed_out": 1}
     return line
 
@@ -333,13 +341,39 @@ def _line() -> Line:
 def test_the_table_names_the_build_and_weights_of_each_group() -> None:
     lines = table([_line()], "build").splitlines()
     assert lines[0].split() == [
-        "ENGINE", "VERSION", "IMAGE", "WEIGHTS", "REQUESTS", "OK", "PROMPT", "COMPLETION",
-        "CACHED", "TTFT", "P50", "S", "TTFT", "P95", "S", "REFUSED", "FAILED",
-    ]  # fmt: skip
+        "ENGINE",
+        "VERSION",
+        "IMAGE",
+        "WEIGHTS",
+        "REQUESTS",
+        "OK",
+        "PROMPT",
+        "COMPLETION",
+        "CACHED",
+        "TTFT",
+        "P50",
+        "S",
+        "TTFT",
+        "P95",
+        "S",
+        "REFUSED",
+        "FAILED",
+    ]
     assert lines[1].split() == [
-        "e1", "0.32.0", "sha256:abababababab", "e5a1f00d", "5", "3", "40", "80", "8", "0.123",
-        "0.500", "rate_limited=1", "timed_out=1",
-    ]  # fmt: skip
+        "e1",
+        "0.32.0",
+        "sha256:abababababab",
+        "e5a1f00d",
+        "5",
+        "3",
+        "40",
+        "80",
+        "8",
+        "0.123",
+        "0.500",
+        "rate_limited=1",
+        "timed_out=1",
+    ]
 
 
 def test_the_json_has_the_whole_image_id_and_every_outcome() -> None:

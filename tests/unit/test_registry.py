@@ -22,8 +22,7 @@ SHIPPED = ("tensorfold", "llama-router", "vllm")
 
 
 def echo_recipe(name: str = "e1", engine: str = "echo") -> str:
-    return (f'name = "{name}"\nengine = "{engine}"\n[echo]\nimage = "echo:1"\n'
-            "[run]\nport = 8080\n")
+    return f'name = "{name}"\nengine = "{engine}"\n[echo]\nimage = "echo:1"\n[run]\nport = 8080\n'
 
 
 def test_the_shipped_kinds_are_registered_each_with_its_own_schema() -> None:
@@ -39,11 +38,13 @@ def test_an_unknown_engine_is_a_recipe_error_naming_the_known_kinds() -> None:
     with pytest.raises(RecipeError) as caught:
         parse(echo_recipe(), "e1.toml")
     assert str(caught.value) == (
-        "e1.toml: engine: must be one of tensorfold, llama-router, vllm ('echo')")
+        "e1.toml: engine: must be one of tensorfold, llama-router, vllm ('echo')"
+    )
 
 
 def test_a_kind_registered_through_the_environment_is_parsed_by_its_own_schema(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv(registry.MODULES_ENV, ECHO)
     recipe = parse(echo_recipe())
     assert type(recipe).__name__ == "EchoRecipe" and recipe.engine == "echo"
@@ -69,8 +70,10 @@ def test_the_factory_refuses_a_kind_it_does_not_know(tmp_path: Path) -> None:
         engine: Literal["odd"]
 
     odd = Odd.model_validate({"name": "o", "engine": "odd", "run": {"port": 8080}})
-    with pytest.raises(registry.UnknownEngine, match="'odd' is not a known engine; known: "
-                       "tensorfold, llama-router, vllm"):
+    with pytest.raises(
+        registry.UnknownEngine,
+        match="'odd' is not a known engine; known: tensorfold, llama-router, vllm",
+    ):
         registry.create("o", odd, runtime=None, state_dir=tmp_path)  # type: ignore[arg-type]
 
 
@@ -93,18 +96,37 @@ def test_a_kind_whose_schema_answers_to_another_name_is_refused() -> None:
         EngineKind("odd", Other, kind.engine, kind.memory, "tests.x")
 
 
-@pytest.mark.parametrize(("modules", "known"), [
-    ("", "tensorfold, llama-router, vllm"),
-    (ECHO, "tensorfold, llama-router, vllm, echo"),
-])
+@pytest.mark.parametrize(
+    ("modules", "known"),
+    [
+        ("", "tensorfold, llama-router, vllm"),
+        (ECHO, "tensorfold, llama-router, vllm, echo"),
+    ],
+)
 def test_the_worker_exits_78_on_an_unknown_engine_naming_the_known_kinds(
-        tmp_path: Path, modules: str, known: str) -> None:
+    tmp_path: Path, modules: str, known: str
+) -> None:
     recipe = tmp_path / "w1.toml"
     recipe.write_text(echo_recipe("w1", engine="nope"))
     done = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "worker", "w1", "--recipe", str(recipe),
-         "--data-dir", str(tmp_path / "data"), "--state-dir", str(tmp_path / "state")],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "worker",
+            "w1",
+            "--recipe",
+            str(recipe),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
         env={"PATH": "/usr/bin:/bin", registry.MODULES_ENV: modules},
     )
     assert done.returncode == 78, done.stderr

@@ -39,20 +39,31 @@ TINY, SP, BROKEN, BIG = parse(LISTING)
 @pytest.mark.parametrize(
     ("listing", "expected"),
     [
-        (LISTING, (
-            ModelState("tiny", "loaded", args=("/usr/bin/llama-server",)),
-            ModelState("sp", "unloaded"),
-            ModelState("broken", "unloaded", failed=True, exit_code=1),
-            ModelState("big", "loading"),
-        )),
-        ({"data": [{"id": "x", "status": {"value": "failed"}}]},
-         (ModelState("x", "failed", failed=True),)),
-        ({"data": [{"id": "x", "status": {"value": "unloaded", "exit_code": True}}]},
-         (ModelState("x", "unloaded"),)),
-        ({"data": [{"id": "x", "status": {"value": "loaded", "args": "--parallel 2"}}]},
-         (ModelState("x", "loaded"),)),
-        ({"data": [{"id": "x", "status": {"value": "loaded", "args": ["-np", 2]}}]},
-         (ModelState("x", "loaded"),)),
+        (
+            LISTING,
+            (
+                ModelState("tiny", "loaded", args=("/usr/bin/llama-server",)),
+                ModelState("sp", "unloaded"),
+                ModelState("broken", "unloaded", failed=True, exit_code=1),
+                ModelState("big", "loading"),
+            ),
+        ),
+        (
+            {"data": [{"id": "x", "status": {"value": "failed"}}]},
+            (ModelState("x", "failed", failed=True),),
+        ),
+        (
+            {"data": [{"id": "x", "status": {"value": "unloaded", "exit_code": True}}]},
+            (ModelState("x", "unloaded"),),
+        ),
+        (
+            {"data": [{"id": "x", "status": {"value": "loaded", "args": "--parallel 2"}}]},
+            (ModelState("x", "loaded"),),
+        ),
+        (
+            {"data": [{"id": "x", "status": {"value": "loaded", "args": ["-np", 2]}}]},
+            (ModelState("x", "loaded"),),
+        ),
         ({"data": [{"id": 3}, "x", {"status": {}}, {"id": "ok"}]}, (ModelState("ok", ""),)),
         ({"data": "nope"}, ()),
         ([], ()),
@@ -67,8 +78,10 @@ def test_one_target_group_per_loaded_model_that_never_loads_one() -> None:
     common = {"__metrics_path__": "/metrics", "engine": "llama-router", "name": "r"}
     groups = target_groups((*parse(LISTING), ModelState("two", "loaded")), "10.0.0.1:80", common)
     assert [g.model_dump() for g in groups] == [
-        {"targets": ["10.0.0.1:80"], "labels": {
-            **common, "__param_model": name, "__param_autoload": "false", "model": name}}
+        {
+            "targets": ["10.0.0.1:80"],
+            "labels": {**common, "__param_model": name, "__param_autoload": "false", "model": name},
+        }
         for name in ("tiny", "two")
     ]
 
@@ -76,13 +89,17 @@ def test_one_target_group_per_loaded_model_that_never_loads_one() -> None:
 @pytest.mark.parametrize(
     ("models", "expected"),
     [
-        ((TINY, SP, BROKEN, BIG),
-         "loaded: tiny; loading: big; offered: tiny, sp, broken, big; "
-         "failed to load: broken (exit code 1)"),
+        (
+            (TINY, SP, BROKEN, BIG),
+            "loaded: tiny; loading: big; offered: tiny, sp, broken, big; "
+            "failed to load: broken (exit code 1)",
+        ),
         ((SP,), "loaded: none; offered: sp"),
         ((), "loaded: none; offered: none"),
-        ((ModelState("x", "failed", failed=True),),
-         "loaded: none; offered: x; failed to load: x (exit code unknown)"),
+        (
+            (ModelState("x", "failed", failed=True),),
+            "loaded: none; offered: x; failed to load: x (exit code unknown)",
+        ),
         ((ModelState("x", "loaded", failed=True),), "loaded: x; offered: x"),
     ],
 )
@@ -125,7 +142,10 @@ def test_a_startup_model_the_router_evicted_is_not_loaded_back() -> None:
     ],
 )
 def test_a_model_whose_section_the_router_reloaded_is_due_again(
-    wanted: list[str], applied: list[str], reloaded: list[str], load: tuple[str, ...],
+    wanted: list[str],
+    applied: list[str],
+    reloaded: list[str],
+    load: tuple[str, ...],
     unload: tuple[str, ...],
 ) -> None:
     assert changes((TINY, SP, BROKEN, BIG), wanted, applied, reloaded) == (load, unload)
@@ -136,8 +156,7 @@ def test_failed_models_and_their_gauge() -> None:
     metrics = WorkerMetrics("r")
 
     def gauge(model: str) -> float | None:
-        return metrics.registry.get_sample_value(
-            "lucia_router_model_load_failed", {"model": model})
+        return metrics.registry.get_sample_value("lucia_router_model_load_failed", {"model": model})
 
     metrics.set_load_failed(["broken", "other"])
     assert (gauge("broken"), gauge("other")) == (1.0, 1.0)

@@ -38,19 +38,23 @@ port = 18080
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[CachedModel]]:
     machine = tmp_path / "machine.toml"
-    machine.write_text(f'limit = {LIMIT / 1024**3}\nprofile = "gpu-server"\n'
-                       "[reserves]\nruntime = 0\n")  # fmt: skip
+    machine.write_text(
+        f'limit = {LIMIT / 1024**3}\nprofile = "gpu-server"\n[reserves]\nruntime = 0\n'
+    )
     monkeypatch.setenv("LUCIA_MACHINE_FILE", str(machine))
     directory = tmp_path / "cache"
     # small: 3 layers x 2 KV heads x (16 + 16) x 2 B = 384 B a token, native 2048
     write_model(directory / "small" / "small.gguf", context=2048)
     # wide: 2 layers x 4 KV heads x (64 + 64) x 2 B = 2048 B a token, native 4096
-    write_model(directory / "wide" / "wide.gguf", context=4096, blocks=2, heads=4, kv_heads=4,
-                embedding=256)  # fmt: skip
+    write_model(
+        directory / "wide" / "wide.gguf", context=4096, blocks=2, heads=4, kv_heads=4, embedding=256
+    )
     # heavy: 1M float32 = 4 MiB of weights, 8 MiB counted: more than the 4 MiB limit
     write_model(directory / "heavy" / "heavy.gguf", elements=1024 * 1024)
-    models = [CachedModel(n, n, f"{n}/{n}.gguf", None, (f"{n}/{n}.gguf",))
-              for n in ("heavy", "small", "wide")]  # fmt: skip
+    models = [
+        CachedModel(n, n, f"{n}/{n}.gguf", None, (f"{n}/{n}.gguf",))
+        for n in ("heavy", "small", "wide")
+    ]
     return directory, models
 
 
@@ -67,18 +71,25 @@ def _size(directory: Path, name: str) -> int:
 def _render(directory: Path, models: list[CachedModel], recipe: LlamaRouterRecipe) -> str:
     planned = router_memory.plan("router", recipe, models, directory, guard=None)
     offered = [m for m in models if m.name in planned.offered]
-    return preset.render(offered, planned.defaults, recipe.router.load_on_startup, "/models",
-                         planned.contexts)  # fmt: skip
+    return preset.render(
+        offered, planned.defaults, recipe.router.load_on_startup, "/models", planned.contexts
+    )
 
 
 def _preset(small: int, wide: int, startup: tuple[str, ...] = ()) -> str:
     def section(name: str, ctx: int) -> list[str]:
         start = ["load-on-startup = true"] if name in startup else []
-        return ["", f"[{name}]", f"model = /models/{name}/{name}.gguf", f"ctx-size = {ctx}",
-                *start]  # fmt: skip
+        return ["", f"[{name}]", f"model = /models/{name}/{name}.gguf", f"ctx-size = {ctx}", *start]
 
-    lines = [preset.HEADER.rstrip("\n"), "version = 1", "", "[*]", "n-gpu-layers = 0",
-             *section("small", small), *section("wide", wide)]  # fmt: skip
+    lines = [
+        preset.HEADER.rstrip("\n"),
+        "version = 1",
+        "",
+        "[*]",
+        "n-gpu-layers = 0",
+        *section("small", small),
+        *section("wide", wide),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -118,8 +129,9 @@ def test_a_fixed_context_is_kept_in_the_defaults(cache) -> None:
 def test_a_startup_model_that_cannot_fit_alone_is_refused_with_the_numbers(cache) -> None:
     directory, models = cache
     with pytest.raises(Permanent) as refused:
-        router_memory.plan("router", _recipe(directory, startup='["heavy"]'), models,
-                           directory, None)  # fmt: skip
+        router_memory.plan(
+            "router", _recipe(directory, startup='["heavy"]'), models, directory, None
+        )
     assert str(refused.value).startswith(
         "The model heavy does not fit after voice, OS, services, and runtime reservations: "
         "needs 8.0 MiB, 4.0 MiB left (limit 4.0 MiB, reserves 0 B)."

@@ -35,18 +35,23 @@ EARLY_EXIT = re.compile(
 # pipelines kept as the real Spark recipe has them (tests/tensorfold-recipe models it; the output
 # is a few lines, far below a pipe's 64 KiB)
 REAL_RECIPE_LINES = {
-    ("tests/tensorfold-recipe/start.sh",
-     "docker ps -a --format '{{.Names}}' | grep -qx \"$CONTAINER_NAME\""),
-    ("tests/tensorfold-recipe/start.sh", "ss -ltn \"sport = :$PORT\" 2>/dev/null | grep -q LISTEN"),
-    ("tests/tensorfold-recipe/scripts/prepare.sh",
-     "snapshot=$(compgen -G \"$(model_cache_dir)/snapshots/*/\" | head -1)"),
+    (
+        "tests/tensorfold-recipe/start.sh",
+        "docker ps -a --format '{{.Names}}' | grep -qx \"$CONTAINER_NAME\"",
+    ),
+    ("tests/tensorfold-recipe/start.sh", 'ss -ltn "sport = :$PORT" 2>/dev/null | grep -q LISTEN'),
+    (
+        "tests/tensorfold-recipe/scripts/prepare.sh",
+        'snapshot=$(compgen -G "$(model_cache_dir)/snapshots/*/" | head -1)',
+    ),
 }
 
 
 def shell_scripts() -> list[str]:
     """Every tracked file that is a shell script: *.sh, and any file with a shell shebang."""
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     found = []
     for name in listed:
         path = ROOT / name
@@ -73,26 +78,36 @@ def logical_lines(text: str) -> list[str]:
 
 def test_the_scripts_are_found() -> None:
     scripts = shell_scripts()
-    for name in [*OPERATOR_SCRIPTS, "scripts/as-lucia", "tests/tensorfold-recipe/start.sh",
-                 "tests/tensorfold-recipe/stand-in/bin/tensorfold",
-                 "demo/llama-router/llama-server", *SHARED]:
+    for name in [
+        *OPERATOR_SCRIPTS,
+        "scripts/as-lucia",
+        "tests/tensorfold-recipe/start.sh",
+        "tests/tensorfold-recipe/stand-in/bin/tensorfold",
+        "demo/llama-router/llama-server",
+        *SHARED,
+    ]:
         assert name in scripts
 
 
 @pytest.mark.parametrize("name", shell_scripts())
 def test_it_parses(name: str) -> None:
     shell = "sh" if is_posix_sh(name) else "bash"
-    done = subprocess.run([shell, "-n", str(ROOT / name)], capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [shell, "-n", str(ROOT / name)], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("name", [n for n in shell_scripts() if not is_posix_sh(n)])
 def test_no_reader_of_a_pipe_exits_early(name: str) -> None:
     kept = [fragment for script, fragment in REAL_RECIPE_LINES if script == name]
-    hits = [line for line in logical_lines((ROOT / name).read_text())
-            if not line.startswith("#") and EARLY_EXIT.search(line)
-            and not any(fragment in line for fragment in kept)]
+    hits = [
+        line
+        for line in logical_lines((ROOT / name).read_text())
+        if not line.startswith("#")
+        and EARLY_EXIT.search(line)
+        and not any(fragment in line for fragment in kept)
+    ]
     assert hits == [], f"{name}: a pipe into an early-exit reader under pipefail"
 
 
@@ -111,8 +126,9 @@ def _script(path: Path, body: str) -> subprocess.CompletedProcess[str]:
         f"#!/usr/bin/env bash\nset -euo pipefail\nsource {lib}/errors.sh\n"
         f"source {lib}/images.sh\nset -E\n{TRAP}\n{body}\n"
     )
-    return subprocess.run(["bash", str(path)], capture_output=True, text=True, check=False,
-                          timeout=60)
+    return subprocess.run(
+        ["bash", str(path)], capture_output=True, text=True, check=False, timeout=60
+    )
 
 
 def test_the_shared_error_report_is_under_the_name_of_the_script(tmp_path: Path) -> None:
@@ -129,15 +145,16 @@ def test_the_shared_die_is_under_the_name_of_the_script(tmp_path: Path) -> None:
 
 
 def test_the_mirror_variable_named_wins_over_the_machine_s_apt(tmp_path: Path) -> None:
-    done = _script(tmp_path / "image.sh",
-                   "MY_MIRROR=http://mirror.invalid/debian debian_mirror MY_MIRROR")
+    done = _script(
+        tmp_path / "image.sh", "MY_MIRROR=http://mirror.invalid/debian debian_mirror MY_MIRROR"
+    )
     assert (done.returncode, done.stdout, done.stderr) == (0, "http://mirror.invalid/debian\n", "")
 
 
 @pytest.mark.parametrize(
     ("line", "early"),
     [
-        ('systemctl status x | head -5', True),
+        ("systemctl status x | head -5", True),
         ("id -nG u | tr ' ' '\\n' | grep -qx docker", True),
         ("docker ps | grep -m1 x", True),
         ("tar -xOf t ./s | awk '$1 == 1 {print $2; exit}'", True),

@@ -180,9 +180,14 @@ LIB = Path("/library")
 def _library(*models: tuple[str, ...]) -> Library:
     """A scanned library (nothing on disk: naming reads no file), one Ready model per tuple of
     file names, guids in order."""
-    ready = [ReadyModel(f"{index:032x}", LIB / f"{index:032x}",
-                        tuple(LIB / f"{index:032x}" / "files" / name for name in sorted(files)))
-             for index, files in enumerate(models)]  # fmt: skip
+    ready = [
+        ReadyModel(
+            f"{index:032x}",
+            LIB / f"{index:032x}",
+            tuple(LIB / f"{index:032x}" / "files" / name for name in sorted(files)),
+        )
+        for index, files in enumerate(models)
+    ]
     return Library(LIB, tuple(ready), ())
 
 

@@ -72,10 +72,21 @@ def test_the_installed_package_ships_the_plugin_with_the_source_trees_version_an
 
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q",
-         "--disable-pip-version-check", "--target", str(site), str(_project(tmp_path))],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "-q",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(_project(tmp_path)),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     script = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(site)!r})\n"
@@ -115,9 +126,12 @@ def test_the_plugins_own_version_is_its_pyprojects_whatever_else_is_installed(
     plugin_root = tier_image.SOURCE
     script = "import lucia_kv; print(lucia_kv.version())"
     run = subprocess.run(
-        [sys.executable, "-c", script], env={"PYTHONPATH": f"{stale}:{plugin_root}"},
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [sys.executable, "-c", script],
+        env={"PYTHONPATH": f"{stale}:{plugin_root}"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert run.stdout.strip() == plugin.version
     # inside the image no pyproject.toml is beside the package: the metadata installed with it
     site = tmp_path / "site"
@@ -125,9 +139,12 @@ def test_the_plugins_own_version_is_its_pyprojects_whatever_else_is_installed(
         (site / relative).parent.mkdir(parents=True, exist_ok=True)
         (site / relative).write_bytes(data)
     run = subprocess.run(
-        [sys.executable, "-c", script], env={"PYTHONPATH": str(site)},
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [sys.executable, "-c", script],
+        env={"PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert run.stdout.strip() == plugin.version
 
 
@@ -216,8 +233,11 @@ def test_the_installed_files_are_what_pip_wheel_would_install(
 
 def test_labels_and_current(plugin: Plugin) -> None:
     labels = tier_image.labels(plugin, BASE)
-    assert labels == {TIERS_BASE: BASE, TIERS_VERSION: "0.1.0",
-                      TIERS_DIGEST: tier_image.digest(plugin)}
+    assert labels == {
+        TIERS_BASE: BASE,
+        TIERS_VERSION: "0.1.0",
+        TIERS_DIGEST: tier_image.digest(plugin),
+    }
     assert tier_image.current(plugin, BASE, {**labels, "other": "x"})
     assert not tier_image.current(plugin, "sha256:" + "cd" * 32, labels), "a new base"
     assert not tier_image.current(plugin, BASE, {**labels, TIERS_VERSION: "0.0.9"}), "a new plugin"

@@ -69,8 +69,9 @@ def test_the_engine_runs_as_the_worker_and_a_change_of_user_replaces_it(tmp_path
     _downloaded(tmp_path, {})
     image = _Images().image("x")
     assert image is not None
-    spec = found.run_spec(EngineImage(tier_image.tag("vllm/vllm-openai:v0.32.0"), image),
-                          Endpoint("172.17.0.1", 8000))
+    spec = found.run_spec(
+        EngineImage(tier_image.tag("vllm/vllm-openai:v0.32.0"), image), Endpoint("172.17.0.1", 8000)
+    )
     assert spec.user == WORKER
     assert spec.environment["HOME"] == account.ENGINE_HOME
     assert spec.environment["HF_HOME"] == account.HF_HOME
@@ -100,8 +101,10 @@ def test_the_download_runs_as_the_engines_user_with_its_home(tmp_path: Path) -> 
     found = _hf_engine(tmp_path)
     runtime = _Download(tmp_path)
     found.runtime = runtime
-    found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
-               StepContext(threading.Event(), lambda _line: None))
+    found.make(
+        ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
+        StepContext(threading.Event(), lambda _line: None),
+    )
     (call,) = runtime.calls
     assert call["user"] == WORKER
     environment = call["environment"]
@@ -127,6 +130,6 @@ volumes = [{ source = "/srv/hf", target = "/root/.cache/huggingface" }]
     with pytest.raises(RecipeError) as refused:
         parse(text)
     assert "/root/.cache/huggingface: the vLLM engine runs as the service user" in str(
-        refused.value)
-    assert isinstance(parse(text.replace("/root/.cache/huggingface", account.HF_HOME)),
-                      VllmRecipe)
+        refused.value
+    )
+    assert isinstance(parse(text.replace("/root/.cache/huggingface", account.HF_HOME)), VllmRecipe)

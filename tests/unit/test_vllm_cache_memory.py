@@ -36,7 +36,7 @@ served_name = "tiny"
 max_model_len = 1024
 [vllm.model.hf]
 id = "org/tiny"
-revision = "{'0' * 40}"
+revision = "{"0" * 40}"
 {section}
 [run]
 port = 8000
@@ -57,33 +57,47 @@ GPU_RUN = 'shm_size = "10g"\nmemory = "26g"'
         # a CPU engine's need is its container's limit: run.memory plus the plugin's buffers
         ("cpu", "", 'shm_size = "512m"\nmemory = "6g"', True, 6 * GIB, 0),
         ("cpu", NVME, 'shm_size = "512m"\nmemory = "6g"', True, 6 * GIB + BUFFERS, BUFFERS),
-        ("cpu", f'{NVME}\nbuffer_bytes = "1g"\nqueue_bytes = "64m"',
-         'shm_size = "512m"\nmemory = "6g"', True, 7 * GIB + 64 * MIB, GIB + 64 * MIB),
+        (
+            "cpu",
+            f'{NVME}\nbuffer_bytes = "1g"\nqueue_bytes = "64m"',
+            'shm_size = "512m"\nmemory = "6g"',
+            True,
+            7 * GIB + 64 * MIB,
+            GIB + 64 * MIB,
+        ),
         # the shm tier lives in /dev/shm, which run.memory already holds: counted once
-        ("cpu", 'shm_bytes = "256m"', 'shm_size = "512m"\nmemory = "6g"', True,
-         6 * GIB + BUFFERS, BUFFERS),
+        (
+            "cpu",
+            'shm_bytes = "256m"',
+            'shm_size = "512m"\nmemory = "6g"',
+            True,
+            6 * GIB + BUFFERS,
+            BUFFERS,
+        ),
         # a GPU engine's need is its share of the GPUs' memory, which holds neither
         ("gpu", "", GPU_RUN, True, 90 * GIB, 0),
         ("gpu", NVME, GPU_RUN, True, 90 * GIB + BUFFERS, BUFFERS),
-        ("gpu", f'shm_bytes = "8g"\n{NVME}', GPU_RUN, True, 98 * GIB + BUFFERS,
-         8 * GIB + BUFFERS),
+        ("gpu", f'shm_bytes = "8g"\n{NVME}', GPU_RUN, True, 98 * GIB + BUFFERS, 8 * GIB + BUFFERS),
         # with limit = "gpu" the plan divides the GPUs' memory alone: host memory is not in it
         ("gpu", f'shm_bytes = "8g"\n{NVME}', GPU_RUN, False, 90 * GIB, 0),
     ],
-)  # fmt: skip
+)
 def test_the_need_counts_the_context_caches_host_memory_once(
     device: str, tiers: str, run: str, host: bool, need: int, cache: int
 ) -> None:
     found = recipe(device, tiers, run)
-    planned = (memory.cpu_need(found) if device == "cpu"
-               else memory.gpu_need(found, 100 * GIB, host=host))  # fmt: skip
+    planned = (
+        memory.cpu_need(found) if device == "cpu" else memory.gpu_need(found, 100 * GIB, host=host)
+    )
     assert planned is not None
     assert planned.need == need
     assert dict(planned.shares).get(SHARE, 0) == cache
 
 
-@pytest.mark.parametrize(("tiers", "limit"), [("", 6 * GIB), (NVME, 6 * GIB + BUFFERS),
-                                              ('shm_bytes = "256m"', 6 * GIB + BUFFERS)])
+@pytest.mark.parametrize(
+    ("tiers", "limit"),
+    [("", 6 * GIB), (NVME, 6 * GIB + BUFFERS), ('shm_bytes = "256m"', 6 * GIB + BUFFERS)],
+)
 def test_the_containers_limit_is_what_the_cpu_plan_counts(tiers: str, limit: int) -> None:
     found = recipe("cpu", tiers)
     assert found.memory_limit == limit

@@ -37,10 +37,10 @@ model = "tiny"
 device = "cpu"
 served_name = "tiny"
 max_model_len = 1024
-nvidia_smi = "{tmp / 'no-such-nvidia-smi'}"
+nvidia_smi = "{tmp / "no-such-nvidia-smi"}"
 {vllm}
 [vllm.model.library]
-models_dir = "{tmp / 'library'}"
+models_dir = "{tmp / "library"}"
 guid = "g1"
 [run]
 port = 8000
@@ -66,8 +66,12 @@ class NoDocker(Runtime):
 
 def test_a_cpu_engine_reads_no_gpu_and_runs_the_recipes_image(tmp_path: Path) -> None:
     (tmp_path / "library" / "g1" / "files").mkdir(parents=True)
-    engine = Vllm("c", parsed(cpu_recipe(tmp_path, 'image = "reg.example/vllm-cpu:1"')),
-                  NoDocker(), tmp_path / "state")
+    engine = Vllm(
+        "c",
+        parsed(cpu_recipe(tmp_path, 'image = "reg.example/vllm-cpu:1"')),
+        NoDocker(),
+        tmp_path / "state",
+    )
     wanted = engine.prerequisites()
     assert not any(isinstance(p, Preflight) for p in wanted.missing)  # no nvidia-smi is run
     assert wanted.image is not None and wanted.image.ref == "reg.example/vllm-cpu:1"
@@ -88,8 +92,11 @@ def test_a_cpu_engine_reads_no_gpu_and_runs_the_recipes_image(tmp_path: Path) ->
         ("", 'shm_size = "64m"\nmemory = "4g"', "run.shm_size over 160 MiB"),
         ("", 'shm_size = "512m"', "needs run.memory"),
         ("kv_cache_gib = 4", 'shm_size = "512m"\nmemory = "4g"', "needs run.memory"),
-        ('channel = "nightly"\nnightly_commit = "' + "a" * 40 + '"',
-         'shm_size = "512m"\nmemory = "4g"', "device cpu runs vllm.image"),
+        (
+            'channel = "nightly"\nnightly_commit = "' + "a" * 40 + '"',
+            'shm_size = "512m"\nmemory = "4g"',
+            "device cpu runs vllm.image",
+        ),
         ('quantization = "fp8"', 'shm_size = "512m"\nmemory = "4g"', "device cpu runs"),
     ],
 )
@@ -126,8 +133,9 @@ def test_the_shipped_cpu_recipe_loads_and_is_planned() -> None:
 
 def test_engine_image_is_what_the_spec_runs(tmp_path: Path) -> None:
     engine = Vllm("c", parsed(cpu_recipe(tmp_path)), NoDocker(), tmp_path / "state")
-    found = EngineImage("lucia-vllm-cpu:0.32.0-torch2.13.0", Image(id="sha256:" + "b" * 64,
-                                                                   labels={}))
+    found = EngineImage(
+        "lucia-vllm-cpu:0.32.0-torch2.13.0", Image(id="sha256:" + "b" * 64, labels={})
+    )
     assert engine.run_spec(found, Endpoint("172.17.0.1", 8123)).image == "sha256:" + "b" * 64
 
 
@@ -140,8 +148,9 @@ class NoImage(NoDocker):
 
 def test_a_missing_cpu_image_is_pulled_only_after_run_memory_fits(tmp_path: Path) -> None:
     (tmp_path / "library" / "g1" / "files").mkdir(parents=True)
-    engine = Vllm("c", parsed(cpu_recipe(tmp_path)), NoImage(), tmp_path / "state",
-                  tmp_path / "data")
+    engine = Vllm(
+        "c", parsed(cpu_recipe(tmp_path)), NoImage(), tmp_path / "state", tmp_path / "data"
+    )
     (first,) = engine.prerequisites().missing
     assert first == MemoryFit(6 * GIB)  # before the pull: nothing is fetched for a refusal
     assert memory.refused(memory.cpu_fit(engine.recipe, 24 * GIB, 18 * GIB)) is None
@@ -169,17 +178,21 @@ def running(container_id: str) -> Container:
     return Container(container_id, "c", "sha256:" + "a" * 64, "running", 0, False, "", {}, ())
 
 
-@pytest.mark.parametrize(("body", "shown"), [
-    (b'{"version": "0.32.0"}', "0.32.0"),
-    (b'{"version": "0.32.0\\u001b[31m red"}', None),  # never an answer's other text
-    (b'{"version": 32}', None),
-    (b"not json", None),
-])
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        (b'{"version": "0.32.0"}', "0.32.0"),
+        (b'{"version": "0.32.0\\u001b[31m red"}', None),  # never an answer's other text
+        (b'{"version": 32}', None),
+        (b"not json", None),
+    ],
+)
 def test_the_version_is_what_vllm_says_once_per_container(
     tmp_path: Path, body: bytes, shown: str | None
 ) -> None:
     (tmp_path / "library" / "g1" / "files").mkdir(parents=True)
     engine = Vllm("c", parsed(cpu_recipe(tmp_path)), NoDocker(), tmp_path / "state")
+
     class Handler(VersionServer):
         pass
 

@@ -87,10 +87,16 @@ def test_the_engine_reads_the_recorded_card_through_its_nvidia_smi(
         ("h100", {}, "vllm/vllm-openai:v0.32.0-cu129"),
         ("b200", {}, "vllm/vllm-openai:v0.32.0"),
         ("h100", {"repository": "mirror.local/vllm"}, "mirror.local/vllm:v0.32.0-cu129"),
-        ("b200", {"channel": "nightly", "nightly_commit": "e68efc685ab1" + "0" * 28},
-         "vllm/vllm-openai:nightly-e68efc685ab1" + "0" * 28),
-        ("h100", {"channel": "nightly", "nightly_commit": "e68efc685ab1" + "0" * 28},
-         pf.NIGHTLY_NEEDS_CUDA13),
+        (
+            "b200",
+            {"channel": "nightly", "nightly_commit": "e68efc685ab1" + "0" * 28},
+            "vllm/vllm-openai:nightly-e68efc685ab1" + "0" * 28,
+        ),
+        (
+            "h100",
+            {"channel": "nightly", "nightly_commit": "e68efc685ab1" + "0" * 28},
+            pf.NIGHTLY_NEEDS_CUDA13,
+        ),
         ("a100", {"quantization": "fp8"}, pf.FP8_UNSUPPORTED),
         ("l4", {"quantization": "fp8"}, "vllm/vllm-openai:v0.32.0-cu129"),
     ],
@@ -134,7 +140,7 @@ engine = "vllm"
 served_name = "m"
 max_model_len = 4096
 [vllm.model.library]
-models_dir = "{tmp_path / 'library'}"
+models_dir = "{tmp_path / "library"}"
 guid = "guid-1"
 [run]
 port = 8000
@@ -153,6 +159,7 @@ port = 8000
 
 
 # -- the model step, the namespace's parts and the secrets as files -----------------------------
+
 
 class _Images(Runtime):
     """The runtime boundary, for what these cases ask: an image that is there (a tier image
@@ -187,13 +194,13 @@ nvidia_smi = "{smi}"
 id = "org/model"
 revision = "0123456789abcdef0123456789abcdef01234567"
 [tiers]
-nvme = {{ path = "{tmp / 'nvme'}", max_bytes = "1g" }}
+nvme = {{ path = "{tmp / "nvme"}", max_bytes = "1g" }}
 [secrets]
-LUCIA_KV_KEY = "{tmp / 'kv.key'}"
+LUCIA_KV_KEY = "{tmp / "kv.key"}"
 {secrets}
 [run]
 port = 8000
-volumes = [{{ source = "{tmp / 'hf'}", target = "/var/cache/huggingface" }}]
+volumes = [{{ source = "{tmp / "hf"}", target = "/var/cache/huggingface" }}]
 """
     )
     assert isinstance(parsed, VllmRecipe)
@@ -206,8 +213,14 @@ volumes = [{{ source = "{tmp / 'hf'}", target = "/var/cache/huggingface" }}]
 
 def _downloaded(tmp: Path, config: dict[str, object]) -> Path:
     """What the hf CLI leaves in the cache, in huggingface_hub's layout."""
-    snapshot = (tmp / "hf" / "hub" / "models--org--model" / "snapshots"
-                / "0123456789abcdef0123456789abcdef01234567")
+    snapshot = (
+        tmp
+        / "hf"
+        / "hub"
+        / "models--org--model"
+        / "snapshots"
+        / "0123456789abcdef0123456789abcdef01234567"
+    )
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(json.dumps(config))
     return snapshot
@@ -222,8 +235,16 @@ def test_a_hugging_face_model_is_a_download_step_after_the_pull(tmp_path: Path) 
 
 def test_the_kv_layout_comes_from_the_models_config(tmp_path: Path) -> None:
     found = _hf_engine(tmp_path)
-    _downloaded(tmp_path, {"num_hidden_layers": 2, "num_attention_heads": 4,
-                           "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32})
+    _downloaded(
+        tmp_path,
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_size": 128,
+            "head_dim": 32,
+        },
+    )
     layout = found.identity(_Images().image("x")).layout  # type: ignore[arg-type]
     assert (layout.layers, layout.kv_heads, layout.head_dim) == (2, 2, 32)
 
@@ -231,8 +252,9 @@ def test_the_kv_layout_comes_from_the_models_config(tmp_path: Path) -> None:
 def test_the_library_models_config_gives_the_layout_with_the_defaults(tmp_path: Path) -> None:
     files = tmp_path / "library" / "guid-1" / "files"
     files.mkdir(parents=True)
-    (files / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 36, "num_attention_heads": 32, "hidden_size": 4096}))
+    (files / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 36, "num_attention_heads": 32, "hidden_size": 4096})
+    )
     parsed = parse(
         f"""
 name = "v"
@@ -241,7 +263,7 @@ engine = "vllm"
 served_name = "m"
 max_model_len = 4096
 [vllm.model.library]
-models_dir = "{tmp_path / 'library'}"
+models_dir = "{tmp_path / "library"}"
 guid = "guid-1"
 [run]
 port = 8000
@@ -274,8 +296,10 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
     image = _Images().image("x")
     assert image is not None
     # with tiers the engine runs the tier image the prerequisites name
-    spec = found.run_spec(EngineImage(tier_image.tag("vllm/vllm-openai:v0.32.0-cu129"), image),
-                          Endpoint("172.17.0.1", 8000))
+    spec = found.run_spec(
+        EngineImage(tier_image.tag("vllm/vllm-openai:v0.32.0-cu129"), image),
+        Endpoint("172.17.0.1", 8000),
+    )
     assert "HF_TOKEN" not in spec.environment and "LUCIA_KV_KEY" not in spec.environment
     assert spec.environment["HF_TOKEN_PATH"] == "/run/lucia-secrets/HF_TOKEN/value"
     assert spec.environment["LUCIA_KV_KEY_FILE"] == "/run/lucia-secrets/LUCIA_KV_KEY/value"
@@ -296,10 +320,13 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
 def test_a_download_no_volume_would_keep_is_refused_before_any_container(tmp_path: Path) -> None:
     found = _hf_engine(tmp_path)
     found.recipe = found.recipe.model_copy(
-        update={"run": found.recipe.run.model_copy(update={"volumes": []})})
+        update={"run": found.recipe.run.model_copy(update={"volumes": []})}
+    )
     with pytest.raises(Permanent) as refused:  # _Images has no run_streamed: none was made
-        found.make(ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
-                   StepContext(threading.Event(), lambda _line: None))
+        found.make(
+            ModelDownload("org/model", "0123456789abcdef0123456789abcdef01234567"),
+            StepContext(threading.Event(), lambda _line: None),
+        )
     assert "no writable [run] volume holds the Hugging Face cache" in str(refused.value)
     assert 'target = "/var/cache/huggingface"' in str(refused.value)
 
@@ -338,7 +365,7 @@ revision = "0123456789abcdef0123456789abcdef01234567"
 port = 8000
 memory = "4g"
 shm_size = "512m"
-volumes = [{{ source = "{tmp_path / 'hf'}", target = "/var/cache/huggingface" }}]
+volumes = [{{ source = "{tmp_path / "hf"}", target = "/var/cache/huggingface" }}]
 """
     )
     assert isinstance(parsed, VllmRecipe)
@@ -362,9 +389,11 @@ class _ProgressLast(_Images):
         _downloaded(self.tmp, {"num_hidden_layers": 2})
         progress = kwargs["progress"]
         assert callable(progress)
-        for line in ("✓ Downloaded",
-                     "  path: /var/cache/huggingface/hub/models--...napshots/0123",
-                     "Fetching 5 files: 100%|██████████| 5/5 [00:00<00:00, 138.44it/s]"):
+        for line in (
+            "✓ Downloaded",
+            "  path: /var/cache/huggingface/hub/models--...napshots/0123",
+            "Fetching 5 files: 100%|██████████| 5/5 [00:00<00:00, 138.44it/s]",
+        ):
             progress(line)
         return 0, ["done"]
 
@@ -378,5 +407,7 @@ def test_the_downloads_last_line_names_the_snapshot_whatever_order_the_cli_print
     lines: list[str] = []
     found.make(step, StepContext(threading.Event(), lines.append))
     snapshot = tmp_path / "hf" / "hub" / "models--org--model" / "snapshots"
-    assert lines[-1] == (f"downloaded org/model at 0123456789ab into {snapshot}"
-                         "/0123456789abcdef0123456789abcdef01234567")
+    assert lines[-1] == (
+        f"downloaded org/model at 0123456789ab into {snapshot}"
+        "/0123456789abcdef0123456789abcdef01234567"
+    )

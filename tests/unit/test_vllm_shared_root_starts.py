@@ -30,12 +30,16 @@ class Containers(Images):
 
     def containers(self, label: str | list[str], running: bool = True) -> list[Container]:
         assert label == NAMESPACE_LABEL
-        return [found for found in self.made.values()
-                if label in found.labels and (found.running or not running)]
+        return [
+            found
+            for found in self.made.values()
+            if label in found.labels and (found.running or not running)
+        ]
 
     def create(self, spec: RunSpec, status: str) -> str:
-        self.made[spec.name] = Container(f"id-{spec.name}", spec.name, spec.image, status, 0,
-                                         False, "", dict(spec.labels), ())
+        self.made[spec.name] = Container(
+            f"id-{spec.name}", spec.name, spec.image, status, 0, False, "", dict(spec.labels), ()
+        )
         return f"id-{spec.name}"
 
 

@@ -29,13 +29,23 @@ def on(tier: str, value: float) -> str:
         ([on("nvme", 0.0), on("hdd", 0.0)], {}),
         ([off("nvme", "erofs", 1.0), on("nvme", 0.0)], {"nvme": ("erofs",)}),
         ([off("nvme", "eio", 1.0), on("nvme", 1.0)], {}),  # off, then open again
-        ([off("nvme", "eio", 1.0), off("nvme", "erofs", 1.0), on("nvme", 1.0)],
-         {"nvme": ("eio", "erofs")}),
-        ([off("hdd", "enoent", 2.0), on("hdd", 1.0), off("nvme", "eio", 1.0), on("nvme", 1.0)],
-         {"hdd": ("enoent",)}),
+        (
+            [off("nvme", "eio", 1.0), off("nvme", "erofs", 1.0), on("nvme", 1.0)],
+            {"nvme": ("eio", "erofs")},
+        ),
+        (
+            [off("hdd", "enoent", 2.0), on("hdd", 1.0), off("nvme", "eio", 1.0), on("nvme", 1.0)],
+            {"hdd": ("enoent",)},
+        ),
         ([off("nvme", "Not A Reason!", 1.0)], {"nvme": ()}),  # an odd label is never shown
-        (["# HELP lucia_kv_tier_off_total ...", "# TYPE lucia_kv_tier_off_total counter",
-          "vllm:num_requests_running{engine=\"0\"} 0.0"], {}),
+        (
+            [
+                "# HELP lucia_kv_tier_off_total ...",
+                "# TYPE lucia_kv_tier_off_total counter",
+                'vllm:num_requests_running{engine="0"} 0.0',
+            ],
+            {},
+        ),
     ],
 )
 def test_which_tiers_are_off(lines: list[str], found: dict[str, tuple[str, ...]]) -> None:
@@ -48,8 +58,10 @@ def test_which_tiers_are_off(lines: list[str], found: dict[str, tuple[str, ...]]
         ({}, ""),
         ({"nvme": ("erofs",)}, "tier nvme off: read-only file system"),
         ({"nvme": ("eio", "erofs")}, "tier nvme off: input/output error; read-only file system"),
-        ({"nvme": (), "hdd": ("enoent",)},
-         "tier hdd off: no such file or directory, tier nvme off: a fault"),
+        (
+            {"nvme": (), "hdd": ("enoent",)},
+            "tier hdd off: no such file or directory, tier nvme off: a fault",
+        ),
         ({"shm": ("unsafe",)}, "tier shm off: unsafe"),
     ],
 )

@@ -34,11 +34,11 @@ def recipe_text(tmp: Path, tiers: str | None = None, extra: str = "") -> str:
     if tiers is None:
         tiers = f"""
 [tiers]
-nvme = {{ path = "{tmp / 'nvme'}", max_bytes = "64m" }}
-hdd = {{ path = "{tmp / 'hdd'}", max_bytes = "256m" }}
+nvme = {{ path = "{tmp / "nvme"}", max_bytes = "64m" }}
+hdd = {{ path = "{tmp / "hdd"}", max_bytes = "256m" }}
 {extra}
 [secrets]
-LUCIA_KV_KEY = "{tmp / 'kv.key'}"
+LUCIA_KV_KEY = "{tmp / "kv.key"}"
 """
     return f"""
 name = "c"
@@ -50,7 +50,7 @@ image = "{BASE}"
 served_name = "tiny"
 max_model_len = 1024
 [vllm.model.library]
-models_dir = "{tmp / 'library'}"
+models_dir = "{tmp / "library"}"
 guid = "g1"
 {tiers}
 [run]
@@ -89,12 +89,18 @@ class Images(Runtime):
         assert request.context is not None
         context = Path(request.context)
         dockerfile = (context / "Dockerfile").read_text()
-        self.builds.append((request, dockerfile, sorted(
-            str(p.relative_to(context)) for p in context.rglob("*") if p.is_file())))
+        self.builds.append(
+            (
+                request,
+                dockerfile,
+                sorted(str(p.relative_to(context)) for p in context.rglob("*") if p.is_file()),
+            )
+        )
         progress("Step 1/3 : FROM " + dockerfile.split()[1])
         if self.fail:
-            raise BuildFailed(f"build of {request.tag}",
-                              ["ModuleNotFoundError: No module named 'vllm'"])
+            raise BuildFailed(
+                f"build of {request.tag}", ["ModuleNotFoundError: No module named 'vllm'"]
+            )
         image = Image("sha256:" + "7" * 64, dict(request.labels))
         self.images[request.tag] = image
         return image
@@ -222,8 +228,11 @@ def test_a_plugin_changed_on_disk_is_what_the_next_build_installs_and_then_curre
     with the image it has until a build is due (here a new base image), that build installs
     the files as they are now, and the next observation finds its image current."""
     source = tmp_path / "kvplugin"
-    shutil.copytree(tier_image.SOURCE, source,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    shutil.copytree(
+        tier_image.SOURCE,
+        source,
+        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"),
+    )
     read = tier_image.read_plugin
     monkeypatch.setattr(tier_image, "read_plugin", lambda: read(source))  # the installed copy
     runtime = Images(base_images())
@@ -246,8 +255,9 @@ def test_a_plugin_changed_on_disk_is_what_the_next_build_installs_and_then_curre
         assert not any(isinstance(step, TierImage) for step in found.prerequisites().missing)
     assert len(runtime.builds) == 2
     assert found.identity(Image(BASE_ID, {})).plugin_version == "0.1.1"
-    assert noted(found) == ("KV-cache tier plugin lucia-kv-tiers 0.1.1 "
-                             f"(files {built[labels.TIERS_DIGEST][:19]})")
+    assert noted(found) == (
+        f"KV-cache tier plugin lucia-kv-tiers 0.1.1 (files {built[labels.TIERS_DIGEST][:19]})"
+    )
 
 
 def noted(found: Vllm) -> str:
@@ -371,8 +381,9 @@ def test_the_block_size_is_the_devices_unless_the_recipe_sets_another(
     extra = f"block_size = {block}" if block is not None else ""
     found = engine(tmp_path, Images(base_images()), recipe_text(tmp_path, extra=extra))
     command = found.command()
-    assert (command[command.index("--block-size") + 1] if "--block-size" in command
-            else None) == flag
+    assert (
+        command[command.index("--block-size") + 1] if "--block-size" in command else None
+    ) == flag
     assert found.identity(Image(BASE_ID, {})).layout.block_size == effective
 
 
@@ -380,8 +391,9 @@ def test_the_gpu_default_block_is_16() -> None:
     text = (Path(__file__).resolve().parents[2] / "recipes" / "vllm.toml").read_text()
     recipe = parsed(text)
     assert recipe.block_size == 16 and "--block-size" not in recipe.layout_args()
-    bigger = parsed(text.replace('key_secret = "LUCIA_KV_KEY"',
-                                 'key_secret = "LUCIA_KV_KEY"\nblock_size = 32'))
+    bigger = parsed(
+        text.replace('key_secret = "LUCIA_KV_KEY"', 'key_secret = "LUCIA_KV_KEY"\nblock_size = 32')
+    )
     assert bigger.layout_args() == ("--block-size", "32")
 
 
@@ -389,8 +401,10 @@ def test_the_gpu_default_block_is_16() -> None:
 def test_a_cpu_block_size_vllms_cpu_attention_refuses_is_refused(
     tmp_path: Path, block: int
 ) -> None:
-    with pytest.raises(RecipeError, match=f"tiers.block_size {block}: vLLM's CPU attention "
-                                          "takes multiples of 32 tokens only"):
+    with pytest.raises(
+        RecipeError,
+        match=f"tiers.block_size {block}: vLLM's CPU attention takes multiples of 32 tokens only",
+    ):
         parse(recipe_text(tmp_path, extra=f"block_size = {block}"))
 
 
@@ -410,9 +424,7 @@ def test_the_cpu_recipes_tiers_uncommented_load_and_start_with_the_tier_image(
     marker = "# [tiers]\n"
     assert marker in shipped
     head, _, block = shipped.partition(marker)
-    text = head + "[tiers]\n" + "\n".join(
-        line.removeprefix("# ") for line in block.splitlines()
-    )  # fmt: skip
+    text = head + "[tiers]\n" + "\n".join(line.removeprefix("# ") for line in block.splitlines())
     recipe = parsed(text)
     assert recipe.tiers.any and recipe.block_size == 128
     assert [tier.name for tier in recipe.tier_plan().disks] == ["nvme", "hdd"]

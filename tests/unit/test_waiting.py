@@ -24,9 +24,15 @@ CLEAR = "\r\x1b[K"
 
 @pytest.mark.parametrize(
     ("seconds", "shown"),
-    [(0, "0s"), (59.9, "59s"), (60, "1m00s"), (605, "10m05s"), (3600, "1h00m00s"),
-     (3 * 3600 + 62, "3h01m02s")],
-)  # fmt: skip
+    [
+        (0, "0s"),
+        (59.9, "59s"),
+        (60, "1m00s"),
+        (605, "10m05s"),
+        (3600, "1h00m00s"),
+        (3 * 3600 + 62, "3h01m02s"),
+    ],
+)
 def test_elapsed(seconds: float, shown: str) -> None:
     assert elapsed(seconds) == shown
 
@@ -96,9 +102,12 @@ class Collector:
 def _start(data: Path, stderr: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [str(CLI), "request", "tf", "running", "--wait", "--create", "--data-dir", str(data)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != "LUCIA_DATA_DIR"},
-    )  # fmt: skip
+    )
 
 
 def _request(data: Path, side: int, reader: int, show: Callable[[Collector, int], None]) -> str:
@@ -161,6 +170,7 @@ def test_a_pipe_sees_a_line_when_the_message_changes(tmp_path: Path) -> None:
     assert "\r" not in text and "\x1b" not in text
     lines = text.splitlines()
     assert [line.split("] ", 1)[1] for line in lines if "downloading" in line] == [
-        "downloading 10%", "downloading 20%"
+        "downloading 10%",
+        "downloading 20%",
     ]  # once each, though read on every poll
     assert all(re.fullmatch(r"tf: \[\d+s\] .+", line) for line in lines), lines

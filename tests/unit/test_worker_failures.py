@@ -31,17 +31,30 @@ from tests.unit.test_recipe import IPC_HOST_SHM
 BOOM = "stopping container c1: 500 Server Error: the daemon is sick"
 TAKEN = "port 9001 on 172.30.0.1 is taken by another program"
 ARGS = "the engine's own check refused the recipe's arguments (exit 2): --kv-dtpye"
-SPEC = RunSpec(name="lucia-x", image="sha256:" + "a" * 64, network="lucia",
-               host_ip="172.30.0.1", host_port=9000, container_port=8888,
-               labels={labels.MANAGED: "true", labels.NAME: "x", labels.IMAGE_REF: "img"})
+SPEC = RunSpec(
+    name="lucia-x",
+    image="sha256:" + "a" * 64,
+    network="lucia",
+    host_ip="172.30.0.1",
+    host_port=9000,
+    container_port=8888,
+    labels={labels.MANAGED: "true", labels.NAME: "x", labels.IMAGE_REF: "img"},
+)
 MOVED = replace(SPEC, host_port=9001)
 
 
 def _container(cid: str, spec: RunSpec) -> Container:
-    return Container(id=cid, name="lucia-x", image_id=spec.image, status="running",
-                     exit_code=0, oom_killed=False, started_at="t",
-                     labels={**spec.labels, labels.FINGERPRINT: spec.fingerprint()},
-                     bindings=((spec.host_ip, spec.host_port),))
+    return Container(
+        id=cid,
+        name="lucia-x",
+        image_id=spec.image,
+        status="running",
+        exit_code=0,
+        oom_killed=False,
+        started_at="t",
+        labels={**spec.labels, labels.FINGERPRINT: spec.fingerprint()},
+        bindings=((spec.host_ip, spec.host_port),),
+    )
 
 
 @dataclass
@@ -74,8 +87,14 @@ class FakeRuntime:
         return None
 
 
-INFO = EngineInfo("fake", "lucia-x", stop_grace=1.0, ready_timeout=10.0, poll_interval=30.0,
-                  models=("fake-model",))
+INFO = EngineInfo(
+    "fake",
+    "lucia-x",
+    stop_grace=1.0,
+    ready_timeout=10.0,
+    poll_interval=30.0,
+    models=("fake-model",),
+)
 
 
 @dataclass
@@ -92,9 +111,13 @@ class FakeEngine:
         container = self.runtime.container
         port = container.bindings[0][1] if container else self.spec.host_port
         url = f"http://172.30.0.1:{port}"
-        return Observed(container=container, spec=self.spec, url=url,
-                        targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),),
-                        models=self.info.models)
+        return Observed(
+            container=container,
+            spec=self.spec,
+            url=url,
+            targets=(TargetGroup(targets=[f"172.30.0.1:{port}"], labels={}),),
+            models=self.info.models,
+        )
 
     def make(self, what: Prerequisite, ctx: StepContext) -> None:
         raise AssertionError("nothing is missing")
@@ -118,8 +141,12 @@ class Shown:
     at: float
 
 
-def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
-            load: Callable[[], Any] = object) -> tuple[loop.Worker, list[Shown]]:
+def _worker(
+    tmp_path: Path,
+    engine: FakeEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    load: Callable[[], Any] = object,
+) -> tuple[loop.Worker, list[Shown]]:
     monkeypatch.setattr(loop.registry, "create", lambda *args, **kwargs: engine)
     settings = loop.WorkerSettings("x", tmp_path / "data", tmp_path / "state", heartbeat=5.0)
     worker = loop.Worker(settings, load, engine.runtime)  # type: ignore[arg-type]
@@ -137,8 +164,7 @@ def _worker(tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
 def _request(worker: loop.Worker, generation: int, desired: str) -> None:
     path = worker.directory / "desired.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"schemaVersion": 1, "generation": generation,
-                               "desired": desired}))
+    tmp.write_text(json.dumps({"schemaVersion": 1, "generation": generation, "desired": desired}))
     os.replace(tmp, path)
 
 
@@ -248,23 +274,34 @@ def test_a_refused_replacement_serves_on_and_goes_ahead_once_the_check_passes(
         assert len(engine.checks) == 1, engine.checks
         marks["reload"] = len(shown)
         os.kill(os.getpid(), signal.SIGHUP)  # an operator's reload tries again at once
-        _until("the replacement", lambda: runtime.container is not None
-               and runtime.container.id == "c2" and shown[-1].state == "running")
+        _until(
+            "the replacement",
+            lambda: (
+                runtime.container is not None
+                and runtime.container.id == "c2"
+                and shown[-1].state == "running"
+            ),
+        )
 
     _drive(worker, script)
     assert runtime.container is not None and runtime.container.bindings == (("172.30.0.1", 9001),)
     assert len(engine.checks) == 4
     _, reload_check, second, passed = engine.checks
     assert second - reload_check >= 1.0 and passed - second >= 2.0
-    before_stop = [s for s in shown[marks["moved"]:] if s.at < passed]  # until the Check passed
+    before_stop = [s for s in shown[marks["moved"] :] if s.at < passed]  # until the Check passed
     assert before_stop and all(s.state == "running" for s in before_stop), [
-        (s.state, s.message) for s in before_stop if s.state != "running"]
+        (s.state, s.message) for s in before_stop if s.state != "running"
+    ]
     assert all(s.targets[0].targets == ["172.30.0.1:9000"] for s in before_stop)
     messages = [s.message for s in before_stop]
-    assert ("serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
-            f"{ARGS}") in messages
-    assert ("serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
-            f"{TAKEN}; trying again in 1 s") in messages
+    assert (
+        "serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
+        f"{ARGS}"
+    ) in messages
+    assert (
+        "serving at http://172.30.0.1:9000; the replacement (its ports changed) was refused: "
+        f"{TAKEN}; trying again in 1 s"
+    ) in messages
     assert shown[-1].targets[0].targets == ["172.30.0.1:9001"]
     assert shown[-1].message == "serving at http://172.30.0.1:9001"
 
@@ -276,10 +313,14 @@ def _refusal(text: str) -> str:
     return str(refused.value)
 
 
-@pytest.mark.parametrize("nvme", [
-    "lucia-x.toml: tiers.nvme.path: '~/kv/nvme' must be an absolute path",
-    _refusal(IPC_HOST_SHM),  # the shm offload in the host's /dev/shm
-], ids=["a tier path", "the host ipc with an shm offload"])
+@pytest.mark.parametrize(
+    "nvme",
+    [
+        "lucia-x.toml: tiers.nvme.path: '~/kv/nvme' must be an absolute path",
+        _refusal(IPC_HOST_SHM),  # the shm offload in the host's /dev/shm
+    ],
+    ids=["a tier path", "the host ipc with an shm offload"],
+)
 def test_a_refused_recipe_reload_is_in_the_status_until_a_valid_one_is_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvme: str
 ) -> None:
@@ -303,8 +344,10 @@ def test_a_refused_recipe_reload_is_in_the_status_until_a_valid_one_is_loaded(
         loads.append(RecipeError(nvme))
         os.kill(os.getpid(), signal.SIGHUP)
         _until("the refusal", lambda: shown[-1].message == refused)
-        _until("status.json saying it",
-               lambda: json.loads(worker.heartbeat.path.read_text())["message"] == refused)
+        _until(
+            "status.json saying it",
+            lambda: json.loads(worker.heartbeat.path.read_text())["message"] == refused,
+        )
         on_disk.append(json.loads(worker.heartbeat.path.read_text()))
         os.kill(os.getpid(), signal.SIGHUP)  # the recipe is fixed: a valid one is loaded
         _until("the refusal gone", lambda: shown[-1].message == serving)

@@ -54,9 +54,14 @@ def plan(
     models, bad = router.read_models([_unit(cache_dir, m) for m in cached])
     startup_names = recipe.router.load_on_startup
     routed = router.plan(
-        name, models, now.budget.left, startup_names, opts,
-        multiplier=now.settings.weight_multiplier, unplannable=bad,
-    )  # fmt: skip
+        name,
+        models,
+        now.budget.left,
+        startup_names,
+        opts,
+        multiplier=now.settings.weight_multiplier,
+        unplannable=bad,
+    )
     for model in routed.unfit:
         if model.name in startup_names:  # refused before anything starts, with the numbers
             alone = EngineNeed(name, (model,), router.ADVICE)
@@ -128,4 +133,3 @@ def library_need(
         if model.name in recipe.router.load_on_startup:
             return EngineNeed(name, (model,), router.ADVICE)
     return routed.startup
-

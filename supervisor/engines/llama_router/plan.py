@@ -119,9 +119,16 @@ def plan(
 ) -> RouterPlan:
     def one(model: RouterModel, space: int) -> ModelNeed:
         return plan_model(
-            model.name, model.weights, model.shape, space, context=opts.context,
-            parallel=opts.parallel, multiplier=multiplier, type_k=opts.type_k, type_v=opts.type_v,
-        )  # fmt: skip
+            model.name,
+            model.weights,
+            model.shape,
+            space,
+            context=opts.context,
+            parallel=opts.parallel,
+            multiplier=multiplier,
+            type_k=opts.type_k,
+            type_v=opts.type_v,
+        )
 
     alone = [one(model, room) for model in sorted(models, key=lambda m: m.name)]
     fitting = [need for need in alone if _fits(need, room)]
@@ -161,9 +168,14 @@ def route(
     set together. The router defaults' ValueError says what is wrong with them."""
     models, bad = read
     return plan(
-        name, models, room, recipe.router.load_on_startup, options(recipe.router.defaults),
-        multiplier=multiplier, unplannable=bad,
-    )  # fmt: skip
+        name,
+        models,
+        room,
+        recipe.router.load_on_startup,
+        options(recipe.router.defaults),
+        multiplier=multiplier,
+        unplannable=bad,
+    )
 
 
 def engine_plan(recipe: LlamaRouterRecipe, budget: Budget, multiplier: float) -> EnginePlan:

@@ -54,5 +54,3 @@ class LlamaRouterRecipe(RecipeBase):
     engine: Literal["llama-router"]
     library: LibrarySettings
     router: Router
-
-

@@ -43,9 +43,14 @@ def tensorfold_need(
     context = int(settings.get("CONTEXT", 0))
     parallel = int(settings.get("PARALLEL", 1))
     model = figures(
-        recipe.model, found.weights, found.kv_per_token, context,
-        parallel=parallel, multiplier=multiplier, kv=found.kv,
-    )  # fmt: skip
+        recipe.model,
+        found.weights,
+        found.kv_per_token,
+        context,
+        parallel=parallel,
+        multiplier=multiplier,
+        kv=found.kv,
+    )
     return EngineNeed(recipe.name, (model,), "Lower CONTEXT")
 
 

@@ -118,8 +118,6 @@ class TensorFoldRecipe(RecipeBase):
         return self
 
 
-
-
 _NAME_FLAGS: Final = ("--name", "--served-model-name")
 PARALLEL_FLAG: Final = "--parallel"
 PARALLEL_SETTING: Final = "PARALLEL"

@@ -105,8 +105,9 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         facts = self.probe()
         launch = refused(pf.decide(self.choices, facts))
         shown = facts.gpus[0].name if isinstance(facts, gpu.GpuFacts) else ""
-        ctx.progress(f"GPU preflight passed ({shown}, CUDA {getattr(facts, 'cuda', '')}): "
-                     f"{launch.image}")
+        ctx.progress(
+            f"GPU preflight passed ({shown}, CUDA {getattr(facts, 'cuda', '')}): {launch.image}"
+        )
         record = {"key": self._choices_key(), "image": launch.image, "args": list(launch.args)}
         files.write_atomic(self._stamp, json.dumps(record).encode(), 0o600)
         log.info("vLLM preflight passed", image=launch.image)
@@ -128,8 +129,11 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         if self.recipe.tiers.any:  # the base plus the plugin, rebuilt for another base or version
             ref = tier_image.tag(launch.image)
             built, plugin = self.runtime.image(ref), self._plugin.get()
-            if built is None or plugin is None or not tier_image.current(plugin, image.id,
-                                                                         built.labels):
+            if (
+                built is None
+                or plugin is None
+                or not tier_image.current(plugin, image.id, built.labels)
+            ):
                 return VllmLook((TierImage(ref),))
             found, tier_labels = EngineImage(ref, built), dict(built.labels)
         hf = self.recipe.vllm.model.hf
@@ -176,18 +180,11 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
     def _model_key(self) -> str:
         hf = self.recipe.vllm.model.hf
         assert hf is not None
-        return hashlib.sha256(json.dumps([hf.id, hf.revision, str(self._snapshot())]).encode()
-                              ).hexdigest()
+        return hf_model.download_key(hf.id, hf.revision, self._snapshot())
 
     def _downloaded(self) -> bool:
         """The download of this id and revision into this cache ended well, and is still there."""
-        try:
-            data = json.loads(files.read_text(self._model_stamp))
-        except (OSError, ValueError):
-            return False
-        snapshot = self._snapshot()
-        return (isinstance(data, dict) and data.get("key") == self._model_key()
-                and snapshot is not None and (snapshot / "config.json").is_file())
+        return hf_model.downloaded(self._model_stamp, self._model_key(), self._snapshot())
 
     def _file_secrets(self) -> dict[str, str]:
         return hf_model.file_secrets(self.recipe.secrets, self.recipe.tiers.key_secret)
@@ -199,11 +196,17 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             raise Blocked("the engine image is missing; it is pulled again")
         snapshot = self._snapshot()
         where = hf_model.Where(image.id, self.recipe.run.network, self.volumes(), snapshot)
-        hf_model.download(self.runtime, what, where, settings=self.recipe.environment,
-                          secrets=self.secrets(), secrets_root=self._secrets_root,
-                          labels={labels.NAME: self.name}, ctx=ctx)
-        files.write_atomic(self._model_stamp, json.dumps({"key": self._model_key()}).encode(),
-                           0o600)
+        hf_model.download(
+            self.runtime,
+            what,
+            where,
+            settings=self.recipe.environment,
+            secrets=self.secrets(),
+            secrets_root=self._secrets_root,
+            labels={labels.NAME: self.name},
+            ctx=ctx,
+        )
+        hf_model.record_download(self._model_stamp, self._model_key())
         log.info("model downloaded", model=what.repo_id, revision=what.revision)
 
     # -- old namespaces ------------------------------------------------------------------------
@@ -218,8 +221,9 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         if model.hf is not None:
             return kv_tiers.hf_manifest(model.hf.id, model.hf.revision)
         assert model.library is not None
-        return kv_tiers.library_manifest(model.library.guid,
-                                         hf_model.file_stats(self._library_files()))
+        return kv_tiers.library_manifest(
+            model.library.guid, hf_model.file_stats(self._library_files())
+        )
 
     def _library_files(self) -> Path:
         ref = self.recipe.vllm.model.library
@@ -242,8 +246,9 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             case MemoryFit(need):
                 room = guard.room(None)  # the machine alone: what others hold is the Check's
                 budget = room.budget
-                why = vllm_memory.refused(vllm_memory.cpu_fit(self.recipe, budget.limit,
-                                                              budget.reserves))
+                why = vllm_memory.refused(
+                    vllm_memory.cpu_fit(self.recipe, budget.limit, budget.reserves)
+                )
                 if why is not None:
                     raise Permanent(why)
                 self._fitted = need
@@ -254,8 +259,13 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             case TierImage():
                 launch = self._launch()
                 assert launch is not None  # the step comes after the base image is there
-                self._plugin.build(self.runtime, launch.image, self.state_dir / "tier-build",
-                                   ctx, self.device.site_packages)  # the plugin read afresh
+                self._plugin.build(
+                    self.runtime,
+                    launch.image,
+                    self.state_dir / "tier-build",
+                    ctx,
+                    self.device.site_packages,
+                )  # the plugin read afresh
             case ModelDownload():
                 self._download(what, ctx)
             case _:
@@ -339,15 +349,17 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         return (Mount(str(self._library_files()), self.recipe.model_argument, read_only=True),)
 
     def extra_labels(self) -> dict[str, str]:
-        revision = self.recipe.model_revision or hashlib.sha256(
-            self.model_manifest().encode()
-        ).hexdigest()[:16]
+        revision = (
+            self.recipe.model_revision
+            or hashlib.sha256(self.model_manifest().encode()).hexdigest()[:16]
+        )
         return {labels.MODEL_REVISION: revision, MEMORY_LABEL: str(self.recipe.vllm.memory)}
 
     def ready(self) -> bool:
         """`/health` answers 200 (the engine loaded), then `/v1/models` lists the served name."""
         return self.endpoint is not None and probes.ready(
-            self.endpoint.url, self.recipe.run.ready_path, self.recipe.vllm.served_name)
+            self.endpoint.url, self.recipe.run.ready_path, self.recipe.vllm.served_name
+        )
 
     def seen(self, look: Look[VllmLook]) -> Look[VllmLook]:
         """The version the running engine states, and the KV tiers it has switched off."""
@@ -361,8 +373,10 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         return look.own.version
 
     def targets(self, look: Look[VllmLook]) -> tuple[TargetGroup, ...]:
-        group = {"model": self.recipe.model or self.recipe.vllm.served_name,
-                 "served_name": self.recipe.vllm.served_name}
+        group = {
+            "model": self.recipe.model or self.recipe.vllm.served_name,
+            "served_name": self.recipe.vllm.served_name,
+        }
         return (self.target_group(look.endpoint, group),) if look.endpoint else ()
 
     def notes(self, look: Look[VllmLook]) -> str:  # the tier image's plugin; the tiers off

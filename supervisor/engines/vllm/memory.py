@@ -64,8 +64,14 @@ def cache_bytes(recipe: VllmRecipe, *, shm: bool) -> int:
 
 def _need(recipe: VllmRecipe, total: int, lower: str, cache: int = 0) -> EngineNeed:
     """total holds cache, the context cache's share, which a refusal names."""
-    model = figures(recipe.model or recipe.vllm.served_name, total, 0,
-                    recipe.vllm.max_model_len, multiplier=1.0, kv=0)  # fmt: skip
+    model = figures(
+        recipe.model or recipe.vllm.served_name,
+        total,
+        0,
+        recipe.vllm.max_model_len,
+        multiplier=1.0,
+        kv=0,
+    )
     shares = ((CACHE_SHARE, cache),) if cache else ()
     return EngineNeed(recipe.name, (model,), lower, shares)
 

@@ -12,6 +12,7 @@ host: it is mounted read-only and needs no step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from supervisor.docker.spec import Mount
 from supervisor.engines.base import StepContext
 from supervisor.engines.vllm import account, secretfiles
 from supervisor.errors import BuildFailed, Permanent
+from supervisor.protocol import files
 
 PYTHON: Final = "python3"
 HF_CLI: Final = ("-m", "huggingface_hub.cli.hf")  # the `hf` console script's module
@@ -150,7 +152,7 @@ def download(
     if where.snapshot is None:
         raise Permanent(
             f"no writable [run] volume holds the Hugging Face cache {hub_cache(settings)}, so "
-            'the download would be lost with its container; add volumes = [{ source = '
+            "the download would be lost with its container; add volumes = [{ source = "
             f'"~/.cache/huggingface", target = "{account.HF_HOME}" }}]'
         )
     env = account.environment(settings, leaving_out=TOKEN_NAMES)
@@ -191,3 +193,27 @@ def file_secrets(secrets: Mapping[str, object], key_secret: str) -> dict[str, st
     if key_secret in secrets:
         names[key_secret] = secretfiles.KEY_FILE
     return names
+
+
+def download_key(repo_id: str, revision: str, snapshot: Path | None) -> str:
+    """What a finished download is recorded under: the id, the revision and where it went."""
+    return hashlib.sha256(json.dumps([repo_id, revision, str(snapshot)]).encode()).hexdigest()
+
+
+def downloaded(stamp: Path, key: str, snapshot: Path | None) -> bool:
+    """The download recorded under key ended well (stamp says so), and is still there."""
+    try:
+        data = json.loads(files.read_text(stamp))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(data, dict)
+        and data.get("key") == key
+        and snapshot is not None
+        and (snapshot / "config.json").is_file()
+    )
+
+
+def record_download(stamp: Path, key: str) -> None:
+    """Record a download that ended well, atomically, readable by this worker only."""
+    files.write_atomic(stamp, json.dumps({"key": key}).encode(), 0o600)

@@ -117,8 +117,9 @@ def _unowned(locks: contextlib.ExitStack, path: Path) -> bool:
     """Whether no store holds an owner lock in a namespace directory (its own, or a rank's
     below it); the locks taken are held until locks closes."""
     for top, _dirs, names in os.walk(path, followlinks=False):
-        if OWNER_LOCK in names and not _take(locks, Path(top, OWNER_LOCK),
-                                             fcntl.LOCK_EX | fcntl.LOCK_NB):
+        if OWNER_LOCK in names and not _take(
+            locks, Path(top, OWNER_LOCK), fcntl.LOCK_EX | fcntl.LOCK_NB
+        ):
             return False
     return True
 
@@ -147,16 +148,24 @@ def prune(
             return []
         found = _found(root, space)
         starting = {
-            path.name for path, _, _ in found
+            path.name
+            for path, _, _ in found
             if not _take(locks, path, fcntl.LOCK_EX | fcntl.LOCK_NB, _DIRECTORY)
-        }  # fmt: skip
+        }
         listed = frozenset(named())
         old = []
         for path, changed, on_disk in found:
             kept = path.name in listed or path.name in starting
-            old.append(Old(path, changed, on_disk, named=path.name in listed,
-                           starting=path.name in starting,
-                           owned=not kept and not _unowned(locks, path)))
+            old.append(
+                Old(
+                    path,
+                    changed,
+                    on_disk,
+                    named=path.name in listed,
+                    starting=path.name in starting,
+                    owned=not kept and not _unowned(locks, path),
+                )
+            )
         removed = chosen(old, cap, reserve)
         for path in removed:
             shutil.rmtree(path)
@@ -167,9 +176,10 @@ def named(runtime: Runtime) -> frozenset[str]:
     """The namespaces the containers on this Docker name: every container, running or not
     (created, not yet started, or exited), of any engine of any worker."""
     return frozenset(
-        found.labels[LABEL] for found in runtime.containers(LABEL, running=False)
+        found.labels[LABEL]
+        for found in runtime.containers(LABEL, running=False)
         if found.labels.get(LABEL)
-    )  # fmt: skip
+    )
 
 
 def prune_tiers(
@@ -179,11 +189,13 @@ def prune_tiers(
     saying what went; a tier whose containers Docker did not list keeps everything."""
     for tier in disks:
         try:
-            gone = prune(tier.root, space, tier.max_bytes, tier.max_bytes,
-                         lambda: named(runtime))
+            gone = prune(tier.root, space, tier.max_bytes, tier.max_bytes, lambda: named(runtime))
         except (Transient, Permanent) as exc:
-            log.warning("old KV-cache namespaces kept: the containers were not listed",
-                        tier=tier.name, error=str(exc))
+            log.warning(
+                "old KV-cache namespaces kept: the containers were not listed",
+                tier=tier.name,
+                error=str(exc),
+            )
             continue
         for path in gone:
             log.info("old KV-cache namespace removed", tier=tier.name, namespace=path.name)

@@ -60,7 +60,7 @@ class Versions:
 
 
 _SAMPLE: Final = re.compile(
-    r'^lucia_kv_tier_(off|on)_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$', re.MULTILINE
+    r"^lucia_kv_tier_(off|on)_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$", re.MULTILINE
 )
 _LABEL: Final = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _REASON: Final = re.compile(r"[a-z0-9_]{1,32}")
@@ -86,8 +86,11 @@ def tiers_off(metrics: str) -> dict[str, tuple[str, ...]]:
                 reasons.setdefault(tier, set()).add(reason)
         else:
             ons[tier] = ons.get(tier, 0) + value
-    return {tier: tuple(sorted(reasons.get(tier, ()))) for tier, count in offs.items()
-            if count > ons.get(tier, 0)}  # fmt: skip
+    return {
+        tier: tuple(sorted(reasons.get(tier, ())))
+        for tier, count in offs.items()
+        if count > ons.get(tier, 0)
+    }
 
 
 def tiers_note(off: dict[str, tuple[str, ...]]) -> str:

@@ -319,8 +319,6 @@ class VllmRecipe(RecipeBase):
         )
 
 
-
-
 def served_names(recipe: VllmRecipe) -> tuple[str, ...]:
     """Pure: the names vLLM serves the model under, as its run spec passes them: the recipe's
     served_name, or what its extra arguments' `--served-model-name` (nargs "+") give."""

@@ -58,10 +58,20 @@ _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")
 _PATH = re.compile(r"/[A-Za-z0-9._/-]+")
 # settings that are argv once in --kv-transfer-config; the key never is
 _SETTINGS: Final = frozenset(
-    {"namespace", "key_file", "metrics_file", "writers", "queue_blocks", "queue_bytes",
-     "buffer_bytes", "rebuild_max_entries", "rebuild_max_seconds", "retry_seconds"}
+    {
+        "namespace",
+        "key_file",
+        "metrics_file",
+        "writers",
+        "queue_blocks",
+        "queue_bytes",
+        "buffer_bytes",
+        "rebuild_max_entries",
+        "rebuild_max_seconds",
+        "retry_seconds",
+    }
     | {f"{tier}_{what}" for tier in ("shm", "nvme", "hdd") for what in ("dir", "bytes")}
-)  # fmt: skip
+)
 
 
 class PluginUnreadable(Exception):
@@ -99,9 +109,7 @@ def read_plugin(source: Path = SOURCE) -> Plugin:
     if not isinstance(version, str) or not _VERSION.fullmatch(version):
         raise PluginUnreadable(f"{pyproject}: version {version!r} is not a version")
     package = source / PACKAGE
-    paths = sorted(
-        path for pattern in ("*.py", "py.typed") for path in package.rglob(pattern)
-    )  # fmt: skip
+    paths = sorted(path for pattern in ("*.py", "py.typed") for path in package.rglob(pattern))
     if not any(path.name == "connector.py" for path in paths):
         raise PluginUnreadable(f"{package} holds no connector.py")
     try:
@@ -135,8 +143,14 @@ class Current:
             self._plugin = plugin()
         return self._plugin
 
-    def build(self, runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
-              site: str = SITE_PACKAGES) -> Image:
+    def build(
+        self,
+        runtime: Runtime,
+        base_ref: str,
+        work: Path,
+        ctx: StepContext,
+        site: str = SITE_PACKAGES,
+    ) -> Image:
         """build() with the plugin read afresh, kept as the current one."""
         self._plugin = plugin()
         return build(runtime, base_ref, work, ctx, site, plugin=self._plugin)
@@ -279,8 +293,15 @@ def transfer_config(settings: Mapping[str, str | int] | None = None) -> str:
     return json.dumps(config, sort_keys=True)
 
 
-def build(runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
-          site: str = SITE_PACKAGES, *, plugin: Plugin | None = None) -> Image:
+def build(
+    runtime: Runtime,
+    base_ref: str,
+    work: Path,
+    ctx: StepContext,
+    site: str = SITE_PACKAGES,
+    *,
+    plugin: Plugin | None = None,
+) -> Image:
     """Build `tag(base_ref)` FROM base_ref's image from a context written fresh under work
     (removed after), its output lines the heartbeat's message; with plugin, or the plugin read
     now. A plugin that cannot be read or a failed build is a BuildFailed that says what to do
@@ -299,8 +320,11 @@ def build(runtime: Runtime, base_ref: str, work: Path, ctx: StepContext,
     context = Path(tempfile.mkdtemp(prefix="tier-context-", dir=work))
     try:
         write_context(plugin, base.id, context, site)
-        return runtime.build(build_request(plugin, base_ref, base.id, context),
-                             lambda line: ctx.progress(f"{MESSAGE}: {line}"), ctx.cancel)
+        return runtime.build(
+            build_request(plugin, base_ref, base.id, context),
+            lambda line: ctx.progress(f"{MESSAGE}: {line}"),
+            ctx.cancel,
+        )
     except BuildFailed as exc:
         raise BuildFailed(what, [*exc.lines, NEXT_STEP]) from None
     finally:

@@ -219,8 +219,9 @@ def _make_root(root: Path, uid: int) -> None:
 def _check_made_by_another(path: Path, uid: int) -> None:
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode):
-        raise TierRefused(f"{path} appeared and is not a directory; tier paths must be real "
-                          "directories")
+        raise TierRefused(
+            f"{path} appeared and is not a directory; tier paths must be real directories"
+        )
     if info.st_uid != uid or info.st_mode & 0o077:
         raise TierRefused(
             f"{path} appeared with owner {info.st_uid} and mode "

@@ -79,9 +79,13 @@ def _cmd_request(args: argparse.Namespace) -> int:
     if not args.wait:
         return EXIT_OK
     return waiting.await_state(
-        data_dir, args.name, generation, args.desired, args.timeout,
+        data_dir,
+        args.name,
+        generation,
+        args.desired,
+        args.timeout,
         keep_waiting=_wait_command(args.name, args.desired, data_dir),
-    )  # fmt: skip
+    )
 
 
 def _cmd_wait(args: argparse.Namespace) -> int:
@@ -92,9 +96,13 @@ def _cmd_wait(args: argparse.Namespace) -> int:
         print_err(f"no valid request in {directory / DESIRED}; use 'request' first")
         return EXIT_UNANSWERED
     return waiting.await_state(
-        data_dir, args.name, desired.generation, args.state, args.timeout,
+        data_dir,
+        args.name,
+        desired.generation,
+        args.state,
+        args.timeout,
         keep_waiting=_wait_command(args.name, args.state, data_dir),
-    )  # fmt: skip
+    )
 
 
 def engine_names(data_dir: Path) -> list[str]:

@@ -71,10 +71,16 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET")
     table = [header] + [
-        (str(r["id"]), str(r["name"]), str(r["created"]), r["expires"] or "never",
-         str(r["state"]), r["budget"] or "default")
+        (
+            str(r["id"]),
+            str(r["name"]),
+            str(r["created"]),
+            r["expires"] or "never",
+            str(r["state"]),
+            r["budget"] or "default",
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
@@ -164,16 +170,20 @@ def add_usage(sub: Subparsers, common: argparse.ArgumentParser) -> None:
         "usage", parents=[common], help="what the record says: requests, tokens, ttft, refusals"
     )
     us.add_argument(
-        "--since", type=_since, default="1d", metavar="WHEN",
+        "--since",
+        type=_since,
+        default="1d",
+        metavar="WHEN",
         help="a span back from now (30m, 12h, 1d, 2w), an ISO date (UTC) or an ISO time with "
         "its offset; default 1d",
-    )  # fmt: skip
+    )
     us.add_argument("--by", choices=("key", "model", "engine", "build"), default="key")
     us.add_argument("--json", action="store_true")
     us.add_argument(
-        "--settings", metavar="PATH",
+        "--settings",
+        metavar="PATH",
         help="the gateway's settings file, whose [record] says where the record is",
-    )  # fmt: skip
+    )
     us.set_defaults(func=_cmd_usage)
 
 
@@ -191,9 +201,10 @@ def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
         "or an ISO time with its offset; default: never",
     )
     kc.add_argument(
-        "--budget", metavar="TOKENS",
+        "--budget",
+        metavar="TOKENS",
         help="the key's own daily token budget; default: [budget] daily_tokens",
-    )  # fmt: skip
+    )
     kc.set_defaults(func=_cmd_keys_create)
     kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
     kl.add_argument("--json", action="store_true")

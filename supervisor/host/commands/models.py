@@ -73,8 +73,10 @@ def _cmd_add(args: argparse.Namespace) -> int:
     except (HubRefused, control.RequestRefused, ValueError) as exc:
         print_err(str(exc))
         return EXIT_FAILED
-    print(f"{model.id} {model.name}: queued {model.source.repo} at {model.source.commit} "
-          f"({len(model.hub_files)} files, {size(model.bytes_total)})")  # fmt: skip
+    print(
+        f"{model.id} {model.name}: queued {model.source.repo} at {model.source.commit} "
+        f"({len(model.hub_files)} files, {size(model.bytes_total)})"
+    )
     if CatalogLease(root).holder() is None:
         print_err("the library's service is not running: systemctl --user start lucia-models")
     if not args.wait:
@@ -91,8 +93,10 @@ def _follow(root: Path, guid: str) -> int:
             serviced = time.monotonic()
         elif time.monotonic() - serviced > NO_SERVICE:
             sys.stderr.write(shown.finish())
-            print_err(f"no library service ran for {NO_SERVICE:g} s; the download waits Queued: "
-                 "systemctl --user start lucia-models")  # fmt: skip
+            print_err(
+                f"no library service ran for {NO_SERVICE:g} s; the download waits Queued: "
+                "systemctl --user start lucia-models"
+            )
             return EXIT_UNANSWERED
         model = mf.load(root, guid)
         sys.stderr.write(
@@ -166,8 +170,11 @@ def _answered(root: Path, guid: str, action: str) -> bool:
 def _cmd_serve(args: argparse.Namespace) -> int:
     logs.configure()
     log = logs.get("models")
-    settings = QueueSettings(parallel=args.parallel, stall_after=args.stall_after,
-                             token_file=paths.hf_token_file(args.token_file))  # fmt: skip
+    settings = QueueSettings(
+        parallel=args.parallel,
+        stall_after=args.stall_after,
+        token_file=paths.hf_token_file(args.token_file),
+    )
     runner = Runner(_root(args), settings)
     try:
         changes = runner.start(wait=LEASE_WAIT)
@@ -178,8 +185,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log.info("model library running", root=str(runner.root), parallel=args.parallel,
-             startup_changes=len(changes))  # fmt: skip
+    log.info(
+        "model library running",
+        root=str(runner.root),
+        parallel=args.parallel,
+        startup_changes=len(changes),
+    )
     notifier = Notifier()
     notifier.ready()
     runner.run(stop)
@@ -203,11 +214,17 @@ def _seconds(text: str) -> float:
 
 def add_models(sub: Subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--models-dir", metavar="DIR", help=f"the model library (env "
-                        f"{paths.MODELS_ENV}, default ~/.local/share/lucia/models)")  # fmt: skip
+    common.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help=f"the model library (env {paths.MODELS_ENV}, default ~/.local/share/lucia/models)",
+    )
     token = argparse.ArgumentParser(add_help=False)
-    token.add_argument("--token-file", metavar="PATH", help=f"the hub token (env "
-                       f"{paths.HF_TOKEN_ENV}, default ~/.config/lucia/hf-token)")  # fmt: skip
+    token.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"the hub token (env {paths.HF_TOKEN_ENV}, default ~/.config/lucia/hf-token)",
+    )
     ms = sub.add_parser("models", help="the model library: add, list, show, retry, cancel, remove")
     msub = ms.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     add = msub.add_parser("add", parents=[common, token], help="queue a download from the hub")
@@ -223,9 +240,11 @@ def add_models(sub: Subparsers) -> None:
     show = msub.add_parser("show", parents=[common], help="a model's model.json")
     show.add_argument("model", metavar="ID|NAME")
     show.set_defaults(func=_cmd_show)
-    for action, text in (("retry", "retry a Failed, Canceled or Interrupted download"),
-                         ("cancel", "cancel a queued or running download"),
-                         ("remove", "delete a model's directory")):  # fmt: skip
+    for action, text in (
+        ("retry", "retry a Failed, Canceled or Interrupted download"),
+        ("cancel", "cancel a queued or running download"),
+        ("remove", "delete a model's directory"),
+    ):
         cmd = msub.add_parser(action, parents=[common], help=text)
         cmd.add_argument("model", metavar="ID|NAME")
         cmd.set_defaults(func=_cmd_request, action=action)

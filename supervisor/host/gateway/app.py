@@ -80,17 +80,26 @@ class Gateway:
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
         self.gates: dict[str, Gate] = {}
         self.forwarder = Forwarder()
-        self.bodies = Bodies(settings.listen.bodies_bytes, settings.listen.body_timeout_s,
-                             settings.limits.bounds)  # fmt: skip
+        self.bodies = Bodies(
+            settings.listen.bodies_bytes, settings.listen.body_timeout_s, settings.limits.bounds
+        )
         self.metrics = GatewayMetrics(self.counts)
         self.idle = IdleStop(
-            data_dir, self.starter, self.gate, settings.idle.stop_after_s,
-            check_s=timing.idle_check_s, swap=settings.idle.swap,
-        )  # fmt: skip
+            data_dir,
+            self.starter,
+            self.gate,
+            settings.idle.stop_after_s,
+            check_s=timing.idle_check_s,
+            swap=settings.idle.swap,
+        )
         self.host_api = HostApi(
-            data_dir, self.catalog, self.gates.get, self.idle, settings.listen.body_timeout_s,
+            data_dir,
+            self.catalog,
+            self.gates.get,
+            self.idle,
+            settings.listen.body_timeout_s,
             bound=self.bound,
-        )  # fmt: skip
+        )
         self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
 
     def counts(self) -> dict[str, tuple[int, int]]:
@@ -154,8 +163,13 @@ class Gateway:
 
     def caller(self, request: web.Request) -> Caller:
         """The verified caller, allowed this path (auth.check_bearer: 401, 429 or 403)."""
-        return check_bearer(self.auth, self.failures, request.path,
-                            request.headers.get("Authorization"), peer(request))  # fmt: skip
+        return check_bearer(
+            self.auth,
+            self.failures,
+            request.path,
+            request.headers.get("Authorization"),
+            peer(request),
+        )
 
     async def say_unrecorded(self, _: web.Request, response: web.StreamResponse) -> None:
         """Every response says when nothing is recorded and no budget is enforced."""
@@ -241,9 +255,13 @@ class Gateway:
                 trace.admitted = asyncio.get_running_loop().time()
                 self.metrics.child(self.metrics.wait, engine.name).observe(admitted.waited_s)
                 return await self.forwarder.send(
-                    request, url=target, prepared=prepared, engine=engine.name,
-                    deadline_s=gate.limits.deadline_s, trace=trace,
-                )  # fmt: skip
+                    request,
+                    url=target,
+                    prepared=prepared,
+                    engine=engine.name,
+                    deadline_s=gate.limits.deadline_s,
+                    trace=trace,
+                )
         except (asyncio.CancelledError, ConnectionError):  # the client went away
             if not trace.delivered:  # before the whole answer: else it was served
                 trace.outcome = "client_gone"
@@ -260,8 +278,12 @@ class Gateway:
         finally:
             self._record(trace, model, engine.name)
             now = asyncio.get_running_loop().time()
-            recording.record(self.recorder, trace, recording.Request(
-                request[CALLER].key_id, asked, model, engine.name), now)  # fmt: skip
+            recording.record(
+                self.recorder,
+                trace,
+                recording.Request(request[CALLER].key_id, asked, model, engine.name),
+                now,
+            )
             self.reservations.release(hold)  # the row holds what it cost now
 
     def _record(self, trace: Trace, model: str, engine: str) -> None:
@@ -276,9 +298,7 @@ class Gateway:
             m.child(m.duration, engine).observe(now - trace.arrived)
         m.usage(model, engine, trace.usage)
 
-    async def _start(
-        self, request: web.Request, engine: str, stream: bool, trace: Trace
-    ) -> str:
+    async def _start(self, request: web.Request, engine: str, stream: bool, trace: Trace) -> str:
         """Start an engine on demand, as a waiter in its gate: a stream's answer begins at once
         (its client hears keep-alives while it waits); the engine's URL once it runs."""
         sse = await open_sse(request) if stream else None
@@ -322,9 +342,13 @@ def create_app(
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
     (memory from the ledger if none)."""
     gateway = Gateway(
-        settings, data_dir, auth, timing or Intervals(),
-        spending=spending or budgets.NoRecord(), recorder=recorder,
-    )  # fmt: skip
+        settings,
+        data_dir,
+        auth,
+        timing or Intervals(),
+        spending=spending or budgets.NoRecord(),
+        recorder=recorder,
+    )
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
     app.on_response_prepare.append(gateway.say_unrecorded)
@@ -336,9 +360,12 @@ def create_app(
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)
     page = Page(
-        auth, gateway.host_api, data_dir, sources or Sources(LedgerMemory(data_dir)),
+        auth,
+        gateway.host_api,
+        data_dir,
+        sources or Sources(LedgerMemory(data_dir)),
         sessions=Sessions(settings.page.session_s),
-    )  # fmt: skip
+    )
     app[PAGE_OF] = page
     app.router.add_get(PAGE, to_page)
     app.add_subapp(PAGE, page.app())

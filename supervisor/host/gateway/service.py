@@ -73,13 +73,19 @@ class Service:
         store = await asyncio.to_thread(open_record, self.settings.record, self.data_dir)
         record = self.settings.record
         sources = record_sources(
-            self.data_dir, record.target(self.data_dir) if record.enabled else None, store,
+            self.data_dir,
+            record.target(self.data_dir) if record.enabled else None,
+            store,
             self.settings.budget.daily_tokens,
-        )  # fmt: skip
+        )
         app = create_app(
-            self.settings, self.data_dir, self.auth, spending=store, recorder=store,
+            self.settings,
+            self.data_dir,
+            self.auth,
+            spending=store,
+            recorder=store,
             sources=sources,
-        )  # fmt: skip
+        )
         app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()
         try:

@@ -232,10 +232,13 @@ class Limits(_Section):
     def bounds(self) -> Bounds:
         """What each request is held to (bounds.py)."""
         return Bounds(
-            max_tokens=self.max_tokens, max_n=self.max_n, max_best_of=self.max_best_of,
-            max_logprobs=self.max_logprobs, max_messages=self.max_messages,
+            max_tokens=self.max_tokens,
+            max_n=self.max_n,
+            max_best_of=self.max_best_of,
+            max_logprobs=self.max_logprobs,
+            max_messages=self.max_messages,
             max_message_chars=self.max_message_chars,
-        )  # fmt: skip
+        )
 
 
 class Idle(_Section):

@@ -55,8 +55,10 @@ def space_during(total: int, done: int, free: int) -> str | None:
     listed), so it may pass `total`: the rest is then none, but a disk with no byte free is
     still a problem (hf's next write fails), never silence."""
     if done >= total and free <= 0:
-        return (f"not enough disk space: {done} bytes are written, as many as the {total} "
-                "listed or more, and no byte is free")  # fmt: skip
+        return (
+            f"not enough disk space: {done} bytes are written, as many as the {total} "
+            "listed or more, and no byte is free"
+        )
     return space_problem(max(total - done, 0), free)
 
 
@@ -72,8 +74,10 @@ def served_name_problem(files: list[mf.HubFile]) -> str | None:
         served = ggufcheck.unit_name(base)
         problem = name_problem(served)
         if problem is not None:
-            return (f"{file.path!r} would be served as {served!r}, which is not a served name: "
-                    f"it {problem}")  # fmt: skip
+            return (
+                f"{file.path!r} would be served as {served!r}, which is not a served name: "
+                f"it {problem}"
+            )
     return None
 
 
@@ -127,11 +131,17 @@ def add(
             raise RequestRefused(f"a model named {name!r} is already in the library; give --name")
         stamp = mf.now()
         model = mf.ModelManifest(
-            id=mf.new_guid(), name=name, state="Queued", since=stamp, created=stamp,
+            id=mf.new_guid(),
+            name=name,
+            state="Queued",
+            since=stamp,
+            created=stamp,
             source=mf.FileOrigin(repo=repo, revision=revision, commit=commit, include=include),
-            bytesTotal=total, hubFiles=files, files=mf.plain_names(files),
+            bytesTotal=total,
+            hubFiles=files,
+            files=mf.plain_names(files),
             message=f"queued: {len(files)} files, {total} bytes",
-        )  # fmt: skip
+        )
         mf.save(root, model)
     return model
 
@@ -175,14 +185,17 @@ def apply(root: Path, guid: str, action: Action, *, limit_queue: bool) -> None:
     model = mf.load(root, guid)
     if action == "cancel":
         if model.state not in mf.ACTIVE:
-            raise RequestRefused(f"{model.name} is {model.state}: only a queued or running download "
-                          "can be canceled")  # fmt: skip
+            raise RequestRefused(
+                f"{model.name} is {model.state}: only a queued or running download can be canceled"
+            )
         sweep_partials(mf.files_dir(root, guid))
         mf.save(root, model.transition("Canceled", "canceled; finished files are kept"))
         return
     if model.state not in mf.RETRYABLE:
-        raise RequestRefused(f"{model.name} is {model.state}: only a Failed, Canceled or Interrupted "
-                      "download can be retried")  # fmt: skip
+        raise RequestRefused(
+            f"{model.name} is {model.state}: only a Failed, Canceled or Interrupted "
+            "download can be retried"
+        )
     if limit_queue:
         problem = queue_problem(mf.load_all(root))
         if problem:

@@ -156,9 +156,14 @@ def run(
     """Run hf until it exits, is canceled, stalls or the disk cannot hold the rest (space(done)
     says why); progress(sample, pid) about every poll."""
     child = subprocess.Popen(
-        argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
-    )  # fmt: skip
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509
+    )
     tail: deque[str] = deque(maxlen=20)
     reader = threading.Thread(target=_read_lines, args=(child, tail), daemon=True)
     reader.start()

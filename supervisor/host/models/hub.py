@@ -96,8 +96,10 @@ class Hub:
         ours = _origin(self.endpoint)
         if ours is None or _origin(url) != ours:
             shown = urlsplit(url)._replace(path="", query="", fragment="").geturl()
-            raise HubRefused(f"the hub's next page of {repo}'s files is elsewhere ({shown:.200}),"
-                             f" not at {self.endpoint}: not followed")  # fmt: skip
+            raise HubRefused(
+                f"the hub's next page of {repo}'s files is elsewhere ({shown:.200}),"
+                f" not at {self.endpoint}: not followed"
+            )
         return url
 
 
@@ -122,8 +124,9 @@ def parse_tree(page: object) -> list[HubFile]:
         lfs = entry.get("lfs")
         sha256 = lfs.get("oid") if isinstance(lfs, dict) else None
         try:
-            files.append(HubFile(path=entry["path"], size=entry["size"], sha256=sha256,
-                                 gitOid=entry["oid"]))  # fmt: skip
+            files.append(
+                HubFile(path=entry["path"], size=entry["size"], sha256=sha256, gitOid=entry["oid"])
+            )
         except (KeyError, ValueError):
             raise HubRefused(f"the hub's file list has a malformed entry: {entry!r:.200}") from None
         if not safe_path(files[-1].path):

@@ -102,7 +102,9 @@ def _prepare(root: Path, model: mf.ModelManifest) -> mf.ModelManifest:
     return model.model_copy(update={"hub_files": files})
 
 
-def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSettings) -> mf.ModelManifest:
+def download(
+    root: Path, model: mf.ModelManifest, job: Job, settings: QueueSettings
+) -> mf.ModelManifest:
     """Run one download to its end; every transition saved; the final manifest returned."""
     log = logs.get("models").bind(model=model.id, name=model.name)
     local = mf.files_dir(root, model.id)
@@ -122,8 +124,9 @@ def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSetti
     hf_home = root / HF_HOME_DIR
     hf_home.mkdir(mode=0o700, parents=True, exist_ok=True)
     env = fetch.child_env(os.environ, hf_home, token_file)
-    argv = fetch.child_argv(settings.program, model.source.repo, model.source.commit, local,
-                            model.source.include)  # fmt: skip
+    argv = fetch.child_argv(
+        settings.program, model.source.repo, model.source.commit, local, model.source.include
+    )
     last_write = 0.0
 
     def progress(sample: fetch.Sample, pid: int) -> None:
@@ -131,18 +134,31 @@ def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSetti
         if time.monotonic() - last_write < WRITE_EVERY and model.pid == pid:
             return
         last_write = time.monotonic()
-        model = model.model_copy(update={"bytes_done": sample.done, "speed": sample.speed,
-                                         "seconds_left": sample.seconds_left, "pid": pid,
-                                         "message": "downloading"})  # fmt: skip
+        model = model.model_copy(
+            update={
+                "bytes_done": sample.done,
+                "speed": sample.speed,
+                "seconds_left": sample.seconds_left,
+                "pid": pid,
+                "message": "downloading",
+            }
+        )
         mf.save(root, model)
 
     hasher = StreamHasher(local, model.hub_files)
     try:
-        outcome = fetch.run(argv, env, local, model.bytes_total, stall_after=settings.stall_after,
-                            poll=settings.poll, cancel=job.cancel, progress=progress,
-                            space=lambda done: space_during(model.bytes_total, done,
-                                                            free_bytes(local)),
-                            tick=hasher.poll)  # fmt: skip
+        outcome = fetch.run(
+            argv,
+            env,
+            local,
+            model.bytes_total,
+            stall_after=settings.stall_after,
+            poll=settings.poll,
+            cancel=job.cancel,
+            progress=progress,
+            space=lambda done: space_during(model.bytes_total, done, free_bytes(local)),
+            tick=hasher.poll,
+        )
         proven = hasher.finish() if outcome.ok else set()
     finally:
         hasher.close()
@@ -153,13 +169,22 @@ def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSetti
     stray = _strays(local, model)
     if stray:
         log.warning("files the hub's list does not name arrived, removed", files=stray[:20])
-    model = model.model_copy(update={"hub_files": [
-        f.model_copy(update={"verified": True}) if f.path in proven else f
-        for f in model.hub_files]})  # fmt: skip
+    model = model.model_copy(
+        update={
+            "hub_files": [
+                f.model_copy(update={"verified": True}) if f.path in proven else f
+                for f in model.hub_files
+            ]
+        }
+    )
     if outcome.canceled and job.interrupted:  # partials kept, as at startup; a retry sweeps them
-        return _end(root, model, "Interrupted",
-                    "interrupted: the library's service stopped; partial files are kept, "
-                    "retry to continue", log)  # fmt: skip
+        return _end(
+            root,
+            model,
+            "Interrupted",
+            "interrupted: the library's service stopped; partial files are kept, retry to continue",
+            log,
+        )
     if not outcome.ok:  # hf resumes no partial file in another process: nothing to keep
         sweep_partials(local)
     if outcome.canceled:
@@ -168,8 +193,7 @@ def download(root: Path, model: mf.ModelManifest, job: Job, settings: QueueSetti
         shown = ", ".join(repr(path) for path in stray[:5])
         more = f" and {len(stray) - 5} more" if len(stray) > 5 else ""
         said = f"files arrived that the hub's list does not name, removed: {shown}{more}"
-        return _end(root, model, "Failed", said if outcome.ok else f"{outcome.reason}; {said}",
-                    log)  # fmt: skip
+        return _end(root, model, "Failed", said if outcome.ok else f"{outcome.reason}; {said}", log)
     if not outcome.ok:
         return _end(root, model, "Failed", outcome.reason, log)
     return _check(root, model, job, log)
@@ -186,8 +210,13 @@ def _strays(local: Path, model: mf.ModelManifest) -> list[str]:
 
 def _check(root: Path, model: mf.ModelManifest, job: Job, log: Any) -> mf.ModelManifest:
     local = mf.files_dir(root, model.id)
-    model = model.model_copy(update={"bytes_done": model.bytes_total, "pid": None,
-                                     "message": "checking SHA-256 and headers"})  # fmt: skip
+    model = model.model_copy(
+        update={
+            "bytes_done": model.bytes_total,
+            "pid": None,
+            "message": "checking SHA-256 and headers",
+        }
+    )
     mf.save(root, model)
     files = list(model.hub_files)
     for index, file in enumerate(files):
@@ -196,8 +225,13 @@ def _check(root: Path, model: mf.ModelManifest, job: Job, log: Any) -> mf.ModelM
         if job.cancel.is_set():  # between files: a stop or a cancel does not wait for them all
             model = model.model_copy(update={"hub_files": files})
             if job.interrupted:
-                return _end(root, model, "Interrupted", "interrupted while checking; the files "
-                            "are kept, retry to check them", log)  # fmt: skip
+                return _end(
+                    root,
+                    model,
+                    "Interrupted",
+                    "interrupted while checking; the files are kept, retry to check them",
+                    log,
+                )
             return _end(root, model, "Canceled", "canceled; finished files are kept", log)
         try:
             check_file(local, file)
@@ -215,11 +249,14 @@ def _check(root: Path, model: mf.ModelManifest, job: Job, log: Any) -> mf.ModelM
         update={"inspection": inspection, "files": mf.link_nested(local, files)}
     )
     context = f", context {inspection.context}" if inspection.context else ""
-    return _end(root, model, "Ready",
-                f"ready: {inspection.format} {inspection.architecture}{context}", log)  # fmt: skip
+    return _end(
+        root, model, "Ready", f"ready: {inspection.format} {inspection.architecture}{context}", log
+    )
 
 
-def _end(root: Path, model: mf.ModelManifest, state: ModelState, message: str, log: Any) -> mf.ModelManifest:
+def _end(
+    root: Path, model: mf.ModelManifest, state: ModelState, message: str, log: Any
+) -> mf.ModelManifest:
     model = model.transition(state, message)
     mf.save(root, model)
     log.info("download ended", state=state, message=message)

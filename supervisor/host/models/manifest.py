@@ -91,9 +91,15 @@ class ModelManifest(_Doc):
         """A copy in state, since now, with message (secrets masked); progress figures end with
         the download."""
         return self.model_copy(
-            update={"state": state, "since": now(), "message": redact(message)[:500],
-                    "speed": None, "seconds_left": None, "pid": None}
-        )  # fmt: skip
+            update={
+                "state": state,
+                "since": now(),
+                "message": redact(message)[:500],
+                "speed": None,
+                "seconds_left": None,
+                "pid": None,
+            }
+        )
 
 
 def now() -> str:

@@ -50,8 +50,10 @@ class Runner:
         for model in mf.load_all(self.root):
             remove_stale_temps(mf.model_dir(self.root, model.id) / "model.json")
             if model.state == "Downloading" or (model.state == "Queued" and model.accepted):
-                message = (f"interrupted: the library's service stopped while it was "
-                           f"{model.state}; partial files are kept, retry to continue")  # fmt: skip
+                message = (
+                    f"interrupted: the library's service stopped while it was "
+                    f"{model.state}; partial files are kept, retry to continue"
+                )
                 mf.save(self.root, model.transition("Interrupted", message))
                 said.append(f"{model.name}: {message}")
             elif model.state == "Ready":

@@ -62,8 +62,9 @@ class StreamHasher:
             if sha is None or sha in self._tracked:
                 continue
             try:
-                fd = os.open(self.local_dir / PARTIALS / name,
-                             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # fmt: skip
+                fd = os.open(
+                    self.local_dir / PARTIALS / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                )
             except OSError:
                 continue
             self._tracked[sha] = _Tracked(self._wanted[sha], fd, os.fstat(fd).st_ino)

@@ -53,8 +53,9 @@ def check_file(local_dir: Path, file: HubFile) -> None:
     try:
         size = path.lstat().st_size
         if size != file.size:
-            raise CheckFailed(f"{file.path}: size check failed: {size} bytes, the hub says "
-                              f"{file.size}")  # fmt: skip
+            raise CheckFailed(
+                f"{file.path}: size check failed: {size} bytes, the hub says {file.size}"
+            )
         got = digest(path, file)
     except FileNotFoundError:
         raise CheckFailed(f"{file.path}: missing after the download") from None
@@ -99,8 +100,9 @@ def inspect_gguf(paths: list[Path]) -> Inspection:
         try:
             meta = read_metadata(path)
         except BadHeader as exc:
-            raise CheckFailed(f"{path.name}: GGUF header check failed: "
-                              f"{str(exc).removeprefix(f'{path}: ')}") from None  # fmt: skip
+            raise CheckFailed(
+                f"{path.name}: GGUF header check failed: {str(exc).removeprefix(f'{path}: ')}"
+            ) from None
         except ggufcheck.Unreadable as exc:
             raise CheckFailed(f"{path.name}: {exc.reason}") from None
         size += meta.size
@@ -115,8 +117,9 @@ def inspect_gguf(paths: list[Path]) -> Inspection:
     if not architecture:
         raise CheckFailed(f"{paths[0].name}: GGUF header check failed: no general.architecture")
     units = sorted(unit.name for unit in grouping.units)
-    return Inspection(format="gguf", architecture=architecture, context=context,
-                      sizeBytes=size, units=units)  # fmt: skip
+    return Inspection(
+        format="gguf", architecture=architecture, context=context, sizeBytes=size, units=units
+    )
 
 
 def _json_object(path: Path, name: str) -> dict[str, object]:
@@ -178,15 +181,19 @@ def inspect_hf(local_dir: Path, files: list[HubFile]) -> Inspection:
         _json_object(local_dir / tokenizer, tokenizer)
     architectures = config.get("architectures")
     architecture = (
-        str(architectures[0]) if isinstance(architectures, list) and architectures
+        str(architectures[0])
+        if isinstance(architectures, list) and architectures
         else str(config.get("model_type", ""))
-    )  # fmt: skip
+    )
     if not architecture:
         raise CheckFailed("config.json: HF layout check failed: no architectures or model_type")
     context = config.get("max_position_embeddings")
-    return Inspection(format="hf", architecture=architecture,
-                      context=context if isinstance(context, int) else None,
-                      sizeBytes=sum(f.size for f in files))  # fmt: skip
+    return Inspection(
+        format="hf",
+        architecture=architecture,
+        context=context if isinstance(context, int) else None,
+        sizeBytes=sum(f.size for f in files),
+    )
 
 
 def reinspect(local_dir: Path, files: list[HubFile]) -> str | None:

@@ -74,25 +74,32 @@ def _static(name: str) -> bytes:
 
 def _refused(refusal: Refusal) -> web.Response:
     return web.Response(
-        status=refusal.status, body=refusal.encoded(), content_type="application/json",
+        status=refusal.status,
+        body=refusal.encoded(),
+        content_type="application/json",
         headers=refusal.headers,
-    )  # fmt: skip
+    )
 
 
 def _require_json(request: web.Request) -> None:
     """A body the page sends is JSON, said so: a form or a text/plain post (what another site
     can send without asking) is refused (415) before anything is read or counted."""
     if request.content_type != "application/json":
-        raise Refusal(415, "unsupported_media_type",
-                      "the page's requests are JSON (Content-Type: application/json)")  # fmt: skip
+        raise Refusal(
+            415,
+            "unsupported_media_type",
+            "the page's requests are JSON (Content-Type: application/json)",
+        )
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
     _require_json(request)
     raw = await read_body(
-        request, _BODY_LIMIT, _BODY_TIMEOUT_S,
+        request,
+        _BODY_LIMIT,
+        _BODY_TIMEOUT_S,
         lambda: Refusal(413, "request_too_large", "the page's requests are limited to 16 KiB"),
-    )  # fmt: skip
+    )
     try:
         document = json.loads(raw or b"{}")
     except ValueError:
@@ -163,8 +170,9 @@ class Page:
         headers = request.headers
         elsewhere = foreign(headers.get("Sec-Fetch-Site"), headers.get("Origin"), request.host)
         if elsewhere is not None:
-            raise Refusal(403, "foreign_origin", f"the page's API answers the page only: "
-                          f"{elsewhere}")  # fmt: skip
+            raise Refusal(
+                403, "foreign_origin", f"the page's API answers the page only: {elsewhere}"
+            )
         if path == SIGN_IN:
             return
         session = self.find(request)
@@ -186,9 +194,11 @@ class Page:
         wait = self.limit.blocked(address)
         if wait > 0:
             raise Refusal(
-                429, "too_many_sign_ins", f"too many failed sign-ins: try again in {wait:.0f} s",
+                429,
+                "too_many_sign_ins",
+                f"too many failed sign-ins: try again in {wait:.0f} s",
                 headers={"Retry-After": str(max(1, round(wait)))},
-            )  # fmt: skip
+            )
         attempt = self.limit.failed(address)
         key = (await _json(request)).get("key")
         caller = self.auth.verify(key.strip()) if isinstance(key, str) and key.strip() else None
@@ -197,16 +207,22 @@ class Page:
         self.limit.forgive(address, attempt)
         if caller.role != "owner":
             raise Refusal(
-                403, "permission_denied",
+                403,
+                "permission_denied",
                 f"the page is the owner's: this key's role is {caller.role}, which may call "
                 "/v1 only",
-            )  # fmt: skip
+            )
         token, session = self.sessions.open()
         response = web.json_response({"csrf": session.csrf})
         response.set_cookie(
-            cookie_name(request.secure), token, max_age=int(self.sessions.lifetime_s),
-            path=COOKIE_PATH, httponly=True, samesite="Strict", secure=request.secure,
-        )  # fmt: skip
+            cookie_name(request.secure),
+            token,
+            max_age=int(self.sessions.lifetime_s),
+            path=COOKIE_PATH,
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
         return response
 
     def find(self, request: web.Request) -> Session | None:
@@ -292,15 +308,21 @@ class Page:
         if isinstance(include, str):
             include = include.split()
         if (
-            not isinstance(repo, str) or not isinstance(revision, str)
-            or not isinstance(include, list) or not all(isinstance(i, str) for i in include)
+            not isinstance(repo, str)
+            or not isinstance(revision, str)
+            or not isinstance(include, list)
+            or not all(isinstance(i, str) for i in include)
             or not (name is None or isinstance(name, str))
-        ):  # fmt: skip
-            raise Refusal(400, "invalid_request", "a model needs a repo (and may have a "
-                          "revision, include globs and a name)")  # fmt: skip
+        ):
+            raise Refusal(
+                400,
+                "invalid_request",
+                "a model needs a repo (and may have a revision, include globs and a name)",
+            )
         try:
-            added = await asyncio.to_thread(library.add, repo.strip(), revision.strip(),
-                                            include, name)  # fmt: skip
+            added = await asyncio.to_thread(
+                library.add, repo.strip(), revision.strip(), include, name
+            )
         except LibraryRefused as exc:
             raise Refusal(400, "model_refused", str(exc)) from None
         return web.json_response(added, status=201)

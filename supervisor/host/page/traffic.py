@@ -105,13 +105,25 @@ def traffic_of(target: Target, now: datetime) -> dict[str, Any]:
         if line.ttft_p50 is None:
             continue  # no time to first token that hour (refused, failed): nothing to draw
         engine, version, image, weights = line.group
-        series = chart.setdefault(line.group, {
-            "engine": engine, "engineVersion": version, "imageId": image,
-            "weightsRevision": weights, "points": [],
-        })  # fmt: skip
+        series = chart.setdefault(
+            line.group,
+            {
+                "engine": engine,
+                "engineVersion": version,
+                "imageId": image,
+                "weightsRevision": weights,
+                "points": [],
+            },
+        )
         series["points"].append({"at": _iso(start), "p50": line.ttft_p50, "n": line.timed})
-    return {**spans, "chart": {"since": _iso(now - SPANS["day"]), "until": _iso(now),
-                               "builds": list(chart.values())}}  # fmt: skip
+    return {
+        **spans,
+        "chart": {
+            "since": _iso(now - SPANS["day"]),
+            "until": _iso(now),
+            "builds": list(chart.values()),
+        },
+    }
 
 
 class Traffic:

@@ -62,21 +62,23 @@ def decide(declared: int | None, most: int, bound: int, held: int) -> tuple[Verd
 
 def busy(path: str, size: int, held: int, bound: int) -> Refusal:
     return Refusal(
-        429, "bodies_busy",
+        429,
+        "bodies_busy",
         f"the gateway holds {held} bytes of request bodies now; the {size} of this {path} "
         f"would pass its bound of {bound} (listen.bodies_bytes): retry; the body was not read",
         headers={"Retry-After": str(RETRY_AFTER_S)},
         details={"held_bytes": held, "body_bytes": size, "bound_bytes": bound},
         close=True,
-    )  # fmt: skip
+    )
 
 
 def past_bound(path: str, bound: int) -> Refusal:
     return Refusal(
-        413, "request_too_large",
+        413,
+        "request_too_large",
         f"the body of {path} is limited to {bound} bytes, the bytes of request bodies the "
         "gateway holds at once (listen.bodies_bytes)",
-    )  # fmt: skip
+    )
 
 
 class Bodies:

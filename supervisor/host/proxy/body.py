@@ -123,9 +123,12 @@ def prepare(path: str, raw: bytes, limits: Bounds, room: int | None = None) -> P
     many = sequences(document) if token_field is not None else 1
     cap = None if room is None else max((room - estimate) // many, 1)
     settled = bounds.settle(
-        document, limits, token_field=token_field, messages_field=MESSAGES_FIELD.get(path),
+        document,
+        limits,
+        token_field=token_field,
+        messages_field=MESSAGES_FIELD.get(path),
         cap=cap,
-    )  # fmt: skip
+    )
     stream = document.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", param="stream")
@@ -144,9 +147,15 @@ def prepare(path: str, raw: bytes, limits: Bounds, room: int | None = None) -> P
         changes[TIMINGS] = True
     changes.update(settled.fields)
     return Prepared(
-        model, stream, hide_usage, body=_with(raw, document, changes), strip_usage=strip_usage,
-        prompt_estimate=estimate, generation_bound=many * settled.tokens, sequences=many,
-    )  # fmt: skip
+        model,
+        stream,
+        hide_usage,
+        body=_with(raw, document, changes),
+        strip_usage=strip_usage,
+        prompt_estimate=estimate,
+        generation_bound=many * settled.tokens,
+        sequences=many,
+    )
 
 
 def _with(raw: bytes, document: dict[str, Any], changes: dict[str, Any]) -> bytes:

@@ -102,8 +102,9 @@ def _asked_tokens(document: dict[str, Any], maximum: int) -> list[int]:
     return asked
 
 
-def _check(document: dict[str, Any], name: str, *, low: int, bound: int, setting: str,
-           code: str) -> None:  # fmt: skip
+def _check(
+    document: dict[str, Any], name: str, *, low: int, bound: int, setting: str, code: str
+) -> None:
     value = document.get(name)
     if value is None or (name == "logprobs" and isinstance(value, bool)):  # chat's flag
         return
@@ -135,20 +136,22 @@ def _check_messages(document: dict[str, Any], name: str, bounds: Bounds) -> None
         return  # a wrong type, which the engine refuses
     if len(messages) > bounds.max_messages:
         raise Refusal(
-            400, "too_many_messages",
+            400,
+            "too_many_messages",
             f"{name} has {len(messages)} messages; at most {bounds.max_messages} "
             "([limits] max_messages)",
             param=name,
-        )  # fmt: skip
+        )
     for index, message in enumerate(messages):
         chars = text_chars(message)
         if chars > bounds.max_message_chars:
             raise Refusal(
-                400, "message_too_long",
+                400,
+                "message_too_long",
                 f"{name}[{index}] has {chars} characters of text; at most "
                 f"{bounds.max_message_chars} ([limits] max_message_chars)",
                 param=f"{name}[{index}]",
-            )  # fmt: skip
+            )
 
 
 @dataclass(frozen=True)
@@ -177,11 +180,23 @@ def settle(
     asked = _asked_tokens(document, bounds.max_tokens)
     for name in N_FIELDS:
         _check(document, name, low=1, bound=bounds.max_n, setting="max_n", code="n_too_large")
-    _check(document, "best_of", low=1, bound=bounds.max_best_of, setting="max_best_of",
-           code="best_of_too_large")  # fmt: skip
+    _check(
+        document,
+        "best_of",
+        low=1,
+        bound=bounds.max_best_of,
+        setting="max_best_of",
+        code="best_of_too_large",
+    )
     for name in LOGPROB_FIELDS:
-        _check(document, name, low=0, bound=bounds.max_logprobs, setting="max_logprobs",
-               code="logprobs_too_large")  # fmt: skip
+        _check(
+            document,
+            name,
+            low=0,
+            bound=bounds.max_logprobs,
+            setting="max_logprobs",
+            code="logprobs_too_large",
+        )
     if messages_field is not None:
         _check_messages(document, messages_field, bounds)
     if token_field is None:  # embeddings: nothing generated, nothing to bound

@@ -31,8 +31,13 @@ _SHOWN: Final = 50  # model names listed in a 404
 
 
 # a request's engine, best first, by its start plan; "ready" splits by a free slot
-_RANK: Final[dict[Step, int]] = {"ready": 1, "follow": 2, "request": 3, "stopped": 4,
-                                 "unavailable": 5}  # fmt: skip
+_RANK: Final[dict[Step, int]] = {
+    "ready": 1,
+    "follow": 2,
+    "request": 3,
+    "stopped": 4,
+    "unavailable": 5,
+}
 
 
 @dataclass(frozen=True)

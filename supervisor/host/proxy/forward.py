@@ -235,9 +235,13 @@ class Forwarder:
                 sse = web.StreamResponse(status=upstream.status, headers=headers)
             if streams:
                 await self._relay(
-                    request, upstream=upstream, sse=sse, prepared=prepared, engine=engine,
+                    request,
+                    upstream=upstream,
+                    sse=sse,
+                    prepared=prepared,
+                    engine=engine,
                     trace=trace,
-                )  # fmt: skip
+                )
             else:
                 await self._pass(request, upstream, sse, engine, trace)
             return sse
@@ -293,9 +297,10 @@ class Forwarder:
                 if isinstance(data, Broke):
                     trace.outcome = "engine_failed"
                     error = Refusal(
-                        502, "engine_failed",
+                        502,
+                        "engine_failed",
                         f"engine {engine} broke off the stream: {describe(data.error)}",
-                    )  # fmt: skip
+                    )
                     await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
                     await sse.write_eof()
                     return

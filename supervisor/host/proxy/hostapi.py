@@ -43,9 +43,11 @@ def wanted(raw: bytes) -> str:
     desired = document.get("desired")
     if desired not in _DESIRED or set(document) != {"desired"}:
         raise Refusal(
-            400, "invalid_request", 'the body must be {"desired": "running"} or '
-            '{"desired": "stopped"}', param="desired",
-        )  # fmt: skip
+            400,
+            "invalid_request",
+            'the body must be {"desired": "running"} or {"desired": "stopped"}',
+            param="desired",
+        )
     return str(desired)
 
 
@@ -101,9 +103,10 @@ class HostApi:
         known = [engine.name for engine in self.catalog.engines()]
         if name not in known:
             raise Refusal(
-                404, "engine_not_found",
+                404,
+                "engine_not_found",
                 f"no engine {name} has a worker here. Engines: {', '.join(known) or 'none'}",
-            )  # fmt: skip
+            )
         generation = await asyncio.to_thread(request_state, self.data_dir, name, desired)
         self.idle.starter.started.pop(name, None)  # the operator's from now on
         self.idle.stopping.discard(name)

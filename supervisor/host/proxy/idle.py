@@ -122,8 +122,14 @@ class IdleStop:
             self.starter.started.pop(engine, None)  # someone else asked since: not ours
             return None
         gate = self.gate(engine)
-        return IdleLook(ours, desired, load_status(directory), gate.busy,
-                    time.monotonic() - gate.last_used, engine)  # fmt: skip
+        return IdleLook(
+            ours,
+            desired,
+            load_status(directory),
+            gate.busy,
+            time.monotonic() - gate.last_used,
+            engine,
+        )
 
     def check(self, engine: str, ours: int) -> None:
         """One look, and the stop when it is due. Synchronous on the loop: no request is
@@ -132,15 +138,24 @@ class IdleStop:
         if look is not None and should_stop(look, self.stop_after_s):
             generation = self._stop(engine, ours)
             if generation is not None:
-                log.info("idle engine stopped", engine=engine, generation=generation,
-                         idle_s=round(look.idle_s, 1))  # fmt: skip
+                log.info(
+                    "idle engine stopped",
+                    engine=engine,
+                    generation=generation,
+                    idle_s=round(look.idle_s, 1),
+                )
 
     def _stop(self, engine: str, ours: int) -> int | None:
         """`stopped`, as the gateway, while desired.json still says its own `running`; None
         (and the engine no longer the gateway's) when someone asked since."""
         try:
-            generation = request(self.data_dir, engine, "stopped", "gateway",
-                                 only_if=lambda current: still_ours(ours, current))  # fmt: skip
+            generation = request(
+                self.data_dir,
+                engine,
+                "stopped",
+                "gateway",
+                only_if=lambda current: still_ours(ours, current),
+            )
         except Superseded:
             self.starter.started.pop(engine, None)
             return None
@@ -162,8 +177,12 @@ class IdleStop:
             if generation is None:
                 return False
             self.swapped += 1
-            log.info("engine stopped for a start waiting for memory", engine=chosen.engine,
-                     generation=generation, start=blocked)  # fmt: skip
+            log.info(
+                "engine stopped for a start waiting for memory",
+                engine=chosen.engine,
+                generation=generation,
+                start=blocked,
+            )
             directory = engine_dir(self.data_dir, chosen.engine)
             while time.monotonic() < deadline:
                 status = load_status(directory)

@@ -69,29 +69,44 @@ class GatewayMetrics:
             registry=r,
         )
         self.refusals = Counter(
-            "lucia_gateway_refusals", "Requests refused by the gateway, by reason.", ["reason"],
+            "lucia_gateway_refusals",
+            "Requests refused by the gateway, by reason.",
+            ["reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.wait = Histogram(
-            "lucia_gateway_wait_seconds", "Time from arrival to a running slot.", ["engine"],
-            buckets=_WAIT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "lucia_gateway_wait_seconds",
+            "Time from arrival to a running slot.",
+            ["engine"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "lucia_gateway_ttft_seconds", "Time from arrival to the answer's first byte.",
-            ["engine"], buckets=_TIME_BUCKETS, registry=r,
-        )  # fmt: skip
+            "lucia_gateway_ttft_seconds",
+            "Time from arrival to the answer's first byte.",
+            ["engine"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
         self.duration = Histogram(
-            "lucia_gateway_duration_seconds", "Time from arrival to the answer's end.", ["engine"],
-            buckets=_TIME_BUCKETS, registry=r,
-        )  # fmt: skip
+            "lucia_gateway_duration_seconds",
+            "Time from arrival to the answer's end.",
+            ["engine"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "lucia_gateway_prompt_tokens", "Prompt tokens, from the engine's own usage.",
-            ["model", "engine"], registry=r,
-        )  # fmt: skip
+            "lucia_gateway_prompt_tokens",
+            "Prompt tokens, from the engine's own usage.",
+            ["model", "engine"],
+            registry=r,
+        )
         self.completion_tokens = Counter(
-            "lucia_gateway_completion_tokens", "Completion tokens, from the engine's own usage.",
-            ["model", "engine"], registry=r,
-        )  # fmt: skip
+            "lucia_gateway_completion_tokens",
+            "Completion tokens, from the engine's own usage.",
+            ["model", "engine"],
+            registry=r,
+        )
         r.register(_Gates(counts))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -88,9 +88,14 @@ def operator_stop(engine: str, desired: DesiredFile) -> Refusal:
         f"stopped by {who} {when} (generation {desired.generation}); it is not started on "
         f"demand until an operator starts it: lucia-supervisor request {engine} running, "
         f"Start on the page, or POST /api/host/engines/{engine}",
-        {"stoppedBy": {"requestedBy": "operator", "requestedAt": said.get("requestedAt"),
-                       "generation": desired.generation}},
-    )  # fmt: skip
+        {
+            "stoppedBy": {
+                "requestedBy": "operator",
+                "requestedAt": said.get("requestedAt"),
+                "generation": desired.generation,
+            }
+        },
+    )
 
 
 class Starter:
@@ -181,9 +186,13 @@ class Starter:
     async def _request(self, engine: str, seen: DesiredFile | None) -> int:
         """`running`, as the gateway, only while desired.json still says what it read."""
         generation = await asyncio.to_thread(
-            request, self.data_dir, engine, "running", "gateway",
+            request,
+            self.data_dir,
+            engine,
+            "running",
+            "gateway",
             only_if=lambda current: current == seen,
-        )  # fmt: skip
+        )
         self.requests_written += 1
         self.started[engine] = generation
         return generation

@@ -208,9 +208,9 @@ class UsageFilter:
             match = _END.search(done, at)
             stop = match.end() if match is not None else end
             event = done[begin:stop]
-            usage, alone = final_usage(event) if _MAY_END in event or b"response." in event else (
-                None, False
-            )  # fmt: skip
+            usage, alone = (
+                final_usage(event) if _MAY_END in event or b"response." in event else (None, False)
+            )
             if usage is not None:
                 self.usage = usage
                 if alone and self.hide:

@@ -47,7 +47,8 @@ class UsageApi:
         try:
             lines = await asyncio.to_thread(queries.read, self.target, since, by)
         except database.failures() as exc:
-            raise Refusal(503, "record_unavailable", f"the record cannot be read: "
-                          f"{database.one_line(exc)}") from None  # fmt: skip
+            raise Refusal(
+                503, "record_unavailable", f"the record cannot be read: {database.one_line(exc)}"
+            ) from None
         names = keys.names(paths.keys_file(self.data_dir)) if by == "key" else None
         return web.json_response(report.as_json(lines, by, since, names))

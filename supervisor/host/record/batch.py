@@ -16,10 +16,22 @@ from supervisor.host.record.database import Database
 from supervisor.host.record.row import Row, epoch_us
 
 COLUMNS: Final = (
-    "at_us", "key_id", "model", "engine", "engine_version", "image_id", "weights_revision",
-    "outcome", "prompt_tokens", "completion_tokens", "cached_tokens", "wait_s", "ttft_s",
-    "duration_s", "usage_source",
-)  # fmt: skip
+    "at_us",
+    "key_id",
+    "model",
+    "engine",
+    "engine_version",
+    "image_id",
+    "weights_revision",
+    "outcome",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "wait_s",
+    "ttft_s",
+    "duration_s",
+    "usage_source",
+)
 ADD_TOTAL: Final = (
     "INSERT INTO daily_totals (day, key_id, tokens, requests) VALUES (?, ?, ?, ?) "
     "ON CONFLICT (day, key_id) DO UPDATE SET tokens = daily_totals.tokens + excluded.tokens, "
@@ -33,11 +45,22 @@ def values(row: Row) -> tuple[object, ...]:
     """Pure: a row's column values, in COLUMNS' order."""
     build = row.build
     return (
-        epoch_us(row.at), row.key_id, row.model, row.engine, build.engine_version,
-        build.image_id, build.weights_revision, row.outcome, row.prompt_tokens,
-        row.completion_tokens, row.cached_tokens, row.wait_s, row.ttft_s, row.duration_s,
+        epoch_us(row.at),
+        row.key_id,
+        row.model,
+        row.engine,
+        build.engine_version,
+        build.image_id,
+        build.weights_revision,
+        row.outcome,
+        row.prompt_tokens,
+        row.completion_tokens,
+        row.cached_tokens,
+        row.wait_s,
+        row.ttft_s,
+        row.duration_s,
         row.usage_source,
-    )  # fmt: skip
+    )
 
 
 def totals_of(rows: Iterable[Row]) -> Totals:

@@ -252,9 +252,11 @@ def open_reader(target: Target) -> Database:
         raise StoreFailed("nothing recorded yet: the gateway writes the record as it serves")
     try:
         conn = sqlite3.connect(
-            target.path.as_uri() + "?mode=rw", uri=True, timeout=BUSY_MS / 1000,
+            target.path.as_uri() + "?mode=rw",
+            uri=True,
+            timeout=BUSY_MS / 1000,
             isolation_level=None,
-        )  # fmt: skip
+        )
     except sqlite3.Error as exc:
         raise StoreFailed(one_line(exc)) from None
     return Database("sqlite", conn)

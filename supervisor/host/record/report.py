@@ -99,8 +99,17 @@ def table(lines: Sequence[Line], by: By, names: Mapping[str, str] | None = None)
     named = by == "key" and names is not None
     if named:
         header.append("NAME")
-    header += ["REQUESTS", "OK", "PROMPT", "COMPLETION", "CACHED", "TTFT P50 S", "TTFT P95 S",
-               "REFUSED", "FAILED"]  # fmt: skip
+    header += [
+        "REQUESTS",
+        "OK",
+        "PROMPT",
+        "COMPLETION",
+        "CACHED",
+        "TTFT P50 S",
+        "TTFT P95 S",
+        "REFUSED",
+        "FAILED",
+    ]
     rows = [header]
     for line in lines:
         cells = [_cell(c, v) for c, v in zip(columns, line.group, strict=True)]
@@ -108,10 +117,16 @@ def table(lines: Sequence[Line], by: By, names: Mapping[str, str] | None = None)
             assert names is not None
             cells.append(names.get(line.group[0], "-"))
         cells += [
-            str(line.requests), str(line.outcomes.get("ok", 0)), str(line.prompt_tokens),
-            str(line.completion_tokens), str(line.cached_tokens), _seconds(line.ttft_p50),
-            _seconds(line.ttft_p95), _counts(line.refusals), _counts(failed(line)),
-        ]  # fmt: skip
+            str(line.requests),
+            str(line.outcomes.get("ok", 0)),
+            str(line.prompt_tokens),
+            str(line.completion_tokens),
+            str(line.cached_tokens),
+            _seconds(line.ttft_p50),
+            _seconds(line.ttft_p95),
+            _counts(line.refusals),
+            _counts(failed(line)),
+        ]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join(

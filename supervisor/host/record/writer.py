@@ -195,9 +195,11 @@ class Writer(threading.Thread):
             self._pruned = (0, 0)
             if rows:
                 self._log.info(
-                    "record pruned", rows=rows, batches=batches,
+                    "record pruned",
+                    rows=rows,
+                    batches=batches,
                     before=cutoff.date().isoformat(),
-                )  # fmt: skip
+                )
 
     def _finish(self) -> None:
         """At a stop: commit what is queued while the database takes it, then close."""
@@ -238,15 +240,20 @@ class Writer(threading.Thread):
         self.tried.set()
         if was.reason == NOT_YET:
             self._log.info(
-                "record opened", schema=schema.VERSION, migrated_from=before,
-                retention_days=self.retention_days, **self._where,
-            )  # fmt: skip
+                "record opened",
+                schema=schema.VERSION,
+                migrated_from=before,
+                retention_days=self.retention_days,
+                **self._where,
+            )
         else:
             lost = sum(self.ledger.dropped().values()) - self._dropped_at_down
             self._log.info(
-                "record available again", dropped=lost,
-                down_s=round(time.monotonic() - self._down_since, 1), **self._where,
-            )  # fmt: skip
+                "record available again",
+                dropped=lost,
+                down_s=round(time.monotonic() - self._down_since, 1),
+                **self._where,
+            )
 
     def _down(self, reason: str) -> None:
         was = self.health

@@ -73,9 +73,12 @@ def presented_key(authorization: str | None) -> str | None:
 
 
 def check_bearer(
-    auth: Authenticator, failures: FailureLimit, path: str, authorization: str | None,
+    auth: Authenticator,
+    failures: FailureLimit,
+    path: str,
+    authorization: str | None,
     address: str,
-) -> Caller:  # fmt: skip
+) -> Caller:
     """The verified caller, allowed this path: else 401 (no valid key), 429 (invalid keys from
     an address past its limit) or 403 (its role)."""
     key = presented_key(authorization)
@@ -84,17 +87,19 @@ def check_bearer(
         wait = failures.blocked(address) if key is not None else 0.0
         if wait > 0:
             raise Refusal(
-                429, "too_many_failures",
+                429,
+                "too_many_failures",
                 f"too many invalid keys from this address: try again in {wait:.0f} s",
                 headers={"Retry-After": str(max(1, round(wait)))},
-            )  # fmt: skip
+            )
         if key is not None:
             failures.failed(address)
         raise Refusal(401, "invalid_api_key", "a valid API key is required (Bearer)")
     if allowed(path, caller.role) == "forbidden":
         raise Refusal(
-            403, "permission_denied",
+            403,
+            "permission_denied",
             f"{path} needs the owner key; this key's role is {caller.role}, which may call "
             "/v1 only",
-        )  # fmt: skip
+        )
     return caller

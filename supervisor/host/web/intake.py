@@ -22,11 +22,12 @@ def too_slow(request: web.Request, timeout_s: float, came: int) -> Refusal:
     expected = request.content_length
     of = f" of {expected}" if expected is not None else ""
     return Refusal(
-        408, "request_timeout",
+        408,
+        "request_timeout",
         f"the body of {request.path} did not all come within {timeout_s:g} s of its headers "
         f"({came}{of} bytes came); the connection is closed",
         close=True,
-    )  # fmt: skip
+    )
 
 
 async def read_body(

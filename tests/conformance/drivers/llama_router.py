@@ -20,8 +20,9 @@ def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> 
 
     def make(**knobs: Any) -> Engine:
         settings = knobs.pop("settings", {})
-        engine = make_engine(kind="llama-router", load_on_startup=("tiny",),
-                             settings=settings, **knobs)
+        engine = make_engine(
+            kind="llama-router", load_on_startup=("tiny",), settings=settings, **knobs
+        )
         files = add_model(engine.models_dir, "Ready")
         write_llama(files / "tiny.gguf")
         return engine
@@ -32,7 +33,8 @@ def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> 
     def slow(seconds: int) -> tuple[dict[str, Any], str]:
         standin = request.getfixturevalue("router_standin")
         return {"settings": {"LOAD_DELAY": str(seconds)}, "router_image": standin}, (
-            "router listening")
+            "router listening"
+        )
 
     return Kind(
         "llama-router",

@@ -23,10 +23,11 @@ def kind(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) -> 
     return Kind(
         "tensorfold",
         make=make,
-        slow_step=lambda s: ({"settings": {"TEST_DOWNLOAD_SECONDS": str(s)}},
-                             "model.safetensors"),
-        slow_ready=lambda s: ({"settings": {"TENSORFOLD_TEST_READY_DELAY": str(s)}},
-                              "loading weights"),
+        slow_step=lambda s: ({"settings": {"TEST_DOWNLOAD_SECONDS": str(s)}}, "model.safetensors"),
+        slow_ready=lambda s: (
+            {"settings": {"TENSORFOLD_TEST_READY_DELAY": str(s)}},
+            "loading weights",
+        ),
         change_image=change,
         die=dies_with_3_saying("exiting with 3"),
         image=lambda engine: engine.image_tag + "-grammar",

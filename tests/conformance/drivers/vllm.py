@@ -73,7 +73,8 @@ def _real(make_engine: Callable[..., Engine], request: pytest.FixtureRequest) ->
 
     def slow(seconds: int) -> tuple[dict[str, Any], str]:
         return {"vllm_device": "gpu", "settings": {"LOAD_DELAY": str(seconds)}}, (
-            "non-default args")
+            "non-default args"
+        )
 
     def make(**knobs: Any) -> Engine:
         knobs.setdefault("vllm_device", "cpu")

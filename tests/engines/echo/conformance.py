@@ -27,9 +27,13 @@ def _images(request: pytest.FixtureRequest) -> tuple[str, str]:
         tags = []
         for version in (1, 2):
             tag = f"lucia-test-echo{version}-{RUN_ID}:1"
-            client.images.build(path=str(HERE / "image"), tag=tag, rm=True,
-                                buildargs={"BASE": base},
-                                labels={TEST_LABEL: RUN_ID, "version": str(version)})
+            client.images.build(
+                path=str(HERE / "image"),
+                tag=tag,
+                rm=True,
+                buildargs={"BASE": base},
+                labels={TEST_LABEL: RUN_ID, "version": str(version)},
+            )
             tags.append(tag)
         _IMAGES[RUN_ID] = (tags[0], tags[1])
     return _IMAGES[RUN_ID]
@@ -61,8 +65,13 @@ def dies_after_a_traceback(container: Any) -> tuple[str, str]:
 def recipe(engine: Engine) -> str:
     """echo.toml with the engine's fields, settings, secrets and run extras."""
     text = Template((HERE / "echo.toml").read_text()).substitute(
-        name=engine.name, image=engine.image, network=engine.network, port=engine.port,
-        ready_timeout=engine.ready_timeout, stop_grace=engine.stop_grace)
+        name=engine.name,
+        image=engine.image,
+        network=engine.network,
+        port=engine.port,
+        ready_timeout=engine.ready_timeout,
+        stop_grace=engine.stop_grace,
+    )
     data = tomllib.loads(text)
     data["settings"] = dict(engine.settings)
     data["secrets"] = dict(engine.secrets)

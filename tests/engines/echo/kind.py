@@ -32,8 +32,14 @@ class Echo(ContainerEngine[EchoRecipe, Prerequisites]):
     kind = "echo"
     poll_interval = 5.0
 
-    def __init__(self, name: str, recipe: EchoRecipe, runtime: Runtime, state_dir: Path,
-                 data_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        recipe: EchoRecipe,
+        runtime: Runtime,
+        state_dir: Path,
+        data_dir: Path | None = None,
+    ) -> None:
         super().__init__(name, recipe, runtime, state_dir, data_dir)
 
     def prerequisites(self) -> Prerequisites:
