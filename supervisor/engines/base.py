@@ -1,4 +1,10 @@
-"""What every engine module provides, and what a step is given to do its work."""
+"""What every engine provides to the worker, and what a step is given to do its work.
+
+An engine is looked at, never asked: `observe()` returns one `Observed`, and everything the
+worker needs of the engine between two looks is in it. The rest of the protocol is what changes
+the world: making a prerequisite, the checks before a start, one readiness probe, and settling
+what a start left behind. `EngineInfo` is what the worker knows of an engine without a look.
+"""
 
 from __future__ import annotations
 
