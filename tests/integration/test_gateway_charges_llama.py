@@ -109,9 +109,19 @@ def charges(llama: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory) ->
         yield found
 
 
-@pytest.mark.parametrize(
-    ("route", "way"), cases(("chat", "completions", "responses", "embeddings"))
-)
+# A stream its client leaves is charged the engine's running count at the last event read and a
+# margin for what the engine generates before it notices the close. How soon llama-server
+# notices is a race its threads run against the machine's other work: alone it generated up to
+# 9 tokens past the close; beside the shared phase's other cases, 71 past the last event read
+# (README, `engine_partial`).
+# These cases run alone, where the margin is what it is measured against.
+CASES = [
+    pytest.param(route, way, marks=pytest.mark.alone) if way == "left mid-stream" else (route, way)
+    for route, way in cases(("chat", "completions", "responses", "embeddings"))
+]
+
+
+@pytest.mark.parametrize(("route", "way"), CASES)
 def test_each_way_of_asking_is_charged_what_llama_server_generated(
     charges: Charges, route: str, way: str
 ) -> None:
