@@ -70,10 +70,14 @@ class ContainerEngine(Generic[R, P]):
         self.runtime = runtime
         self.state_dir = state_dir
         self.container_name = f"lucia-{name}"
-        self.endpoint: Endpoint | None = None  # known once observed
         self.last: Look[P] | None = None  # the last look, set by observe only
         with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
             redaction.register(recipe.secret_values().values())
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """Where the engine answers, as the last look found it; None before one."""
+        return self.last.endpoint if self.last is not None else None
 
     @functools.cached_property
     def info(self) -> EngineInfo:
@@ -198,7 +202,7 @@ class ContainerEngine(Generic[R, P]):
     def observe(self) -> Observed:
         """One look, kept as the last one (the steps after it read it), and its answers."""
         look = self.look()
-        self.endpoint, self.last = look.endpoint, look
+        self.last = look
         return self.answers(look)
 
     def look(self) -> Look[P]:
