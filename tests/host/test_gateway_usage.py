@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.proxy.usage import AFTER_CLOSE, AnswerScan, UsageFilter, running_counts
+from supervisor.host.proxy.usage import (
+    AFTER_CLOSE,
+    AnswerScan,
+    Pace,
+    UsageFilter,
+    pace_of,
+    running_counts,
+    unseen,
+)
 
 STREAMS = Path(__file__).resolve().parents[1] / "data" / "streams"
 NAMES = sorted(path.stem for path in STREAMS.glob("*.sse"))
@@ -107,6 +115,83 @@ def test_a_stream_ended_early_costs_the_engines_count_at_the_last_event_read(nam
         if not ended:
             assert charged["prompt_tokens"] == final(name)[0], "the prompt, as the engine said"
         continue
+
+
+@pytest.mark.parametrize(
+    ("last", "before", "elapsed_s", "bound", "most"),
+    [
+        # 101 tokens in 100 ms (its first at 0): 1 a ms; 20 ms unaccounted for
+        (Pace(101, 30.0, 100.0), None, 0.150, 3000, 20),
+        # the stream ended before its last token could have come: nothing unseen
+        (Pace(101, 30.0, 100.0), None, 0.120, 3000, 0),
+        (Pace(101, 30.0, 100.0), None, 0.130, 3000, 0),
+        # it sped up: 50 tokens in its last 10 ms, 5 a ms, beats its average
+        (Pace(101, 30.0, 100.0), Pace(51, 30.0, 90.0), 0.150, 3000, 100),
+        # it slowed down: its average is the faster
+        (Pace(101, 30.0, 100.0), Pace(100, 30.0, 60.0), 0.150, 3000, 20),
+        # never past the bound
+        (Pace(101, 30.0, 100.0), None, 10.0, 500, 500),
+        # one token read: no pace to go by, so the bound
+        (Pace(1, 30.0, 0.0), None, 0.150, 3000, 3000),
+        # two reads at the same millisecond: no pace to trust either
+        (Pace(11, 30.0, 5.0), Pace(5, 30.0, 5.0), 0.150, 700, 700),
+        # a part of a token rounds up
+        (Pace(11, 0.0, 10.0), None, 0.0105, 3000, 1),
+    ],
+)
+def test_what_llama_server_can_have_generated_unseen(
+    last: Pace, before: Pace | None, elapsed_s: float, bound: int, most: int
+) -> None:
+    assert unseen(last, before, elapsed_s, bound) == most
+
+
+@pytest.mark.parametrize(
+    ("event", "pace"),
+    [
+        (
+            b'data: {"timings":{"predicted_n":7,"prompt_ms":2.5,"predicted_ms":1.5}}\n\n',
+            Pace(7, 2.5, 1.5),
+        ),
+        (
+            b'data: {"timings":{"predicted_n":7,"prompt_ms":2,"predicted_ms":1}}\n\n',
+            Pace(7, 2.0, 1.0),
+        ),
+        (b'data: {"timings":{"predicted_n":7,"prompt_ms":-1,"predicted_ms":1}}\n\n', None),
+        (b'data: {"timings":{"predicted_n":7,"prompt_ms":"2","predicted_ms":1}}\n\n', None),
+        (b'data: {"timings":{"predicted_n":true,"prompt_ms":2,"predicted_ms":1}}\n\n', None),
+        (b'data: {"timings":{"predicted_n":7,"predicted_ms":1}}\n\n', None),
+        (b'data: {"usage":{"completion_tokens":7}}\n\n', None),
+    ],
+)
+def test_llama_servers_clock_is_read_from_its_timings(event: bytes, pace: Pace | None) -> None:
+    assert pace_of(event) == pace
+
+
+def test_a_llama_stream_ended_early_costs_what_its_engine_can_have_generated_unseen() -> None:
+    """Cut after each event of the real llama-server's stream: the running count, the margin,
+    and the engine's pace over the time the gateway cannot account for, within the bound."""
+    all_events = events("llama_chat")
+    checked = 0
+    for cut in range(2, len(all_events) - 2):
+        usage = UsageFilter(hide=True, strip=True)
+        for event in all_events[:cut]:
+            usage.feed(event)
+        last = pace_of(b"".join(all_events[:cut]))
+        if last is None or last.generated < 2:
+            continue
+        spent_s = (last.prompt_ms + last.generating_ms) / 1000
+        plain, _ = usage.charged(999, whole=False)
+        later, source = usage.charged(999, whole=False, elapsed_s=spent_s + 1.0, bound=10**9)
+        assert plain is not None and later is not None
+        assert source == "engine_partial"
+        assert later["completion_tokens"] > plain["completion_tokens"] + last.generated - 1
+        capped, _ = usage.charged(999, whole=False, elapsed_s=spent_s + 1.0, bound=40)
+        assert capped is not None
+        assert capped["completion_tokens"] == max(40, plain["completion_tokens"])
+        on_time, _ = usage.charged(999, whole=False, elapsed_s=spent_s, bound=10**9)
+        assert on_time == plain
+        checked += 1
+    assert checked >= 3, "the stream has events with a pace to read"
 
 
 def test_vllms_responses_stream_is_counted_by_its_deltas() -> None:

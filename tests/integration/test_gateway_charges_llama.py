@@ -109,16 +109,11 @@ def charges(llama: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory) ->
         yield found
 
 
-# A stream its client leaves is charged the engine's running count at the last event read and a
-# margin for what the engine generates before it notices the close. How soon llama-server
-# notices is a race its threads run against the machine's other work: alone it generated up to
-# 9 tokens past the close; beside the shared phase's other cases, 71 past the last event read
-# (README, `engine_partial`).
-# These cases run alone, where the margin is what it is measured against.
-CASES = [
-    pytest.param(route, way, marks=pytest.mark.alone) if way == "left mid-stream" else (route, way)
-    for route, way in cases(("chat", "completions", "responses", "embeddings"))
-]
+# A stream its client leaves is charged the engine's running count at the last event read, a
+# margin, and what the engine can have generated unseen at its own pace (its generating slot runs
+# ahead of the thread that sends its events: on a busy machine by hundreds of tokens). These
+# cases run beside the shared phase's others, where the machine is busy.
+CASES = cases(("chat", "completions", "responses", "embeddings"))
 
 
 @pytest.mark.parametrize(("route", "way"), CASES)
@@ -136,7 +131,13 @@ def test_each_way_of_asking_is_charged_what_llama_server_generated(
     if way in LATE_WAYS and route != "embeddings":  # ok: a machine that generates it in time
         assert charge.outcome in ("timed_out", "ok"), charge
     if way == "left mid-stream":
-        assert (charge.outcome, charge.usage_source) == ("client_gone", "engine_partial"), charge
+        # or the engine had sent its whole answer before the client left: it was delivered
+        delivered = ("ok", "engine", LONG)
+        assert (charge.outcome, charge.usage_source) == ("client_gone", "engine_partial") or (
+            charge.outcome,
+            charge.usage_source,
+            charge.engine_generated,
+        ) == delivered, charge
 
 
 def test_a_stream_whose_engine_is_killed_is_charged_what_passed(

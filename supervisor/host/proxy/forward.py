@@ -33,8 +33,8 @@ _BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, Tim
 # a pooled connection the engine had closed: the request was not written, or no answer began
 _STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
-DRAIN_S: Final = 0.25  # a stream ended early: its engine's events read on, to count them
-DRAIN_QUIET_S: Final = 0.02
+# a stream ended early: its engine's events read on, to count them, until it ends the stream
+DRAIN_S: Final = 5.0
 
 
 def describe(exc: BaseException) -> str:
@@ -65,6 +65,7 @@ class Trace:
     usage: dict[str, Any] | None = None
     usage_source: Source = "none"  # where `usage` came from (usage.py)
     posted: bool = False  # the request went to the engine, which may have generated for it
+    sent: float | None = None  # the loop's clock, when it went
     # the client's response once its headers went out: from then on the answer has begun, and
     # whatever goes wrong is told inside it (an error event, a short body), never as a refusal
     answer: web.StreamResponse | None = field(default=None, repr=False)
@@ -201,7 +202,7 @@ class Forwarder:
     async def _send(
         self, request: web.Request, url: str, prepared: Prepared, engine: str, trace: Trace
     ) -> web.StreamResponse:
-        trace.posted = True
+        trace.posted, trace.sent = True, asyncio.get_running_loop().time()
         try:
             upstream = await self._post(url + request.path, prepared.body)
         except _BROKEN as exc:
@@ -320,21 +321,32 @@ class Forwarder:
                 try:  # a client that left may be seen to leave again: its handler cancelled
                     await _drain(upstream, usage)
                 finally:
-                    estimate = prepared.prompt_estimate
-                    trace.usage, trace.usage_source = usage.charged(estimate, False, many)
+                    sent = trace.sent if trace.sent is not None else trace.arrived
+                    trace.usage, trace.usage_source = usage.charged(
+                        prepared.prompt_estimate,
+                        False,
+                        many,
+                        elapsed_s=asyncio.get_running_loop().time() - sent,
+                        bound=prepared.generation_bound,
+                    )
 
 
 async def _drain(upstream: aiohttp.ClientResponse, usage: UsageFilter) -> None:
     """Count what the engine sent that was not passed on (its client left, the deadline ran
-    out): what waits in the buffers, which a client that read slowly let fill, until the engine
-    is quiet for DRAIN_QUIET_S, at most DRAIN_S. The connection is closed after it."""
-    content = upstream.content
+    out). The gateway half-closes its side first: the engine sees its client gone at once
+    (llama-server's HTTP thread peeks the FIN between events; uvicorn closes on it) and stops,
+    and every event it sent until then still arrives and is counted, until it ends the stream,
+    at most DRAIN_S. The connection is closed after it, never pooled again."""
+    connection = upstream.connection
+    transport = None if connection is None else connection.transport
     try:
+        if transport is not None and transport.can_write_eof():
+            transport.write_eof()
+        content = upstream.content
         async with asyncio.timeout(DRAIN_S):
-            while not content.at_eof():
-                data = await asyncio.wait_for(content.readany(), DRAIN_QUIET_S)
-                if not data:
-                    return
+            while data := await content.readany():
                 usage.drain(data)
-    except (TimeoutError, RuntimeError, *_BROKEN):
+    except (TimeoutError, RuntimeError, OSError, *_BROKEN):
         return
+    finally:
+        upstream.close()

@@ -14,7 +14,11 @@ What a stream costs is read from the engine's own counts, in this order:
   sequence that it generates before it notices the close. The gateway asks both
   engines for one on every event (body.py): llama-server's `timings` (`timings_per_token`:
   `prompt_n` and `cache_n` make the prompt, `predicted_n` the tokens generated) and vLLM's
-  `usage` (`stream_options.continuous_usage_stats`);
+  `usage` (`stream_options.continuous_usage_stats`). llama-server's generating slot runs
+  ahead of the thread that sends its events, by more the busier the machine, and what it
+  generated but never sent is in no event: so a llama-server stream also costs what the
+  engine, at its own pace (`Pace`), can have generated in the time the gateway cannot account
+  for (`unseen`), within the request's bound;
 - `counted`: an engine that sends neither (vLLM's /v1/responses), or a stream that ended before
   its first count, costs the events that carried output, one token each, or, on /v1/responses,
   the UTF-8 bytes of their deltas where those are more (vLLM puts several tokens in one delta
@@ -30,6 +34,7 @@ an event is always one of its names, never its content.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -59,9 +64,8 @@ _COUNT_BYTES: Final = 1024  # a running count's object is a few hundred bytes
 
 Source = Literal["engine", "engine_partial", "counted", "bound", "none"]
 # tokens a sequence an engine generates after the last event the gateway read of a stream that
-# ended early, before it notices the close (tests/integration/test_gateway_charges_*: up to 9
-# for llama-server with the tests' tiny model, at about 3,000 tokens a second; none for vLLM,
-# whose running count is its count; an engine that generates slower makes fewer)
+# ended early, before it notices the close (none for vLLM, whose running count is its count;
+# llama-server's, past what its pace covers (`unseen`), is its slot's step after the cancel)
 AFTER_CLOSE: Final = 16
 
 
@@ -165,6 +169,59 @@ def running_counts(done: bytes) -> Counts | None:
     return None
 
 
+@dataclass(frozen=True)
+class Pace:
+    """llama-server's own clock at one event (its `timings`): the tokens generated, and the
+    milliseconds it spent on the prompt and on generating them."""
+
+    generated: int
+    prompt_ms: float
+    generating_ms: float
+
+
+def pace_of(done: bytes) -> Pace | None:
+    """Pure: llama-server's clock at the last finished event in `done` that has timings."""
+    at = _last(_TIMINGS, _TIMINGS_EXACT, done) if b'"timings"' in done else -1
+    timings = _object(done, at, _COUNT_BYTES) if at >= 0 else None
+    if timings is None:
+        return None
+    generated = _count(timings.get("predicted_n"))
+    prompt_ms, generating_ms = _ms(timings.get("prompt_ms")), _ms(timings.get("predicted_ms"))
+    if generated is None or prompt_ms is None or generating_ms is None:
+        return None
+    return Pace(generated, prompt_ms, generating_ms)
+
+
+def _ms(value: object) -> float | None:
+    if type(value) is int or type(value) is float:
+        return float(value) if 0 <= value < math.inf else None
+    return None
+
+
+def unseen(last: Pace, before: Pace | None, elapsed_s: float, bound: int) -> int:
+    """Pure: the most tokens a sequence can have generated past `last`, the last event read,
+    when the stream ended `elapsed_s` after the gateway sent the request; at most `bound`.
+
+    The engine's last token read came at least its prompt's and its generation's milliseconds
+    after the request was sent, so it generated past it for at most what is left of
+    `elapsed_s`. It generates at its pace: the faster of its average since its first token
+    and its pace between `before` and `last` (a machine that got less busy speeds it up). An
+    engine with no pace to read (a single token) may have generated up to the bound."""
+    window_s = elapsed_s - (last.prompt_ms + last.generating_ms) / 1000
+    if window_s <= 0:
+        return 0
+    rates = []
+    if last.generated > 1 and last.generating_ms > 0:  # its first token is at its clock's 0
+        rates.append((last.generated - 1) / last.generating_ms)
+    if before is not None and last.generated > before.generated:
+        spent_ms = last.generating_ms - before.generating_ms
+        rates.append(math.inf if spent_ms <= 0 else (last.generated - before.generated) / spent_ms)
+    if not rates:
+        return bound
+    most = max(rates) * window_s * 1000
+    return bound if most >= bound else math.ceil(most)
+
+
 def delta_bytes(done: bytes) -> int:
     """Pure: the UTF-8 bytes of the deltas of the /v1/responses events in `done`."""
     total = 0
@@ -186,6 +243,8 @@ class UsageFilter:
         self.usage: dict[str, Any] | None = None  # the engine's, for the whole answer
         self._running: Counts | None = None  # the engine's, at the last event read
         self._pending: bytes | None = None  # the last events read with a count, not parsed yet
+        # the last two reads with llama-server's timings: its pace, read only if it ends early
+        self._timed: tuple[bytes | None, bytes | None] = (None, None)
         self.outputs = 0  # events that carried output
         self.delta_bytes = 0  # the UTF-8 bytes of /v1/responses' deltas, while no count came
         self._held = b""
@@ -231,6 +290,8 @@ class UsageFilter:
         only grow, and most events are never asked about."""
         if _TIMINGS_EXACT in done or _RUNNING_EXACT in done:
             self._pending = done
+            if _TIMINGS_EXACT in done:
+                self._timed = (self._timed[1], done)
         elif b'"timings"' in done or _USAGE in done:  # a count with whitespace: parsed now
             self._take(done)
         if self._pending is not None or self._running is not None:
@@ -269,12 +330,21 @@ class UsageFilter:
             self.count(held[:end])
 
     def charged(
-        self, prompt_estimate: int, whole: bool, sequences: int = 1
+        self,
+        prompt_estimate: int,
+        whole: bool,
+        sequences: int = 1,
+        *,
+        elapsed_s: float | None = None,
+        bound: int | None = None,
     ) -> tuple[dict[str, Any] | None, Source]:
         """The usage the row keeps and where it came from; `whole`: the stream ended as the
         engine ended it, so its last running count is the answer's. A stream that ended before
         its usage also costs AFTER_CLOSE tokens a sequence: what an engine generates between
-        the last event read and its noticing that the gateway closed the stream."""
+        the last event read and its noticing that the gateway closed the stream; and, given
+        `elapsed_s` (from sending the request to the stream's end) and its `bound` (the most it
+        may generate), what llama-server can have generated unseen (`unseen`), so that the
+        whole completion stays within the bound."""
         if self.usage is not None:
             return self.usage, "engine"
         running = self.running
@@ -282,7 +352,13 @@ class UsageFilter:
             return running.usage(), "engine"
         after = AFTER_CLOSE * sequences
         if running is not None:
-            counts = Counts(running.prompt, running.completion + after, running.cached)
+            completion = running.completion + after
+            last = pace_of(self._timed[1]) if self._timed[1] is not None else None
+            if last is not None and elapsed_s is not None and bound is not None:
+                before = pace_of(self._timed[0]) if self._timed[0] is not None else None
+                most = max(0, bound - completion)
+                completion += min(most, unseen(last, before, elapsed_s, most) * sequences)
+            counts = Counts(running.prompt, completion, running.cached)
             return counts.usage(), "engine_partial"
         if self.outputs or not whole:  # also a stream left before its first output
             generated = max(self.outputs, self.delta_bytes) + (0 if whole else after)
