@@ -33,7 +33,8 @@ from supervisor.worker.jobs import ExitMonitor, WorkerJob
 from supervisor.worker.plan import Decision
 from supervisor.worker.steps import Check, Step, cancellable, describe
 from supervisor.worker.telemetry import FileSdWriter, WorkerMetrics
-from supervisor.worker.wakeup import Signals, Wakeup, watch_desired
+from supervisor.worker.wakeup import Signals, Wakeup
+from supervisor.worker.watch import DesiredWatch
 
 SAFETY_NET: Final = 5.0  # re-read desired.json even without a file event
 OBSERVE_DEADLINE: Final = 10.0  # an observation that takes longer is reported, and waited for
@@ -114,20 +115,13 @@ class Worker:
             self._signals.install(self._wake)
             if self.settings.metrics_port:
                 self.metrics.serve(self.settings.metrics_port)
-            watcher = threading.Thread(
-                target=watch_desired,
-                args=(self.directory, self._stop, self._wake),
-                name="watch",
-                daemon=True,
-            )
-            watcher.start()
+            self._wake.attach(DesiredWatch(self.directory))
             try:
                 self._loop()
             finally:
                 self.notifier.stopping()
                 self._stop.set()
                 self._abandon_job()
-                watcher.join(2)
                 self._wake.close()
             log.info("worker stopped; the engine is left as it is", name=self.settings.name)
         return 0
@@ -179,6 +173,8 @@ class Worker:
                 self.notifier.ready()
                 ready_sent = True
             self._wake.wait(self._next_wait())
+            if self._wake.full_look_due():
+                self._pending = True  # the watch missed events: read and observe anew
 
     def _observe_due(self) -> bool:
         """Observe when something happened, or every poll interval as a safety net: an idle

@@ -1,8 +1,9 @@
-"""What wakes the worker's loop: a self-pipe, the watcher of desired.json and the signals.
+"""What wakes the worker's loop: a self-pipe, the watch of desired.json and the signals.
 
-Threads, the watcher and signals write a byte; the loop waits on it with a timeout. Writing
-takes no lock, so a signal handler (or the C-level wakeup fd of the signal module) can use it
-while the loop holds any lock of its own.
+Threads and signals write a byte to the pipe; the loop waits on it and on the kernel's inotify
+queue for desired.json (`watch.py`) with a timeout. Writing takes no lock, so a signal handler
+(or the C-level wakeup fd of the signal module) can use it while the loop holds any lock of its
+own.
 """
 
 from __future__ import annotations
@@ -11,21 +12,11 @@ import contextlib
 import os
 import select
 import signal
-import threading
+import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
-from typing import Final
 
-from watchfiles import watch
-
-from supervisor.protocol.layout import DESIRED
-
-# watchfiles polls its event queue every `step` ms: 5 ms cost 1.2 % of a core while idle, 15 ms
-# about 0.2 %, with the wake-up after a write at p50 24 ms, max 30 ms
-WATCH_DEBOUNCE_MS: Final = 30
-WATCH_STEP_MS: Final = 15
-WATCH_RUST_TIMEOUT_MS: Final = 1000
+from supervisor.worker.watch import DesiredWatch
 
 
 class Signals:
@@ -51,25 +42,57 @@ class Signals:
 
 
 class Wakeup:
+    """The loop's one wait: on the self-pipe and, once attached, on desired.json's watch. Only
+    the loop waits; any thread may `set`."""
+
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._previous_fd: int | None = None
+        self._watch: DesiredWatch | None = None
+        self._full_look = False
+
+    def attach(self, watch: DesiredWatch) -> None:
+        """Wake on what changes desired.json as well (the loop's thread only)."""
+        self._watch = watch
 
     def set(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending anyway
             os.write(self._write, b"\0")
 
     def wait(self, timeout: float) -> bool:
-        """Wait until woken or the timeout passes; True when woken. Drains pending wake-ups."""
-        ready, _, _ = select.select([self._read], [], [], max(timeout, 0.0))
-        if not ready:
-            return False
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._read, 4096):
-                pass
-        return True
+        """Wait until woken or the timeout passes; True when woken. Drains pending wake-ups.
+        Events of other files in the engine directory (the worker's own status writes) are
+        read and waited past."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        watch = self._watch
+        while True:
+            if watch is not None and watch.retry():
+                self._full_look = True
+                return True
+            sources: list[int] = [self._read] if watch is None else [self._read, watch.fileno()]
+            ready, _, _ = select.select(sources, [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return False
+            woken = False
+            if self._read in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._read, 4096):
+                        pass
+                woken = True
+            if watch is not None and watch.fileno() in ready:
+                verdict = watch.take()
+                self._full_look = self._full_look or verdict.full_look or verdict.lost
+                woken = woken or verdict.wakes
+            if woken:
+                return True
+
+    def full_look_due(self) -> bool:
+        """Whether the watch missed something since the last call (its queue overflowed, or it
+        was lost): the loop then reads and observes as after a restart."""
+        due, self._full_look = self._full_look, False
+        return due
 
     def catch_signals(self) -> None:
         """Make the signal module write to this pipe when a signal arrives (main thread only)."""
@@ -79,18 +102,8 @@ class Wakeup:
         if self._previous_fd is not None:
             signal.set_wakeup_fd(self._previous_fd)
             self._previous_fd = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         os.close(self._read)
         os.close(self._write)
-
-
-def watch_desired(directory: Path, stop: threading.Event, wake: Wakeup) -> None:
-    """Wake the loop on every change to desired.json in directory, until stop is set."""
-    for _ in watch(
-        directory,
-        stop_event=stop,
-        watch_filter=lambda _c, path: path.endswith(DESIRED),
-        debounce=WATCH_DEBOUNCE_MS,
-        step=WATCH_STEP_MS,
-        rust_timeout=WATCH_RUST_TIMEOUT_MS,
-    ):
-        wake.set()
