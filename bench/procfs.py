@@ -76,6 +76,21 @@ def cpu_seconds(pid: int) -> float:
     return ticks / CLK_TCK
 
 
+def wakeups(pid: int) -> int:
+    """Context switches of every thread of pid (voluntary and not): each is the thread put to
+    sleep or taken off the CPU, so their count is the process's wake-ups."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except FileNotFoundError:  # a thread that ended
+            continue
+        for line in text.splitlines():
+            if "ctxt_switches:" in line:
+                total += int(line.split()[1])
+    return total
+
+
 def processes(pid: int) -> list[str]:
     """The command line of pid and of each descendant (in tree() order), shortened."""
     names = []

@@ -10,13 +10,13 @@ import time
 
 from ..engine import PYTHON
 from ..lab import Lab
-from ..procfs import CLK_TCK, cpu_seconds, percentile, processes, pss_mb, rss_mb, tree
+from ..procfs import CLK_TCK, cpu_seconds, percentile, processes, pss_mb, rss_mb, tree, wakeups
 from ..report import Row, num, overhead, ratio, summary, verdict
 from ..status import epoch
 from .common import HEARTBEAT, Plan, Shared
 
 IDLE_BASELINE = (
-    "import docker, pydantic, watchfiles, structlog, prometheus_client, time\n"
+    "import docker, pydantic, inotify_simple, structlog, prometheus_client, time\n"
     "print('ready', flush=True)\n"
     "time.sleep(3600)\n"
 )
@@ -32,6 +32,7 @@ def idle(lab: Lab, plan: Plan, shared: Shared) -> list[Row]:
     time.sleep(1)
     window = plan.idle_seconds
     cpu_w, cpu_b = cpu_seconds(pid), cpu_seconds(base.pid)
+    wake_w, wake_b = wakeups(pid), wakeups(base.pid)
     started = time.perf_counter()
     rss_w: list[float] = []
     rss_b: list[float] = []
@@ -49,6 +50,8 @@ def idle(lab: Lab, plan: Plan, shared: Shared) -> list[Row]:
     elapsed = time.perf_counter() - started
     cpu_w = (cpu_seconds(pid) - cpu_w) / elapsed * 100
     cpu_b = (cpu_seconds(base.pid) - cpu_b) / elapsed * 100
+    wake_w = (wakeups(pid) - wake_w) / elapsed
+    wake_b = (wakeups(base.pid) - wake_b) / elapsed
     pss_w, pss_b = pss_mb(pid), pss_mb(base.pid)
     names = [
         f"`{name}` {num(rss_mb(p, children=False), 'MB')}"
@@ -90,6 +93,21 @@ def idle(lab: Lab, plan: Plan, shared: Shared) -> list[Row]:
             verdict(cpu_w < 0.5),
             "utime+stime deltas from /proc/PID/stat (children included), over the window's "
             f"wall time; clock tick {1 / CLK_TCK:.2f} s.",
+        ),
+        Row(
+            "idle",
+            f"worker wake-ups a second over {window:.0f} s",
+            "/s",
+            wake_w,
+            None,
+            1,
+            f"{wake_b:.2f}/s (the same sleeping python)",
+            f"+{wake_w - wake_b:.2f}/s",
+            "",
+            "",
+            "Context switches of all the worker's threads (voluntary and not, from "
+            "/proc/PID/task/*/status) over the window's wall time: its heartbeat, its safety "
+            "net's look at desired.json, and its own status writes' events, nothing else.",
         ),
         Row(
             "idle",
