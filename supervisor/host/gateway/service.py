@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import signal
 import ssl
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-import uvloop
 from aiohttp import web
 
 from supervisor import logs
@@ -32,10 +30,6 @@ WATCHDOG_IDLE_S: Final = 5.0  # how often the loop looks when there is no watchd
 UNRECORDED: Final = "not recording: no row is kept and no budget is enforced"
 SHUTDOWN_S: Final = 20.0  # streams in flight get this long at a stop (the unit allows 30)
 log = logs.get("gateway")
-# the event loop the service runs on: uvloop's, whose sockets, transports and callbacks cost
-# the gateway less CPU per streamed token than asyncio's (bench/RESULTS.md); None runs
-# asyncio's own (bench/gateway_on_asyncio.py sets it so, to measure the difference)
-LOOP: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
 
 
 def tls_context(listen: Listen) -> ssl.SSLContext | None:
@@ -153,6 +147,5 @@ def serve(service: Service) -> int:
             loop.add_signal_handler(signum, service.stop.set)
         await service.run()
 
-    with asyncio.Runner(loop_factory=LOOP) as run:
-        run.run(main())
+    asyncio.run(main())
     return 0
