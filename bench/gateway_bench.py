@@ -33,11 +33,11 @@ reuses on every path (it shows the failures).
 
 More paths, each a process of its own in front of the same upstream, in the same interleaved
 rounds: `--floor` a bare aiohttp pass-through proxy (bench/gateway_stack.py's, on asyncio's
-loop), `--floor-uv` the same on uvloop's, `--asyncio` this gateway on asyncio's own loop (what
-uvloop buys), `--unrecorded` this gateway with the record off (what the record's writer
-costs), `--baseline REV` the gateway of revision REV (path `@REV`; repeatable), and LiteLLM's
-proxy when `--litellm` or LUCIA_BENCH_LITELLM names its virtual environment
-(bench/gateway_peers.py; left out, said so, when neither does). `--plain` asks for plain (not streamed) answers: their first token is
+loop), `--floor-uv` the same on uvloop's (what that loop buys a proxy), `--unrecorded` this
+gateway with the record off (what the record's writer costs), `--baseline REV` the gateway of
+revision REV (path `@REV`; repeatable), and LiteLLM's proxy when `--litellm` or
+LUCIA_BENCH_LITELLM names its virtual environment (bench/gateway_peers.py; left out, said so,
+when neither does). `--plain` asks for plain (not streamed) answers: their first token is
 their end.
 
 Prints a table; asserts nothing about timings. The goals (issue 39) it prints met or MISSED,
@@ -423,9 +423,6 @@ def parser_of() -> argparse.ArgumentParser:
         "--floor-uv", action="store_true", help="a path: the same proxy on uvloop's event loop"
     )
     parser.add_argument(
-        "--asyncio", action="store_true", help="a path: this gateway on asyncio's own loop"
-    )
-    parser.add_argument(
         "--unrecorded", action="store_true", help="a path: this gateway with the record off"
     )
     parser.add_argument(
@@ -462,8 +459,6 @@ def main(argv: list[str] | None = None) -> int:
             ("floor", floor_proxy(upstream, args.floor)),
             ("floor-uv", floor_proxy(upstream, args.floor_uv, "aiohttp-uv")),
         ]
-        if args.asyncio:
-            others.append(("asyncio", gateway(upstream, running, None, on_asyncio=True)))
         if args.unrecorded:
             unrecorded = "[record]\nenabled = false\n"
             others.append(("unrecorded", gateway(upstream, running, None, unrecorded)))

@@ -336,14 +336,11 @@ def gateway(
     profile: Path | None,
     extra: str = "",
     root: Path = ROOT,
-    *,
-    on_asyncio: bool = False,
 ) -> Iterator[tuple[str, int]]:
     """The real gateway service in its own process, in front of `upstream`; its url and pid.
     With `profile`, it runs under cProfile, whose figures are written there at its stop.
     `extra` is appended to its settings (a `[record]` section, say). `root`: the source tree
-    it runs from (another version's, for a baseline). `on_asyncio`: on asyncio's own event
-    loop, not uvloop's (bench/gateway_on_asyncio.py)."""
+    it runs from (another version's, for a baseline)."""
     with tempfile.TemporaryDirectory(prefix="lucia-bench-gateway-") as tmp:
         home = Path(tmp)
         data = home / "data"
@@ -364,11 +361,11 @@ def gateway(
         beat = threading.Thread(target=heartbeat, daemon=True)
         beat.start()
         wrap = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
-        entry = [str(ROOT / "bench" / "gateway_on_asyncio.py")] if on_asyncio else []
         command = [
             sys.executable,
             *wrap,
-            *(entry or ["-m", "supervisor.cli"]),
+            "-m",
+            "supervisor.cli",
             "gateway",
             "--settings",
             str(settings),
