@@ -1,6 +1,6 @@
-"""How a stream passes through: what ends it for its client, when the engine's last bytes go out
-with the answer's end in one write, and that a stream whose every byte came in one read is
-charged and passed as one that came event by event."""
+"""How a stream passes through however its bytes are cut: a usage chunk or an event split
+between two reads, and a whole stream, its end with it, in one read, are passed and charged as
+a stream that came event by event."""
 
 from __future__ import annotations
 
@@ -15,63 +15,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from supervisor.host.gateway.app import create_app
-from supervisor.host.proxy.forward import DONE, delivers, ends
 from supervisor.host.proxy.usage import UsageFilter
 from tests.host.gateway_world import AUTH, KEYS, SETTINGS, settings_of, write_status
 
-PAD = b" " * 100
-
-
-@pytest.mark.parametrize(
-    ("out", "delivered"),
-    [
-        (b"data: [DONE]\n\n", True),
-        (b"data: [DONE]", True),
-        (b'data: {"choices":[]}\n\ndata: [DONE]\n\n', True),
-        (b"x" * 1000 + b"data: [DONE]\r\n\r\n", True),
-        (b"data: [DONE]" + PAD, True),  # a tail all whitespace: the whole is looked at
-        (b"x" * 1000 + b"data: [DONE]" + PAD, True),
-        (b'data: {"choices":[]}\n\n', False),
-        (b"data: [DONE]\n\ndata: more\n\n", False),  # misuse: an event after [DONE]
-        (b"ONE]\n\n", False),  # its last bytes only: the rest went out before
-        (b"", False),
-        (PAD, False),
-    ],
-)
-def test_a_stream_is_delivered_when_its_last_write_ends_with_done(
-    out: bytes, delivered: bool
-) -> None:
-    assert delivers(out) is delivered
-    assert delivers(out) is out.rstrip().endswith(DONE)
-
-
-class Transport(asyncio.BaseTransport):
-    def __init__(self, closing: bool) -> None:
-        super().__init__()
-        self.closing = closing
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-
-@pytest.mark.parametrize(
-    ("eof", "error", "client", "coalesced"),
-    [
-        (True, None, Transport(closing=False), True),  # the engine's last bytes: one write
-        (False, None, Transport(closing=False), False),  # more to come: written at once
-        (True, aiohttp.ClientPayloadError("cut"), Transport(closing=False), False),  # broke
-        (True, None, Transport(closing=True), False),  # the client left: said as before
-        (True, None, None, False),  # its connection gone
-    ],
-)
-def test_the_engines_last_bytes_go_with_the_answers_end_only_when_nothing_else_can_happen(
-    eof: bool, error: BaseException | None, client: asyncio.BaseTransport | None, coalesced: bool
-) -> None:
-    assert ends(eof, error, client) is coalesced
-
 
 def events(tokens: int, usage: bool) -> list[bytes]:
-    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "t"}}]}
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "t"}}],
+    }
     out = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for _ in range(tokens)]
     if usage:
         counts = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}

@@ -35,7 +35,6 @@ _STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
 # a stream ended early: its engine's events read on, to count them, until it ends the stream
 DRAIN_S: Final = 5.0
-_TAIL_BYTES: Final = 64  # the end of a write where its [DONE] is looked for
 
 
 def describe(exc: BaseException) -> str:
@@ -114,23 +113,6 @@ async def from_engine(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes |
             yield Broke(exc)
             return
         yield data
-
-
-def delivers(out: bytes) -> bool:
-    """Pure: whether these bytes end a stream for its client: `[DONE]` last, but for
-    whitespace (only their tail is looked at, unless it is all whitespace)."""
-    tail = out[-_TAIL_BYTES:].rstrip()
-    if len(tail) < len(DONE) < len(out):
-        tail = out.rstrip()
-    return tail.endswith(DONE)
-
-
-def ends(eof: bool, error: BaseException | None, client: asyncio.BaseTransport | None) -> bool:
-    """Pure: whether the bytes just read from the engine are its answer's last, to go out
-    with the end of the client's answer in one write (nothing is held back for it): the
-    engine ended its stream (no bytes left unread), nothing broke, and the client's
-    connection takes writes (else the writes one by one say it left, as before)."""
-    return eof and error is None and client is not None and not client.is_closing()
 
 
 def _client(force_close: bool) -> aiohttp.ClientSession:
@@ -309,37 +291,25 @@ class Forwarder:
         events said (usage.py), also the events read but never passed on."""
         usage = UsageFilter(prepared.hide_usage, prepared.strip_usage)
         whole = False
-        content = upstream.content
         try:
             if not trace.begun:
                 await trace.begin(request, sse)
-            while True:
-                try:
-                    data = await content.readany()  # all the engine's bytes that have come
-                except _BROKEN as exc:
+            async for data in from_engine(upstream):
+                if isinstance(data, Broke):
                     trace.outcome = "engine_failed"
                     error = Refusal(
                         502,
                         "engine_failed",
-                        f"engine {engine} broke off the stream: {describe(exc)}",
+                        f"engine {engine} broke off the stream: {describe(data.error)}",
                     )
                     await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
                     await sse.write_eof()
                     return
-                if not data:
-                    break
                 out = usage.feed(data)
-                if trace.first_byte is None and out:
-                    trace.wrote()
-                if ends(content.at_eof(), content.exception(), request.transport):
-                    # the engine's last bytes: they and the answer's end go in one write, and
-                    # the stream is as whole and delivered as after the writes one by one
-                    whole = trace.delivered = True
-                    await sse.write_eof(out + usage.close())
-                    return
                 if out:
+                    trace.wrote()
                     await sse.write(out)  # waits while the client's buffer is full
-                    trace.delivered = trace.delivered or delivers(out)
+                    trace.delivered = trace.delivered or out.rstrip().endswith(DONE)
             whole = True
             await sse.write(usage.close())
             trace.delivered = True

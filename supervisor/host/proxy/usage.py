@@ -47,7 +47,6 @@ _USAGE: Final = b'"usage"'
 # a count's object, with the whitespace JSON allows (the engines send none)
 _TIMINGS: Final = re.compile(rb'"timings"\s*:\s*\{')
 _RUNNING: Final = re.compile(rb'"usage"\s*:\s*\{')
-_TIMINGS_NAME: Final = b'"timings"'
 _TIMINGS_EXACT: Final = b'"timings":{'
 _RUNNING_EXACT: Final = b'"usage":{'
 _NAME_BYTES: Final = 32  # the most bytes of one of those names that a chunk's end can split
@@ -149,7 +148,7 @@ def _count(value: object) -> int | None:
 
 def running_counts(done: bytes) -> Counts | None:
     """Pure: the engine's running count at the last finished event in `done` that has one."""
-    timings_at = _last(_TIMINGS, _TIMINGS_EXACT, done) if _TIMINGS_NAME in done else -1
+    timings_at = _last(_TIMINGS, _TIMINGS_EXACT, done) if b'"timings"' in done else -1
     usage_at = _last(_RUNNING, _RUNNING_EXACT, done) if _USAGE in done else -1
     if timings_at > usage_at:
         timings = _object(done, timings_at, _COUNT_BYTES)
@@ -182,7 +181,7 @@ class Pace:
 
 def pace_of(done: bytes) -> Pace | None:
     """Pure: llama-server's clock at the last finished event in `done` that has timings."""
-    at = _last(_TIMINGS, _TIMINGS_EXACT, done) if _TIMINGS_NAME in done else -1
+    at = _last(_TIMINGS, _TIMINGS_EXACT, done) if b'"timings"' in done else -1
     timings = _object(done, at, _COUNT_BYTES) if at >= 0 else None
     if timings is None:
         return None
@@ -257,8 +256,9 @@ class UsageFilter:
         done = held[:end]  # finished events only
         if not done:
             return done
-        if not self.count(done):
-            return done  # no event names a usage: passed on as it came
+        self.count(done)
+        if _USAGE not in done:
+            return done
         out: list[bytes] = []
         start = 0
         at = done.find(_USAGE)
@@ -283,27 +283,23 @@ class UsageFilter:
         out.append(done[start:])
         return b"".join(out)
 
-    def count(self, done: bytes) -> bool:
+    def count(self, done: bytes) -> None:
         """Note the running count of finished events, also of those not passed on (what was
         read from the engine after its client left); while none came, their outputs. Only the
         last events with a count are kept, and parsed when the count is asked for: the counts
-        only grow, and most events are never asked about. Whether any event names a usage."""
-        timings, usage = _TIMINGS_NAME in done, _USAGE in done
-        if timings or usage:
-            exact = timings and _TIMINGS_EXACT in done
-            if exact or (usage and _RUNNING_EXACT in done):
-                self._pending = done
-                if exact:
-                    self._timed = (self._timed[1], done)
-            else:  # a count with whitespace: parsed now
-                self._take(done)
+        only grow, and most events are never asked about."""
+        if _TIMINGS_EXACT in done or _RUNNING_EXACT in done:
+            self._pending = done
+            if _TIMINGS_EXACT in done:
+                self._timed = (self._timed[1], done)
+        elif b'"timings"' in done or _USAGE in done:  # a count with whitespace: parsed now
+            self._take(done)
         if self._pending is not None or self._running is not None:
-            return usage  # the engine counts: the outputs are not needed
+            return  # the engine counts: the outputs are not needed
         self.outputs += done.count(_CHOICE)
         if _DELTA_END in done:
             self.outputs += len(_DELTA.findall(done))
             self.delta_bytes += delta_bytes(done)
-        return usage
 
     def _take(self, done: bytes) -> None:
         running = running_counts(done)
