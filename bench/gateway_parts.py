@@ -286,7 +286,9 @@ def floor_proxy(
         str(port),
         upstream,
     ]
-    child = subprocess.Popen(command, cwd=ROOT)
+    # quiet: a bare proxy has no retry, and logs every request llama-server's closed
+    # connections broke (its failures are counted in the table)
+    child = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         wait_listening(port)
         yield f"http://127.0.0.1:{port}", child.pid
