@@ -31,8 +31,21 @@ request on the direct path to llama-server, as any client of it must, and keeps 
 elsewhere (the gateway serves keep-alive); `new` opens one per request on every path; `keep`
 reuses on every path (it shows the failures).
 
-Prints a table; asserts nothing about timings. The issue's goals: at 1 stream, p50 added under
-1 ms and p99 added under 5 ms; at 64 streams, at least 0.95x direct tokens a second.
+More paths, each a process of its own in front of the same upstream, in the same interleaved
+rounds: `--floor` a bare aiohttp pass-through proxy (bench/gateway_stack.py's, on asyncio's
+loop), `--floor-uv` the same on uvloop's (what that loop buys a proxy), `--unrecorded` this
+gateway with the record off (what the record's writer costs), `--baseline REV` the gateway of
+revision REV (path `@REV`; repeatable), and LiteLLM's proxy when `--litellm` or
+LUCIA_BENCH_LITELLM names its virtual environment (bench/gateway_peers.py; left out, said so,
+when neither does). `--plain` asks for plain (not streamed) answers: their first token is
+their end.
+
+Prints a table; asserts nothing about timings. The goals (issue 39) it prints met or MISSED,
+as far as the run speaks to them: with the fast upstream and no pause, added to the whole
+answer at 1 stream p50 < +0.5 ms and p99 < +2 ms, at 64 streams >= 0.8x direct tokens a
+second and above the floor proxy, and the gateway's CPU < 8 µs a token; paced
+(`--token-ms`), >= 0.97x direct at 64 streams; with llama-server, < +5 ms added to the first
+token's p50 at 16 streams; beside LiteLLM, at most 0.03x what it adds to the p50.
 `--profile PATH` runs the gateway under cProfile and writes its figures to PATH.
 """
 
@@ -40,16 +53,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
 import secrets
 import sys
 import time
-from collections import Counter
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Final
 
@@ -58,6 +68,14 @@ import aiohttp
 ROOT: Final = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_figures import (  # noqa: E402
+    URL_IN_MESSAGE,
+    Samples,
+    error_of,
+    goals,
+    table_of,
+    verdict,
+)
 from bench.gateway_parts import (  # noqa: E402
     INFERENCE_KEY,
     MODEL,
@@ -66,73 +84,34 @@ from bench.gateway_parts import (  # noqa: E402
     gateway,
     llama_upstream,
 )
-from bench.procfs import cpu_seconds, percentile  # noqa: E402
+from bench.gateway_peers import (  # noqa: E402
+    LITELLM_KEY,
+    find_litellm,
+    litellm_proxy,
+    revision_tree,
+)
+from bench.procfs import cpu_seconds  # noqa: E402
 
 CHAT: Final = "/v1/chat/completions"
 CONTENT: Final = re.compile(rb'"content":"[^"]')  # a chunk that carries a token
-DONE: Final = b"data: [DONE]"
-ERROR_EVENT: Final = re.compile(rb'^data: (\{"error".*)$', re.MULTILINE)
-FINISH: Final = re.compile(rb'"finish_reason":"([^"]*)"')
-URL_IN_MESSAGE: Final = re.compile(r" for https?://\S+")
 
 
-@dataclass
-class Samples:
-    ttft: list[float] = field(default_factory=list)
-    total: list[float] = field(default_factory=list)
-    tokens: int = 0
-    wall: float = 0.0
-    cpu: float = 0.0  # the gateway's CPU seconds over these rounds
-    client: float = 0.0  # the load generator's own CPU seconds over these rounds
-    failed: Counter[str] = field(default_factory=Counter)  # reason -> answers not whole
-
-    @property
-    def attempted(self) -> int:
-        return len(self.total) + self.failures
-
-    @property
-    def failures(self) -> int:
-        return sum(self.failed.values())
-
-    def ms(self, values: list[float], q: float) -> float:
-        return percentile(values, q) * 1000
-
-
-def body(tokens: int, upstream: str) -> bytes:
+def body(tokens: int, upstream: str, stream: bool = True) -> bytes:
     extra = ', "ignore_eos": true' if upstream == "llama" else ""
     return (
-        f'{{"model": "{MODEL}", "stream": true, "max_tokens": {tokens}, "temperature": 0, '
-        f'"messages": [{{"role": "user", "content": "hello"}}]{extra}}}'
+        f'{{"model": "{MODEL}", "stream": {str(stream).lower()}, "max_tokens": {tokens}, '
+        f'"temperature": 0, "messages": [{{"role": "user", "content": "hello"}}]{extra}}}'
     ).encode()
 
 
-def error_of(document: bytes) -> str:
-    """Pure: an OpenAI-shaped error document as `code: message`, short (the document itself
-    when it is not one)."""
-    try:
-        error = json.loads(document)["error"]
-        text = f"{error.get('code')}: {error.get('message')}"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        text = document.decode(errors="replace")
-    return URL_IN_MESSAGE.sub("", text)[:160]
-
-
-def verdict(answer: bytes) -> str | None:
-    """Pure: why a streamed answer is not whole, or None when it is: `[DONE]` at its end, no
-    error event, and no finish other than `length` (its tokens all generated)."""
-    error = ERROR_EVENT.search(answer)
-    if error:
-        return "error event: " + error_of(error.group(1))
-    if not answer.rstrip().endswith(DONE):
-        return "ended before [DONE]"
-    finishes = sorted({reason.decode() for reason in FINISH.findall(answer)} - {"length"})
-    return f"finished: {', '.join(finishes)}" if finishes else None
-
-
-async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[float, float] | str:
-    """One stream: seconds to the first token and to the end, or why it is not whole."""
+async def one(
+    session: aiohttp.ClientSession, url: str, data: bytes, key: str = INFERENCE_KEY
+) -> tuple[float, float] | str:
+    """One answer: seconds to the first token and to the end, or why it is not whole (a plain
+    answer's first token is its end)."""
+    stream = b'"stream": true' in data
     start = time.perf_counter()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {INFERENCE_KEY}"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     first = 0.0
     parts: list[bytes] = []
     try:
@@ -140,13 +119,13 @@ async def one(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[fl
             if response.status != 200:
                 return f"status {response.status}: {error_of(await response.read())}"
             async for chunk in response.content.iter_any():
-                if not first and CONTENT.search(chunk):
+                if stream and not first and CONTENT.search(chunk):
                     first = time.perf_counter() - start
                 parts.append(chunk)
     except aiohttp.ClientError as exc:
         return URL_IN_MESSAGE.sub("", f"{type(exc).__name__}: {exc}")
     end = time.perf_counter() - start
-    return verdict(b"".join(parts)) or (first or end, end)
+    return verdict(b"".join(parts), stream) or (first or end, end)
 
 
 async def round_of(
@@ -159,12 +138,13 @@ async def round_of(
     tokens: int,
     into: Samples,
     pid: int | None = None,
+    key: str = INFERENCE_KEY,
 ) -> None:
     queue = iter(range(requests))
 
     async def lane() -> None:
         for _ in queue:
-            got = await one(session, url, data)
+            got = await one(session, url, data, key)
             if isinstance(got, str):
                 into.failed[got] += 1
                 continue
@@ -197,8 +177,11 @@ async def measure(
     rounds: int,
     tokens: int,
     fresh: frozenset[str] = frozenset(),
+    keys: dict[str, str] | None = None,
 ) -> dict[int, dict[str, Samples]]:
-    """Every level's samples by path; the paths named in `fresh` open a connection per request."""
+    """Every level's samples by path; the paths named in `fresh` open a connection per
+    request; `keys`: a path's bearer key where it is not the gateway's inference key."""
+    key = (keys or {}).get
     results: dict[int, dict[str, Samples]] = {}
     sessions = {name: session_for(name in fresh) for name in urls}
     try:
@@ -211,6 +194,7 @@ async def measure(
                 requests=2 * max(levels),
                 tokens=tokens,
                 into=Samples(),
+                key=key(name, INFERENCE_KEY),
             )
         for streams in levels:
             got = {name: Samples() for name in urls}
@@ -227,6 +211,7 @@ async def measure(
                         tokens=tokens,
                         into=got[name],
                         pid=pids.get(name),
+                        key=key(name, INFERENCE_KEY),
                     )
             results[streams] = got
             print(table_of(streams, got), flush=True)
@@ -234,75 +219,6 @@ async def measure(
         for session in sessions.values():
             await session.close()
     return results
-
-
-def table_of(streams: int, got: dict[str, Samples]) -> str:
-    direct = got["direct"]
-    rows = [
-        f"{streams} stream(s), {direct.attempted} requests per path, ms:",
-        f"  {'path':<9}{'ttft p50':>10}{'ttft p99':>10}{'total p50':>11}{'total p99':>11}"
-        f"{'tokens/s':>11}{'vs direct':>11}{'failed':>8}",
-    ]
-    rate = {name: s.tokens / s.wall if s.wall else 0.0 for name, s in got.items()}
-    for name, s in got.items():
-        versus = rate[name] / rate["direct"] if rate["direct"] else float("nan")
-        rows.append(
-            f"  {name:<9}{s.ms(s.ttft, 0.5):>10.3f}{s.ms(s.ttft, 0.99):>10.3f}"
-            f"{s.ms(s.total, 0.5):>11.3f}{s.ms(s.total, 0.99):>11.3f}{rate[name]:>11.0f}"
-            f"{versus:>10.3f}x{s.failures:>8}"
-        )
-    for name, s in got.items():
-        if name == "direct":
-            continue
-        added = [s.ms(s.ttft, q) - direct.ms(direct.ttft, q) for q in (0.5, 0.99)]
-        added += [s.ms(s.total, q) - direct.ms(direct.total, q) for q in (0.5, 0.99)]
-        rows.append(
-            f"  {'+' + name:<9}{added[0]:>+10.3f}{added[1]:>+10.3f}{added[2]:>+11.3f}"
-            f"{added[3]:>+11.3f}"
-        )
-    for name, s in got.items():
-        if s.cpu:
-            rows.append(
-                f"  {name} CPU: {s.cpu / s.attempted * 1e6:.0f} µs per request, "
-                f"{s.cpu / max(1, s.tokens) * 1e6:.1f} µs per token"
-            )
-    rows.append(
-        "  client CPU per request: "
-        + ", ".join(f"{name} {s.client / s.attempted * 1e6:.0f} µs" for name, s in got.items())
-    )
-    for name, s in got.items():
-        for reason, count in s.failed.most_common():
-            rows.append(f"  {name} failed {count} of {s.attempted}: {reason}")
-    return "\n".join(rows) + "\n"
-
-
-def goals(results: dict[int, dict[str, Samples]]) -> list[str]:
-    lines = []
-    if 1 in results:
-        d, g = results[1]["direct"], results[1]["gateway"]
-        for label, q, goal in (("p50", 0.5, 1.0), ("p99", 0.99, 5.0)):
-            ttft = g.ms(g.ttft, q) - d.ms(d.ttft, q)
-            total = g.ms(g.total, q) - d.ms(d.total, q)
-            met = "met" if max(ttft, total) < goal else "MISSED"
-            lines.append(
-                f"1 stream, {label} added: ttft {ttft:+.3f} ms, total {total:+.3f} ms "
-                f"(goal < {goal:g} ms): {met}"
-            )
-    if 64 in results:
-        d, g = results[64]["direct"], results[64]["gateway"]
-        ratio = (g.tokens / g.wall) / (d.tokens / d.wall) if d.tokens else float("nan")
-        lines.append(
-            f"64 streams: {ratio:.3f}x direct tokens/s (goal >= 0.95x): "
-            f"{'met' if ratio >= 0.95 else 'MISSED'}"
-        )
-    for streams, got in results.items():
-        for name, s in got.items():
-            if s.failures:
-                lines.append(
-                    f"{streams} stream(s): {name} failed {s.failures} of {s.attempted} requests "
-                    f"({s.failures / s.attempted:.1%}), left out of its times"
-                )
-    return lines
 
 
 def fresh_paths(policy: str, upstream: str, urls: dict[str, str]) -> frozenset[str]:
@@ -322,7 +238,7 @@ def upstream_of(
     return fast_upstream(args.tokens, args.token_ms)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway_bench", description=__doc__)
     parser.add_argument("--upstream", choices=("fast", "llama"), default="fast")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per answer")
@@ -331,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400, help="per path and level")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per level")
     parser.add_argument("--slots", type=int, default=8, help="llama: llama-server's --parallel")
+    parser.add_argument("--plain", action="store_true", help="plain chat answers, not streams")
     parser.add_argument(
         "--client-connections",
         choices=("auto", "new", "keep"),
@@ -339,32 +256,74 @@ def main(argv: list[str] | None = None) -> int:
         "every path; keep, on none",
     )
     parser.add_argument(
-        "--floor", action="store_true", help="a third path: a bare aiohttp pass-through proxy"
+        "--floor", action="store_true", help="a path: a bare aiohttp pass-through proxy"
+    )
+    parser.add_argument(
+        "--floor-uv", action="store_true", help="a path: the same proxy on uvloop's event loop"
+    )
+    parser.add_argument(
+        "--unrecorded", action="store_true", help="a path: this gateway with the record off"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        action="append",
+        default=[],
+        help="a path: the gateway of revision REV (again for more)",
+    )
+    parser.add_argument(
+        "--litellm",
+        metavar="PATH",
+        help="a path: LiteLLM's proxy, from this litellm command or virtual environment "
+        "(default: $LUCIA_BENCH_LITELLM; left out, said so, when neither names one)",
     )
     parser.add_argument("--profile", type=Path, help="run the gateway under cProfile, to PATH")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser_of().parse_args(argv)
     levels = [int(n) for n in args.streams.split(",")]
     run_id = secrets.token_hex(3)
     began = time.monotonic()
     load = os.getloadavg()
-    with (
-        upstream_of(args, run_id) as (upstream, _),
-        gateway(upstream, max(levels) * 2, args.profile) as (through, pid),
-        floor_proxy(upstream, args.floor) as floor,
-    ):
-        urls = {"direct": upstream, "gateway": through} | ({"floor": floor[0]} if floor else {})
+    litellm, litellm_line = find_litellm(args.litellm)
+    running = max(levels) * 2
+    with ExitStack() as stack:
+        upstream, _ = stack.enter_context(upstream_of(args, run_id))
+        through, pid = stack.enter_context(gateway(upstream, running, args.profile))
+        urls = {"direct": upstream, "gateway": through}
+        pids = {"gateway": pid}
+        others: list[tuple[str, AbstractContextManager[tuple[str, int] | None]]] = [
+            ("floor", floor_proxy(upstream, args.floor)),
+            ("floor-uv", floor_proxy(upstream, args.floor_uv, "aiohttp-uv")),
+        ]
+        if args.unrecorded:
+            unrecorded = "[record]\nenabled = false\n"
+            others.append(("unrecorded", gateway(upstream, running, None, unrecorded)))
+        for revision in args.baseline:
+            root = stack.enter_context(revision_tree(revision))
+            others.append((f"@{revision}", gateway(upstream, running, None, root=root)))
+        if litellm is not None:
+            others.append(("litellm", litellm_proxy(litellm, upstream)))
+        for name, context in others:
+            got = stack.enter_context(context)
+            if got is not None:
+                urls[name], pids[name] = got
         fresh = fresh_paths(args.client_connections, args.upstream, urls)
         pace = f", {args.token_ms:g} ms apart" if args.upstream == "fast" else ""
         slots = f", --parallel {args.slots}" if args.upstream == "llama" else ""
+        kind = "plain answers" if args.plain else "streams"
+        baseline = f"; @REV: the gateway of {', '.join(args.baseline)}" if args.baseline else ""
         print(
-            f"gateway bench {run_id}: upstream {args.upstream}{slots}, {args.tokens} tokens{pace}; "
-            f"a new connection per request on: {', '.join(sorted(fresh)) or 'none'}; "
+            f"gateway bench {run_id}: upstream {args.upstream}{slots}, {args.tokens} tokens{pace}, "
+            f"{kind}; a new connection per request on: {', '.join(sorted(fresh)) or 'none'}; "
             f"python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
-            f"{os.cpu_count()} cores; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n",
+            f"{os.cpu_count()} cores; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            f"{baseline}\n{litellm_line}\n",
             flush=True,
         )
-        data = body(args.tokens, args.upstream)
-        pids = {"gateway": pid} | ({"floor": floor[1]} if floor else {})
+        data = body(args.tokens, args.upstream, stream=not args.plain)
         run = measure(
             urls,
             pids,
@@ -374,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             rounds=args.rounds,
             tokens=args.tokens,
             fresh=fresh,
+            keys={"litellm": LITELLM_KEY},
         )
         results = asyncio.run(run)
-    for line in goals(results):
+    paced = args.upstream == "fast" and args.token_ms > 0
+    for line in goals(results, paced=paced, upstream=args.upstream, plain=args.plain):
         print(line)
     end = os.getloadavg()
     print(f"whole run {time.monotonic() - began:.0f} s, load at end {end[0]:.2f}")

@@ -1,9 +1,11 @@
 """What bench/gateway_bench.py stands up: the upstreams, and the real gateway in its own process.
 
 - `fast`: an OpenAI-shaped local upstream (aiohttp) that streams a chat completion of N tokens
-  as SSE chunks, one per token, with the usage chunk when `stream_options.include_usage` asks
-  for it (as vLLM and llama-server do), each token `token_ms` after the last (0: none). Its
-  chunks are encoded once, at start, so that it costs as little as a real engine's HTTP side.
+  as SSE chunks, one per token, then a chunk with its finish (`length`), with the usage chunk
+  when `stream_options.include_usage` asks for it (as vLLM and llama-server do), each token
+  `token_ms` after the last (0: none); a request with no `stream` gets the plain answer, after
+  the same time. Its chunks are encoded once, at start, so that it costs as little as a real
+  engine's HTTP side.
 - `llama`: the real llama-server (scripts/llama-server-image.sh's image) with a tiny llama
   GGUF (tests/gguf_fixtures.py), published on 127.0.0.1 only, removed at the end.
 - the gateway: `python -m supervisor.cli gateway` (the service the lucia-gateway unit runs)
@@ -105,16 +107,45 @@ def fast_chunks(tokens: int, counts: bool = False) -> tuple[list[bytes], bytes]:
         )
         for index in range(tokens)
     ]
+    chunks.append(
+        event({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    )
     usage = {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens}
     return chunks, event({**head, "choices": [], "usage": usage})
 
 
+def fast_answer(tokens: int) -> bytes:
+    """The plain (not streamed) answer of `tokens` tokens, with its usage."""
+    return json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "tok" * tokens},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
 def serve_fast(port: int, tokens: int, token_ms: float, counts: bool = False) -> None:
     chunks, usage = fast_chunks(tokens, counts)
+    plain = fast_answer(tokens)
     pause = token_ms / 1000
 
     async def completions(request: web.Request) -> web.StreamResponse:
         document = json.loads(await request.read())
+        if not document.get("stream"):
+            if pause:
+                await asyncio.sleep(pause * tokens)
+            return web.Response(body=plain, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for chunk in chunks:
@@ -236,9 +267,12 @@ def llama_upstream(
 
 
 @contextmanager
-def floor_proxy(upstream: str, wanted: bool) -> Iterator[tuple[str, int] | None]:
+def floor_proxy(
+    upstream: str, wanted: bool, kind: str = "aiohttp"
+) -> Iterator[tuple[str, int] | None]:
     """bench/gateway_stack.py's aiohttp proxy in front of `upstream`: what any proxy on the
-    same stack costs, without the gateway's checks (its url and pid), when `wanted`."""
+    same stack costs, without the gateway's checks (its url and pid), when `wanted`. `kind`:
+    `aiohttp` on asyncio's loop, `aiohttp-uv` on uvloop's."""
     if not wanted:
         yield None
         return
@@ -248,11 +282,13 @@ def floor_proxy(upstream: str, wanted: bool) -> Iterator[tuple[str, int] | None]
         "-m",
         "bench.gateway_stack",
         "--serve",
-        "aiohttp",
+        kind,
         str(port),
         upstream,
     ]
-    child = subprocess.Popen(command, cwd=ROOT)
+    # quiet: a bare proxy has no retry, and logs every request llama-server's closed
+    # connections broke (its failures are counted in the table)
+    child = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         wait_listening(port)
         yield f"http://127.0.0.1:{port}", child.pid
@@ -297,7 +333,11 @@ waiting = {running}
 
 @contextmanager
 def gateway(
-    upstream: str, running: int, profile: Path | None, extra: str = "", root: Path = ROOT
+    upstream: str,
+    running: int,
+    profile: Path | None,
+    extra: str = "",
+    root: Path = ROOT,
 ) -> Iterator[tuple[str, int]]:
     """The real gateway service in its own process, in front of `upstream`; its url and pid.
     With `profile`, it runs under cProfile, whose figures are written there at its stop.
