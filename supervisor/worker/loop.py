@@ -115,7 +115,14 @@ class Worker:
             self._signals.install(self._wake)
             if self.settings.metrics_port:
                 self.metrics.serve(self.settings.metrics_port)
-            self._wake.attach(DesiredWatch(self.directory))
+            try:
+                self._wake.attach(DesiredWatch(self.directory))
+            except OSError as exc:  # the user's inotify instances or watches are all taken
+                log.error(
+                    "cannot watch desired.json; it is read again every few seconds instead",
+                    error=str(exc),
+                    every_s=SAFETY_NET,
+                )
             try:
                 self._loop()
             finally:

@@ -268,3 +268,21 @@ def test_after_an_overflow_a_worker_observes_anew(
         _until("a look after the overflow", lambda: len(looks) > before)
 
     _drive(worker, script)
+
+
+def test_a_worker_that_cannot_watch_reads_its_request_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(directory: Path) -> DesiredWatch:
+        raise OSError(24, "Too many open files")  # the user's inotify instances all taken
+
+    monkeypatch.setattr(loop, "DesiredWatch", refused)
+    monkeypatch.setattr(loop, "SAFETY_NET", 0.2)
+    runtime = FakeRuntime(container=_container("c1", SPEC))
+    worker, _ = _worker(tmp_path, FakeEngine(runtime), monkeypatch)
+
+    def script() -> None:
+        _request(worker, 1, "running")
+        _until("generation 1", lambda: _generation(worker) == 1)
+
+    _drive(worker, script)
