@@ -82,6 +82,8 @@ class FrontDoor:
         self.key_ids: dict[str, str] = {}  # the record's key id -> the key's name
         self.model = ""
         self.db: Cluster | None = None
+        # two outages of the record may overlap in a schedule: each takes its turn, whole
+        self._record_turn = threading.Lock()
         self.dsn = ""
         self._stack = contextlib.ExitStack()
         self._stop = threading.Event()
@@ -163,11 +165,12 @@ dsn = "{self.dsn}"
     @contextlib.contextmanager
     def record_down(self) -> Iterator[None]:
         assert self.db is not None
-        self.db.stop("immediate")
-        try:
-            yield
-        finally:
-            self.db.start()
+        with self._record_turn:
+            self.db.stop("immediate")
+            try:
+                yield
+            finally:
+                self.db.start()
 
     # -- the clients -----------------------------------------------------------------------------
 
