@@ -29,6 +29,7 @@ fast = "qwen2.5-0.5b"          # (protocol.names: letters, digits and . _ : @ + 
                                # model it names any name an engine serves
 
 [limits]                       # for every engine, unless [engines.NAME] says otherwise
+                               # (running, waiting, per_key_waiting, max_wait_s, deadline_s)
 # running = 4                  # requests forwarded at once; unset (the default): as many as
                                # the engine holds (its status.json `slots`, summed over the
                                # models it has loaded: an engine serving several models takes
@@ -40,7 +41,9 @@ per_key_waiting = 16           # of those, at most this many of one key; one mor
                                # generations leaves 48 places to the others (three such
                                # backfills at once still 16), and a client that keeps its
                                # requests in flight to the engine's slots and 16 more never
-                               # meets it. What runs is not counted
+                               # meets it. What runs is not counted. Every key has its own
+                               # share, the owner's and the one inference key's too (all who
+                               # call with that key share it)
 max_wait_s = 30                # how long one is held before a 429
 deadline_s = 1800              # one clock from admission over the dial and the whole answer
 load_wait_s = 900              # how long a start on demand is waited for
@@ -76,7 +79,8 @@ swap = false                   # a start the worker says waits for memory may fi
 [budget]
 daily_tokens = 0               # per key and UTC day, prompt and completion tokens; 0: none
                                # (a key's own: `keys create --budget`, `keys budget`); the
-                               # owner key has none
+                               # owner key has none, nor has a key made exempt (`keys create
+                               # --exempt`, `keys exempt ID on`), whose use is still counted
 
 [record]                       # one row per generation, no text; each key's daily spending
 enabled = true                 # false: nothing is recorded and no budget can be enforced
