@@ -128,7 +128,8 @@ def running_gateway(
     path.write_text(
         f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
         f'[keys]\nowner_file = "{work / "owner.key"}"\n'
-        f'inference_file = "{work / "inference.key"}"\n' + settings
+        f'inference_file = "{work / "inference.key"}"\n'
+        + settings
         + ("" if "[probe]" in settings else "\n[probe]\ninterval_s = 0\n")
     )
     log = work / "gateway.log"

@@ -63,6 +63,7 @@ class Prober:
         self.last: dict[tuple[str, str], probe.Last] = {}
         self.inflight: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.ended = 0  # probes that ended (answered or not), for tests that wait on them
+        self.looks = 0  # rounds of looks for due probes, likewise
         self._session: aiohttp.ClientSession | None = None
 
     def health(self, engine: CatalogEntry) -> dict[str, probe.Health]:
@@ -105,6 +106,7 @@ class Prober:
         tick = min(TICK_S, self.interval_s)
         while True:
             self.launch(asyncio.get_running_loop().time())
+            self.looks += 1
             await asyncio.sleep(tick)
 
     def launch(self, now: float) -> None:

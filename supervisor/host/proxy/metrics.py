@@ -68,12 +68,20 @@ class _Probed(Collector):
     def __init__(self, degraded: Degraded) -> None:
         self._degraded = degraded
 
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
             "lucia_gateway_probe_degraded",
             "1 while the model's last conclusive probe failed, per engine and model.",
             labels=["engine", "model"],
         )
+
+    def describe(self) -> Iterator[Metric]:
+        """The family's name, without asking for the marks (the registry asks at register)."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
         for (engine, model), degraded in sorted(self._degraded().items()):
             family.add_metric([engine, model], 1 if degraded else 0)
         yield family
