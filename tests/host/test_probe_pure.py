@@ -147,29 +147,29 @@ def test_the_probe_asks_one_greedy_token_of_a_text_completion() -> None:
 @pytest.mark.parametrize(
     ("answer", "verdict", "outcome", "reason"),
     [
-        (probe.Answer("answered", 200, 1), "ok", "ok", ""),
-        (probe.Answer("answered", 200, 0), "failed", "engine_error", "no generated choice"),
-        (probe.Answer("answered", 500), "failed", "engine_error", "answered 500"),
-        (probe.Answer("answered", 503), "failed", "engine_error", "answered 503"),
+        (probe.ProbeAnswer("answered", 200, 1), "ok", "ok", ""),
+        (probe.ProbeAnswer("answered", 200, 0), "failed", "engine_error", "no generated choice"),
+        (probe.ProbeAnswer("answered", 500), "failed", "engine_error", "answered 500"),
+        (probe.ProbeAnswer("answered", 503), "failed", "engine_error", "answered 503"),
         # the engine refused the request itself (an embedding model's completion): it reasons
-        (probe.Answer("answered", 400), "inconclusive", "engine_error", "answered 400"),
-        (probe.Answer("answered", 404), "inconclusive", "engine_error", "answered 404"),
-        (probe.Answer("timed_out"), "failed", "timed_out", "no answer within 30 s"),
-        (probe.Answer("unreachable"), "failed", "engine_failed", "could not be reached"),
-        (probe.Answer("broken"), "failed", "engine_failed", "broke off its answer"),
+        (probe.ProbeAnswer("answered", 400), "inconclusive", "engine_error", "answered 400"),
+        (probe.ProbeAnswer("answered", 404), "inconclusive", "engine_error", "answered 404"),
+        (probe.ProbeAnswer("timed_out"), "failed", "timed_out", "no answer within 30 s"),
+        (probe.ProbeAnswer("unreachable"), "failed", "engine_failed", "could not be reached"),
+        (probe.ProbeAnswer("broken"), "failed", "engine_failed", "broke off its answer"),
     ],
 )
 def test_what_an_answer_says_of_the_engine(
-    answer: probe.Answer, verdict: str, outcome: str, reason: str
+    answer: probe.ProbeAnswer, verdict: str, outcome: str, reason: str
 ) -> None:
     assert probe.verdict(answer) == verdict
     assert probe.outcome(answer) == outcome
     assert reason in probe.reason(answer, 30.0)
 
 
-OK = probe.Answer("answered", 200, 1)
-FAILED = probe.Answer("answered", 500)
-REFUSED = probe.Answer("answered", 400)
+OK = probe.ProbeAnswer("answered", 200, 1)
+FAILED = probe.ProbeAnswer("answered", 500)
+REFUSED = probe.ProbeAnswer("answered", 400)
 OTHER_RUN = (NOW, "c2")
 
 
@@ -179,14 +179,14 @@ OTHER_RUN = (NOW, "c2")
         (None, OK, False, 0.2),
         (None, FAILED, True, None),
         (None, REFUSED, False, None),  # nothing concluded: not marked
-        (probe.Health(RUN, False, "", NOW, 0.1), FAILED, True, 0.1),  # the last good ttft kept
-        (probe.Health(RUN, True, "the engine answered 500", NOW), OK, False, 0.2),  # recovered
-        (probe.Health(RUN, True, "the engine answered 500", NOW), REFUSED, True, None),
-        (probe.Health(OTHER_RUN, True, "the engine answered 500", NOW), REFUSED, False, None),
+        (probe.Mark(RUN, False, "", NOW, 0.1), FAILED, True, 0.1),  # the last good ttft kept
+        (probe.Mark(RUN, True, "the engine answered 500", NOW), OK, False, 0.2),  # recovered
+        (probe.Mark(RUN, True, "the engine answered 500", NOW), REFUSED, True, None),
+        (probe.Mark(OTHER_RUN, True, "the engine answered 500", NOW), REFUSED, False, None),
     ],
 )
 def test_a_failed_probe_marks_a_model_degraded_until_one_succeeds(
-    before: probe.Health | None, answer: probe.Answer, degraded: bool, ttft: float | None
+    before: probe.Mark | None, answer: probe.ProbeAnswer, degraded: bool, ttft: float | None
 ) -> None:
     mark = probe.after(before, RUN, answer, at=NOW, ttft_s=0.2, timeout_s=30)
     assert (mark.degraded, mark.ttft_s, mark.run, mark.checked_at) == (degraded, ttft, RUN, NOW)
@@ -205,7 +205,7 @@ def test_a_failed_probe_marks_a_model_degraded_until_one_succeeds(
     ],
 )
 def test_a_mark_holds_for_its_engines_run_only(found: Status | None, holds: bool) -> None:
-    mark = probe.Health(probe.run_of(status()), True, "the engine answered 500", NOW)
+    mark = probe.Mark(probe.run_of(status()), True, "the engine answered 500", NOW)
     assert (probe.current(mark, found) is mark) is holds
     assert probe.current(None, found) is None
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.docker
 
 NAME = "probed"
 MODEL = "alpha"
-TIMEOUT_S = 3
+TIMEOUT_S = 10
 SETTINGS = f"""[probe]
 interval_s = 0.5
 timeout_s = {TIMEOUT_S}

@@ -35,7 +35,7 @@ TICK_S: Final = 1.0  # how often due probes are looked for (at most the interval
 ANSWER_BYTES: Final = 1024 * 1024  # of a probe's answer read; a one-token answer is < 4 KiB
 log = logs.get("gateway")
 
-Marks = dict[tuple[str, str], probe.Health]
+Marks = dict[tuple[str, str], probe.Mark]
 
 
 class Prober:
@@ -66,9 +66,9 @@ class Prober:
         self.looks = 0  # rounds of looks for due probes, likewise
         self._session: aiohttp.ClientSession | None = None
 
-    def health(self, engine: CatalogEntry) -> dict[str, probe.Health]:
+    def health(self, engine: CatalogEntry) -> dict[str, probe.Mark]:
         """The marks that hold for the engine now, by model (probe.current)."""
-        found: dict[str, probe.Health] = {}
+        found: dict[str, probe.Mark] = {}
         for model in engine.models:
             mark = probe.current(self.marks.get((engine.name, model)), engine.status)
             if mark is not None:
@@ -127,7 +127,7 @@ class Prober:
             self.inflight[key] = task
             task.add_done_callback(lambda _, key=key: self.inflight.pop(key, None))  # type: ignore[misc]
 
-    async def send(self, target: probe.Target) -> None:
+    async def send(self, target: probe.ProbeTarget) -> None:
         """One probe, its mark, its metrics and its row."""
         assert self._session is not None
         loop = asyncio.get_running_loop()
@@ -143,22 +143,24 @@ class Prober:
                 document = _document(raw)
                 usage = document.get("usage") if isinstance(document.get("usage"), dict) else None
                 choices = document.get("choices")
-                found = probe.Answer(
+                found = probe.ProbeAnswer(
                     "answered", answer.status, len(choices) if isinstance(choices, list) else 0
                 )
         except TimeoutError:
-            found = probe.Answer("timed_out")
+            found = probe.ProbeAnswer("timed_out")
         except aiohttp.ClientConnectorError:
-            found = probe.Answer("unreachable")
+            found = probe.ProbeAnswer("unreachable")
         except aiohttp.ClientError:
-            found = probe.Answer("broken")
+            found = probe.ProbeAnswer("broken")
         ended = loop.time()
         ttft = first - began if first is not None and found.ended == "answered" else None
         self._mark(target, found, ttft)
         self._record(target, found, at=at, ttft=ttft, duration=ended - began, usage=usage)
         self.ended += 1
 
-    def _mark(self, target: probe.Target, found: probe.Answer, ttft: float | None) -> None:
+    def _mark(
+        self, target: probe.ProbeTarget, found: probe.ProbeAnswer, ttft: float | None
+    ) -> None:
         key = (target.engine, target.model)
         before = self.marks.get(key)
         mark = probe.after(
@@ -184,8 +186,8 @@ class Prober:
 
     def _record(
         self,
-        target: probe.Target,
-        found: probe.Answer,
+        target: probe.ProbeTarget,
+        found: probe.ProbeAnswer,
         *,
         at: datetime,
         ttft: float | None,

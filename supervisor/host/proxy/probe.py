@@ -37,7 +37,7 @@ Run = tuple[datetime, str]  # an engine's run: its state's `since` and its conta
 
 
 @dataclass(frozen=True)
-class Target:
+class ProbeTarget:
     """One model of a serving engine, to probe now."""
 
     engine: str
@@ -89,13 +89,13 @@ def targets(
     busy: Collection[tuple[str, str]] = (),
     stopping: Collection[str] = (),
     free: Callable[[CatalogEntry], bool] = lambda _: True,
-) -> list[Target]:
+) -> list[ProbeTarget]:
     """Pure: what to probe now (`when`: the wall clock, for the heartbeat; `now`: the loop's);
     `busy`: probes still in flight, never sent twice; `stopping`: engines being stopped for
     idling. Nothing when the probe is off (`interval_s` 0)."""
     if interval_s <= 0:
         return []
-    found: list[Target] = []
+    found: list[ProbeTarget] = []
     for engine in engines:
         url = engine.url(when)
         status = engine.status
@@ -105,12 +105,12 @@ def targets(
         for model in probed_models(status):
             key = (engine.name, model)
             if key not in busy and due(last.get(key), run, now, interval_s):
-                found.append(Target(engine.name, model, url, status, run))
+                found.append(ProbeTarget(engine.name, model, url, status, run))
     return found
 
 
 @dataclass(frozen=True)
-class Answer:
+class ProbeAnswer:
     """How one probe ended: `status` is the HTTP status when it was answered."""
 
     ended: Ended
@@ -118,7 +118,7 @@ class Answer:
     choices: int = 0  # choices in a 2xx answer's body
 
 
-def verdict(answer: Answer) -> Verdict:
+def verdict(answer: ProbeAnswer) -> Verdict:
     """Pure: what the answer says of the engine (module docstring)."""
     if answer.ended != "answered" or answer.status is None:
         return "failed"
@@ -129,7 +129,7 @@ def verdict(answer: Answer) -> Verdict:
     return "failed"
 
 
-def outcome(answer: Answer) -> str:
+def outcome(answer: ProbeAnswer) -> str:
     """Pure: the probe's outcome, as the record and the metrics name a request's."""
     if answer.ended == "timed_out":
         return "timed_out"
@@ -138,7 +138,7 @@ def outcome(answer: Answer) -> str:
     return "ok" if verdict(answer) == "ok" else "engine_error"
 
 
-def reason(answer: Answer, timeout_s: float) -> str:
+def reason(answer: ProbeAnswer, timeout_s: float) -> str:
     """Pure: why a probe failed, in one line with no answer text in it."""
     if answer.ended == "timed_out":
         return f"no answer within {timeout_s:g} s"
@@ -152,7 +152,7 @@ def reason(answer: Answer, timeout_s: float) -> str:
 
 
 @dataclass(frozen=True)
-class Health:
+class Mark:
     """A model's mark from its probes: `degraded` since its last conclusive probe failed."""
 
     run: Run
@@ -172,26 +172,26 @@ class Health:
 
 
 def after(
-    health: Health | None,
+    health: Mark | None,
     run: Run,
-    answer: Answer,
+    answer: ProbeAnswer,
     *,
     at: datetime,
     ttft_s: float | None,
     timeout_s: float,
-) -> Health:
+) -> Mark:
     """Pure: a model's mark once a probe of it ended. A new run starts from a clean mark; an
     inconclusive answer keeps the mark it had."""
-    known = health if health is not None and health.run == run else Health(run)
+    known = health if health is not None and health.run == run else Mark(run)
     found = verdict(answer)
     if found == "ok":
-        return Health(run, False, "", at, ttft_s)
+        return Mark(run, False, "", at, ttft_s)
     if found == "failed":
-        return Health(run, True, reason(answer, timeout_s), at, known.ttft_s)
-    return Health(run, known.degraded, known.reason, at, known.ttft_s)
+        return Mark(run, True, reason(answer, timeout_s), at, known.ttft_s)
+    return Mark(run, known.degraded, known.reason, at, known.ttft_s)
 
 
-def current(health: Health | None, status: Status | None) -> Health | None:
+def current(health: Mark | None, status: Status | None) -> Mark | None:
     """Pure: a mark that still holds: its engine serves in the same run (a stopped engine, or a
     new run, has none until it is probed)."""
     if health is None or status is None or status.state != "running":
