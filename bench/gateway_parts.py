@@ -328,6 +328,9 @@ inference_file = "{inference}"
 [limits]
 running = {running}
 waiting = {running}
+
+[probe]
+interval_s = 0
 {extra}"""
 
 

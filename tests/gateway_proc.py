@@ -116,7 +116,8 @@ def running_gateway(
     work: Path, data_dir: Path, settings: str = "", listen: str = ""
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
-    (TOML sections) after [listen] and [keys]."""
+    (TOML sections) after [listen] and [keys]. The probe is off unless `settings` name
+    [probe]: a test counts the requests and rows of its own callers."""
     work.mkdir(parents=True, exist_ok=True)
     owner, inference = (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
@@ -127,7 +128,9 @@ def running_gateway(
     path.write_text(
         f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
         f'[keys]\nowner_file = "{work / "owner.key"}"\n'
-        f'inference_file = "{work / "inference.key"}"\n' + settings
+        f'inference_file = "{work / "inference.key"}"\n'
+        + settings
+        + ("" if "[probe]" in settings else "\n[probe]\ninterval_s = 0\n")
     )
     log = work / "gateway.log"
     issued = subprocess.run(

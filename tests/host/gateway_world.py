@@ -23,7 +23,7 @@ from supervisor.host.gateway.settings import GatewaySettings, parse
 from supervisor.host.keycheck import Identity, KeyRing
 from supervisor.host.page.sources import Sources
 from supervisor.host.proxy.budget import BudgetSpending
-from supervisor.protocol.documents import MemoryPlan, Status, dump, utc_now
+from supervisor.protocol.documents import MemoryPlan, RunningEngine, Status, dump, utc_now
 from supervisor.protocol.files import ensure_dir, write_atomic
 from supervisor.protocol.reads import read_desired
 
@@ -61,12 +61,14 @@ def write_status(
     waiting_for: str | None = None,
     memory: MemoryPlan | None = None,
     slots: dict[str, int] | None = None,
+    running: RunningEngine | None = None,
+    since: datetime | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
         generation=generation,
         state=state,  # type: ignore[arg-type]
-        since=now,
+        since=since or now,
         message=message or state,
         url=url if state == "running" else None,
         checked_at=checked_at or now,
@@ -75,6 +77,7 @@ def write_status(
         waiting_for=waiting_for,  # type: ignore[arg-type]
         memory=memory,
         slots=slots or {},
+        engine=running if state == "running" else None,
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 
@@ -232,7 +235,7 @@ async def world(
     up = upstream or Upstream()
     engine = await serve_upstream(up)
     app = create_app(
-        parse(settings, "test"),
+        parse(without_probe(settings), "test"),
         data,
         keys or KEYS,
         Intervals(keepalive_s=0.05, poll_s=0.02, idle_check_s=0.02, bounds_s=0.02),
@@ -249,8 +252,14 @@ async def world(
         await engine.close()
 
 
+def without_probe(settings: str) -> str:
+    """The settings with the probe off unless they name [probe]: a test counts the requests
+    its engine gets, and a probe would be one more."""
+    return settings if "[probe]" in settings else settings + "\n[probe]\ninterval_s = 0\n"
+
+
 def settings_of(text: str) -> GatewaySettings:
-    return parse(text, "test")
+    return parse(without_probe(text), "test")
 
 
 def run(

@@ -16,8 +16,15 @@ import aiohttp
 import pytest
 
 from supervisor.host.gateway.service import Service
-from supervisor.host.gateway.settings import parse
-from tests.host.gateway_world import AUTH, KEYS, OWNER, Upstream, serve_upstream, write_status
+from tests.host.gateway_world import (
+    AUTH,
+    KEYS,
+    OWNER,
+    Upstream,
+    serve_upstream,
+    settings_of,
+    write_status,
+)
 
 HI = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 CHAT = json.dumps(HI).encode()
@@ -31,7 +38,7 @@ async def gateway(tmp_path: Path, body_timeout_s: float, upstream: Upstream) -> 
     data.mkdir()
     engine = await serve_upstream(upstream)
     write_status(data, "small", "running", url=upstream.url, generation=1)
-    settings = parse(f"[listen]\nport = 0\nbody_timeout_s = {body_timeout_s}\n", "gw.toml")
+    settings = settings_of(f"[listen]\nport = 0\nbody_timeout_s = {body_timeout_s}\n")
     service = Service(settings, data, KEYS)
     running = asyncio.create_task(service.run())
     try:

@@ -133,15 +133,18 @@ def test_metrics_count_requests_tokens_refusals_and_times(tmp_path: Path) -> Non
         found = await scrape(w)
         ok = {"model": "tiny", "engine": "small", "outcome": "ok"}
         assert one(found, "lucia_gateway_requests_total", **ok) == 3  # the tier resolved
-        # the engine's own usage: 5 prompt and 3 completion tokens each, plain and streamed
-        assert one(found, "lucia_gateway_prompt_tokens_total", model="tiny", engine="small") == 15
-        assert (
-            one(found, "lucia_gateway_completion_tokens_total", model="tiny", engine="small") == 9
-        )
+        # the engine's own usage: 5 prompt and 3 completion tokens each, plain and streamed,
+        # by the caller's key id (never its key)
+        used = {"model": "tiny", "engine": "small", "key": "inference"}
+        assert one(found, "lucia_gateway_prompt_tokens_total", **used) == 15
+        assert one(found, "lucia_gateway_completion_tokens_total", **used) == 9
         assert one(found, "lucia_gateway_refusals_total", reason="model_not_found") == 1
         assert one(found, "lucia_gateway_refusals_total", reason="invalid_api_key") == 1
-        for name in ("wait", "ttft", "duration"):
+        for name in ("wait", "duration"):
             assert one(found, f"lucia_gateway_{name}_seconds_count", engine="small") == 3
+        # the first token by model and build: a status that names no build is `unknown`
+        built = {"engine": "small", "model": "tiny", "build": "unknown"}
+        assert one(found, "lucia_gateway_ttft_seconds_count", **built) == 3
         assert one(found, "lucia_gateway_running", engine="small") == 0
         assert ("lucia_gateway_waiting", frozenset({("engine", "small")})) in found
 

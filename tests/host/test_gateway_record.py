@@ -18,7 +18,6 @@ import pytest
 import structlog
 
 from supervisor.host.gateway.service import UNRECORDED, Service
-from supervisor.host.gateway.settings import parse
 from supervisor.host.proxy.budget import HEADER, NOT_RECORDING
 from supervisor.host.record.database import Target
 from supervisor.host.record.store import Store
@@ -32,6 +31,7 @@ from tests.host.gateway_world import (
     SETTINGS,
     Upstream,
     World,
+    settings_of,
     world,
 )
 
@@ -261,9 +261,7 @@ def test_a_record_that_cannot_be_opened_is_said_at_start_and_on_every_response(
 ) -> None:
     data = ensure_dir(tmp_path / "served")
     (tmp_path / "a-file").write_text("")
-    settings = parse(
-        f'[listen]\nport = 0\n[record]\npath = "{tmp_path}/a-file/record.db"\n', "gw.toml"
-    )
+    settings = settings_of(f'[listen]\nport = 0\n[record]\npath = "{tmp_path}/a-file/record.db"\n')
 
     async def main() -> None:
         up = Upstream()

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from supervisor.host.gateway.service import Service
-from supervisor.host.gateway.settings import SettingsError, parse
-from tests.host.gateway_world import AUTH, INFERENCE_KEY, KEYS, OWNER_KEY, write_status
+from supervisor.host.gateway.settings import SettingsError
+from tests.host.gateway_world import AUTH, INFERENCE_KEY, KEYS, OWNER_KEY, settings_of, write_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +86,7 @@ def test_tls_ready_watchdog_and_the_target(tmp_path: Path, notify_socket: socket
     cert, key = self_signed(tmp_path)
     data = tmp_path / "data"
     data.mkdir()
-    settings = parse(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
+    settings = settings_of(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
 
     async def main() -> None:
         write_status(data, "small", "stopped")
@@ -121,7 +121,7 @@ def test_a_slowloris_is_closed_while_others_are_served(tmp_path: Path) -> None:
     bound is an hour: the 30 s bound below would run out first."""
     data = tmp_path / "data"
     data.mkdir()
-    settings = parse("[listen]\nport = 0\nheader_timeout_s = 0.5\n", "gw.toml")
+    settings = settings_of("[listen]\nport = 0\nheader_timeout_s = 0.5\n")
 
     async def main() -> None:
         write_status(data, "small", "stopped")
@@ -157,13 +157,13 @@ def test_a_slowloris_is_closed_while_others_are_served(tmp_path: Path) -> None:
 def test_unusable_tls_files_name_the_setting(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     key.write_text("not a key\n")
-    settings = parse(f'[listen]\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
+    settings = settings_of(f'[listen]\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
     with pytest.raises(SettingsError, match=r"listen\.tls_cert"):
         Service(settings, tmp_path, KEYS)
 
 
 def test_a_lan_address_without_tls_is_warned_of_at_start(tmp_path: Path) -> None:
-    settings = parse('[listen]\naddress = "0.0.0.0"\nport = 0\n', "gw.toml")
+    settings = settings_of('[listen]\naddress = "0.0.0.0"\nport = 0\n')
 
     async def main() -> list[dict[str, object]]:
         service = Service(settings, tmp_path, KEYS)

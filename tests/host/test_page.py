@@ -16,7 +16,6 @@ from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.gateway.app import PAGE_OF
 from supervisor.host.gateway.service import Service
-from supervisor.host.gateway.settings import parse
 from supervisor.host.page import memory
 from supervisor.host.page.routes import COOKIE, CSRF_HEADER
 from supervisor.host.page.sessions import Sessions, SignInLimit
@@ -31,6 +30,7 @@ from tests.host.gateway_world import (
     OWNER_KEY,
     SETTINGS,
     World,
+    settings_of,
     world,
     write_status,
 )
@@ -392,7 +392,7 @@ def test_traffic_and_key_use_come_from_the_record(tmp_path: Path) -> None:
     """The service gives the page the record: the traffic section and each key's use."""
     data = tmp_path / "data"
     data.mkdir()
-    settings = parse("[listen]\nport = 0\n[budget]\ndaily_tokens = 1000\n", "gw.toml")
+    settings = settings_of("[listen]\nport = 0\n[budget]\ndaily_tokens = 1000\n")
 
     async def main() -> None:
         service = Service(settings, data, KEYS)

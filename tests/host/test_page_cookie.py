@@ -14,10 +14,9 @@ import pytest
 from yarl import URL
 
 from supervisor.host.gateway.service import Service
-from supervisor.host.gateway.settings import parse
 from supervisor.host.page.origin import foreign, same_origin
 from supervisor.host.page.routes import COOKIE, CSRF_HEADER, SECURE_COOKIE
-from tests.host.gateway_world import KEYS, OWNER_KEY, World, write_status
+from tests.host.gateway_world import KEYS, OWNER_KEY, World, settings_of, write_status
 from tests.host.test_gateway_service import self_signed
 from tests.host.test_page import run, sign_in, url
 
@@ -52,7 +51,7 @@ def test_over_tls_the_cookie_is_secure_by_its_name_and_goes_to_the_page_only(
     cert, key = self_signed(tmp_path)
     data = tmp_path / "data"
     data.mkdir()
-    settings = parse(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n', "gw.toml")
+    settings = settings_of(f'[listen]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
 
     async def main() -> None:
         service = Service(settings, data, KEYS)

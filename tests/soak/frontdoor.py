@@ -111,6 +111,8 @@ owner_file = "{owner}"
 inference_file = "{inference}"
 [record]
 dsn = "{self.dsn}"
+[probe]
+interval_s = 0
 """,
         )
         systemctl("set-environment", f"LUCIA_GATEWAY_SETTINGS={self.settings}")

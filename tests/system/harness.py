@@ -21,7 +21,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,9 +169,10 @@ def prometheus_query(base: str, expr: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
+def running_prometheus(telemetry: Path, work: Path, workers: Sequence[str] = ()) -> Iterator[str]:
     """Debian's real Prometheus on loopback, discovering the file_sd files in `telemetry`
-    every second; yields its URL once it is ready."""
+    every second (and scraping the workers' own metrics at `workers`, host:port, as the job
+    `lucia-worker`); yields its URL once it is ready."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("Debian's prometheus package is needed (scripts/machine.sh installs it)")
@@ -182,6 +183,12 @@ def running_prometheus(telemetry: Path, work: Path) -> Iterator[str]:
         "scrape_configs:\n  - job_name: lucia\n    file_sd_configs:\n"
         f"      - files: ['{telemetry}/*.json']\n"
         "        refresh_interval: 1s\n"
+        + (
+            "  - job_name: lucia-worker\n    static_configs:\n"
+            f"      - targets: {json.dumps(list(workers))}\n"
+            if workers
+            else ""
+        )
     )
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(

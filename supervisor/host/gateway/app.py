@@ -17,6 +17,7 @@ from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway import recording
+from supervisor.host.gateway.prober import Prober
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
@@ -31,7 +32,7 @@ from supervisor.host.proxy.catalog import Catalog, CatalogEntry, route
 from supervisor.host.proxy.forward import Forwarder, Trace
 from supervisor.host.proxy.hostapi import HostApi
 from supervisor.host.proxy.idle import CHECK_S, IdleStop
-from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics
+from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics, build_label
 from supervisor.host.proxy.reserve import Hold, Reservations
 from supervisor.host.proxy.starter import POLL_S, Starter
 from supervisor.host.proxy.usageapi import UsageApi
@@ -83,7 +84,7 @@ class Gateway:
         self.bodies = Bodies(
             settings.listen.bodies_bytes, settings.listen.body_timeout_s, settings.limits.bounds
         )
-        self.metrics = GatewayMetrics(self.counts)
+        self.metrics = GatewayMetrics(self.counts, self.degraded)
         self.idle = IdleStop(
             data_dir,
             self.starter,
@@ -92,6 +93,15 @@ class Gateway:
             check_s=timing.idle_check_s,
             swap=settings.idle.swap,
         )
+        self.prober = Prober(
+            self.catalog,
+            self.metrics,
+            interval_s=settings.probe.interval_s,
+            timeout_s=settings.probe.timeout_s,
+            free=self.free,
+            stopping=self.idle.stopping,
+            recorder=recorder,
+        )
         self.host_api = HostApi(
             data_dir,
             self.catalog,
@@ -99,6 +109,7 @@ class Gateway:
             self.idle,
             settings.listen.body_timeout_s,
             bound=self.bound,
+            probed=self.probed,
         )
         self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
 
@@ -114,6 +125,19 @@ class Gateway:
     def bound(self, engine: CatalogEntry) -> int:
         """How many requests the engine gets at once now (settings.running_bound)."""
         return self.settings.admission(engine.name, engine.slots).running
+
+    def degraded(self) -> dict[tuple[str, str], bool]:
+        """(engine, model) -> whether its probe marks it degraded, for the metrics."""
+        return self.prober.degraded()
+
+    def probed(self, engine: CatalogEntry) -> dict[str, Any]:
+        """What the probe says of the engine now: `degraded` when a model's last conclusive
+        probe failed, and each probed model's mark (prober.py)."""
+        marks = self.prober.health(engine)
+        return {
+            "degraded": any(mark.degraded for mark in marks.values()),
+            "models": {model: mark.shown() for model, mark in sorted(marks.items())},
+        }
 
     def free(self, engine: CatalogEntry) -> bool:
         """Whether the engine would run a request at once now (route prefers such)."""
@@ -211,6 +235,7 @@ class Gateway:
         status = engine.status
         running = status.engine if status is not None else None
         gate = self.gates.get(engine.name)
+        mark = self.prober.health(engine).get(model)
         return {
             "id": model,
             "object": "model",
@@ -226,6 +251,8 @@ class Gateway:
             "weightsRevision": running.model_revision if running is not None else None,
             "running": gate.running if gate is not None else 0,
             "waiting": gate.waiting if gate is not None else 0,
+            "degraded": mark is not None and mark.degraded,
+            "probe": mark.shown() if mark is not None else None,
         }
 
     # -- the forwarded routes ---------------------------------------------------------------
@@ -276,7 +303,7 @@ class Gateway:
             await send_error_event(sse, refusal.body())
             return sse
         finally:
-            self._record(trace, model, engine.name)
+            self._record(trace, model, engine.name, request[CALLER].key_id)
             now = asyncio.get_running_loop().time()
             recording.record(
                 self.recorder,
@@ -286,17 +313,18 @@ class Gateway:
             )
             self.reservations.release(hold)  # the row holds what it cost now
 
-    def _record(self, trace: Trace, model: str, engine: str) -> None:
+    def _record(self, trace: Trace, model: str, engine: str, key: str) -> None:
         """The request in the metrics; a handler ended without an outcome lost its client."""
         m = self.metrics
         outcome = trace.outcome or "client_gone"
         m.child(m.requests, model, engine, outcome).inc()
         now = asyncio.get_running_loop().time()
         if trace.first_byte is not None:
-            m.child(m.ttft, engine).observe(trace.first_byte - trace.arrived)
+            build = build_label(trace.served_by)
+            m.child(m.ttft, engine, model, build).observe(trace.first_byte - trace.arrived)
         if outcome != "refused":
             m.child(m.duration, engine).observe(now - trace.arrived)
-        m.usage(model, engine, trace.usage)
+        m.usage(model, engine, key, trace.usage)
 
     async def _start(self, request: web.Request, engine: str, stream: bool, trace: Trace) -> str:
         """Start an engine on demand, as a waiter in its gate: a stream's answer begins at once
@@ -373,6 +401,7 @@ def create_app(
     app.cleanup_ctx.append(gateway.bodies.parsing)
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
+    app.cleanup_ctx.append(gateway.prober.task)
     return app
 
 

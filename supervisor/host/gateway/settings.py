@@ -92,6 +92,13 @@ retention_days = 90            # rows (and daily totals) older are pruned; 0: ke
 [page]                         # the operator's page at /page/
 session_s = 43200              # a sign-in lasts this long (12 hours; at least 1 s): the
                                # session and its cookie's Max-Age
+
+[probe]                        # a one-token text completion to each serving engine's model
+interval_s = 60                # this often (0: never; else at least 0.05 s); an engine that
+                               # fails it is `degraded` in /v1/models and on the page until
+                               # one succeeds. Never an engine that is not serving (it is
+                               # never started for a probe), never while its slots are full
+timeout_s = 30                 # a probe unanswered this long fails (`timed_out`)
 ```
 """
 
@@ -143,6 +150,10 @@ DEFAULT_MAX_MESSAGES: Final = 10_000
 DEFAULT_MAX_MESSAGE_CHARS: Final = 1024 * 1024  # half the 2 MiB a text route's body may be
 DEFAULT_RETENTION_DAYS: Final = 90
 DEFAULT_SESSION_S: Final = 12 * 3600.0  # a working day: the owner signs in once a day
+# a minute: an engine that cannot generate is seen within a minute, at one token a minute
+DEFAULT_PROBE_INTERVAL_S: Final = 60.0
+MIN_PROBE_INTERVAL_S: Final = 0.05
+DEFAULT_PROBE_TIMEOUT_S: Final = 30.0  # a one-token answer; a loaded engine queues it first
 RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
 _DSN_SCHEMES: Final = ("postgresql://", "postgres://")
 _MAX_FILE: Final = 1024 * 1024
@@ -293,6 +304,18 @@ class PageSettings(_Section):
     session_s: float = Field(default=DEFAULT_SESSION_S, ge=1, le=30 * 86_400)
 
 
+class ProbeSettings(_Section):
+    interval_s: float = Field(default=DEFAULT_PROBE_INTERVAL_S, ge=0, le=86_400)  # 0: off
+    timeout_s: float = Field(default=DEFAULT_PROBE_TIMEOUT_S, gt=0, le=3600)
+
+    @field_validator("interval_s")
+    @classmethod
+    def _off_or_an_interval(cls, value: float) -> float:
+        if 0 < value < MIN_PROBE_INTERVAL_S:
+            raise ValueError(f"0 (no probe) or at least {MIN_PROBE_INTERVAL_S:g} s")
+        return value
+
+
 def running_bound(engine_set: int | None, limits_set: int | None, slots: int | None) -> int:
     """Pure: how many requests one engine gets at once: [engines.NAME] running, else [limits]
     running, when the operator set it; else the slots the engine publishes (the sum over its
@@ -317,6 +340,7 @@ class GatewaySettings(_Section):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     record: Record = Field(default_factory=Record)
     page: PageSettings = Field(default_factory=PageSettings)
+    probe: ProbeSettings = Field(default_factory=ProbeSettings)
 
     @field_validator("tiers")
     @classmethod

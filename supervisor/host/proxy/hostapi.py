@@ -61,6 +61,7 @@ class HostApi:
         body_timeout_s: float,
         *,
         bound: Callable[[CatalogEntry], int],
+        probed: Callable[[CatalogEntry], dict[str, Any]] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.body_timeout_s = body_timeout_s
@@ -68,6 +69,7 @@ class HostApi:
         self.gates = gates
         self.idle = idle
         self.bound = bound
+        self.probed = probed
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get(ENGINES, self.engines)
@@ -90,6 +92,8 @@ class HostApi:
             "running": gate.running if gate is not None else 0,
             "waiting": gate.waiting if gate is not None else 0,
             "bound": self.bound(engine),  # how many it gets at once, by its status now
+            # what the gateway's probe says of it: `degraded`, and each probed model's mark
+            "probe": self.probed(engine) if self.probed is not None else None,
         }
 
     async def set_desired(self, request: web.Request) -> web.Response:

@@ -1,8 +1,13 @@
 """The gateway's metrics, in a Prometheus registry of its own.
 
 Requests by model, engine and outcome, running and waiting per engine (read from the admission
-gates at each scrape), refusals by reason, the wait, the time to first token and the duration,
-and the engine's own token counts.
+gates at each scrape), refusals by reason, the wait, the time to first token (by engine, model
+and build) and the duration, and the engine's own token counts by model, engine and key id
+(never a key). The probe's (gateway/prober.py): its outcomes and time to first token by
+engine, model and build, and whether each model it probes is degraded.
+
+A build label is the engine's version and the first 12 hex digits of its image id
+(`0.32.0@fdb5bbc774b1`; `unknown` for what the engine's status.json does not name).
 
 Also its file_sd target, `<data>/telemetry/_gateway.json` (no engine name starts with `_`),
 written atomically and only when it changes, as the workers write theirs.
@@ -19,7 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from supervisor.protocol.documents import FileSd, TargetGroup, dump
+from supervisor.protocol.documents import FileSd, Status, TargetGroup, dump
 from supervisor.protocol.files import ensure_dir, write_atomic
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,6 +36,7 @@ _WAIT_BUCKETS: Final = (0.001, 0.01, 0.05, 0.25, 1, 5, 15, 30, 60, 180, 600, 180
 _TIME_BUCKETS: Final = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600, 1800)
 
 Counts = Callable[[], Mapping[str, tuple[int, int]]]  # engine -> (running, waiting)
+Degraded = Callable[[], Mapping[tuple[str, str], bool]]  # (engine, model) -> degraded
 M = TypeVar("M", bound=MetricWrapperBase)
 
 
@@ -56,10 +62,45 @@ class _Gates(Collector):
         yield waiting
 
 
+class _Probed(Collector):
+    """Whether each model the probe marks is degraded (1) or not (0), at the scrape."""
+
+    def __init__(self, degraded: Degraded) -> None:
+        self._degraded = degraded
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "lucia_gateway_probe_degraded",
+            "1 while the model's last conclusive probe failed, per engine and model.",
+            labels=["engine", "model"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The family's name, without asking for the marks (the registry asks at register)."""
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for (engine, model), degraded in sorted(self._degraded().items()):
+            family.add_metric([engine, model], 1 if degraded else 0)
+        yield family
+
+
+def build_label(status: Status | None) -> str:
+    """Pure: the build a metric names: `<engine version>@<image id's first 12 hex digits>`."""
+    running = status.engine if status is not None else None
+    if running is None:
+        return "unknown"
+    version = running.engine_version or "unknown"
+    image = running.image_id.removeprefix("sha256:")[:12] or "unknown"
+    return f"{version}@{image}"
+
+
 class GatewayMetrics:
     """The gateway's own Prometheus metrics: requests, refusals, waits, times and tokens."""
 
-    def __init__(self, counts: Counts) -> None:
+    def __init__(self, counts: Counts, degraded: Degraded = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -83,8 +124,8 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "lucia_gateway_ttft_seconds",
-            "Time from arrival to the answer's first byte.",
-            ["engine"],
+            "Time from arrival to the answer's first byte, by engine, model and build.",
+            ["engine", "model", "build"],
             buckets=_TIME_BUCKETS,
             registry=r,
         )
@@ -97,17 +138,31 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter(
             "lucia_gateway_prompt_tokens",
-            "Prompt tokens, from the engine's own usage.",
-            ["model", "engine"],
+            "Prompt tokens, from the engine's own usage, by model, engine and key id.",
+            ["model", "engine", "key"],
             registry=r,
         )
         self.completion_tokens = Counter(
             "lucia_gateway_completion_tokens",
-            "Completion tokens, from the engine's own usage.",
-            ["model", "engine"],
+            "Completion tokens, from the engine's own usage, by model, engine and key id.",
+            ["model", "engine", "key"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "lucia_gateway_probes",
+            "The gateway's probes of its engines, by engine, model, build and outcome.",
+            ["engine", "model", "build", "outcome"],
+            registry=r,
+        )
+        self.probe_ttft = Histogram(
+            "lucia_gateway_probe_ttft_seconds",
+            "A probe's time to its one token's answer, by engine, model and build.",
+            ["engine", "model", "build"],
+            buckets=_TIME_BUCKETS,
             registry=r,
         )
         r.register(_Gates(counts))
+        r.register(_Probed(degraded))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: M, *values: str) -> M:
@@ -122,8 +177,9 @@ class GatewayMetrics:
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason=reason).inc()
 
-    def usage(self, model: str, engine: str, usage: Mapping[str, Any] | None) -> None:
-        """Count an answer's usage, when the engine said one (integers only)."""
+    def usage(self, model: str, engine: str, caller: str, usage: Mapping[str, Any] | None) -> None:
+        """Count an answer's usage, when the engine said one (integers only); `caller`: the
+        caller's key id."""
         if usage is None:
             return
         for key, counter in (
@@ -132,7 +188,7 @@ class GatewayMetrics:
         ):
             value = usage.get(key)
             if type(value) is int and value >= 0:
-                self.child(counter, model, engine).inc(value)
+                self.child(counter, model, engine, caller).inc(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

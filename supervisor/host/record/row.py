@@ -1,8 +1,9 @@
 """One generation's row: who, what, which build, how it ended, its counts and times; no text.
 
 Every string a row holds is a name checked against a rule with no room for prose (no spaces, a
-bounded length), and the key id must look like one (`owner`, `inference` or `key_` and 12 hex
-digits), so a key passed by mistake is refused, not stored. The model and the engine are
+bounded length), and the key id must look like one (`owner`, `inference`, `key_` and 12 hex
+digits, or `probe`: the gateway's own probe of its engines, a caller no key stands for), so a
+key passed by mistake is refused, not stored. The model and the engine are
 served names (protocol.names) or, for a name from before that rule (a GGUF a library already
 held, served still), its digest form: the gateway gives a row `names.kept(name)`, so no row is
 ever lost for its name, and its tokens are charged to its key as any other's. There is no
@@ -25,7 +26,8 @@ from supervisor.protocol.documents import RunningEngine
 
 UNKNOWN: Final = "unknown"  # a build or weights revision the engine's status did not name
 NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")  # a build's names
-KEY_ID: Final = re.compile(rf"owner|inference|{ID_PATTERN.pattern}")
+PROBE_KEY_ID: Final = "probe"  # the gateway's probe (gateway/prober.py): no key is this caller
+KEY_ID: Final = re.compile(rf"owner|inference|{PROBE_KEY_ID}|{ID_PATTERN.pattern}")
 PLAIN_OUTCOMES: Final = frozenset(
     {"ok", "engine_error", "engine_failed", "client_gone", "timed_out"}
 )
@@ -144,7 +146,9 @@ class Row:
             raise RowRefused("at: a datetime with its time zone")
         object.__setattr__(self, "at", self.at.astimezone(UTC))
         if not isinstance(self.key_id, str) or not KEY_ID.fullmatch(self.key_id):
-            raise RowRefused("key_id: owner, inference or key_ and 12 hex digits (a key's id)")
+            raise RowRefused(
+                "key_id: owner, inference, probe or key_ and 12 hex digits (a key's id)"
+            )
         _served("model", self.model)
         _served("engine", self.engine)
         if not isinstance(self.build, Build):

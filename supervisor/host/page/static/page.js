@@ -196,6 +196,7 @@ function drawEngines(engines) {
     title.appendChild(el("span", "name", row.name));
     const state = status ? status.state : "unknown";
     title.appendChild(el("span", "state state-" + state, state));
+    if (row.probe && row.probe.degraded) title.appendChild(el("span", "state state-degraded", "degraded"));
     const stale = el("span", "stale");
     stale.hidden = true;
     title.appendChild(stale);
@@ -211,6 +212,7 @@ function drawEngines(engines) {
       field(list, "weights", engine ? [engine.model, engine.modelRevision].filter(Boolean).join(" @ ") : null);
       field(list, "models", (status.models || []).join(", "));
       field(list, "asked", row.desired ? asked(row.desired) : null);
+      field(list, "probe", row.probe ? probed(row.probe.models) : null);
     }
     item.appendChild(list);
     if (status && status.message) item.appendChild(el("p", "message", status.message));
@@ -226,6 +228,16 @@ function drawEngines(engines) {
     item.appendChild(buttons.stopped);
     box.appendChild(item);
   }
+}
+
+function probed(models) {
+  // each probed model's mark: "alpha: failed (no answer within 30 s) at ..." or its first token
+  return Object.keys(models).map((model) => {
+    const mark = models[model];
+    const said = mark.degraded ? "failed (" + mark.reason + ")"
+      : "ok" + (mark.ttftS === null ? "" : ", first token in " + Math.round(mark.ttftS * 1000) + " ms");
+    return model + ": " + said + " at " + mark.checkedAt;
+  }).join("; ");
 }
 
 async function ask(name, desired) {
