@@ -61,6 +61,7 @@ def write_status(
     waiting_for: str | None = None,
     memory: MemoryPlan | None = None,
     slots: dict[str, int] | None = None,
+    capabilities: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
@@ -75,6 +76,7 @@ def write_status(
         waiting_for=waiting_for,  # type: ignore[arg-type]
         memory=memory,
         slots=slots or {},
+        capabilities=capabilities or {},
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 
