@@ -70,6 +70,7 @@ class Identity:
     role: Role
     name: str
     budget: int | None = None  # the key's own daily token budget; None: the settings' default
+    exempt: bool = False  # no daily budget is enforced against it (keys exempt ID on)
 
 
 OWNER: Final = Identity("owner", "owner", "owner")
@@ -134,7 +135,7 @@ class KeyRing:
         """Pure: this ring's fixed keys with another set of issued keys."""
         table = {
             bytes.fromhex(key.sha256): _Issued(
-                Identity(key.id, "inference", key.name, key.budget),
+                Identity(key.id, "inference", key.name, key.budget, key.exempt),
                 key.expires.timestamp() if key.expires is not None else None,
             )
             for key in keys.unrevoked(issued)

@@ -1,14 +1,20 @@
 """Issued inference keys: `lucia_inf_<random>`, of which only the SHA-256 digest is kept.
 
 `<data>/inference-keys/keys.json` (paths.keys_file) holds one entry per key: its id, name,
-digest, when it was created, when it expires (or never) and when it was revoked (or not). The
-key itself is shown once, by `keys create`, and is nowhere else. The file is 0600 in a 0700
+digest, when it was created, when it expires (or never), when it was revoked (or not), its own
+daily token budget (or the settings') and whether it is exempt from the daily budget. The key
+itself is shown once, by `keys create`, and is nowhere else. The file is 0600 in a 0700
 directory, replaced atomically under a lock, so a reader (the gateway) sees the old set or the
 new one. At most MAX_KEYS keys are unrevoked at once; revoked entries stay, so that a record
 row's key id still has a name.
 
-The decisions (add, revoke, parse an expiry) are pure; load, save, create and revoke_key are
-their effects.
+The decisions (add, revoke, mark_exempt, parse an expiry) are pure; load, save, create, set_budget,
+set_exempt and revoke_key are their effects.
+
+An exempt key (`keys create --exempt`, `keys exempt ID on|off`) has no daily budget whatever its
+own or the settings' say: a service such as a platform's radar, whose generations are counted
+and recorded as any caller's but never refused for their number. Its own budget is kept, and
+applies again once it is no longer exempt. Admission bounds it as any caller.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class IssuedKey(BaseModel):
     expires: UtcTime | None = None
     revoked: UtcTime | None = None
     budget: int | None = Field(default=None, ge=1, le=MAX_BUDGET)  # daily tokens; None: the default
+    exempt: bool = False  # True: no daily budget is enforced against it (a file from before: none)
 
     def state(self, now: datetime) -> KeyState:
         if self.revoked is not None:
@@ -186,7 +193,22 @@ def revoke(
     return tuple(done if key.id == target.id else key for key in keys), done
 
 
-def describe(keys: Sequence[IssuedKey], now: datetime) -> list[dict[str, str | None]]:
+def mark_exempt(
+    keys: Sequence[IssuedKey], ref: str, on: bool
+) -> tuple[tuple[IssuedKey, ...], IssuedKey]:
+    """Pure: the keys with ref's key made exempt from the daily budget (on) or not, and that
+    key. A revoked key is refused: it is never checked again, so the change would say nothing."""
+    target = find(keys, ref)
+    if target.revoked is not None:
+        raise KeyRefused(
+            f"{target.id} ({target.name}) was revoked at {_iso(target.revoked)}: it is never "
+            "accepted again, exempt or not"
+        )
+    done = target.model_copy(update={"exempt": on})
+    return tuple(done if key.id == target.id else key for key in keys), done
+
+
+def describe(keys: Sequence[IssuedKey], now: datetime) -> list[dict[str, str | bool | None]]:
     """What `keys list` shows: never the digest, let alone the key."""
     return [
         {
@@ -197,6 +219,7 @@ def describe(keys: Sequence[IssuedKey], now: datetime) -> list[dict[str, str | N
             "revoked": _iso(key.revoked) if key.revoked else None,
             "state": key.state(now),
             "budget": str(key.budget) if key.budget is not None else None,
+            "exempt": key.exempt,
         }
         for key in keys
     ]
@@ -238,7 +261,12 @@ def save(path: Path, keys: Sequence[IssuedKey]) -> None:
 
 
 def generate(
-    name: str, now: datetime, expires: datetime | None, budget: int | None = None
+    name: str,
+    now: datetime,
+    expires: datetime | None,
+    budget: int | None = None,
+    *,
+    exempt: bool = False,
 ) -> NewKey:
     """A fresh random key and its entry (not yet saved)."""
     secret = PREFIX + secrets.token_urlsafe(_RANDOM_BYTES)
@@ -249,15 +277,22 @@ def generate(
         created=now,
         expires=expires,
         budget=budget,
+        exempt=exempt,
     )
     return NewKey(secret, entry)
 
 
 def create(
-    path: Path, name: str, now: datetime, expires: datetime | None = None, budget: int | None = None
+    path: Path,
+    name: str,
+    now: datetime,
+    expires: datetime | None = None,
+    budget: int | None = None,
+    *,
+    exempt: bool = False,
 ) -> NewKey:
     """Issue a key and save its entry; the caller shows NewKey.secret once and keeps nothing."""
-    new = generate(name, now, expires, budget)
+    new = generate(name, now, expires, budget, exempt=exempt)
     with _locked(path):
         save(path, add(load(path), new.entry))
     return new
@@ -282,6 +317,16 @@ def set_budget(path: Path, ref: str, budget: int | None) -> IssuedKey:
         target = find(before, ref)
         done = target.model_copy(update={"budget": budget})
         save(path, tuple(done if key.id == target.id else key for key in before))
+    return done
+
+
+def set_exempt(path: Path, ref: str, on: bool) -> IssuedKey:
+    """Make a key exempt from the daily budget, or not; the gateway applies it within a second."""
+    with _locked(path):
+        before = load(path)
+        after, done = mark_exempt(before, ref, on)
+        if after != before:
+            save(path, after)
     return done
 
 

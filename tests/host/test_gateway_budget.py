@@ -159,6 +159,7 @@ def test_over_budget_is_refused_before_the_engine_and_under_it_is_served(tmp_pat
                     "remaining_tokens": 0,
                     "resets_at": resets_at(datetime.now(UTC)).isoformat().replace("+00:00", "Z"),
                     "enforced": True,
+                    "exempt": False,
                     "reserved_tokens": 0,
                 }
             # the owner has no budget; a key's own budget wins over the default

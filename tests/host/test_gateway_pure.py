@@ -122,7 +122,7 @@ def test_token_bounds_within_the_range_pass(value: int) -> None:
     assert body.prepare(body.CHAT, raw, BOUNDS).body == raw  # a null one: see bounds
 
 
-LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)
+LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60, per_key_waiting=3)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ LIMITS = Admission(running=2, waiting=3, max_wait_s=1, deadline_s=60)
     ],
 )
 def test_admission_decides_by_both_bounds(running: int, waiting: int, verdict: str) -> None:
-    assert decide(running, waiting, LIMITS) == verdict
+    assert decide(running, waiting, 0, LIMITS) == verdict
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,8 @@ def test_admission_decides_by_both_bounds(running: int, waiting: int, verdict: s
 def test_admission_decides_by_the_bound_of_now(
     running: int, waiting: int, bound: int, verdict: str
 ) -> None:
-    assert decide(running, waiting, Admission(bound, 3, max_wait_s=1, deadline_s=60)) == verdict
+    limits = Admission(bound, 3, max_wait_s=1, deadline_s=60, per_key_waiting=3)
+    assert decide(running, waiting, 0, limits) == verdict
 
 
 @pytest.mark.parametrize(
@@ -483,8 +484,12 @@ def test_settings_defaults_and_engine_overrides() -> None:
     settings = parse(
         '[engines.big]\nrunning = 1\ndeadline_s = 7200\n[listen]\naddress = "0.0.0.0"', "gw.toml"
     )
-    assert settings.admission("big") == Admission(1, 64, max_wait_s=30.0, deadline_s=7200.0)
-    assert settings.admission("small") == Admission(4, 64, max_wait_s=30.0, deadline_s=1800.0)
+    assert settings.admission("big") == Admission(
+        1, 64, max_wait_s=30.0, deadline_s=7200.0, per_key_waiting=16
+    )
+    assert settings.admission("small") == Admission(
+        4, 64, max_wait_s=30.0, deadline_s=1800.0, per_key_waiting=16
+    )
     assert settings.listen.port == 8400
     assert settings.idle.stop_after_s == 0
     assert settings.page.session_s == 12 * 3600

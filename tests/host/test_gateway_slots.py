@@ -19,7 +19,7 @@ FOLLOW = SETTINGS.replace("running = 2\n", "")  # [limits] running unset: the en
 
 
 def limits(running: int) -> Admission:
-    return Admission(running=running, waiting=10, max_wait_s=30, deadline_s=60)
+    return Admission(running=running, waiting=10, max_wait_s=30, deadline_s=60, per_key_waiting=10)
 
 
 async def until(check: Callable[[], bool]) -> None:

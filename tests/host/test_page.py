@@ -12,6 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from supervisor import paths
+from supervisor.host import keys
 from supervisor.host.gateway.app import PAGE_OF
 from supervisor.host.gateway.service import Service
 from supervisor.host.gateway.settings import parse
@@ -403,6 +405,9 @@ def test_traffic_and_key_use_come_from_the_record(tmp_path: Path) -> None:
                     headers = {CSRF_HEADER: (await answer.json())["csrf"]}
                 async with http.post(base + "keys", json={"name": "alice"}, headers=headers) as a:
                     alice = (await a.json())["id"]
+                async with http.post(base + "keys", json={"name": "radar"}, headers=headers) as a:
+                    radar = (await a.json())["id"]
+                keys.set_exempt(paths.keys_file(data), radar, True)
                 db = open_sqlite(settings.record.target(data).path)  # type: ignore[arg-type]
                 batch.write(
                     db,
@@ -424,5 +429,9 @@ def test_traffic_and_key_use_come_from_the_record(tmp_path: Path) -> None:
         assert [len(b["points"]) for b in traffic["chart"]["builds"]] == [1]
         use = found["keys"]["use"]["data"][alice]
         assert use["lastUse"] is not None and use["lastUseKnown"] and use["budget"] == 1000
+        exempt = {key["name"]: key["exempt"] for key in found["keys"]["keys"]}
+        assert exempt == {"alice": False, "radar": True}
+        radar_use = found["keys"]["use"]["data"][radar]
+        assert (radar_use["budget"], radar_use["exempt"]) == (None, True)
 
     asyncio.run(main())

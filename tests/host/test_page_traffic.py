@@ -166,6 +166,7 @@ def test_key_use_is_the_last_use_and_the_days_spending_against_the_budget(
         "spentTokens": 1234,
         "spentRequests": 5,
         "budget": 5000,
+        "exempt": False,
     }
     assert use[bob]["lastUse"] is None and use[bob]["budget"] == 100_000
     assert use[bob]["spentTokens"] is None

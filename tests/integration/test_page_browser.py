@@ -405,6 +405,37 @@ def test_a_key_is_created_shown_once_used_and_revoked(browser: WebDriver, gatewa
     shot(browser, "7-key-revoked")
 
 
+def test_an_exempt_key_shows_as_exempt_with_its_spending(
+    browser: WebDriver, gateway: Gateway
+) -> None:
+    radar = gateway.create_key("radar", "--exempt")
+    laptop = gateway.create_key("laptop2", "--budget", "5000")
+    for key in (radar, laptop):
+        gateway.client(key).chat.completions.create(
+            model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
+    browser.refresh()
+    row = "//tr[td[@class='key-name' and text()='{}']]/td[@class='{}']"
+    until(
+        browser,
+        lambda d: (
+            "exempt from the budget" in d.find_element(By.XPATH, row.format("radar", "spent")).text
+        ),
+        what="the exempt key's spending",
+    )
+    assert browser.find_element(By.XPATH, row.format("radar", "budget")).text == "exempt"
+    assert browser.find_element(By.XPATH, row.format("laptop2", "budget")).text == "5000"
+    until(
+        browser,
+        lambda d: (
+            "1 requests of 5000 (" in d.find_element(By.XPATH, row.format("laptop2", "spent")).text
+        ),
+        what="the budgeted key's spending against its budget",
+    )
+    browser.execute_script("document.getElementById('keys').scrollIntoView()")
+    shot(browser, "7b-key-exempt")
+
+
 def bar(driver: WebDriver) -> tuple[str, int, int] | None:
     """The model's state and the bytes done and total its progress bar shows."""
     try:

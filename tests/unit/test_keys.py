@@ -275,9 +275,10 @@ def test_the_key_is_printed_once_and_never_listed_or_logged(
         assert secret not in text and secret[len("lucia_inf_") :] not in text
     assert digest not in later.out + later.err + caplog.text
     listed = later.out.splitlines()
-    assert listed[0].split() == ["ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET"]
-    assert listed[1].split()[1:2] + listed[1].split()[-2:] == ["laptop", "active", "default"]
-    assert listed[-1].split()[-2] == "revoked"
+    header = ["ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET", "EXEMPT"]
+    assert listed[0].split() == header
+    assert listed[1].split()[1:2] + listed[1].split()[-3:] == ["laptop", "active", "default", "no"]
+    assert listed[-1].split()[-3] == "revoked"
 
 
 COMMAND_CODES = [
@@ -345,3 +346,127 @@ def test_a_keys_own_budget_is_kept_changed_and_given_back_to_the_default(
     # a keys.json from before budgets has none: every key the default
     text = paths.keys_file(tmp_path).read_text().replace('"budget": null', '"x": 1')
     assert keys.parse(text.replace(',\n      "x": 1', ""), Path("k"))[0].budget is None
+
+
+# --- exempt from the daily budget ---------------------------------------------------------------
+
+EXEMPTS = [
+    ("on by id", (), "key_000000000002", True, "key_000000000002"),
+    ("on by name", (), "k2", True, "key_000000000002"),
+    ("off", ({"exempt": True},), "k1", False, "key_000000000001"),
+    ("on again changes nothing", ({"exempt": True},), "k1", True, "key_000000000001"),
+]
+
+
+@pytest.mark.parametrize(
+    ("first", "ref", "on", "changed"), [e[1:] for e in EXEMPTS], ids=[e[0] for e in EXEMPTS]
+)
+def test_a_key_is_made_exempt_or_not_by_id_or_name(
+    first: tuple[dict[str, object], ...], ref: str, on: bool, changed: str
+) -> None:
+    before = (entry(1, **(first[0] if first else {})), entry(2))
+    after, done = keys.mark_exempt(before, ref, on)
+    assert done.id == changed and done.exempt is on
+    assert {k.id: k.exempt for k in after} == {
+        k.id: (on if k.id == changed else k.exempt) for k in before
+    }
+    assert [k.budget for k in after] == [k.budget for k in before], "its own budget is kept"
+
+
+@pytest.mark.parametrize(
+    ("keys_before", "ref", "problem"),
+    [
+        ((), "nobody", "no key has the id or \\(unrevoked\\) name 'nobody'"),
+        ((entry(1, revoked=NOW),), "key_000000000001", "key_000000000001 \\(k1\\) was revoked at"),
+        ((entry(1, revoked=NOW),), "k1", "no key has the id"),
+    ],
+)
+def test_exempting_an_unknown_or_revoked_key_is_refused(
+    keys_before: tuple[IssuedKey, ...], ref: str, problem: str
+) -> None:
+    with pytest.raises(KeyRefused, match=problem):
+        keys.mark_exempt(keys_before, ref, True)
+
+
+def test_a_key_is_created_exempt_listed_so_and_held_to_its_budget_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["--data-dir", str(tmp_path)]
+    argv = ["keys", "create", "radar", "--exempt", "--budget", "500", *data]
+    assert cli.main(argv) == console.EXIT_OK
+    assert "exempt from the daily budget" in capsys.readouterr().err
+    assert cli.main(["keys", "create", "laptop", *data]) == console.EXIT_OK
+    radar, laptop = keys.load(paths.keys_file(tmp_path))
+    assert (radar.exempt, radar.budget, laptop.exempt) == (True, 500, False)
+    capsys.readouterr()
+    assert cli.main(["keys", "list", *data]) == console.EXIT_OK
+    listed = {line.split()[1]: line.split()[-2:] for line in capsys.readouterr().out.splitlines()}
+    assert listed["radar"] == ["500", "yes"] and listed["laptop"] == ["default", "no"]
+    assert cli.main(["keys", "list", "--json", *data]) == console.EXIT_OK
+    shown = {row["name"]: row["exempt"] for row in json.loads(capsys.readouterr().out)}
+    assert shown == {"radar": True, "laptop": False}
+    assert cli.main(["keys", "exempt", "radar", "off", *data]) == console.EXIT_OK
+    assert "held to its daily budget again" in capsys.readouterr().out
+    assert keys.load(paths.keys_file(tmp_path))[0].exempt is False
+    assert cli.main(["keys", "exempt", laptop.id, "on", *data]) == console.EXIT_OK
+    assert keys.load(paths.keys_file(tmp_path))[1].exempt is True
+    mode = stat.S_IMODE(os.stat(paths.keys_file(tmp_path)).st_mode)
+    assert mode == keys.FILE_MODE and not list(paths.keys_file(tmp_path).parent.glob("*.tmp*"))
+
+
+@pytest.mark.parametrize(
+    ("before", "argv", "code", "message"),
+    [
+        ([], ["keys", "exempt", "nobody", "on"], console.EXIT_FAILED, "no key has the id"),
+        (
+            [["keys", "create", "a"], ["keys", "revoke", "a"]],
+            ["keys", "exempt", "REVOKED", "on"],
+            console.EXIT_FAILED,
+            "was revoked at",
+        ),
+        ([["keys", "create", "a"]], ["keys", "exempt", "a", "yes"], 2, "invalid choice: 'yes'"),
+        ([["keys", "create", "a"]], ["keys", "exempt", "a"], 2, "the following arguments"),
+    ],
+)
+def test_exempt_refusals(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    before: list[list[str]],
+    argv: list[str],
+    code: int,
+    message: str,
+) -> None:
+    for earlier in before:
+        assert cli.main([*earlier, "--data-dir", str(tmp_path)]) == console.EXIT_OK
+    if "REVOKED" in argv:
+        argv = [keys.load(paths.keys_file(tmp_path))[0].id if a == "REVOKED" else a for a in argv]
+    file = paths.keys_file(tmp_path)
+    was = file.read_bytes() if file.exists() else None
+    capsys.readouterr()
+    try:
+        got = cli.main([*argv, "--data-dir", str(tmp_path)])
+    except SystemExit as usage:  # argparse's own refusal of the arguments
+        got = int(usage.code or 0)
+    assert got == code
+    assert message in capsys.readouterr().err
+    assert (file.read_bytes() if file.exists() else None) == was, "nothing written"
+
+
+def test_an_invalid_keys_file_refuses_exempt_as_a_configuration_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = paths.keys_file(tmp_path)
+    path.parent.mkdir()
+    path.write_text("{")
+    argv = ["keys", "exempt", "a", "on", "--data-dir", str(tmp_path)]
+    assert cli.main(argv) == console.EXIT_CONFIG
+    assert str(path) in capsys.readouterr().err and path.read_text() == "{"
+
+
+def test_a_keys_file_from_before_exemptions_reads_every_key_as_budgeted(tmp_path: Path) -> None:
+    keys.create(tmp_path / "keys.json", "old", NOW)
+    text = (tmp_path / "keys.json").read_text()
+    assert '"exempt": false' in text
+    older = text.replace(',\n      "exempt": false', "")
+    assert "exempt" not in older
+    assert keys.parse(older, Path("k"))[0].exempt is False

@@ -45,7 +45,12 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
         expires = keys.parse_expiry(args.expires, now) if args.expires else None
         budget = _tokens(args.budget) if args.budget is not None else None
         new = keys.create(
-            paths.keys_file(paths.data_dir(args.data_dir)), args.name, now, expires, budget
+            paths.keys_file(paths.data_dir(args.data_dir)),
+            args.name,
+            now,
+            expires,
+            budget,
+            exempt=args.exempt,
         )
     except keys.KeysFileInvalid as exc:
         print_err(str(exc))
@@ -55,7 +60,8 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     entry = new.entry
     until = f"expires {entry.expires:%Y-%m-%dT%H:%M:%SZ}" if entry.expires else "never expires"
-    print_err(f"created key {entry.id} ({entry.name}, {until}); it is shown once, here:")
+    exempt = ", exempt from the daily budget" if entry.exempt else ""
+    print_err(f"created key {entry.id} ({entry.name}, {until}{exempt}); it is shown once, here:")
     print(new.secret)
     return EXIT_OK
 
@@ -69,15 +75,16 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET")
+    header = ("ID", "NAME", "CREATED", "EXPIRES", "STATE", "BUDGET", "EXEMPT")
     table = [header] + [
         (
             str(r["id"]),
             str(r["name"]),
             str(r["created"]),
-            r["expires"] or "never",
+            str(r["expires"] or "never"),
             str(r["state"]),
-            r["budget"] or "default",
+            str(r["budget"] or "default"),
+            "yes" if r["exempt"] else "no",
         )
         for r in rows
     ]
@@ -99,6 +106,25 @@ def _cmd_keys_budget(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     what = f"{done.budget} tokens a day" if done.budget else "the settings' default budget"
     print(f"{done.id} ({done.name}) now has {what}; the gateway applies it within a second")
+    return EXIT_OK
+
+
+def _cmd_keys_exempt(args: argparse.Namespace) -> int:
+    on = args.setting == "on"
+    try:
+        done = keys.set_exempt(paths.keys_file(paths.data_dir(args.data_dir)), args.key, on)
+    except keys.KeysFileInvalid as exc:
+        print_err(str(exc))
+        return EXIT_CONFIG
+    except keys.KeyRefused as exc:
+        print_err(str(exc))
+        return EXIT_FAILED
+    what = (
+        "is exempt from the daily budget (still counted and recorded)"
+        if done.exempt
+        else "is held to its daily budget again"
+    )
+    print(f"{done.id} ({done.name}) {what}; the gateway applies it within a second")
     return EXIT_OK
 
 
@@ -188,7 +214,7 @@ def add_usage(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
-    ks = sub.add_parser("keys", help="issued inference keys: create, list, revoke")
+    ks = sub.add_parser("keys", help="issued inference keys: create, list, revoke, budget, exempt")
     ksub = ks.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     kc = ksub.add_parser(
         "create", parents=[common], help="issue a lucia_inf_ key; it is printed once"
@@ -205,6 +231,11 @@ def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="the key's own daily token budget; default: [budget] daily_tokens",
     )
+    kc.add_argument(
+        "--exempt",
+        action="store_true",
+        help="no daily budget is enforced against it (its use is still counted and recorded)",
+    )
     kc.set_defaults(func=_cmd_keys_create)
     kl = ksub.add_parser("list", parents=[common], help="show the keys (never the keys themselves)")
     kl.add_argument("--json", action="store_true")
@@ -216,6 +247,12 @@ def add_keys(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     kb.add_argument("key", metavar="ID|NAME")
     kb.add_argument("tokens", metavar="TOKENS|default", help="tokens a day, or `default`")
     kb.set_defaults(func=_cmd_keys_budget)
+    ke = ksub.add_parser(
+        "exempt", parents=[common], help="make a key exempt from the daily budget, or not"
+    )
+    ke.add_argument("key", metavar="ID|NAME")
+    ke.add_argument("setting", choices=("on", "off"), help="on: exempt; off: budgeted again")
+    ke.set_defaults(func=_cmd_keys_exempt)
 
 
 def add_gateway(sub: Subparsers, common: argparse.ArgumentParser) -> None:

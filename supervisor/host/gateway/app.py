@@ -122,7 +122,7 @@ class Gateway:
         """Whether the engine would run a request at once now (route prefers such)."""
         gate = self.gates.get(engine.name)
         limits = self.settings.admission(engine.name, engine.slots)
-        return gate is None or decide(gate.running, gate.waiting, limits) == "run"
+        return gate is None or decide(gate.running, gate.waiting, 0, limits) == "run"
 
     def follow(self, engine: CatalogEntry) -> Gate:
         """The engine's gate, given the limits its status.json says now (its slots)."""
@@ -258,7 +258,7 @@ class Gateway:
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
-            async with gate.slot(None if url else start) as admitted:
+            async with gate.slot(None if url else start, key=stand.key_id) as admitted:
                 target = url or admitted.before  # running already, or started on demand
                 assert target is not None
                 trace.admitted = asyncio.get_running_loop().time()

@@ -33,12 +33,21 @@ default = "fast"               # the tier a request that names no model goes to 
                                # not start
 
 [limits]                       # for every engine, unless [engines.NAME] says otherwise
+                               # (running, waiting, per_key_waiting, max_wait_s, deadline_s)
 # running = 4                  # requests forwarded at once; unset (the default): as many as
                                # the engine holds (its status.json `slots`, summed over the
                                # models it has loaded: an engine serving several models takes
                                # their sum, which one model's burst may exceed), else 4 while
                                # it publishes none (a router publishes them once it runs)
 waiting = 64                   # requests held for a slot
+per_key_waiting = 16           # of those, at most this many of one key; one more: 429
+                               # key_busy. A quarter of the 64: a backfill of hundreds of
+                               # generations leaves 48 places to the others (three such
+                               # backfills at once still 16), and a client that keeps its
+                               # requests in flight to the engine's slots and 16 more never
+                               # meets it. What runs is not counted. Every key has its own
+                               # share, the owner's and the one inference key's too (all who
+                               # call with that key share it)
 max_wait_s = 30                # how long one is held before a 429
 deadline_s = 1800              # one clock from admission over the dial and the whole answer
 load_wait_s = 900              # how long a start on demand is waited for
@@ -74,7 +83,8 @@ swap = false                   # a start the worker says waits for memory may fi
 [budget]
 daily_tokens = 0               # per key and UTC day, prompt and completion tokens; 0: none
                                # (a key's own: `keys create --budget`, `keys budget`); the
-                               # owner key has none
+                               # owner key has none, nor has a key made exempt (`keys create
+                               # --exempt`, `keys exempt ID on`), whose use is still counted
 
 [record]                       # one row per generation, no text; each key's daily spending
 enabled = true                 # false: nothing is recorded and no budget can be enforced
@@ -125,6 +135,7 @@ MIN_BODIES_BYTES: Final = 1024 * 1024  # below it, ordinary chats could never pa
 DEFAULT_RUNNING: Final = 4  # an engine that publishes no slots (yet, or an older worker)
 MAX_RUNNING: Final = 10_000
 DEFAULT_WAITING: Final = 64
+DEFAULT_PER_KEY_WAITING: Final = 16  # a quarter of the waiting: see the docstring
 DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
 DEFAULT_DEADLINE_S: Final = 1800.0  # 32,768 tokens at 20 a second, and a margin
@@ -216,6 +227,7 @@ class EngineLimits(_Section):
 
     running: int | None = Field(default=None, ge=1, le=MAX_RUNNING)
     waiting: int | None = Field(default=None, ge=0, le=100_000)
+    per_key_waiting: int | None = Field(default=None, ge=1, le=100_000)
     max_wait_s: float | None = Field(default=None, gt=0, le=86_400)
     deadline_s: float | None = Field(default=None, gt=0, le=86_400)
 
@@ -223,6 +235,7 @@ class EngineLimits(_Section):
 class Limits(_Section):
     running: int | None = Field(default=None, ge=1, le=MAX_RUNNING)  # None: follow the engine
     waiting: int = Field(default=DEFAULT_WAITING, ge=0, le=100_000)
+    per_key_waiting: int = Field(default=DEFAULT_PER_KEY_WAITING, ge=1, le=100_000)
     max_wait_s: float = Field(default=DEFAULT_MAX_WAIT_S, gt=0, le=86_400)
     deadline_s: float = Field(default=DEFAULT_DEADLINE_S, gt=0, le=86_400)
     load_wait_s: float = Field(default=DEFAULT_LOAD_WAIT_S, gt=0, le=86_400)
@@ -347,6 +360,9 @@ class GatewaySettings(_Section):
             waiting=own.waiting if own.waiting is not None else self.limits.waiting,
             max_wait_s=own.max_wait_s if own.max_wait_s is not None else self.limits.max_wait_s,
             deadline_s=own.deadline_s if own.deadline_s is not None else self.limits.deadline_s,
+            per_key_waiting=own.per_key_waiting
+            if own.per_key_waiting is not None
+            else self.limits.per_key_waiting,
         )
 
     def warnings(self) -> list[str]:

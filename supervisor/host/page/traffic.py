@@ -145,7 +145,8 @@ class Traffic:
 
 class KeyUse:
     """Each key's last use (from the record) and the day's spending against its budget (from
-    the store; `default_budget` is [budget] daily_tokens, a key's own `budget` wins)."""
+    the store; `default_budget` is [budget] daily_tokens, a key's own `budget` wins; an exempt
+    key has none, and its spending is shown all the same)."""
 
     def __init__(
         self,
@@ -183,12 +184,15 @@ class KeyUse:
         for key in issued:
             spent = self.spending.spending(key.id) if self.spending is not None else None
             budget = key.budget if key.budget is not None else (self.default_budget or None)
+            if key.exempt:  # counted and shown, never held to a budget
+                budget = None
             use[key.id] = {
                 "lastUse": last.get(key.id) if last is not None else None,
                 "lastUseKnown": last is not None,
                 "spentTokens": spent.tokens if spent is not None else None,
                 "spentRequests": spent.requests if spent is not None else None,
                 "budget": budget,
+                "exempt": key.exempt,
             }
         return use
 

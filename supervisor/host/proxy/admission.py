@@ -4,6 +4,13 @@ Beyond either bound a request is refused at once with 429 and Retry-After; a wai
 out is refused the same way. The bound holds for every request, loaded engine or not: a
 request held while its engine starts counts as waiting too. Slots pass in arrival order.
 
+One key's share of the waiting places is bounded too (`per_key_waiting`): a key that already
+has that many requests waiting for the engine is refused (429 `key_busy`) rather than take the
+rest of the queue, so a backfill of hundreds of generations leaves room for a person's. What
+runs is not counted: a key may have every free slot, and only its waiting is bounded. The
+engine's own waiting bound holds beside it, whatever the keys. A waiting request that ends (its
+client gone, its wait run out, its start failed) gives its key's place back.
+
 The running bound follows the engine (the gateway settings' running_bound): an engine started
 on demand publishes its slots once it runs, so a gate is given new limits as they change
 (`follow`). A higher bound hands its new slots to the waiters first in line at once; a lower
@@ -23,7 +30,7 @@ from typing import Final, Generic, Literal, TypeVar
 
 from supervisor.host.web.refusal import Refusal
 
-Verdict = Literal["run", "wait", "refuse"]
+Verdict = Literal["run", "wait", "refuse", "key_busy"]
 RETRY_AFTER_S: Final = 1
 T = TypeVar("T")
 
@@ -36,12 +43,18 @@ class Admission:
     waiting: int
     max_wait_s: float
     deadline_s: float
+    per_key_waiting: int  # of the waiting, at most this many of one key
 
 
-def decide(running: int, waiting: int, limits: Admission) -> Verdict:
-    """Pure: what a new request gets. It runs only when a slot is free and nobody waits."""
+def decide(running: int, waiting: int, key_waiting: int, limits: Admission) -> Verdict:
+    """Pure: what a new request gets, `key_waiting` of the `waiting` being its own key's. It
+    runs only when a slot is free and nobody waits; else it waits while its key has less than
+    its share of the waiting and the queue has room. A key at its share is told so (key_busy)
+    even when the queue is full too: slowing down is what it can do about it."""
     if running < limits.running and waiting == 0:
         return "run"
+    if key_waiting >= limits.per_key_waiting:
+        return "key_busy"
     if waiting < limits.waiting:
         return "wait"
     return "refuse"
@@ -59,6 +72,26 @@ def too_busy(engine: str, running: int, waiting: int, waited: float, why: str) -
             "running": running,
             "waiting": waiting,
             "waited_s": round(waited, 3),
+        },
+    )
+
+
+def key_busy(engine: str, key_id: str, key_waiting: int, gate: Gate) -> Refusal:
+    share = gate.limits.per_key_waiting
+    return Refusal(
+        429,
+        "key_busy",
+        f"key {key_id} already has {key_waiting} requests waiting for engine {engine}, the "
+        f"most one key may (per_key_waiting {share}; {gate.running} running, {gate.waiting} "
+        "waiting in all): send fewer at once",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+        details={
+            "engine": engine,
+            "key_id": key_id,
+            "key_waiting": key_waiting,
+            "per_key_waiting": share,
+            "running": gate.running,
+            "waiting": gate.waiting,
         },
     )
 
@@ -81,6 +114,11 @@ class Gate:
         self.waiting = 0
         self.last_used = time.monotonic()  # when a request last came or went (idle stop)
         self._queue: deque[asyncio.Future[None]] = deque()
+        self._key_waiting: dict[str, int] = {}  # each key's requests among the waiting
+
+    def key_waiting(self, key: str | None) -> int:
+        """How many of the waiting requests are this key's (None: a caller with no key)."""
+        return self._key_waiting.get(key, 0) if key is not None else 0
 
     @property
     def busy(self) -> bool:
@@ -98,31 +136,46 @@ class Gate:
 
     @asynccontextmanager
     async def slot(
-        self, before: Callable[[], Awaitable[T]] | None = None
+        self, before: Callable[[], Awaitable[T]] | None = None, *, key: str | None = None
     ) -> AsyncIterator[Admitted[T]]:
-        """A running slot. `before` (a start on demand) is awaited first, as a waiter; its
-        own time does not count against the wait, which starts when it is done. What it gives
-        comes with the slot (`Admitted.before`)."""
+        """A running slot for a request of `key` (the caller's key id, whose share of the
+        waiting is bounded; None: no share). `before` (a start on demand) is awaited first, as
+        a waiter; its own time does not count against the wait, which starts when it is done.
+        What it gives comes with the slot (`Admitted.before`)."""
         began = self.last_used = time.monotonic()
-        verdict = decide(self.running, self.waiting, self.limits)
+        mine = self.key_waiting(key)
+        verdict = decide(self.running, self.waiting, mine, self.limits)
         if verdict == "refuse":
             raise too_busy(self.engine, self.running, self.waiting, 0.0, "the queue is full")
+        if verdict == "key_busy":
+            raise key_busy(self.engine, key or "", mine, self)
         given: T | None = None
         if verdict == "run" and before is None:
             self.running += 1
         else:
             self.waiting += 1
+            self._count(key, 1)
             try:
                 if before is not None:
                     given = await before()
                 await self._wait_for_slot(began)
             finally:
                 self.waiting -= 1
+                self._count(key, -1)
         try:
             yield Admitted(time.monotonic() - began, given)
         finally:
             self.last_used = time.monotonic()
             self._release()
+
+    def _count(self, key: str | None, change: int) -> None:
+        if key is None:
+            return
+        now = self._key_waiting.get(key, 0) + change
+        if now > 0:
+            self._key_waiting[key] = now
+        else:
+            self._key_waiting.pop(key, None)  # no key is kept once it waits no more
 
     async def _wait_for_slot(self, began: float) -> None:
         if self.running < self.limits.running and not self._queue:

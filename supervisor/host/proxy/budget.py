@@ -1,7 +1,9 @@
 """Daily token budgets: a caller's limit, where it stands today, and the refusal once over.
 
 A day is a UTC day. The limit is the key's own (`keys create --budget`, `keys budget`), else
-[budget] daily_tokens from the settings; 0 there means no budget. The owner key has none. The
+[budget] daily_tokens from the settings; 0 there means no budget. The owner key has none, nor
+has a key made exempt (`keys exempt ID on`): their spending is counted and shown, never
+refused (`exempt` in `GET /v1/budget`). The
 day's spending is read from the record's per-key, per-day total (one lookup at any size of the
 record). A stream that crosses the budget finishes; the next request is refused with 429, the
 count, the budget and when it resets. Without a store nothing is enforced, and every response
@@ -41,9 +43,15 @@ class NoRecord:
         return 0
 
 
+def exempt_of(identity: Caller) -> bool:
+    """Pure: whether no daily budget applies to the caller, whatever the settings say: the
+    owner key, and an issued key made exempt."""
+    return identity.role == "owner" or identity.exempt
+
+
 def limit_of(identity: Caller, default: int) -> int | None:
     """Pure: the caller's daily token budget; None: no budget."""
-    if identity.role == "owner":
+    if exempt_of(identity):
         return None
     if identity.budget is not None:
         return identity.budget
@@ -65,6 +73,7 @@ class Standing:
     budget: int | None  # None: no budget
     enforced: bool  # False without a store: nothing is counted
     resets: datetime
+    exempt: bool = False  # no budget applies whatever the settings say (exempt_of)
 
     @property
     def over(self) -> bool:
@@ -84,6 +93,7 @@ class Standing:
             "remaining_tokens": remaining,
             "resets_at": _iso(self.resets),
             "enforced": self.enforced and self.budget is not None,
+            "exempt": self.exempt,
         }
 
 
@@ -92,7 +102,9 @@ def standing(identity: Caller, default: int, spending: BudgetSpending, now: date
     budget = limit_of(identity, default)
     enforced = spending.available
     spent = spending.spent(identity.key_id, day) if enforced else 0
-    return Standing(identity.key_id, day, spent, budget, enforced, resets_at(now))
+    return Standing(
+        identity.key_id, day, spent, budget, enforced, resets_at(now), exempt_of(identity)
+    )
 
 
 def refusal(

@@ -45,6 +45,9 @@ class Caller(Protocol):
     @property
     def budget(self) -> int | None: ...
 
+    @property
+    def exempt(self) -> bool: ...
+
 
 class Authenticator(Protocol):
     def verify(self, presented: str) -> Caller | None:

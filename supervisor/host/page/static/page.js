@@ -322,6 +322,7 @@ function drawKeys(keys) {
     tr.appendChild(el("td", null, key.id));
     tr.appendChild(el("td", null, key.created));
     tr.appendChild(el("td", null, key.expires || "never"));
+    tr.appendChild(el("td", "budget", key.exempt ? "exempt" : key.budget || "default"));
     const mine = use ? use[key.id] : null;
     tr.appendChild(el("td", "last-use", !mine || !mine.lastUseKnown ? "not available" : mine.lastUse || "not in 7 days"));
     tr.appendChild(el("td", "spent", spentText(mine)));
@@ -338,6 +339,7 @@ function drawKeys(keys) {
 function spentText(mine) {
   if (!mine || mine.spentTokens === null) return "not available";
   const spent = mine.spentTokens + " tokens, " + mine.spentRequests + " requests";
+  if (mine.exempt) return spent + " (exempt from the budget)";
   if (mine.budget === null) return spent + " (no budget)";
   return spent + " of " + mine.budget + " (" + Math.round(100 * mine.spentTokens / mine.budget) + "%)";
 }
