@@ -136,10 +136,16 @@ class TinyLlama:
 
 
 def write_llama(
-    path: Path, shape: TinyLlama | None = None, *, split_max_tensors: int = 0
+    path: Path,
+    shape: TinyLlama | None = None,
+    *,
+    split_max_tensors: int = 0,
+    pooling: gguf.PoolingType | None = None,
 ) -> list[Path]:
     """Write a real llama GGUF at path; with split_max_tensors=N, gguf's own shards
-    <stem>-0000i-of-0000K.gguf beside it instead. Returns the files written, first shard first."""
+    <stem>-0000i-of-0000K.gguf beside it instead. Returns the files written, first shard first.
+    With `pooling`, its header declares that pooling type: an embedding model, which
+    llama-server run with --embeddings answers /v1/embeddings with."""
     shape = shape or TinyLlama()
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, "llama", split_max_tensors=split_max_tensors)
@@ -155,6 +161,8 @@ def write_llama(
     writer.add_rope_dimension_count(shape.head_k)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
     _add_byte_vocabulary(writer)
     for name, array in _llama_tensors(shape):
         writer.add_tensor(name, array)

@@ -33,6 +33,7 @@ GROUPS = ("vllm", "lucia", "cold-build")
 PHASES = ("all", "shared", "alone")
 VLLM_MODULES = frozenset(
     {
+        "tests/integration/test_gateway_capabilities_vllm.py",
         "tests/integration/test_gateway_charges_vllm.py",
         "tests/integration/test_gateway_vllm.py",
         "tests/integration/test_kv_tiers_shared_root.py",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
 from supervisor.docker.spec import Container, RunSpec
-from supervisor.protocol.documents import MemoryPlan, TargetGroup
+from supervisor.protocol.documents import Capability, MemoryPlan, TargetGroup
 
 if TYPE_CHECKING:
     from supervisor.memplan.guard import Guard
@@ -51,6 +51,8 @@ class Observed:
     memory_plan: MemoryPlan | None = None  # the plan of a start now (status.json's memory)
     # while it runs: requests each loaded model holds at once (status.json's slots)
     slots: Mapping[str, int] = field(default_factory=dict)
+    # what each served name serves, in every state (status.json's capabilities); left out: unknown
+    capabilities: Mapping[str, tuple[Capability, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

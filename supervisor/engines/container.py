@@ -36,7 +36,7 @@ from supervisor.memplan.need import EngineNeed
 from supervisor.memplan.preview import preview
 from supervisor.memplan.probe import Memory
 from supervisor.memplan.settings import MachineSettings
-from supervisor.protocol.documents import MemoryPlan, TargetGroup
+from supervisor.protocol.documents import Capability, MemoryPlan, TargetGroup, capabilities
 from supervisor.recipe.schema import RecipeBase, RecipeError
 
 log = logs.get("engine")
@@ -180,6 +180,19 @@ class ContainerEngine(Generic[R, P]):
         served, parallel = self.served(look), self.parallel()
         return {served[0]: parallel} if served and parallel is not None else {}
 
+    def capabilities(self, look: Look[P]) -> dict[str, tuple[Capability, ...]]:
+        """What each name it serves serves, in every state (status.json's capabilities): the
+        recipe's `capabilities` for every name when it says, else the kind's own rule; a name
+        left out is not known (the gateway forwards its requests as before)."""
+        declared = self.recipe.capabilities
+        if declared is not None:
+            return {name: capabilities(declared) for name in self.served(look)}
+        return self.serves(look)
+
+    def serves(self, look: Look[P]) -> dict[str, tuple[Capability, ...]]:
+        """The kind's own rule of what each name serves: none known, unless the kind says."""
+        return {}
+
     def answers(self, look: Look[P]) -> Observed:
         """What the worker is given of one look: a pure function of it."""
         return Observed(
@@ -195,6 +208,7 @@ class ContainerEngine(Generic[R, P]):
             failed=self.failed(look),
             memory_plan=look.memory_plan,
             slots=self.slots(look),
+            capabilities=self.capabilities(look),
         )
 
     # -- shared ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import (
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -41,6 +42,28 @@ REQUESTERS: Final[tuple[Requester, ...]] = ("operator", "gateway")
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
 STATES: Final[tuple[State, ...]] = ("starting", "running", "stopping", "stopped", "failed")
 SETTLED: Final[dict[DesiredState, State]] = {"running": "running", "stopped": "stopped"}
+# what a model may serve: the gateway's forwarded routes, one each (the host maps its routes)
+Capability = Literal["chat", "completion", "embedding", "responses"]
+CAPABILITIES: Final[tuple[Capability, ...]] = ("chat", "completion", "embedding", "responses")
+GENERATION: Final[tuple[Capability, ...]] = ("chat", "completion", "responses")
+
+
+def capabilities(names: object) -> tuple[Capability, ...]:
+    """The known capabilities among `names`, once each, in CAPABILITIES' order: a name a newer
+    worker may add is left out (this host serves no route for it), never a reason to refuse the
+    whole status."""
+    listed = names if isinstance(names, (list, tuple, set, frozenset)) else ()
+    given = {name for name in listed if isinstance(name, str)}
+    return tuple(known for known in CAPABILITIES if known in given)
+
+
+def _known_capabilities(value: object) -> object:
+    if not isinstance(value, dict):
+        return value
+    return {
+        model: capabilities(names) if isinstance(names, list) else names
+        for model, names in value.items()
+    }
 
 
 def utc_now() -> datetime:
@@ -262,6 +285,31 @@ class Status(BaseModel):
         "are not known yet is left out. The host admits that many at once (the sum for an "
         "engine serving several models). Empty while unknown, and absent in files from older "
         "workers.",
+    )
+    capabilities: Annotated[
+        dict[str, tuple[Capability, ...]],
+        BeforeValidator(_known_capabilities),
+        WithJsonSchema(
+            {
+                "type": "object",
+                "maxProperties": MAX_MODELS,
+                "additionalProperties": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "uniqueItems": True,
+                },
+            }
+        ),
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_MODELS,
+        description="What each model the engine serves serves, in every state: a subset of "
+        "`chat`, `completion`, `embedding` and `responses` (the routes /v1/chat/completions, "
+        "/v1/completions, /v1/embeddings and /v1/responses), from the recipe and from what the "
+        "engine itself says (vLLM's routes and runner, llama-server's arguments for the model "
+        "and its GGUF's pooling type); `[]` serves none of them. A model left out is not known "
+        "(the host forwards its requests as before); empty while nothing is known, and absent "
+        "in files from older workers. A name a reader does not know is ignored.",
     )
     memory: MemoryPlan | None = Field(
         default=None,

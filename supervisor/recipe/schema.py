@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.protocol.documents import Capability
 from supervisor.protocol.files import FileRefused, read_text
 from supervisor.recipe import reference
 
@@ -132,6 +133,19 @@ class RecipeBase(Section):
         "passed only through the environment, never logged or shown",
     )
     run: Run
+    capabilities: tuple[Capability, ...] | None = Field(
+        default=None,
+        description="what each model it serves serves, of chat, completion, embedding and "
+        "responses (status.json's capabilities); unset: the engine kind's own rule, from its "
+        "arguments, its model and what the running engine says",
+    )
+
+    @field_validator("capabilities")
+    @classmethod
+    def _once_each(cls, value: tuple[Capability, ...] | None) -> tuple[Capability, ...] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("each capability is named once")
+        return value
 
     @field_validator("settings", "secrets")
     @classmethod

@@ -18,6 +18,7 @@ from supervisor import logs, redaction
 from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
+    Capability,
     MemoryPlan,
     Status,
     TargetGroup,
@@ -57,6 +58,8 @@ class Heartbeat:
         self.models: tuple[str, ...] = ()  # the engine's served names, said in every state
         self.memory_plan: MemoryPlan | None = None  # the last observation's plan of a start
         self.slots: dict[str, int] = {}  # the last observation's, said while running
+        # the last observation's, said in every state (none known before the first)
+        self.capabilities: dict[str, tuple[Capability, ...]] = {}
         self._written_at = float("-inf")
         self._dirty = False
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
@@ -92,6 +95,7 @@ class Heartbeat:
             waiting_for=answer.waiting_for if retrying else None,
             models=self.models,
             slots=self.slots if running else {},
+            capabilities=self.capabilities,
             memory=_masked(self.memory_plan),
             worker_version=version(),
         )
@@ -187,6 +191,7 @@ def _same_answer(a: Status, b: Status) -> bool:
         "waiting_for",
         "models",
         "slots",
+        "capabilities",
     )
     return all(getattr(a, name) == getattr(b, name) for name in fields) and _plan(a) == _plan(b)
 

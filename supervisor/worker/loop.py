@@ -221,6 +221,7 @@ class Worker:
                 self.job.cancel.set()
             self.engine = self._engine(recipe)
             self.heartbeat.models = self.engine.info.models
+            self.heartbeat.capabilities = {}  # the new recipe's, at the next look
             if self.pursuit is not None:  # re-apply the current request to the new recipe
                 self.pursuit = pursuit.reloaded(self.pursuit)
             self._retry_at = 0.0
@@ -308,6 +309,7 @@ class Worker:
             self.heartbeat.models = job.result.models
             self.heartbeat.memory_plan = job.result.memory_plan
             self.heartbeat.slots = dict(job.result.slots)
+            self.heartbeat.capabilities = dict(job.result.capabilities)
             decision = plan.plan(self.pursuit, job.result, time.monotonic())
             if not pursuit.means_to_start(decision.pursuit):  # before a step that may claim anew
                 seen = job.result.container

@@ -63,6 +63,7 @@ def write_status(
     slots: dict[str, int] | None = None,
     running: RunningEngine | None = None,
     since: datetime | None = None,
+    capabilities: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     now = utc_now()
     status = Status(
@@ -78,6 +79,7 @@ def write_status(
         memory=memory,
         slots=slots or {},
         engine=running if state == "running" else None,
+        capabilities=capabilities or {},
     )
     write_atomic(ensure_dir(data / engine) / "status.json", dump(status))
 

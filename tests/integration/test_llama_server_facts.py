@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 
+import gguf
 import pytest
 
 from tests.gguf_fixtures import TinyLlama, write_llama
@@ -279,3 +280,46 @@ def test_the_router_states_its_build_in_props_as_its_version_flag_does(
     stated = re.search(r"^version: \S+ \(build (\d+), commit (\S+)\)$", printed, re.MULTILINE)
     assert stated is not None, printed
     assert props.json()["build_info"] == f"b{stated[1]}-{stated[2]}"
+
+
+def test_embeddings_need_the_flag_and_a_pooling_and_props_state_neither(
+    llama_router, tmp_path: Path
+) -> None:
+    """What the capabilities of a router model rest on (engines/llama_router/serves.py):
+    /v1/embeddings answers only a child run with --embeddings whose model pools (its GGUF's
+    pooling type); without the flag it is 501 and the model generates; a chat GGUF with the
+    flag refuses embeddings 400. Its child's arguments are in /models; /props names neither."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_llama(models / "chat.gguf")
+    write_llama(models / "emb.gguf", TinyLlama(seed=3), pooling=gguf.PoolingType.MEAN)
+    sections = [
+        Section("chat", "chat.gguf"),
+        Section("emb-off", "emb.gguf"),
+        Section("emb", "emb.gguf", {"embeddings": True}),
+        Section("chat-on", "chat.gguf", {"embeddings": True}),
+    ]
+    router = llama_router(models, sections, defaults={"ctx-size": 256}, models_max=4)
+    hello = {"input": "hello"}
+    for name in ("chat", "emb-off", "emb", "chat-on"):
+        assert router.post("/models/load", {"model": name}).status == 200
+        router.wait_value(name, "loaded")
+    assert "--embeddings" in router.models()["emb"]["args"]
+    assert "--embeddings" not in router.models()["emb-off"]["args"]
+    for name in ("chat", "emb-off"):
+        refused = router.post("/v1/embeddings", {"model": name, **hello})
+        assert refused.status == 501, refused
+        assert "Start it with `--embeddings`" in refused.json()["error"]["message"]
+        chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert router.post("/v1/chat/completions", chat).status == 200
+    answer = router.post("/v1/embeddings", {"model": "emb", **hello})
+    assert answer.status == 200 and len(answer.json()["data"][0]["embedding"]) == 64
+    refused = router.post("/v1/embeddings", {"model": "chat-on", **hello})
+    assert refused.status == 400 and "not OAI compatible" in refused.json()["error"]["message"]
+    for name in ("chat", "emb"):
+        props = router.get("/props", {"model": name, "autoload": "false"}).json()
+        assert not {key for key in props if "embed" in key or "pool" in key}, sorted(props)
+    responses = router.post(
+        "/v1/responses", {"model": "chat", "input": "a", "max_output_tokens": 2}
+    )
+    assert responses.status == 200 and responses.json()["object"] == "response"

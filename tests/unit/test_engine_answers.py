@@ -28,7 +28,7 @@ from tests.unit.test_served_models import NoDocker
 
 ROOT = Path(__file__).resolve().parents[2]
 ENDPOINT = Endpoint("172.30.0.1", 18080)
-ANSWERS = ("targets", "notes", "served", "failed", "version", "slots", "answers")
+ANSWERS = ("targets", "notes", "served", "failed", "version", "slots", "capabilities", "answers")
 
 
 def _router(tmp_path: Path) -> tuple[ContainerEngine[Any, Any], Look[Any]]:

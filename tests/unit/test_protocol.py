@@ -290,12 +290,49 @@ def test_status_keys_are_camel_case_on_the_wire() -> None:
         "waitingFor",
         "models",
         "slots",
+        "capabilities",
         "memory",
         "workerVersion",
     }
     text = dump(status()).decode()
     with pytest.raises(InvalidDocument, match="missing field 'checkedAt'"):
         parse_status(text.replace('"checkedAt"', '"lastSeen"'))
+
+
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [
+        ({}, {}),
+        ({"a": []}, {"a": ()}),  # known to serve none of them
+        ({"a": ["embedding"]}, {"a": ("embedding",)}),
+        ({"a": ["responses", "chat", "completion"]}, {"a": ("chat", "completion", "responses")}),
+        ({"a": ["chat", "chat"]}, {"a": ("chat",)}),
+        ({"a": ["rerank", "embedding"]}, {"a": ("embedding",)}),  # a newer worker's name
+        ({"a": ["chat", 3]}, {"a": ("chat",)}),
+    ],
+)
+def test_status_capabilities_keep_the_known_names_in_one_order(
+    given: dict[str, Any], read: dict[str, tuple[str, ...]]
+) -> None:
+    text = (
+        dump(status())
+        .decode()
+        .replace('"capabilities": {}', json.dumps({"capabilities": given})[1:-1])
+    )
+    assert parse_status(text).capabilities == read
+
+
+@pytest.mark.parametrize("given", ['"chat"', '{"a": "chat"}', '{"a": {"chat": true}}', "[]"])
+def test_status_capabilities_of_another_shape_are_refused(given: str) -> None:
+    text = dump(status()).decode().replace('"capabilities": {}', f'"capabilities": {given}')
+    with pytest.raises(InvalidDocument, match="capabilities"):
+        parse_status(text)
+
+
+def test_status_capabilities_are_absent_from_older_workers_files() -> None:
+    wire = json.loads(dump(status()))
+    del wire["capabilities"]
+    assert parse_status(json.dumps(wire)).capabilities == {}
 
 
 @pytest.mark.parametrize("state", [s for s in STATES if s != "failed"])

@@ -21,7 +21,7 @@ from supervisor.engines.container import ContainerEngine
 from supervisor.engines.llama_router import api as router_api
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router import plan as router_plan
-from supervisor.engines.llama_router import preset, startup
+from supervisor.engines.llama_router import preset, serves, startup
 from supervisor.engines.llama_router.library_sync import (
     LibrarySync,
     Synced,
@@ -35,7 +35,7 @@ from supervisor.errors import Permanent, Transient
 from supervisor.library import models as library
 from supervisor.memplan.fit import Budget
 from supervisor.memplan.need import EngineNeed
-from supervisor.protocol.documents import TargetGroup
+from supervisor.protocol.documents import Capability, TargetGroup
 
 log = logs.get("llama-router")
 
@@ -342,6 +342,27 @@ class LlamaRouter(ContainerEngine[LlamaRouterRecipe, RouterLook]):
     def named(self) -> tuple[str, ...]:
         """Before any look, the preset's (the library may be a slow share)."""
         return preset.models(self.syncer.preset_text())
+
+    def serves(self, look: Look[RouterLook]) -> dict[str, tuple[Capability, ...]]:
+        """Each named model's (serves.py): from the arguments its child runs with while the
+        router runs it (its /models `args`), else those its preset gives it, and the pooling
+        its GGUF declares as the last sync read it; a model no sync has read is not known."""
+        synced = look.own.synced
+        if synced is None:
+            return {}
+        listing = look.own.listing if look.running else None
+        running = {model.name: model.args for model in listing or () if model.args}
+        router, found = self.recipe.router, {}
+        for name in look.own.named:
+            declared = synced.pooling.get(name)
+            if declared is None:
+                continue
+            args = running.get(name) or (
+                *router.args,
+                *serves.preset_args(router.defaults, serves.pooled(declared)),
+            )
+            found[name] = serves.serves(args, self.recipe.environment, declared)
+        return found
 
     def failed(self, look: Look[RouterLook]) -> tuple[str, ...]:
         """The models of this look whose load failed (the worker's gauge)."""

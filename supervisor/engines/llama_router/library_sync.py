@@ -12,23 +12,30 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from supervisor import logs
 from supervisor.engines.base import StepContext
-from supervisor.engines.llama_router import gguf_cache, preset
+from supervisor.engines.llama_router import gguf_cache, preset, serves
 from supervisor.engines.llama_router import memory as router_memory
 from supervisor.engines.llama_router.recipe import LlamaRouterRecipe
 from supervisor.engines.llama_router.startup import startup_models
 from supervisor.errors import Permanent, Transient
 from supervisor.library import models as library
+from supervisor.library.ggufcheck import Unreadable
+from supervisor.library.ggufmeta import BadHeader, read_metadata
 from supervisor.memplan import settings
 from supervisor.memplan.guard import Guard
 from supervisor.memplan.need import ModelNeed
 from supervisor.protocol import files
 
 log = logs.get("llama-router")
+# what the preset holds beyond the library and the recipe: a new one syncs again (version 2:
+# an embedding model's section has `embeddings = true`, and the record its GGUF's pooling)
+PRESET_FORMAT: Final = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class Synced:
     startup: tuple[str, ...] | None = None  # the preset's load-on-startup models
     startup_need: tuple[ModelNeed, ...] = ()  # the memory plan's start: what the Check claims
     unfit: str = ""  # models not offered: they cannot fit even alone
+    # the pooling each cached model's GGUF declares (serves.py); a model left out: not known
+    pooling: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -132,6 +141,7 @@ class Syncer:
                 where.container_dir,
                 str(where.cache_path),
                 self._machine_key(),
+                PRESET_FORMAT,
             ],
             sort_keys=True,
             default=str,
@@ -160,9 +170,19 @@ class Syncer:
                 tuple(startup) if isinstance(startup, list) else None,
                 router_memory.load(data.get("startupNeed")),
                 data.get("unfit", ""),
+                _pooling(data.get("pooling")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def _pooling(self, cached: Iterable[gguf_cache.CachedModel]) -> dict[str, str]:
+        """The pooling each cached model's GGUF declares (its first shard's header); a header
+        that cannot be read leaves its model out (not known)."""
+        found: dict[str, str] = {}
+        for model in cached:
+            with contextlib.suppress(BadHeader, Unreadable, OSError):
+                found[model.name] = serves.pooling(read_metadata(self.cache_dir / model.model_file))
+        return found
 
     def preset_text(self) -> str | None:
         try:
@@ -185,6 +205,7 @@ class Syncer:
         )
         offered = [m for m in result.models if m.name in planned.offered]
         names = tuple(model.name for model in offered)
+        pooling = self._pooling(offered)
         try:
             preset.check_startup(router.load_on_startup, names, router.models_max)
             startup = startup_models(self.recipe, names)
@@ -194,6 +215,7 @@ class Syncer:
                 startup,
                 self.recipe.library.container_dir,
                 planned.contexts,
+                embeddings=[name for name, said in pooling.items() if serves.pooled(said)],
             )
         except preset.PresetError as exc:
             raise Permanent(f"{exc}; {result.summary()}") from None
@@ -208,6 +230,7 @@ class Syncer:
             "models": [[m.name, m.model_file, m.mmproj_file] for m in offered],
             "startupNeed": router_memory.dump(planned.startup),
             "unfit": ", ".join(planned.unfit),
+            "pooling": pooling,
         }
         files.write_atomic(self.stamp, json.dumps(synced).encode(), 0o600)
         ctx.progress(result.summary())
@@ -217,3 +240,14 @@ class Syncer:
         if planned.unfit or planned.unplanned:
             log.warning("memory plan", not_offered=planned.unfit, not_planned=planned.unplanned)
         return preset.changed_sections(before, text) if wrote else None
+
+
+def _pooling(recorded: object) -> dict[str, str]:
+    """The record's pooling by model (absent from records of older workers: none known)."""
+    if not isinstance(recorded, dict):
+        return {}
+    return {
+        name: said
+        for name, said in recorded.items()
+        if isinstance(name, str) and isinstance(said, str)
+    }

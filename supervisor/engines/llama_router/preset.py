@@ -87,13 +87,17 @@ def render(
     load_on_startup: Iterable[str],
     container_cache_dir: str,
     contexts: Mapping[str, int] | None = None,
+    *,
+    embeddings: Iterable[str] = (),
 ) -> str:
     """The preset text: deterministic (sections and keys sorted), ending in one newline.
-    contexts: a model's planned ctx-size (the memory plan's "auto"), set in its section."""
+    contexts: a model's planned ctx-size (the memory plan's "auto"), set in its section;
+    embeddings: the embedding models (their GGUF declares a pooling type), whose sections get
+    `embeddings = true`: llama-server answers /v1/embeddings only with it (serves.py)."""
     container_dir = PurePosixPath(container_cache_dir)
     if not container_dir.is_absolute():
         raise PresetError(f"container cache directory {container_cache_dir!r} is not absolute")
-    startup = set(load_on_startup)
+    startup, embedding = set(load_on_startup), set(embeddings)
     lines = [HEADER.rstrip("\n"), "version = 1"]
     if defaults:
         lines += ["", "[*]"]
@@ -116,6 +120,8 @@ def render(
             lines.append(f"mmproj = {_container_path(container_dir, model.mmproj_file)}")
         if contexts and model.name in contexts:
             lines.append(f"ctx-size = {contexts[model.name]}")
+        if model.name in embedding:
+            lines.append("embeddings = true")
         if model.name in startup:
             lines.append("load-on-startup = true")
     return "\n".join(lines) + "\n"

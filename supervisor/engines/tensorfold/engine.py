@@ -25,7 +25,7 @@ from supervisor.engines.tensorfold.source import GitCheckout
 from supervisor.errors import BuildFailed, Permanent
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
-from supervisor.protocol.documents import TargetGroup
+from supervisor.protocol.documents import Capability, TargetGroup
 
 _PROBE_TIMEOUT: Final = 2.0
 _CACHE_SETTINGS: Final = ("HF_CACHE", "KERNEL_CACHE")  # directories prepare and run both use
@@ -294,6 +294,11 @@ class TensorFold(ContainerEngine[TensorFoldRecipe, Prerequisites]):
 
     def named(self) -> tuple[str, ...]:
         return served_names(self.recipe)
+
+    def serves(self, look: Look[Prerequisites]) -> dict[str, tuple[Capability, ...]]:
+        """A chat model: TensorFold serves chat and text completions of it (a recipe whose
+        engine serves more, or less, says so in its `capabilities`)."""
+        return {name: ("chat", "completion") for name in self.served(look)}
 
     def parallel(self) -> int | None:
         return parallel(self.recipe)

@@ -27,7 +27,7 @@ from supervisor.docker.spec import Image, Mount, RunSpec
 from supervisor.engines.base import Endpoint, Prerequisite, StepContext
 from supervisor.engines.container import ContainerEngine
 from supervisor.engines.look import EngineImage, Look, PulledImage
-from supervisor.engines.vllm import account, namespaces, probes, secretfiles, tier_image
+from supervisor.engines.vllm import account, namespaces, probes, secretfiles, tasks, tier_image
 from supervisor.engines.vllm import memory as vllm_memory
 from supervisor.engines.vllm import model as hf_model
 from supervisor.engines.vllm import preflight as pf
@@ -48,7 +48,7 @@ from supervisor.hw import gpu
 from supervisor.memplan import guard
 from supervisor.memplan.need import EngineNeed
 from supervisor.protocol import files
-from supervisor.protocol.documents import TargetGroup
+from supervisor.protocol.documents import Capability, TargetGroup
 
 MEMORY_LABEL: Final = "lucia.vllm.memory"  # the memory share it was started with (percent)
 NAMESPACE_LABEL: Final = namespaces.LABEL  # the KV-cache namespace it mounts
@@ -74,6 +74,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         self._secrets_root = state_dir / "secrets"
         self._fitted: int | None = None  # the CPU need last found to fit, before a pull
         self._versions = probes.Versions()
+        self._routes = probes.Routes()
         self._off = probes.TierWatch()  # the KV tiers the running engine switched off
         self._plugin = tier_image.Current()  # read once, and again by each build
         self._starting = namespaces.Starting()  # namespaces held from a Check to its start
@@ -362,12 +363,36 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         )
 
     def seen(self, look: Look[VllmLook]) -> Look[VllmLook]:
-        """The version the running engine states, and the KV tiers it has switched off."""
+        """What the model's files say it is, and while it runs the version and the routes the
+        engine states, and the KV tiers it has switched off."""
         container, url = look.container, look.endpoint.url if look.endpoint else None
         running = container.id if container is not None and container.running else None
         version = self._versions.of(running, url) if running and url else None
+        routes = self._routes.of(running, url) if running and url else None
         note = self._off.note(url if self.recipe.tiers.any else None)
-        return replace(look, own=replace(look.own, version=version, tiers_note=note))
+        architectures, pooling = hf_model.read_tasks(self._model_dir())
+        own = replace(
+            look.own,
+            version=version,
+            tiers_note=note,
+            routes=routes,
+            architectures=architectures,
+            pooling_config=pooling,
+        )
+        return replace(look, own=own)
+
+    def serves(self, look: Look[VllmLook]) -> dict[str, tuple[Capability, ...]]:
+        """Every served name is the one model: the routes the running engine states, else what
+        vLLM resolves for its arguments and its model's files (tasks.py); not known while the
+        model's config.json is not there to read (a download still to come)."""
+        own = look.own
+        if look.running and own.routes is not None:
+            found = tasks.from_routes(own.routes)
+        elif own.architectures is not None:
+            found = tasks.serves(self.recipe.vllm.args, own.architectures, own.pooling_config)
+        else:
+            return {}
+        return {name: found for name in self.served(look)}
 
     def version(self, look: Look[VllmLook]) -> str | None:
         return look.own.version

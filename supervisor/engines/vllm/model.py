@@ -23,7 +23,7 @@ from typing import Final
 from supervisor.docker.runtime import Runtime
 from supervisor.docker.spec import Mount
 from supervisor.engines.base import StepContext
-from supervisor.engines.vllm import account, secretfiles
+from supervisor.engines.vllm import account, secretfiles, tasks
 from supervisor.errors import BuildFailed, Permanent
 from supervisor.protocol import files
 
@@ -130,6 +130,23 @@ def read_layout(directory: Path | None) -> dict[str, int | None]:
     except (OSError, ValueError):
         return empty
     return layout_fields(config) if isinstance(config, dict) else empty
+
+
+def read_tasks(directory: Path | None) -> tuple[tuple[str, ...] | None, bool]:
+    """What vLLM resolves its runner from, in the model's files: config.json's architectures
+    (None when it is missing or unreadable) and whether modules.json has a Sentence
+    Transformers Pooling."""
+    if directory is None:
+        return None, False
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, False
+    try:
+        modules = json.loads((directory / "modules.json").read_text())
+    except (OSError, ValueError):
+        modules = None
+    return tasks.architectures(config), tasks.pooling_config(modules)
 
 
 def download(

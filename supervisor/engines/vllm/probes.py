@@ -12,6 +12,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Final
 
+from supervisor.engines.vllm import tasks
+
 TIMEOUT: Final = 2.0
 _VERSION: Final = re.compile(r"[0-9A-Za-z.+_-]{1,64}")
 
@@ -54,6 +56,30 @@ class Versions:
         if self._seen is not None and self._seen[0] == container_id:
             return self._seen[1]
         found = version(base)
+        if found is not None:
+            self._seen = (container_id, found)
+        return found
+
+
+def routes(base: str) -> tuple[str, ...] | None:
+    """The paths the server's `/openapi.json` names (the routes of its tasks); None when it
+    does not answer them (not up yet, or `--disable-fastapi-docs`)."""
+    try:
+        return tasks.routes(json.loads(get(base + "/openapi.json")[1].decode()))
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+class Routes:
+    """vLLM's routes, read once per container: until they answer, each look asks again."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[str, tuple[str, ...]] | None = None  # (container id, its routes)
+
+    def of(self, container_id: str, base: str) -> tuple[str, ...] | None:
+        if self._seen is not None and self._seen[0] == container_id:
+            return self._seen[1]
+        found = routes(base)
         if found is not None:
             self._seen = (container_id, found)
         return found

@@ -14,12 +14,17 @@ from supervisor.hw import gpu
 @dataclass(frozen=True)
 class VllmLook(Prerequisites):
     """What one look at vLLM adds: the KV-cache namespace its spec mounts, the labels of the
-    tier image it runs on, and while it runs the version and the tiers' note it states."""
+    tier image it runs on, the model's architectures and Sentence Transformers pooling as its
+    files say (None: not readable yet), and while it runs the version, the tiers' note and the
+    routes it states."""
 
     namespace: str | None = None
     tier_labels: Mapping[str, str] = field(default_factory=dict)
     version: str | None = None
     tiers_note: str = ""
+    architectures: tuple[str, ...] | None = None
+    pooling_config: bool = False
+    routes: tuple[str, ...] | None = None  # its /openapi.json paths, while it runs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
 from supervisor.host.page.sessions import Sessions
 from supervisor.host.page.sources import Sources
-from supervisor.host.proxy import body
+from supervisor.host.proxy import body, capability
 from supervisor.host.proxy import budget as budgets
 from supervisor.host.proxy.admission import Gate, decide
 from supervisor.host.proxy.bodies import Bodies
@@ -82,7 +82,10 @@ class Gateway:
         self.gates: dict[str, Gate] = {}
         self.forwarder = Forwarder()
         self.bodies = Bodies(
-            settings.listen.bodies_bytes, settings.listen.body_timeout_s, settings.limits.bounds
+            settings.listen.bodies_bytes,
+            settings.listen.body_timeout_s,
+            settings.limits.bounds,
+            settings.default_tier,
         )
         self.metrics = GatewayMetrics(self.counts, self.degraded)
         self.idle = IdleStop(
@@ -220,7 +223,7 @@ class Gateway:
     async def models(self, request: web.Request) -> web.Response:
         now = Catalog.now()
         aliases: dict[str, list[str]] = {}
-        for tier, model in self.settings.tiers.items():
+        for tier, model in self.settings.aliases.items():
             aliases.setdefault(model, []).append(tier)
         data = [
             self._model_entry(engine, model, aliases.get(model, []), now)
@@ -245,6 +248,9 @@ class Gateway:
             "state": status.state if status is not None else None,
             "fresh": engine.fresh(now),
             "tiers": sorted(tiers),
+            "default": self.settings.default_tier in tiers,
+            # what its engine declares it serves; null while that is not known
+            "capabilities": engine.capabilities(model),
             "build": {"engineVersion": running.engine_version, "image": running.image}
             if running is not None
             else None,
@@ -264,7 +270,9 @@ class Gateway:
         prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
         asked = prepared.model
         seen = Catalog.now()
-        engine, model = route(asked, self.catalog.engines(), self.settings.tiers, seen, self.free)
+        engine, model = route(
+            asked, self.catalog.engines(), self.settings.aliases, seen, self.free, path=request.path
+        )
         if model != asked:  # a tier alias: the engine knows the model's own name
             prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(seen) if engine.name not in self.idle.stopping else None
@@ -272,7 +280,8 @@ class Gateway:
         start = partial(self._start, request, engine.name, prepared.stream, trace)
         gate = self.follow(engine)
         hold: Hold | None = None
-        try:
+        try:  # a route its model does not serve is refused before any start or hold
+            capability.check(request.path, model, engine.name, engine.capabilities(model))
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())

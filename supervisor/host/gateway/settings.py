@@ -27,6 +27,10 @@ inference_file = "~/.config/lucia/inference.key"
 [tiers]                        # aliases a request's `model` may name: each a served name
 fast = "qwen2.5-0.5b"          # (protocol.names: letters, digits and . _ : @ + - /), the
                                # model it names any name an engine serves
+default = "fast"               # the tier a request that names no model goes to (no `model`,
+                               # or null); unset: such a request is refused 400. Not an alias:
+                               # it names one of the other keys here, else the gateway does
+                               # not start
 
 [limits]                       # for every engine, unless [engines.NAME] says otherwise
                                # (running, waiting, per_key_waiting, max_wait_s, deadline_s)
@@ -154,6 +158,7 @@ DEFAULT_SESSION_S: Final = 12 * 3600.0  # a working day: the owner signs in once
 DEFAULT_PROBE_INTERVAL_S: Final = 60.0
 MIN_PROBE_INTERVAL_S: Final = 0.05
 DEFAULT_PROBE_TIMEOUT_S: Final = 30.0  # a one-token answer; a loaded engine queues it first
+DEFAULT_TIER: Final = "default"  # the [tiers] key naming the tier of a request with no model
 RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
 _DSN_SCHEMES: Final = ("postgresql://", "postgres://")
 _MAX_FILE: Final = 1024 * 1024
@@ -352,7 +357,24 @@ class GatewaySettings(_Section):
                 names.check(alias)
             except ValueError as exc:
                 raise ValueError(f"alias {exc}") from None
+        default = value.get(DEFAULT_TIER)
+        aliases = sorted(alias for alias in value if alias != DEFAULT_TIER)
+        if default is not None and default not in aliases:
+            raise ValueError(
+                f"{DEFAULT_TIER} names the tier a request without a model goes to, and "
+                f"{default!r} is not one: the tiers are {', '.join(aliases) or 'none'}"
+            )
         return value
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """The tier aliases a request's model may name: every [tiers] key but `default`."""
+        return {alias: model for alias, model in self.tiers.items() if alias != DEFAULT_TIER}
+
+    @property
+    def default_tier(self) -> str | None:
+        """The tier a request that names no model goes to; None: it is refused."""
+        return self.tiers.get(DEFAULT_TIER)
 
     def admission(self, engine: str, slots: int | None = None) -> Admission:
         """The engine's limits; `slots`: what it publishes it holds at once (None: nothing)."""

@@ -84,11 +84,14 @@ def past_bound(path: str, bound: int) -> Refusal:
 class Bodies:
     """The bytes of bodies held now, within `bound`; each body's reading and parsing."""
 
-    def __init__(self, bound: int, timeout_s: float, limits: Bounds) -> None:
+    def __init__(
+        self, bound: int, timeout_s: float, limits: Bounds, default: str | None = None
+    ) -> None:
         self.bound = bound
         self.held = 0
         self.timeout_s = timeout_s
         self.limits = limits
+        self.default = default  # the tier a body that names no model goes to (body.prepare)
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body-parse")
 
     def too_large(self, path: str) -> Refusal:
@@ -124,8 +127,8 @@ class Bodies:
         most = room(body.limit(path), self.bound)
         raw = await read_body(request, most, self.timeout_s, lambda: self.too_large(path))
         if len(raw) <= PARSE_INLINE:
-            return body.prepare(path, raw, self.limits, tokens)
-        return await self.off_loop(body.prepare, path, raw, self.limits, tokens)
+            return body.prepare(path, raw, self.limits, tokens, self.default)
+        return await self.off_loop(body.prepare, path, raw, self.limits, tokens, self.default)
 
     async def renamed(self, prepared: body.Prepared, model: str) -> body.Prepared:
         """body.with_model (a tier alias resolved), which parses the body again."""

@@ -109,15 +109,26 @@ def decode(raw: bytes) -> dict[str, Any]:
     return value
 
 
-def prepare(path: str, raw: bytes, limits: Bounds, room: int | None = None) -> Prepared:
+def prepare(
+    path: str,
+    raw: bytes,
+    limits: Bounds,
+    room: int | None = None,
+    default: str | None = None,
+) -> Prepared:
     """Check a body read within limit(path), and say what goes upstream. `room`: the tokens
-    the caller's budget has left, None for no budget."""
+    the caller's budget has left, None for no budget; `default`: the tier a body that names no
+    model (none, or null) goes to, None to refuse it. Such a body goes upstream naming it."""
     if len(raw) > limit(path):
         raise too_large(path)
     document = decode(raw)
     model = document.get("model")
+    named = model is not None
+    if not named and default is not None:
+        model = default
     if not isinstance(model, str) or not model:
-        raise _bad("model must be a non-empty string", param="model")
+        unset = "" if named else " ([tiers] default names none to send it to)"
+        raise _bad(f"model must be a non-empty string{unset}", param="model")
     token_field = TOKEN_FIELD.get(path)
     estimate = estimate_prompt(raw)
     many = sequences(document) if token_field is not None else 1
@@ -140,7 +151,7 @@ def prepare(path: str, raw: bytes, limits: Bounds, room: int | None = None) -> P
     counted = stream and path in USAGE_ROUTES
     hide_usage = counted and not asked
     strip_usage = counted and not continuous
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {} if named else {"model": model}
     if hide_usage or strip_usage:
         changes["stream_options"] = {**(options or {}), "include_usage": True, CONTINUOUS: True}
     if stream and path in TEXT_ROUTES and TIMINGS not in document:

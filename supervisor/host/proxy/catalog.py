@@ -4,11 +4,13 @@ The host never reads a recipe: each worker writes its engine's model names into 
 (`models`), in every state; desired.json says what was last asked of each, and by whom. A file
 is parsed again only when it was replaced (both are written by rename) or changed.
 
-Several engines may serve one model. A request goes to the first, by name, of the best kind
-there is (`route`): one serving with a slot free now, then one serving (its gate queues), then
-one whose start is under way, then one that may be started on demand (a fresh worker, and no
-operator's stop). Only when none of these exists does it go to an engine that cannot serve,
-whose refusal then says why: an operator's stop before a worker gone silent.
+Several engines may serve one model. A request goes to one that declares the capability its
+route asks for (or whose capabilities are not known) before one whose declaration leaves it
+out (capability.py); of those, to the first, by name, of the best kind there is (`route`): one
+serving with a slot free now, then one serving (its gate queues), then one whose start is under
+way, then one that may be started on demand (a fresh worker, and no operator's stop). Only when
+none of these exists does it go to an engine that cannot serve, whose refusal then says why:
+an operator's stop before a worker gone silent.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from pathlib import Path
 from typing import Final
 
 from supervisor.host.protocol import STALE_AFTER
+from supervisor.host.proxy import capability
 from supervisor.host.proxy.starter import Step, plan
 from supervisor.host.web.refusal import Refusal
-from supervisor.protocol.documents import DesiredFile, Status, utc_now
+from supervisor.protocol.documents import Capability, DesiredFile, Status, utc_now
 from supervisor.protocol.layout import DESIRED, STATUS, BadName, check_name
 from supervisor.protocol.reads import load_status, read_desired
 
@@ -60,6 +63,11 @@ class CatalogEntry:
     def models(self) -> tuple[str, ...]:
         return self.status.models if self.status is not None else ()
 
+    def capabilities(self, model: str) -> tuple[Capability, ...] | None:
+        """What its worker declares `model` serves; None while that is not known."""
+        found = self.status.capabilities if self.status is not None else {}
+        return found.get(model)
+
     @property
     def slots(self) -> int | None:
         """The requests it holds at once, as its worker publishes them while it runs: the sum
@@ -74,14 +82,22 @@ def route(
     tiers: dict[str, str],
     now: datetime,
     free: Callable[[CatalogEntry], bool] = lambda _: True,
+    *,
+    path: str = "",
 ) -> tuple[CatalogEntry, str]:
     """Pure: the engine that serves `model` (a tier alias resolved first), and the model
-    name it knows; 404 naming the models that exist. Of several, the best kind (the module's
-    order; `free`: whether a serving engine would run a request at once), then by name."""
+    name it knows; 404 naming the models that exist. Of several, one that does not refuse
+    `path` (capability.py) first, then the best kind (the module's order; `free`: whether a
+    serving engine would run a request at once), then by name."""
     name = tiers.get(model, model)
     serving = [engine for engine in engines if name in engine.models]
     if serving:
-        return min(serving, key=lambda engine: (rank(engine, now, free), engine.name)), name
+
+        def order(engine: CatalogEntry) -> tuple[bool, int, str]:
+            refuses = capability.serves(engine.capabilities(name), path) is False
+            return refuses, rank(engine, now, free), engine.name
+
+        return min(serving, key=order), name
     known = sorted({m for engine in engines for m in engine.models} | set(tiers))
     shown = ", ".join(known[:_SHOWN]) + (", …" if len(known) > _SHOWN else "")
     raise Refusal(
