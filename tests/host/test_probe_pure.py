@@ -34,6 +34,7 @@ def status(
     age_s: float = 0,
     since: datetime = NOW - timedelta(minutes=5),
     engine: RunningEngine | None = ENGINE,
+    capabilities: dict[str, tuple[str, ...]] | None = None,
 ) -> Status:
     return Status(
         generation=1,
@@ -45,6 +46,7 @@ def status(
         models=models,
         slots=slots or {},
         engine=engine if state == "running" else None,
+        capabilities=capabilities or {},
     )
 
 
@@ -75,6 +77,24 @@ def test_the_models_probed_are_those_loaded(
     models: tuple[str, ...], slots: dict[str, int], probed: tuple[str, ...]
 ) -> None:
     assert probe.probed_models(status(models=models, slots=slots)) == probed
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "probed"),
+    [
+        ({}, ("alpha", "zeta")),  # nothing declared (a worker from before): both
+        ({"alpha": ("chat", "completion")}, ("alpha", "zeta")),
+        ({"alpha": ("embedding",)}, ("zeta",)),  # an embedding model is asked for no completion
+        ({"alpha": ("chat",), "zeta": ()}, ()),  # declared, and no completion among it
+    ],
+)
+def test_a_model_that_declares_no_completion_is_not_probed(
+    capabilities: dict[str, tuple[str, ...]], probed: tuple[str, ...]
+) -> None:
+    found = status(
+        models=("alpha", "zeta"), slots={"alpha": 1, "zeta": 1}, capabilities=capabilities
+    )
+    assert probe.probed_models(found) == probed
 
 
 RUN = (NOW, "c1")

@@ -8,7 +8,8 @@ while its slots are full or a request waits (`free`): a probe never holds a user
 back, nor waits behind one. Of an engine's models, those it has loaded are probed: the names
 its status.json gives `slots` for (a router's loaded models, vLLM's first served name), else
 the one model of an engine that serves one; a router that publishes no slots is not probed, so
-a probe never loads a model.
+a probe never loads a model. A model whose status.json declares what it serves and not text
+completions (an embedding model) is not probed: a probe asks for a completion.
 
 Each model is probed at once when its engine begins a run (a new `since` or container), then
 every interval. A probe's answer (`verdict`): a 2xx answer with a choice is `ok`; a 5xx, an
@@ -56,8 +57,16 @@ def run_of(status: Status) -> Run:
 def probed_models(status: Status) -> tuple[str, ...]:
     """Pure: the models a probe may ask for without loading one (module docstring)."""
     if status.slots:
-        return tuple(sorted(model for model in status.slots if model in status.models))
-    return status.models if len(status.models) == 1 else ()
+        loaded = tuple(sorted(model for model in status.slots if model in status.models))
+    else:
+        loaded = status.models if len(status.models) == 1 else ()
+    return tuple(model for model in loaded if _completes(status, model))
+
+
+def _completes(status: Status, model: str) -> bool:
+    """Whether a model may be asked for a completion: it declares one, or declares nothing."""
+    declared = status.capabilities.get(model)
+    return declared is None or "completion" in declared
 
 
 def body(model: str) -> dict[str, Any]:
