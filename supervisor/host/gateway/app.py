@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
-from supervisor.host.gateway import recording
+from supervisor.host.gateway import recording, spans
 from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
@@ -39,6 +39,10 @@ from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowe
 from supervisor.host.web.intake import answer_and_close, peer
 from supervisor.host.web.refusal import Refusal
 from supervisor.host.web.responses import open_sse, refusal_response, send_error_event
+from supervisor.protocol import names
+
+if TYPE_CHECKING:  # made only when tracing is on: OpenTelemetry is imported then only
+    from supervisor.host.gateway.tracing import Open, Tracing
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests
@@ -68,8 +72,10 @@ class Gateway:
         *,
         spending: budgets.BudgetSpending,
         recorder: recording.Recorder | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: tracing off, and no OpenTelemetry object is made
         self.auth = auth
         self.failures = FailureLimit()  # invalid bearer keys per client address
         self.spending = spending
@@ -231,7 +237,31 @@ class Gateway:
     # -- the forwarded routes ---------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        """A /v1 request to its engine. With tracing off, a caller's valid trace context goes
+        on to the engine as it came, and nothing else is made; with it on, the request has its
+        span (tracing.py), ended once everything else is done."""
         trace = Trace(arrived=asyncio.get_running_loop().time())
+        tracing = self.tracing
+        if tracing is None:
+            trace.context = spans.passed_on(request.headers)
+            return await self._forward(request, trace, None)
+        done = tracing.begin(request.headers, request.path, trace)
+        code: str | None = None
+        try:
+            response = await self._forward(request, trace, done)
+            done.status = response.status
+            return response
+        except Refusal as refusal:  # also one before it was routed (a body, a model unknown)
+            code, done.status = refusal.code, refusal.status
+            trace.outcome = trace.outcome or "refused"
+            raise
+        finally:
+            now = asyncio.get_running_loop().time()
+            tracing.finish(done, trace, request[CALLER].key_id, now, code)
+
+    async def _forward(
+        self, request: web.Request, trace: Trace, done: Open | None
+    ) -> web.StreamResponse:
         stand = self.standing(request)
         room = self.reservations.room(stand)
         prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
@@ -249,6 +279,7 @@ class Gateway:
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
+            trace.queued = asyncio.get_running_loop().time()
             async with gate.slot(None if url else start) as admitted:
                 target = url or admitted.before  # running already, or started on demand
                 assert target is not None
@@ -278,12 +309,15 @@ class Gateway:
         finally:
             self._record(trace, model, engine.name)
             now = asyncio.get_running_loop().time()
-            recording.record(
+            row = recording.record(
                 self.recorder,
                 trace,
                 recording.Request(request[CALLER].key_id, asked, model, engine.name),
                 now,
+                keep=done is not None,
             )
+            if done is not None:  # its span's attributes and figures
+                done.row, done.model = row, names.kept(model)
             self.reservations.release(hold)  # the row holds what it cost now
 
     def _record(self, trace: Trace, model: str, engine: str) -> None:
@@ -304,7 +338,9 @@ class Gateway:
         sse = await open_sse(request) if stream else None
         if sse is not None:
             trace.began(sse)
+        trace.starting = asyncio.get_running_loop().time()
         url = await self._wait_start(engine, sse)
+        trace.started = asyncio.get_running_loop().time()
         self.idle.stopping.discard(engine)
         now = self.catalog.engine(engine)  # as it is now: its slots, once it runs
         trace.served_by = now.status
@@ -337,10 +373,11 @@ def create_app(
     spending: budgets.BudgetSpending | None = None,
     recorder: recording.Recorder | None = None,
     sources: Sources | None = None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
     """The application; `spending` and `recorder` are the record (record.store.Store), or
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
-    (memory from the ledger if none)."""
+    (memory from the ledger if none); `tracing`, when [tracing] is on (tracing.Tracing)."""
     gateway = Gateway(
         settings,
         data_dir,
@@ -348,6 +385,7 @@ def create_app(
         timing or Intervals(),
         spending=spending or budgets.NoRecord(),
         recorder=recorder,
+        tracing=tracing,
     )
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
