@@ -143,11 +143,9 @@ def test_bad_tracing_settings_are_refused_naming_the_setting(section: str, error
 
 
 def test_tracing_is_off_by_default_and_an_endpoint_names_both_signals() -> None:
-    assert not parse("", "t").tracing.enabled
+    assert parse("", "t").tracing.endpoint == ""
     on = parse('[tracing]\nendpoint = "https://collector.example:4318/otlp/"\n', "t").tracing
-    assert on.enabled
-    assert on.traces_url == "https://collector.example:4318/otlp/v1/traces"
-    assert on.metrics_url == "https://collector.example:4318/otlp/v1/metrics"
+    assert on.endpoint == "https://collector.example:4318/otlp"
 
 
 # -- the gateway in front of a fast upstream -----------------------------------------------
@@ -173,7 +171,7 @@ async def traced(
             f"timeout_s = {timeout_s}\n"
         )
     settings = parse(text, "test")
-    tracing = Tracing(settings.tracing) if settings.tracing.enabled else None
+    tracing = Tracing(settings.tracing) if settings.tracing.endpoint else None
     app = create_app(
         settings,
         data,

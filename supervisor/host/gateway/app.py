@@ -1,6 +1,6 @@
 """The gateway's HTTP application: keys, routing, admission, start on demand, forwarding.
 
-Run it with `handler_cancellation=True` (see `runner`): a client that goes away then ends its
+Run it with `handler_cancellation=True` (`service.runner`): a client that goes away then ends its
 handler, and with it the upstream request. A start on demand is a task of its own and goes on.
 """
 
@@ -17,7 +17,7 @@ from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
 from supervisor.host.gateway import recording, spans
-from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
+from supervisor.host.gateway.settings import GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
@@ -39,7 +39,6 @@ from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowe
 from supervisor.host.web.intake import answer_and_close, peer
 from supervisor.host.web.refusal import Refusal
 from supervisor.host.web.responses import open_sse, refusal_response, send_error_event
-from supervisor.protocol import names
 
 if TYPE_CHECKING:  # made only when tracing is on: OpenTelemetry is imported then only
     from supervisor.host.gateway.tracing import Open, Tracing
@@ -237,27 +236,13 @@ class Gateway:
     # -- the forwarded routes ---------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        """A /v1 request to its engine. With tracing off, a caller's valid trace context goes
-        on to the engine as it came, and nothing else is made; with it on, the request has its
-        span (tracing.py), ended once everything else is done."""
+        """A /v1 request to its engine: within its span with tracing on (Tracing.around);
+        with it off, a caller's valid trace context goes on as it came, and nothing is made."""
         trace = Trace(arrived=asyncio.get_running_loop().time())
-        tracing = self.tracing
-        if tracing is None:
+        if self.tracing is None:
             trace.context = spans.passed_on(request.headers)
             return await self._forward(request, trace, None)
-        done = tracing.begin(request.headers, request.path, trace)
-        code: str | None = None
-        try:
-            response = await self._forward(request, trace, done)
-            done.status = response.status
-            return response
-        except Refusal as refusal:  # also one before it was routed (a body, a model unknown)
-            code, done.status = refusal.code, refusal.status
-            trace.outcome = trace.outcome or "refused"
-            raise
-        finally:
-            now = asyncio.get_running_loop().time()
-            tracing.finish(done, trace, request[CALLER].key_id, now, code)
+        return await self.tracing.around(request, trace, request[CALLER].key_id, self._forward)
 
     async def _forward(
         self, request: web.Request, trace: Trace, done: Open | None
@@ -317,7 +302,7 @@ class Gateway:
                 keep=done is not None,
             )
             if done is not None:  # its span's attributes and figures
-                done.row, done.model = row, names.kept(model)
+                done.row, done.model = row, model
             self.reservations.release(hold)  # the row holds what it cost now
 
     def _record(self, trace: Trace, model: str, engine: str) -> None:
@@ -412,24 +397,3 @@ def create_app(
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
     return app
-
-
-def runner(
-    app: web.Application,
-    shutdown_s: float = 60.0,
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-) -> web.AppRunner:
-    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
-    stop, requests in flight get `shutdown_s` to finish.
-
-    aiohttp's keep-alive timer runs from a connection's start and from each answer, and closes
-    the connection if no whole request's headers came by then: with `header_timeout_s` it is
-    the bound of a client that sends its headers slowly or never finishes them (a slowloris),
-    and of an idle keep-alive connection. aiohttp's own default is an hour."""
-    return web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=shutdown_s,
-        keepalive_timeout=header_timeout_s,
-    )

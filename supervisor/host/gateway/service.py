@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.host.gateway.app import create_app, runner
+from supervisor.host.gateway.app import create_app
 from supervisor.host.gateway.settings import (
+    DEFAULT_HEADER_TIMEOUT_S,
     GatewaySettings,
     Listen,
     Record,
@@ -132,6 +133,27 @@ class Service:
                 await asyncio.wait_for(self.stop.wait(), every)
 
 
+def runner(
+    app: web.Application,
+    shutdown_s: float = 60.0,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> web.AppRunner:
+    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
+    stop, requests in flight get `shutdown_s` to finish.
+
+    aiohttp's keep-alive timer runs from a connection's start and from each answer, and closes
+    the connection if no whole request's headers came by then: with `header_timeout_s` it is
+    the bound of a client that sends its headers slowly or never finishes them (a slowloris),
+    and of an idle keep-alive connection. aiohttp's own default is an hour."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_s,
+        keepalive_timeout=header_timeout_s,
+    )
+
+
 def open_record(settings: Record, data_dir: Path) -> Store | None:
     """The record, as its settings say; None when disabled. Said in the journal either way."""
     if not settings.enabled:
@@ -148,7 +170,7 @@ def open_record(settings: Record, data_dir: Path) -> Store | None:
 
 def open_tracing(settings: TracingSettings) -> Tracing | None:
     """The gateway's tracing when its endpoint is set (said in the journal), else None."""
-    if not settings.enabled:
+    if not settings.endpoint:
         return None
     from supervisor.host.gateway.tracing import Tracing
 

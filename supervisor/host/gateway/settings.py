@@ -83,17 +83,13 @@ retention_days = 90            # rows (and daily totals) older are pruned; 0: ke
 session_s = 43200              # a sign-in lasts this long (12 hours; at least 1 s): the
                                # session and its cookie's Max-Age
 
-[tracing]                      # OpenTelemetry over OTLP/HTTP: a span per request, and the
-                               # metrics of the meter Lucia.Inference
-endpoint = ""                  # "": off (no OpenTelemetry object is made); else the receiver's
-                               # base URL, http(s)://host:port[/prefix]: spans go to
+[tracing]                      # OTLP/HTTP: a span per request, the meter Lucia.Inference
+endpoint = ""                  # "": off; else http(s)://host:port[/prefix]: spans go to
                                # <endpoint>/v1/traces, metrics to <endpoint>/v1/metrics
 service_name = "lucia-gateway" # the resource's service.name
-sample_ratio = 1.0             # of the traces the gateway begins (0 to 1); a caller's
-                               # traceparent decides for its own trace
+sample_ratio = 1.0             # of the traces it begins; a caller's traceparent decides its own
 metrics_interval_s = 60        # the metrics are exported this often (at least 0.5 s)
-timeout_s = 10                 # one export waits this long for the receiver (a thread of its
-                               # own: a request never waits for it)
+timeout_s = 10                 # an export waits this long for the receiver (in a thread)
 ```
 """
 
@@ -101,13 +97,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import tomllib
-import urllib.parse
 from pathlib import Path
 from typing import Annotated, Final, Self
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -117,6 +112,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.host.gateway import spans
 from supervisor.host.proxy.admission import Admission
 from supervisor.host.proxy.bounds import Bounds
 from supervisor.host.record.database import SQLITE_FILE, Target
@@ -146,11 +142,6 @@ DEFAULT_MAX_MESSAGES: Final = 10_000
 DEFAULT_MAX_MESSAGE_CHARS: Final = 1024 * 1024  # half the 2 MiB a text route's body may be
 DEFAULT_RETENTION_DAYS: Final = 90
 DEFAULT_SESSION_S: Final = 12 * 3600.0  # a working day: the owner signs in once a day
-DEFAULT_SERVICE_NAME: Final = "lucia-gateway"
-DEFAULT_SAMPLE_RATIO: Final = 1.0  # every trace: one span tree per request is cheap
-DEFAULT_METRICS_INTERVAL_S: Final = 60.0  # OpenTelemetry's own default export interval
-DEFAULT_EXPORT_TIMEOUT_S: Final = 10.0  # OpenTelemetry's own default export timeout
-_SERVICE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RECORD_DIR: Final = "record"  # <data>/record/: the SQLite record's directory
 _DSN_SCHEMES: Final = ("postgresql://", "postgres://")
 _MAX_FILE: Final = 1024 * 1024
@@ -300,54 +291,11 @@ class PageSettings(_Section):
 
 
 class TracingSettings(_Section):
-    endpoint: str = ""  # "": off
-    service_name: str = DEFAULT_SERVICE_NAME
-    sample_ratio: float = Field(default=DEFAULT_SAMPLE_RATIO, ge=0, le=1)
-    metrics_interval_s: float = Field(default=DEFAULT_METRICS_INTERVAL_S, ge=0.5, le=86_400)
-    timeout_s: float = Field(default=DEFAULT_EXPORT_TIMEOUT_S, gt=0, le=600)
-
-    @field_validator("endpoint")
-    @classmethod
-    def _a_base_url(cls, value: str) -> str:
-        """An OTLP/HTTP receiver's base URL, its trailing / dropped; no credentials in it
-        (they would be in the settings file and the journal: give the receiver's headers in
-        OTEL_EXPORTER_OTLP_HEADERS), no query and no fragment."""
-        if not value:
-            return value
-        parts = urllib.parse.urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError('an OTLP/HTTP base URL: http(s)://host:port[/prefix], or "" (off)')
-        if parts.username is not None or parts.password is not None:
-            raise ValueError(
-                "no credentials in the URL: give the receiver's headers in the environment "
-                "(OTEL_EXPORTER_OTLP_HEADERS)"
-            )
-        if parts.query or parts.fragment:
-            raise ValueError("no query or fragment: spans go to <endpoint>/v1/traces")
-        try:
-            parts.port  # noqa: B018 - its ValueError names a bad port
-        except ValueError as exc:
-            raise ValueError(f"{exc}") from None
-        return value.rstrip("/")
-
-    @field_validator("service_name")
-    @classmethod
-    def _a_name(cls, value: str) -> str:
-        if not _SERVICE_NAME.fullmatch(value):
-            raise ValueError("1 to 128 letters, digits and . _ -, a letter or digit first")
-        return value
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.endpoint)
-
-    @property
-    def traces_url(self) -> str:
-        return self.endpoint + "/v1/traces"
-
-    @property
-    def metrics_url(self) -> str:
-        return self.endpoint + "/v1/metrics"
+    endpoint: Annotated[str, AfterValidator(spans.receiver_url)] = ""  # "": off
+    service_name: str = Field(default="lucia-gateway", pattern=spans.SERVICE_NAME)
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)  # every trace: a span tree is cheap
+    metrics_interval_s: float = Field(default=60, ge=0.5, le=86_400)  # OpenTelemetry's own
+    timeout_s: float = Field(default=10, gt=0, le=600)  # OpenTelemetry's own
 
 
 def running_bound(engine_set: int | None, limits_set: int | None, slots: int | None) -> int:

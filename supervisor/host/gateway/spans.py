@@ -1,6 +1,8 @@
-"""What a request's span says, as pure values: its children's times, its attributes, and the
-W3C trace context a caller sent. No OpenTelemetry here: with tracing off the gateway uses only
-`passed_on`, so a caller's trace context still reaches the engine and nothing else is made.
+"""Tracing's pure parts: the receiver's URL, a request span's children and attributes, W3C.
+
+No OpenTelemetry here: with tracing off the gateway uses only `passed_on`, so a caller's
+trace context (W3C's traceparent and tracestate) still reaches the engine, and nothing else is
+made.
 
 A request's span runs from its arrival to its last byte, with a child for each stretch it
 went through: `lucia.wait` (from asking its engine's gate to a slot, a start on demand
@@ -18,6 +20,7 @@ message text exists in a row, so none can reach a span.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -25,6 +28,7 @@ from typing import Final
 from supervisor.host.proxy.forward import Trace
 from supervisor.host.record.row import Row
 
+SERVICE_NAME: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # [tracing] service_name
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; a later version may add
@@ -41,6 +45,27 @@ DIAL: Final = "lucia.dial"
 ANSWER: Final = "lucia.answer"
 
 Attributes = dict[str, str | int | float]
+
+
+def receiver_url(value: str) -> str:
+    """Pure: `[tracing] endpoint`, an OTLP/HTTP receiver's base URL with its trailing / dropped
+    ("" for off), or ValueError naming the rule. No credentials in it (they would be in the
+    settings file and the journal: OTEL_EXPORTER_OTLP_HEADERS gives a receiver's headers), no
+    query and no fragment."""
+    if not value:
+        return value
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError('an OTLP/HTTP base URL: http(s)://host:port[/prefix], or "" (off)')
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "no credentials in the URL: give the receiver's headers in the environment "
+            "(OTEL_EXPORTER_OTLP_HEADERS)"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError("no query or fragment: spans go to <endpoint>/v1/traces")
+    _ = parts.port  # its ValueError names a port out of range
+    return value.rstrip("/")
 
 
 def valid_traceparent(value: str) -> bool:

@@ -1,5 +1,7 @@
-"""OpenTelemetry for the gateway, made only when `[tracing] endpoint` is set: a span per request
-(spans.py says what it holds) and the meter `Lucia.Inference`, both exported over OTLP/HTTP.
+"""OpenTelemetry for the gateway: a span per request and the meter Lucia.Inference, over OTLP.
+
+Made only when `[tracing] endpoint` is set (spans.py says what a span holds); both signals are
+exported over OTLP/HTTP.
 
 A request only hands its ended spans and its figures to the SDK, in memory: the batch span
 processor and the periodic metric reader export from threads of their own, so a receiver that
@@ -17,10 +19,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from aiohttp import web
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -39,6 +42,8 @@ from supervisor.host.gateway.settings import TracingSettings
 from supervisor.host.proxy.forward import Trace
 from supervisor.host.proxy.metrics import TIME_BUCKETS
 from supervisor.host.record.row import Row
+from supervisor.host.web.refusal import Refusal
+from supervisor.protocol import names
 from supervisor.version import version
 
 METER: Final = "Lucia.Inference"
@@ -144,11 +149,13 @@ class Tracing:
         )
         self._traces.add_span_processor(
             BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=settings.traces_url, timeout=settings.timeout_s)
+                OTLPSpanExporter(
+                    endpoint=f"{settings.endpoint}/v1/traces", timeout=settings.timeout_s
+                )
             )
         )
         reader = PeriodicExportingMetricReader(
-            OTLPMetricExporter(endpoint=settings.metrics_url, timeout=settings.timeout_s),
+            OTLPMetricExporter(f"{settings.endpoint}/v1/metrics", timeout=settings.timeout_s),
             export_interval_millis=settings.metrics_interval_s * 1000,
             export_timeout_millis=timeout_ms,
         )
@@ -187,6 +194,29 @@ class Tracing:
         trace.context = context
         return Open(span, offset)
 
+    async def around(
+        self,
+        request: web.Request,
+        trace: Trace,
+        key_id: str,
+        forward: Callable[[web.Request, Trace, Open], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Forward the request within its span, ended once everything else is done (its row
+        recorded, its metrics counted), however the request ends: answered, refused (before it
+        was routed too: a body, a model unknown) or its client gone."""
+        done = self.begin(request.headers, request.path, trace)
+        code: str | None = None
+        try:
+            response = await forward(request, trace, done)
+            done.status = response.status
+            return response
+        except Refusal as refusal:
+            code, done.status = refusal.code, refusal.status
+            trace.outcome = trace.outcome or "refused"
+            raise
+        finally:
+            self.finish(done, trace, key_id, asyncio.get_running_loop().time(), code)
+
     def finish(self, done: Open, trace: Trace, key_id: str, end: float, code: str | None) -> None:
         """End the request's span at `end` (the loop's clock) with its children and
         attributes, and count its figures when it was routed. `code`: a refusal's, when the
@@ -194,7 +224,7 @@ class Tracing:
         span, row = done.span, done.row
         outcome = trace.outcome or "client_gone"
         if row is not None and done.model is not None:
-            self._figures.add(row, done.model, outcome)
+            self._figures.add(row, names.kept(done.model), outcome)
         if span.is_recording():
             within = set_span_in_context(span)
             for stretch in spans.stretches(trace, end):
