@@ -315,7 +315,8 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         """The layout's flags, then the connector when there are tiers: its settings are in the
         environment (run_spec) and the key in its file, never in argv."""
         tiers = ("--kv-transfer-config", tier_image.transfer_config())
-        return (*self.recipe.layout_args(), *(tiers if self.recipe.tiers.any else ()))
+        extra = (*self.recipe.otlp_args(), *(tiers if self.recipe.tiers.any else ()))
+        return (*self.recipe.layout_args(), *extra)
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         base = super().run_spec(found, endpoint)
@@ -331,6 +332,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         if self.recipe.tiers.any:
             environment.update(tiers.environment)  # the key is a file among the secrets above
         environment.update(self.device.environment)  # a CPU's KV cache space
+        environment.update(self.recipe.otlp_environment())  # its own spans' exporter
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
