@@ -34,7 +34,10 @@ reuses on every path (it shows the failures).
 More paths, each a process of its own in front of the same upstream, in the same interleaved
 rounds: `--floor` a bare aiohttp pass-through proxy (bench/gateway_stack.py's, on asyncio's
 loop), `--floor-uv` the same on uvloop's (what that loop buys a proxy), `--unrecorded` this
-gateway with the record off (what the record's writer costs), `--baseline REV` the gateway of
+gateway with the record off (what the record's writer costs), `--traced` this gateway with
+`[tracing]` on, exporting its spans and metrics to the tests' OTLP/HTTP receiver
+(tests/otlp_receiver.py, a thread of this process: what a span per request costs; tracing is
+off on every other gateway path), `--baseline REV` the gateway of
 revision REV (path `@REV`; repeatable), and LiteLLM's proxy when `--litellm` or
 LUCIA_BENCH_LITELLM names its virtual environment (bench/gateway_peers.py; left out, said so,
 when neither does). `--plain` asks for plain (not streamed) answers: their first token is
@@ -91,6 +94,7 @@ from bench.gateway_peers import (  # noqa: E402
     revision_tree,
 )
 from bench.procfs import cpu_seconds  # noqa: E402
+from tests.otlp_receiver import Receiver, receiving  # noqa: E402
 
 CHAT: Final = "/v1/chat/completions"
 CONTENT: Final = re.compile(rb'"content":"[^"]')  # a chunk that carries a token
@@ -265,6 +269,11 @@ def parser_of() -> argparse.ArgumentParser:
         "--unrecorded", action="store_true", help="a path: this gateway with the record off"
     )
     parser.add_argument(
+        "--traced",
+        action="store_true",
+        help="a path: this gateway with tracing on, to an OTLP/HTTP receiver in this process",
+    )
+    parser.add_argument(
         "--baseline",
         metavar="REV",
         action="append",
@@ -289,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     litellm, litellm_line = find_litellm(args.litellm)
     running = max(levels) * 2
+    receiver: Receiver | None = None
     with ExitStack() as stack:
         upstream, _ = stack.enter_context(upstream_of(args, run_id))
         through, pid = stack.enter_context(gateway(upstream, running, args.profile))
@@ -301,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.unrecorded:
             unrecorded = "[record]\nenabled = false\n"
             others.append(("unrecorded", gateway(upstream, running, None, unrecorded)))
+        if args.traced:
+            receiver = stack.enter_context(receiving())
+            traced = f'[tracing]\nendpoint = "{receiver.url}"\n'
+            others.append(("traced", gateway(upstream, running, None, traced)))
         for revision in args.baseline:
             root = stack.enter_context(revision_tree(revision))
             others.append((f"@{revision}", gateway(upstream, running, None, root=root)))
@@ -336,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             keys={"litellm": LITELLM_KEY},
         )
         results = asyncio.run(run)
+    if receiver is not None:  # the traced gateway has stopped, exporting what it held
+        print(f"traced: {len(receiver.spans())} spans at the receiver\n")
     paced = args.upstream == "fast" and args.token_ms > 0
     for line in goals(results, paced=paced, upstream=args.upstream, plain=args.plain):
         print(line)

@@ -43,6 +43,7 @@ VLLM_MODULES = frozenset(
         "tests/integration/test_vllm_cpu_engine.py",
         "tests/integration/test_vllm_cpu_image.py",
         "tests/integration/test_vllm_model_download.py",
+        "tests/integration/test_vllm_tracing_args.py",
     }
 )
 LUCIA_MODULES = frozenset(

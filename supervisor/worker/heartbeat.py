@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor import logs, redaction
+from supervisor.engines.base import Observed
 from supervisor.notify import Notifier
 from supervisor.protocol import files
 from supervisor.protocol.documents import (
@@ -65,6 +66,14 @@ class Heartbeat:
         self._targets: tuple[TargetGroup, ...] | None = None  # not yet written, when pending
         self._sd_error: str | None = None
         self._retry_at = float("-inf")  # after a failed write: nothing pending is tried before
+
+    def observed(self, result: Observed) -> None:
+        """What an observation says that every status carries: its models, their slots and
+        capabilities, the plan of a start."""
+        self.models = result.models
+        self.memory_plan = result.memory_plan
+        self.slots = dict(result.slots)
+        self.capabilities = dict(result.capabilities)
 
     def show(
         self, answer: Answer, refused: str | None, targets: Sequence[TargetGroup] = ()

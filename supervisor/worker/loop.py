@@ -306,10 +306,7 @@ class Worker:
         elif job.result is not None:
             self._failures = 0
             self.metrics.set_load_failed(job.result.failed)
-            self.heartbeat.models = job.result.models
-            self.heartbeat.memory_plan = job.result.memory_plan
-            self.heartbeat.slots = dict(job.result.slots)
-            self.heartbeat.capabilities = dict(job.result.capabilities)
+            self.heartbeat.observed(job.result)
             decision = plan.plan(self.pursuit, job.result, time.monotonic())
             if not pursuit.means_to_start(decision.pursuit):  # before a step that may claim anew
                 seen = job.result.container

@@ -19,7 +19,8 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from supervisor.host.gateway.app import Gateway
-from supervisor.host.gateway.settings import DEFAULT_BODIES_BYTES, SettingsError, parse
+from supervisor.host.gateway.sections import DEFAULT_BODIES_BYTES
+from supervisor.host.gateway.settings import SettingsError, parse
 from supervisor.host.proxy import body
 from supervisor.host.proxy.bodies import PARSE_INLINE, Bodies, decide, room
 from supervisor.host.proxy.bounds import Bounds

@@ -9,13 +9,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.host.gateway.settings import (
-    DEFAULT_RUNNING,
-    MAX_RUNNING,
-    SettingsError,
-    parse,
-    running_bound,
-)
+from supervisor.host.gateway.sections import DEFAULT_RUNNING, MAX_RUNNING, running_bound
+from supervisor.host.gateway.settings import SettingsError, parse
 from supervisor.host.proxy import body
 from supervisor.host.proxy.admission import Admission, decide
 from supervisor.host.proxy.catalog import CatalogEntry, route

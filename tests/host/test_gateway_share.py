@@ -12,7 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from supervisor.host.gateway.settings import DEFAULT_PER_KEY_WAITING, SettingsError, parse
+from supervisor.host.gateway.sections import DEFAULT_PER_KEY_WAITING
+from supervisor.host.gateway.settings import SettingsError, parse
 from supervisor.host.proxy.admission import Admission, Gate, decide
 from supervisor.host.record.row import Row
 from supervisor.host.web.refusal import Refusal

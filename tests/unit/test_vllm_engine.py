@@ -292,7 +292,7 @@ def test_the_token_and_the_key_are_files_in_the_run_spec(tmp_path: Path) -> None
     token.write_text("hf_secret_value\n")
     found = _hf_engine(tmp_path, secrets=f'HF_TOKEN = "{token}"')
     _downloaded(tmp_path, {})
-    files.write_atomic(found._model_stamp, json.dumps({"key": found._model_key()}).encode())
+    files.write_atomic(found._model_stamp, json.dumps({"key": found.files.download_key()}).encode())
     image = _Images().image("x")
     assert image is not None
     # with tiers the engine runs the tier image the prerequisites name

@@ -1,5 +1,6 @@
-"""What a router's model serves, as capabilities: from the arguments its child runs with and the
-pooling type its GGUF's header declares. Pure.
+"""What a router's model serves, as capabilities, pure.
+
+From the arguments its child runs with and the pooling type its GGUF's header declares.
 
 llama-server (b11669, Debian's llama.cpp 0.7.0, tests/integration/test_llama_server_facts.py):
 `--embeddings` "restricts to only support embedding use case; use only with dedicated embedding

@@ -43,6 +43,7 @@ from supervisor.engines.vllm.steps import (
     VllmLook,
     refused,
 )
+from supervisor.engines.vllm.weights import ModelFiles
 from supervisor.errors import Blocked, Permanent
 from supervisor.hw import gpu
 from supervisor.memplan import guard
@@ -138,7 +139,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
                 return VllmLook((TierImage(ref),))
             found, tier_labels = EngineImage(ref, built), dict(built.labels)
         hf = self.recipe.vllm.model.hf
-        if hf is not None and not self._downloaded():
+        if hf is not None and not self.files.downloaded():
             return VllmLook((ModelDownload(hf.id, hf.revision),), tier_labels=tier_labels)
         space = self.namespace(image)
         if not all((tier.root / space).is_dir() for tier in self.recipe.tier_plan().disks):
@@ -159,33 +160,13 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             plugin_version=plugin.version if plugin is not None else "",
             key_id=self.key_id(),
             layout=kv_tiers.KvLayout(
-                tiers.kv_dtype, recipe.block_size, **hf_model.read_layout(self._model_dir())
+                tiers.kv_dtype, recipe.block_size, **hf_model.read_layout(self.files.directory())
             ),
             parallel=recipe.parallel(),
             engine_args=(f"quantization={recipe.vllm.quantization}", *recipe.vllm.args),
         )
 
     # -- the model -----------------------------------------------------------------------------
-
-    def _model_dir(self) -> Path | None:
-        """Where the model's files are on the host: the HF snapshot, or the library's files."""
-        return self._snapshot() if self.recipe.vllm.model.hf else self._library_files()
-
-    def _snapshot(self) -> Path | None:
-        """The HF snapshot directory on the host, through the run volume holding the cache."""
-        hf = self.recipe.vllm.model.hf
-        assert hf is not None
-        inside = hf_model.snapshot(self.recipe.environment, hf.id, hf.revision)
-        return hf_model.on_host(inside, self.volumes())
-
-    def _model_key(self) -> str:
-        hf = self.recipe.vllm.model.hf
-        assert hf is not None
-        return hf_model.download_key(hf.id, hf.revision, self._snapshot())
-
-    def _downloaded(self) -> bool:
-        """The download of this id and revision into this cache ended well, and is still there."""
-        return hf_model.downloaded(self._model_stamp, self._model_key(), self._snapshot())
 
     def _file_secrets(self) -> dict[str, str]:
         return hf_model.file_secrets(self.recipe.secrets, self.recipe.tiers.key_secret)
@@ -195,7 +176,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         image = self.runtime.image(launch.image) if launch else None
         if image is None:
             raise Blocked("the engine image is missing; it is pulled again")
-        snapshot = self._snapshot()
+        snapshot = self.files.snapshot()
         where = hf_model.Where(image.id, self.recipe.run.network, self.volumes(), snapshot)
         hf_model.download(
             self.runtime,
@@ -207,7 +188,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
             labels={labels.NAME: self.name},
             ctx=ctx,
         )
-        hf_model.record_download(self._model_stamp, self._model_key())
+        self.files.record_download()
         log.info("model downloaded", model=what.repo_id, revision=what.revision)
 
     # -- old namespaces ------------------------------------------------------------------------
@@ -217,19 +198,13 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         worker is starting or a store holds (namespaces.py)."""
         namespaces.prune_tiers(self.runtime, self.recipe.tier_plan().disks, space, ctx)
 
-    def model_manifest(self) -> str:
-        model = self.recipe.vllm.model
-        if model.hf is not None:
-            return kv_tiers.hf_manifest(model.hf.id, model.hf.revision)
-        assert model.library is not None
-        return kv_tiers.library_manifest(
-            model.library.guid, hf_model.file_stats(self._library_files())
-        )
+    @property
+    def files(self) -> ModelFiles:
+        """The recipe's model on the host, as the recipe and its volumes say now."""
+        return ModelFiles(self.recipe, self.volumes(), self._model_stamp)
 
-    def _library_files(self) -> Path:
-        ref = self.recipe.vllm.model.library
-        assert ref is not None
-        return Path(ref.models_dir).expanduser() / ref.guid / "files"
+    def model_manifest(self) -> str:
+        return self.files.manifest()
 
     def key_id(self) -> str:
         """The cache key's id; with tiers, a key the plugin would refuse stops the engine."""
@@ -316,7 +291,8 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         """The layout's flags, then the connector when there are tiers: its settings are in the
         environment (run_spec) and the key in its file, never in argv."""
         tiers = ("--kv-transfer-config", tier_image.transfer_config())
-        return (*self.recipe.layout_args(), *(tiers if self.recipe.tiers.any else ()))
+        extra = (*self.recipe.otlp_args(), *(tiers if self.recipe.tiers.any else ()))
+        return (*self.recipe.layout_args(), *extra)
 
     def run_spec(self, found: EngineImage, endpoint: Endpoint) -> RunSpec:
         base = super().run_spec(found, endpoint)
@@ -332,6 +308,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         if self.recipe.tiers.any:
             environment.update(tiers.environment)  # the key is a file among the secrets above
         environment.update(self.device.environment)  # a CPU's KV cache space
+        environment.update(self.recipe.otlp_environment())  # its own spans' exporter
         mounts = tuple(Mount(source, target) for source, target in tiers.volumes)
         return replace(
             base,
@@ -347,7 +324,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         ref = self.recipe.vllm.model.library
         if ref is None:
             return ()
-        return (Mount(str(self._library_files()), self.recipe.model_argument, read_only=True),)
+        return (Mount(str(self.files.library_files()), self.recipe.model_argument, read_only=True),)
 
     def extra_labels(self) -> dict[str, str]:
         revision = (
@@ -370,7 +347,7 @@ class Vllm(ContainerEngine[VllmRecipe, VllmLook]):
         version = self._versions.of(running, url) if running and url else None
         routes = self._routes.of(running, url) if running and url else None
         note = self._off.note(url if self.recipe.tiers.any else None)
-        architectures, pooling = hf_model.read_tasks(self._model_dir())
+        architectures, pooling = hf_model.read_tasks(self.files.directory())
         own = replace(
             look.own,
             version=version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Final, Literal, Self
@@ -35,6 +36,7 @@ GPU_DEFAULT_SEQS: Final = 256
 _MAX_NUM_SEQS: Final = ("--max-num-seqs", "--max_num_seqs")
 _BATCHED_TOKENS: Final = ("--max-num-batched-tokens", "--max_num_batched_tokens")
 _PERFORMANCE_MODE: Final = ("--performance-mode", "--performance_mode")
+_OTLP: Final = ("--otlp-traces-endpoint", "--otlp_traces_endpoint")
 # The tier plugin's own defaults (kvplugin/lucia_kv/config.py `_DEFAULTS`), mirrored here only:
 # the engine is given these whatever the plugin defaults to, and the memory plan counts them.
 PLUGIN_BUFFER_BYTES: Final = 256 * 1024**2  # its staging buffer
@@ -130,6 +132,14 @@ class VllmSettings(Section):
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
     args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="--otlp-traces-endpoint: where vLLM exports its spans, as its container "
+        "reaches it (the network's gateway address): http://172.18.0.1:4318/v1/traces",
+    )
+    otlp_protocol: Literal["http/protobuf", "grpc"] = Field(
+        default="http/protobuf", description="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (vLLM's: grpc)"
+    )
     model: VllmModel
     repository: Annotated[str, AfterValidator(reference.repository)] = Field(
         default="vllm/vllm-openai",
@@ -151,6 +161,15 @@ class VllmSettings(Section):
                 names.check(name)
             except ValueError as exc:
                 raise ValueError(f"args --served-model-name: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _one_traces_endpoint(self) -> Self:
+        parts = urllib.parse.urlsplit(self.otlp_traces_endpoint or "http://none")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+            raise ValueError("otlp_traces_endpoint: an http(s) URL with no credentials in it")
+        if self.otlp_traces_endpoint and any(a.split("=")[0] in _OTLP for a in self.args):
+            raise ValueError("otlp_traces_endpoint: give it there only, not in args too")
         return self
 
     @model_validator(mode="after")
@@ -266,6 +285,20 @@ class VllmRecipe(RecipeBase):
         if self.block_size != BLOCK_SIZES[vllm.device]:
             args += ["--block-size", str(self.block_size)]
         return tuple(args)
+
+    def otlp_args(self) -> tuple[str, ...]:
+        """vLLM's own spans, when the recipe names their receiver."""
+        url = self.vllm.otlp_traces_endpoint
+        return (_OTLP[0], url) if url is not None else ()
+
+    def otlp_environment(self) -> dict[str, str]:
+        """Its span exporter's protocol and service.name (the recipe's, unless [settings]
+        gives OTEL_SERVICE_NAME), when the recipe names a receiver."""
+        if self.vllm.otlp_traces_endpoint is None:
+            return {}
+        service = self.environment.get("OTEL_SERVICE_NAME", self.name)
+        protocol = self.vllm.otlp_protocol
+        return {"OTEL_SERVICE_NAME": service, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol}
 
     def parallel(self) -> Parallel:
         """The parallel configuration the namespace names: tensor and pipeline sizes, and the

@@ -1,5 +1,7 @@
-"""What a vLLM server serves, as capabilities: the routes the running server states, else its
-runner as vLLM 0.32.0 resolves it from its arguments and its model (vllm/config/model.py).
+"""What a vLLM server serves, as capabilities, pure.
+
+The routes the running server states, else its runner as vLLM 0.32.0 resolves it from its
+arguments and its model (vllm/config/model.py).
 
 A server runs one model for one runner. `generate` serves /v1/chat/completions,
 /v1/completions and /v1/responses; `pooling` with the `embed` conversion serves /v1/embeddings;

@@ -1,6 +1,6 @@
 """The gateway's HTTP application: keys, routing, admission, start on demand, forwarding.
 
-Run it with `handler_cancellation=True` (see `runner`): a client that goes away then ends its
+Run it with `handler_cancellation=True` (`service.runner`): a client that goes away then ends its
 handler, and with it the upstream request. A start on demand is a task of its own and goes on.
 """
 
@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
-from supervisor.host.gateway import recording
+from supervisor.host.gateway import listing, recording, spans
 from supervisor.host.gateway.prober import Prober
-from supervisor.host.gateway.settings import DEFAULT_HEADER_TIMEOUT_S, GatewaySettings
+from supervisor.host.gateway.settings import GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
 from supervisor.host.page.routes import PREFIX as PAGE
 from supervisor.host.page.routes import Page, to_page
@@ -40,6 +40,9 @@ from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowe
 from supervisor.host.web.intake import answer_and_close, peer
 from supervisor.host.web.refusal import Refusal
 from supervisor.host.web.responses import open_sse, refusal_response, send_error_event
+
+if TYPE_CHECKING:  # made only when tracing is on: OpenTelemetry is imported then only
+    from supervisor.host.gateway.tracing import Open, Tracing
 
 KEEPALIVE_S: Final = 10.0  # an SSE comment this often while a start is waited for
 BOUNDS_S: Final = 1.0  # the engines' published slots are read this often for waiting requests
@@ -69,8 +72,10 @@ class Gateway:
         *,
         spending: budgets.BudgetSpending,
         recorder: recording.Recorder | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: tracing off, and no OpenTelemetry object is made
         self.auth = auth
         self.failures = FailureLimit()  # invalid bearer keys per client address
         self.spending = spending
@@ -87,7 +92,8 @@ class Gateway:
             settings.limits.bounds,
             settings.default_tier,
         )
-        self.metrics = GatewayMetrics(self.counts, self.degraded)
+        # the prober, made below, reports to these metrics: its marks are read when scraped
+        self.metrics = GatewayMetrics(self.counts, lambda: self.prober.degraded())  # noqa: PLW0108
         self.idle = IdleStop(
             data_dir,
             self.starter,
@@ -112,7 +118,7 @@ class Gateway:
             self.idle,
             settings.listen.body_timeout_s,
             bound=self.bound,
-            probed=self.probed,
+            probed=self.prober.shown,
         )
         self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
 
@@ -128,19 +134,6 @@ class Gateway:
     def bound(self, engine: CatalogEntry) -> int:
         """How many requests the engine gets at once now (settings.running_bound)."""
         return self.settings.admission(engine.name, engine.slots).running
-
-    def degraded(self) -> dict[tuple[str, str], bool]:
-        """(engine, model) -> whether its probe marks it degraded, for the metrics."""
-        return self.prober.degraded()
-
-    def probed(self, engine: CatalogEntry) -> dict[str, Any]:
-        """What the probe says of the engine now: `degraded` when a model's last conclusive
-        probe failed, and each probed model's mark (prober.py)."""
-        marks = self.prober.health(engine)
-        return {
-            "degraded": any(mark.degraded for mark in marks.values()),
-            "models": {model: mark.shown() for model, mark in sorted(marks.items())},
-        }
 
     def free(self, engine: CatalogEntry) -> bool:
         """Whether the engine would run a request at once now (route prefers such)."""
@@ -221,50 +214,30 @@ class Gateway:
     # -- GET /v1/models ---------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        now = Catalog.now()
-        aliases: dict[str, list[str]] = {}
-        for tier, model in self.settings.aliases.items():
-            aliases.setdefault(model, []).append(tier)
-        data = [
-            self._model_entry(engine, model, aliases.get(model, []), now)
-            for engine in self.catalog.engines()
-            for model in engine.models
-        ]
-        return web.json_response({"object": "list", "data": data})
-
-    def _model_entry(
-        self, engine: CatalogEntry, model: str, tiers: list[str], now: Any
-    ) -> dict[str, Any]:
-        status = engine.status
-        running = status.engine if status is not None else None
-        gate = self.gates.get(engine.name)
-        mark = self.prober.health(engine).get(model)
-        return {
-            "id": model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "lucia",
-            "engine": engine.name,
-            "state": status.state if status is not None else None,
-            "fresh": engine.fresh(now),
-            "tiers": sorted(tiers),
-            "default": self.settings.default_tier in tiers,
-            # what its engine declares it serves; null while that is not known
-            "capabilities": engine.capabilities(model),
-            "build": {"engineVersion": running.engine_version, "image": running.image}
-            if running is not None
-            else None,
-            "weightsRevision": running.model_revision if running is not None else None,
-            "running": gate.running if gate is not None else 0,
-            "waiting": gate.waiting if gate is not None else 0,
-            "degraded": mark is not None and mark.degraded,
-            "probe": mark.shown() if mark is not None else None,
-        }
+        listed = listing.models(
+            engines=self.catalog.engines(),
+            aliases=self.settings.aliases,
+            default_tier=self.settings.default_tier,
+            counts=self.counts(),
+            marks=self.prober.health,
+            now=Catalog.now(),
+        )
+        return web.json_response(listed)
 
     # -- the forwarded routes ---------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        """A /v1 request to its engine: within its span with tracing on (Tracing.around);
+        with it off, a caller's valid trace context goes on as it came, and nothing is made."""
         trace = Trace(arrived=asyncio.get_running_loop().time())
+        if self.tracing is None:
+            trace.context = spans.passed_on(request.headers)
+            return await self._forward(request, trace, None)
+        return await self.tracing.around(request, trace, request[CALLER].key_id, self._forward)
+
+    async def _forward(
+        self, request: web.Request, trace: Trace, done: Open | None
+    ) -> web.StreamResponse:
         stand = self.standing(request)
         room = self.reservations.room(stand)
         prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
@@ -285,6 +258,7 @@ class Gateway:
             if stand.over:  # a stream that crossed it finished; this one is refused
                 raise budgets.refusal(stand, Catalog.now())
             hold = self.reservations.hold(stand, prepared.reserve, Catalog.now())
+            trace.queued = asyncio.get_running_loop().time()
             async with gate.slot(None if url else start, key=stand.key_id) as admitted:
                 target = url or admitted.before  # running already, or started on demand
                 assert target is not None
@@ -314,12 +288,15 @@ class Gateway:
         finally:
             self._record(trace, model, engine.name, request[CALLER].key_id)
             now = asyncio.get_running_loop().time()
-            recording.record(
+            row = recording.record(
                 self.recorder,
                 trace,
                 recording.Request(request[CALLER].key_id, asked, model, engine.name),
                 now,
+                keep=done is not None,
             )
+            if done is not None:  # its span's attributes and figures
+                done.row, done.model = row, model
             self.reservations.release(hold)  # the row holds what it cost now
 
     def _record(self, trace: Trace, model: str, engine: str, key: str) -> None:
@@ -341,7 +318,9 @@ class Gateway:
         sse = await open_sse(request) if stream else None
         if sse is not None:
             trace.began(sse)
+        trace.starting = asyncio.get_running_loop().time()
         url = await self._wait_start(engine, sse)
+        trace.started = asyncio.get_running_loop().time()
         self.idle.stopping.discard(engine)
         now = self.catalog.engine(engine)  # as it is now: its slots, once it runs
         trace.served_by = now.status
@@ -374,10 +353,11 @@ def create_app(
     spending: budgets.BudgetSpending | None = None,
     recorder: recording.Recorder | None = None,
     sources: Sources | None = None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
     """The application; `spending` and `recorder` are the record (record.store.Store), or
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
-    (memory from the ledger if none)."""
+    (memory from the ledger if none); `tracing`, when [tracing] is on (tracing.Tracing)."""
     gateway = Gateway(
         settings,
         data_dir,
@@ -385,6 +365,7 @@ def create_app(
         timing or Intervals(),
         spending=spending or budgets.NoRecord(),
         recorder=recorder,
+        tracing=tracing,
     )
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
@@ -412,24 +393,3 @@ def create_app(
     app.cleanup_ctx.append(gateway.follow_bounds)
     app.cleanup_ctx.append(gateway.prober.task)
     return app
-
-
-def runner(
-    app: web.Application,
-    shutdown_s: float = 60.0,
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-) -> web.AppRunner:
-    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
-    stop, requests in flight get `shutdown_s` to finish.
-
-    aiohttp's keep-alive timer runs from a connection's start and from each answer, and closes
-    the connection if no whole request's headers came by then: with `header_timeout_s` it is
-    the bound of a client that sends its headers slowly or never finishes them (a slowloris),
-    and of an idle keep-alive connection. aiohttp's own default is an hour."""
-    return web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=shutdown_s,
-        keepalive_timeout=header_timeout_s,
-    )

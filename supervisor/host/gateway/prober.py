@@ -75,6 +75,15 @@ class Prober:
                 found[model] = mark
         return found
 
+    def shown(self, engine: CatalogEntry) -> dict[str, Any]:
+        """What the probe says of the engine now, for the host API: `degraded` when a model's
+        last conclusive probe failed, and each probed model's mark."""
+        marks = self.health(engine)
+        return {
+            "degraded": any(mark.degraded for mark in marks.values()),
+            "models": {model: mark.shown() for model, mark in sorted(marks.items())},
+        }
+
     def degraded(self) -> dict[tuple[str, str], bool]:
         """(engine, model) -> degraded, for the metrics: the marks of serving engines."""
         found: dict[tuple[str, str], bool] = {}

@@ -75,11 +75,19 @@ def row_of(trace: Trace, asked: Request, now: float) -> Row:
     )
 
 
-def record(recorder: Recorder | None, trace: Trace, asked: Request, now: float) -> None:
-    """The row into the record, when there is one; a row refused is said, never raised."""
-    if recorder is None:
-        return
+def record(
+    recorder: Recorder | None, trace: Trace, asked: Request, now: float, *, keep: bool = False
+) -> Row | None:
+    """The row into the record, when there is one; a row refused is said, never raised. The
+    row, when one was made: with a record, or when `keep` asks for it (a span's attributes)."""
+    if recorder is None and not keep:
+        return None
     try:
-        recorder.record(row_of(trace, asked, now))
+        row = row_of(trace, asked, now)
     except RowRefused as exc:
-        log.warning("request not recorded", engine=asked.engine, reason=str(exc))
+        if recorder is not None:
+            log.warning("request not recorded", engine=asked.engine, reason=str(exc))
+        return None
+    if recorder is not None:
+        recorder.record(row)
+    return row

@@ -1,9 +1,11 @@
 """The gateway as a service: listening, sd_notify, its file_sd target, and the stop.
 
 It opens the record (which never fails the start: without it the gateway serves, records
-nothing and enforces no budget, and says so), listens (TLS from the configured files), says
+nothing and enforces no budget, and says so), makes its tracing when `[tracing] endpoint` is
+set (OpenTelemetry is imported then only), listens (TLS from the configured files), says
 READY and pings the watchdog as a Type=notify unit, publishes its file_sd target, and stops on
-SIGTERM, committing what the record still holds.
+SIGTERM, committing what the record still holds and exporting what tracing still holds (for a
+few seconds at most).
 """
 
 from __future__ import annotations
@@ -13,18 +15,27 @@ import contextlib
 import signal
 import ssl
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
 from supervisor import logs
-from supervisor.host.gateway.app import create_app, runner
-from supervisor.host.gateway.settings import GatewaySettings, Listen, Record, SettingsError
+from supervisor.host.gateway.app import create_app
+from supervisor.host.gateway.sections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    Listen,
+    Record,
+    TracingSettings,
+)
+from supervisor.host.gateway.settings import GatewaySettings, SettingsError
 from supervisor.host.page.traffic import record_sources
 from supervisor.host.proxy.metrics import publish_target, target
 from supervisor.host.record.store import Store
 from supervisor.host.web.auth import Authenticator
 from supervisor.notify import Notifier
+
+if TYPE_CHECKING:
+    from supervisor.host.gateway.tracing import Tracing
 
 WATCHDOG_IDLE_S: Final = 5.0  # how often the loop looks when there is no watchdog
 UNRECORDED: Final = "not recording: no row is kept and no budget is enforced"
@@ -78,6 +89,7 @@ class Service:
             store,
             self.settings.budget.daily_tokens,
         )
+        tracing = open_tracing(self.settings.tracing)
         app = create_app(
             self.settings,
             self.data_dir,
@@ -85,6 +97,7 @@ class Service:
             spending=store,
             recorder=store,
             sources=sources,
+            tracing=tracing,
         )
         app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()
@@ -107,6 +120,8 @@ class Service:
             await app_runner.cleanup()
             if store is not None:
                 await asyncio.to_thread(store.close)  # what is queued is committed
+            if tracing is not None:
+                await tracing.close()
 
     async def _watch(self) -> None:
         interval = self.notifier.watchdog_interval
@@ -115,6 +130,27 @@ class Service:
             self.notifier.watchdog()  # from the loop: a blocked loop misses its pings
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), every)
+
+
+def runner(
+    app: web.Application,
+    shutdown_s: float = 60.0,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+) -> web.AppRunner:
+    """The runner the gateway serves with: a client that disconnects cancels its handler; at a
+    stop, requests in flight get `shutdown_s` to finish.
+
+    aiohttp's keep-alive timer runs from a connection's start and from each answer, and closes
+    the connection if no whole request's headers came by then: with `header_timeout_s` it is
+    the bound of a client that sends its headers slowly or never finishes them (a slowloris),
+    and of an idle keep-alive connection. aiohttp's own default is an hour."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_s,
+        keepalive_timeout=header_timeout_s,
+    )
 
 
 def open_record(settings: Record, data_dir: Path) -> Store | None:
@@ -129,6 +165,23 @@ def open_record(settings: Record, data_dir: Path) -> Store | None:
     else:
         log.warning(UNRECORDED, reason=store.reason, **where)
     return store
+
+
+def open_tracing(settings: TracingSettings) -> Tracing | None:
+    """The gateway's tracing when its endpoint is set (said in the journal), else None."""
+    if not settings.endpoint:
+        return None
+    from supervisor.host.gateway.tracing import Tracing
+
+    Tracing.quiet_the_sdk()
+    tracing = Tracing(settings)
+    log.info(
+        "tracing every request",
+        endpoint=settings.endpoint,
+        service_name=settings.service_name,
+        sample_ratio=settings.sample_ratio,
+    )
+    return tracing
 
 
 def bound_port(app_runner: web.AppRunner, configured: int) -> int:

@@ -1,12 +1,13 @@
 """One request to its engine and the answer back, within the request's deadline.
 
-Only the body and its content type go upstream: never the client's Authorization or any other
-header. Answers pass on as they come: SSE event by event (usage.py), a plain answer chunk by
-chunk with the engine's status and content type. A stream the engine breaks off ends with an
-error event, never a hang. One clock from admission covers the dial and the whole answer: when
-it runs out, a stream ends with an error event, a request not yet answered gets 504, and a
-plain answer already begun is cut off (its client sees a short body, never a whole-looking
-one).
+Only the body, its content type and the W3C trace context (`traceparent`, `tracestate`, when
+the gateway set them: its own span's, or a caller's passed on) go upstream: never the client's
+Authorization or any other header. Answers pass on as they come: SSE event by event
+(usage.py), a plain answer chunk by chunk with the engine's status and content type. A stream
+the engine breaks off ends with an error event, never a hang. One clock from admission covers
+the dial and the whole answer: when it runs out, a stream ends with an error event, a request
+not yet answered gets 504, and a plain answer already begun is cut off (its client sees a
+short body, never a whole-looking one).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, Tim
 # a pooled connection the engine had closed: the request was not written, or no answer began
 _STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
+_JSON: Final = {"Content-Type": "application/json"}
 # a stream ended early: its engine's events read on, to count them, until it ends the stream
 DRAIN_S: Final = 5.0
 
@@ -53,19 +55,26 @@ def timed_out(engine: str, deadline_s: float) -> Refusal:
 
 @dataclass
 class Trace:
-    """What one request did, for the metrics: filled in as it goes."""
+    """What one request did, for the metrics, the record and its span: filled in as it goes.
+    Every time is the loop's clock."""
 
-    arrived: float  # the loop's clock
+    arrived: float
     at: datetime = field(default_factory=utc_now)  # the wall clock, for the record
     outcome: Outcome | None = None
     code: str | None = None  # a refusal's code
-    admitted: float | None = None  # the loop's clock, once admitted (after a start, if any)
+    queued: float | None = None  # when it asked its engine's gate for a slot
+    starting: float | None = None  # when it began to wait for a start on demand
+    started: float | None = None  # when that start was done
+    admitted: float | None = None  # once admitted (after a start, if any)
     served_by: Status | None = field(default=None, repr=False)  # the engine's, when admitted
     first_byte: float | None = None
     usage: dict[str, Any] | None = None
     usage_source: Source = "none"  # where `usage` came from (usage.py)
     posted: bool = False  # the request went to the engine, which may have generated for it
-    sent: float | None = None  # the loop's clock, when it went
+    sent: float | None = None  # when it went
+    answered: float | None = None  # when the engine's answer's head came
+    # the W3C trace context the engine gets (traceparent, tracestate), or None: none
+    context: dict[str, str] | None = field(default=None, repr=False)
     # the client's response once its headers went out: from then on the answer has begun, and
     # whatever goes wrong is told inside it (an error event, a short body), never as a refusal
     answer: web.StreamResponse | None = field(default=None, repr=False)
@@ -144,9 +153,11 @@ class Forwarder:
             await self._session.close()
             await self._fresh.close()
 
-    async def _post(self, url: str, data: bytes) -> aiohttp.ClientResponse:
+    async def _post(
+        self, url: str, data: bytes, context: dict[str, str] | None
+    ) -> aiohttp.ClientResponse:
         assert self._session is not None and self._fresh is not None
-        headers = {"Content-Type": "application/json"}
+        headers = _JSON if context is None else {**_JSON, **context}
         try:
             return await self._session.post(url, data=data, headers=headers)
         except _STALE:  # closed under us before any answer: never reached the engine's handler
@@ -204,11 +215,12 @@ class Forwarder:
     ) -> web.StreamResponse:
         trace.posted, trace.sent = True, asyncio.get_running_loop().time()
         try:
-            upstream = await self._post(url + request.path, prepared.body)
+            upstream = await self._post(url + request.path, prepared.body, trace.context)
         except _BROKEN as exc:
             trace.outcome = "engine_failed"
             trace.posted = not isinstance(exc, aiohttp.ClientConnectorError)  # never connected
             raise unreachable(engine, exc) from None
+        trace.answered = asyncio.get_running_loop().time()
         async with upstream:
             trace.outcome = "ok" if upstream.status < 400 else "engine_error"
             streams = upstream.headers.get("Content-Type", "").startswith(SSE)

@@ -33,7 +33,7 @@ TARGET_FILE: Final = "_gateway.json"
 Outcome = Literal["ok", "engine_error", "engine_failed", "refused", "timed_out", "client_gone"]
 # the wait is short or a start (minutes); the first token and the whole answer up to the deadline
 _WAIT_BUCKETS: Final = (0.001, 0.01, 0.05, 0.25, 1, 5, 15, 30, 60, 180, 600, 1800)
-_TIME_BUCKETS: Final = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600, 1800)
+TIME_BUCKETS: Final = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600, 1800)
 
 Counts = Callable[[], Mapping[str, tuple[int, int]]]  # engine -> (running, waiting)
 Degraded = Callable[[], Mapping[tuple[str, str], bool]]  # (engine, model) -> degraded
@@ -126,14 +126,14 @@ class GatewayMetrics:
             "lucia_gateway_ttft_seconds",
             "Time from arrival to the answer's first byte, by engine, model and build.",
             ["engine", "model", "build"],
-            buckets=_TIME_BUCKETS,
+            buckets=TIME_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
             "lucia_gateway_duration_seconds",
             "Time from arrival to the answer's end.",
             ["engine"],
-            buckets=_TIME_BUCKETS,
+            buckets=TIME_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -158,7 +158,7 @@ class GatewayMetrics:
             "lucia_gateway_probe_ttft_seconds",
             "A probe's time to its one token's answer, by engine, model and build.",
             ["engine", "model", "build"],
-            buckets=_TIME_BUCKETS,
+            buckets=TIME_BUCKETS,
             registry=r,
         )
         r.register(_Gates(counts))

@@ -1,5 +1,4 @@
-"""The probe's decisions, pure: which engines' models to probe now, and what a probe's answer
-means.
+"""The probe's decisions, pure: which models to probe now, and what an answer means.
 
 An engine is probed only while it serves (running, its worker's heartbeat fresh, nobody asked
 it to stop, not being stopped for idling): a probe never starts an engine, and never keeps one
