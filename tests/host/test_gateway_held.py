@@ -268,11 +268,13 @@ def test_the_loop_answers_while_a_large_body_parses(tmp_path: Path, monkeypatch:
     loops: list[asyncio.AbstractEventLoop] = []
     prepare = body.prepare
 
-    def held_prepare(path: str, raw: bytes, limits: Bounds, room: int | None) -> body.Prepared:
+    def held_prepare(
+        path: str, raw: bytes, limits: Bounds, room: int | None, default: str | None = None
+    ) -> body.Prepared:
         loops[0].call_soon_threadsafe(parsing.set)
         models_answered.wait(10)  # a safety net: on the loop it would never be set
         order.append("parsed")
-        return prepare(path, raw, limits, room)
+        return prepare(path, raw, limits, room, default)
 
     async def main() -> None:
         loops.append(asyncio.get_running_loop())

@@ -15,15 +15,16 @@ ALLOWED = frozenset(
 )
 # the effectful caches and holds an engine owns, each its own class with its own state: a GGUF
 # header read per library, a git checkout's last error, the namespaces a start holds, vLLM's
-# version and tiers read per container, the tier plugin as last read from disk; and two helpers
-# of the router's sync step: a copy that falls back to a plain copy once, and its progress
-# messages' throttle
+# version, routes and tiers read per container, the tier plugin as last read from disk; and
+# two helpers of the router's sync step: a copy that falls back to a plain copy once, and its
+# progress messages' throttle
 CACHES = frozenset(
     {
         "Headers",
         "GitCheckout",
         "Starting",
         "Versions",
+        "Routes",
         "TierWatch",
         "Current",
         "_Copier",
