@@ -1,8 +1,9 @@
 """The gateway as its real process, for the tests on the real engines.
 
 `python -m supervisor.cli gateway --settings FILE --data-dir DATA` on 127.0.0.1 and a free port,
-with an owner and an inference key in files the test writes and an issued key from `keys create`.
-The keys reach the gateway through files only; its log is kept, to be searched for them.
+with an owner and an inference key in files the test writes and an issued key from `keys create`
+(named `tests-<port>`, so that gateways one after another may share a data directory). The keys
+reach the gateway through files only; its log is kept, to be searched for them.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def running_gateway(
     )
     log = work / "gateway.log"
     issued = subprocess.run(
-        [*CLI, "keys", "create", "tests", "--data-dir", str(data_dir)],
+        [*CLI, "keys", "create", f"tests-{port}", "--data-dir", str(data_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,
