@@ -23,7 +23,7 @@ import hashlib
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -322,20 +322,24 @@ def set_budget(path: Path, ref: str, budget: int | None) -> IssuedKey:
 
 def set_exempt(path: Path, ref: str, on: bool) -> IssuedKey:
     """Make a key exempt from the daily budget, or not; the gateway applies it within a second."""
-    with _locked(path):
-        before = load(path)
-        after, done = mark_exempt(before, ref, on)
-        if after != before:
-            save(path, after)
-    return done
+    return _change(path, lambda keys: mark_exempt(keys, ref, on))
 
 
 def revoke_key(path: Path, ref: str, now: datetime) -> IssuedKey:
+    return _change(path, lambda keys: revoke(keys, ref, now))
+
+
+def _change(
+    path: Path,
+    change: Callable[[tuple[IssuedKey, ...]], tuple[tuple[IssuedKey, ...], IssuedKey]],
+) -> IssuedKey:
+    """One pure change of the keys, read and written under the lock; the file is written only
+    when the change changed something."""
     with _locked(path):
         before = load(path)
-        keys, done = revoke(before, ref, now)
-        if keys != before:
-            save(path, keys)
+        after, done = change(before)
+        if after != before:
+            save(path, after)
     return done
 
 

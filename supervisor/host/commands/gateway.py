@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from supervisor import paths
 from supervisor.console import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, Subparsers, print_err
@@ -94,16 +96,29 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_keys_budget(args: argparse.Namespace) -> int:
+def _changed(
+    args: argparse.Namespace, change: Callable[[Path], keys.IssuedKey]
+) -> keys.IssuedKey | int:
+    """One change to keys.json, made under its lock; or, refused, the exit status (said)."""
     try:
-        budget = None if args.tokens == "default" else _tokens(args.tokens)
-        done = keys.set_budget(paths.keys_file(paths.data_dir(args.data_dir)), args.key, budget)
+        return change(paths.keys_file(paths.data_dir(args.data_dir)))
     except keys.KeysFileInvalid as exc:
         print_err(str(exc))
         return EXIT_CONFIG
-    except (keys.KeyRefused, argparse.ArgumentTypeError) as exc:
+    except keys.KeyRefused as exc:
         print_err(str(exc))
         return EXIT_FAILED
+
+
+def _cmd_keys_budget(args: argparse.Namespace) -> int:
+    try:
+        budget = None if args.tokens == "default" else _tokens(args.tokens)
+    except argparse.ArgumentTypeError as exc:
+        print_err(str(exc))
+        return EXIT_FAILED
+    done = _changed(args, lambda path: keys.set_budget(path, args.key, budget))
+    if isinstance(done, int):
+        return done
     what = f"{done.budget} tokens a day" if done.budget else "the settings' default budget"
     print(f"{done.id} ({done.name}) now has {what}; the gateway applies it within a second")
     return EXIT_OK
@@ -111,14 +126,9 @@ def _cmd_keys_budget(args: argparse.Namespace) -> int:
 
 def _cmd_keys_exempt(args: argparse.Namespace) -> int:
     on = args.setting == "on"
-    try:
-        done = keys.set_exempt(paths.keys_file(paths.data_dir(args.data_dir)), args.key, on)
-    except keys.KeysFileInvalid as exc:
-        print_err(str(exc))
-        return EXIT_CONFIG
-    except keys.KeyRefused as exc:
-        print_err(str(exc))
-        return EXIT_FAILED
+    done = _changed(args, lambda path: keys.set_exempt(path, args.key, on))
+    if isinstance(done, int):
+        return done
     what = (
         "is exempt from the daily budget (still counted and recorded)"
         if done.exempt
@@ -141,14 +151,9 @@ def _tokens(text: str) -> int:
 
 def _cmd_keys_revoke(args: argparse.Namespace) -> int:
     now = utc_now()
-    try:
-        done = keys.revoke_key(paths.keys_file(paths.data_dir(args.data_dir)), args.key, now)
-    except keys.KeysFileInvalid as exc:
-        print_err(str(exc))
-        return EXIT_CONFIG
-    except keys.KeyRefused as exc:
-        print_err(str(exc))
-        return EXIT_FAILED
+    done = _changed(args, lambda path: keys.revoke_key(path, args.key, now))
+    if isinstance(done, int):
+        return done
     when = "now" if done.revoked == now else f"already, at {done.revoked}"
     print(f"revoked {done.id} ({done.name}) {when}; the gateway refuses it within a second")
     return EXIT_OK
