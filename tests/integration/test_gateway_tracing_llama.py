@@ -25,11 +25,10 @@ import openai
 import pytest
 from aiohttp import web
 
-from supervisor.protocol.documents import Status, dump, utc_now
-from supervisor.protocol.files import ensure_dir, write_atomic
 from tests.fixtures import free_port
 from tests.gateway_proc import Gateway, running_gateway
 from tests.gguf_fixtures import TinyLlama, write_llama
+from tests.host.gateway_world import write_status
 from tests.integration.test_gateway_charges_llama import start_llama
 from tests.otlp_receiver import ReceivedSpan, Receiver, receiving
 from tests.system.harness import wait_for
@@ -111,17 +110,7 @@ def heartbeat(data: Path, url: str) -> Iterator[None]:
     """The engine's status.json, as a worker keeps it fresh, naming the relay's URL."""
 
     def beat() -> None:
-        now = utc_now()
-        status = Status(
-            generation=1,
-            state="running",
-            since=now,
-            message="running",
-            url=url,
-            checked_at=now,
-            models=(MODEL,),
-        )
-        write_atomic(ensure_dir(data / ENGINE) / "status.json", dump(status))
+        write_status(data, ENGINE, "running", url=url, models=(MODEL,), generation=1)
 
     beat()
     stop = threading.Event()
