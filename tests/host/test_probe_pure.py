@@ -174,6 +174,9 @@ def test_the_probe_asks_one_greedy_token_of_a_text_completion() -> None:
         # the engine refused the request itself (an embedding model's completion): it reasons
         (probe.ProbeAnswer("answered", 400), "inconclusive", "engine_error", "answered 400"),
         (probe.ProbeAnswer("answered", 404), "inconclusive", "engine_error", "answered 404"),
+        # a route the server does not implement: refused as a 4xx is, not a failure to generate
+        (probe.ProbeAnswer("answered", 501), "inconclusive", "engine_error", "answered 501"),
+        (probe.ProbeAnswer("answered", 502), "failed", "engine_error", "answered 502"),
         (probe.ProbeAnswer("timed_out"), "failed", "timed_out", "no answer within 30 s"),
         (probe.ProbeAnswer("unreachable"), "failed", "engine_failed", "could not be reached"),
         (probe.ProbeAnswer("broken"), "failed", "engine_failed", "broke off its answer"),

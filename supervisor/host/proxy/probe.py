@@ -12,9 +12,11 @@ completions (an embedding model) is not probed: a probe asks for a completion.
 
 Each model is probed at once when its engine begins a run (a new `since` or container), then
 every interval. A probe's answer (`verdict`): a 2xx answer with a choice is `ok`; a 5xx, an
-answer with no choice, a broken or refused connection and a timeout are `failed`; a 4xx is
-`inconclusive` (the engine answered and refused the request itself, as an embedding model
-refuses a completion: it can be reached and it reasons, so the mark it had stands). A model
+answer with no choice, a broken or refused connection and a timeout are `failed`; a 4xx, and a
+501 (a route the server does not implement, as llama-server answers an embedding route it does
+not serve), are `inconclusive` (the engine answered and refused the request itself, as an
+embedding model refuses a completion: it can be reached and it reasons, so the mark it had
+stands). A model
 whose last conclusive probe failed is `degraded` until one succeeds, or its engine's run ends.
 """
 
@@ -29,6 +31,7 @@ from supervisor.host.proxy.catalog import CatalogEntry
 from supervisor.protocol.documents import Status
 
 Verdict = Literal["ok", "failed", "inconclusive"]
+NOT_IMPLEMENTED: Final = 501  # the route is not the engine's: as a 4xx, the engine refused it
 # how a probe ended: an answer (its HTTP status), or none
 Ended = Literal["answered", "timed_out", "unreachable", "broken"]
 PROMPT: Final = "Hello"  # the probe's own text: a constant, never a user's
@@ -132,7 +135,7 @@ def verdict(answer: ProbeAnswer) -> Verdict:
         return "failed"
     if 200 <= answer.status < 300:
         return "ok" if answer.choices > 0 else "failed"
-    if 400 <= answer.status < 500:
+    if 400 <= answer.status < 500 or answer.status == NOT_IMPLEMENTED:
         return "inconclusive"
     return "failed"
 
