@@ -244,6 +244,16 @@ def test_a_stream_hides_the_usage_it_did_not_ask_for_and_counts_it(
 # -- admission ---------------------------------------------------------------------------------
 
 
+def _free(router: Engine, gateway: Gateway) -> None:
+    """Until the engine runs nothing: a case before read its last answer whole, and its handler
+    gives its slot back just after; a request on a connection of its own may come in between."""
+    wait_for(
+        lambda: metric(gateway.metrics(), "lucia_gateway_running", engine=router.name) == 0,
+        30,
+        "the slot free",
+    )
+
+
 def _slow_stream(gateway: Gateway) -> openai.Stream[Any]:
     """A stream of a long answer, its first chunk read; the rest waits for the reader."""
     stream = gateway.client(timeout=120).chat.completions.create(
@@ -256,6 +266,7 @@ def _slow_stream(gateway: Gateway) -> openai.Stream[Any]:
 def test_a_full_engine_refuses_at_once_with_429_naming_its_counts(
     router: Engine, gateway: Gateway, tmp_path: Path
 ) -> None:
+    _free(router, gateway)
     stream = _slow_stream(gateway)
     try:
         with pytest.raises(openai.RateLimitError) as refused:
@@ -457,6 +468,7 @@ def test_prometheus_scrapes_the_gateway_target(
 def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
     router: Engine, gateway: Gateway, client: docker.DockerClient
 ) -> None:
+    _free(router, gateway)
     stream = _slow_stream(gateway)  # the client's own timeout bounds "never hangs"
     client.containers.get(router.container).kill()
     read = 0
