@@ -37,6 +37,9 @@ MIN_BODIES_BYTES: Final = 1024 * 1024  # below it, ordinary chats could never pa
 DEFAULT_RUNNING: Final = 4  # an engine that publishes no slots (yet, or an older worker)
 MAX_RUNNING: Final = 10_000
 DEFAULT_WAITING: Final = 64
+DEFAULT_FLEET_STALE_S: Final = 10.0
+DEFAULT_FLEET_PUBLISH_S: Final = 1.0
+MACHINE_NAME: Final = r"^(|[a-z0-9][a-z0-9-]{0,62})$"  # a host name's label; "": none
 DEFAULT_PER_KEY_WAITING: Final = 16  # a quarter of the waiting: see the docstring
 DEFAULT_MAX_WAIT_S: Final = 30.0
 DEFAULT_LOAD_WAIT_S: Final = 900.0  # a TensorFold first load takes minutes
@@ -208,6 +211,30 @@ class TracingSettings(_Section):
     sample_ratio: float = Field(default=1.0, ge=0, le=1)  # every trace: a span tree is cheap
     metrics_interval_s: float = Field(default=60, ge=0.5, le=86_400)  # OpenTelemetry's own
     timeout_s: float = Field(default=10, gt=0, le=600)  # OpenTelemetry's own
+
+
+class FleetSettings(_Section):
+    """Several machines as one service (host/fleet): off while `machine` is empty. On, the
+    record must be PostgreSQL ([record] dsn), where the catalog of every machine's engines is
+    shared, and `advertise` is where the other machines' gateways reach this one."""
+
+    machine: str = Field(default="", pattern=MACHINE_NAME)  # "": not in a fleet
+    advertise: str = Field(default="", pattern=r"^(|https?://[^/\s]+)$")  # scheme://host:port
+    peers_file: FilePath = Field(default_factory=lambda: config_home() / "peers.keys")
+    stale_s: float = Field(default=DEFAULT_FLEET_STALE_S, ge=2, le=3600)  # a row older: unrouted
+    publish_s: float = Field(default=DEFAULT_FLEET_PUBLISH_S, ge=0.2, le=60)  # at most this often
+
+    @property
+    def on(self) -> bool:
+        return self.machine != ""
+
+    @model_validator(mode="after")
+    def _reachable(self) -> Self:
+        if self.on and not self.advertise:
+            raise ValueError("machine is set: advertise must say where peers reach this gateway")
+        if self.publish_s * 2 > self.stale_s:
+            raise ValueError("stale_s must be at least twice publish_s, or live rows go stale")
+        return self
 
 
 def running_bound(engine_set: int | None, limits_set: int | None, slots: int | None) -> int:

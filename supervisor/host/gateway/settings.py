@@ -111,6 +111,13 @@ service_name = "lucia-gateway" # the resource's service.name
 sample_ratio = 1.0             # of the traces it begins; a caller's traceparent decides its own
 metrics_interval_s = 60        # the metrics are exported this often (at least 0.5 s)
 timeout_s = 10                 # an export waits this long for the receiver (in a thread)
+
+[fleet]                        # several machines as one service: needs [record] dsn
+machine = ""                   # this machine's name in the fleet ("": not in one)
+advertise = ""                 # where the other gateways reach this one: http(s)://host:port
+peers_file = "~/.config/lucia/peers.keys"   # every machine's peer key, one `name key` a line
+stale_s = 10                   # a machine not heard from this long is not routed to
+publish_s = 1                  # a changed engine reaches the catalog at most this often
 ```
 """
 
@@ -119,13 +126,14 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Final
+from typing import Final, Self
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from supervisor.host.gateway.sections import (
     BudgetSettings,
     EngineLimits,
+    FleetSettings,
     Idle,
     Keys,
     Limits,
@@ -172,6 +180,7 @@ class GatewaySettings(_Section):
     page: PageSettings = Field(default_factory=PageSettings)
     probe: ProbeSettings = Field(default_factory=ProbeSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
 
     @field_validator("tiers")
     @classmethod
@@ -191,6 +200,15 @@ class GatewaySettings(_Section):
                 f"{default!r} is not one: the tiers are {', '.join(aliases) or 'none'}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _fleet_on_postgresql(self) -> Self:
+        if self.fleet.on and (self.record.dsn is None or not self.record.enabled):
+            raise ValueError(
+                "fleet.machine is set: the fleet's catalog is in PostgreSQL, so [record] must be "
+                "enabled with a dsn"
+            )
+        return self
 
     @property
     def aliases(self) -> dict[str, str]:
