@@ -46,6 +46,7 @@ EDIT_GRACE: Final = 90.0  # a recipe edit reaches the engine within this (a repl
 _REQUIRED: Final = frozenset({"schemaVersion", "generation", "desired"})  # desired.json
 _SAID: Final = frozenset({"requestedBy", "requestedAt"})  # optional: who asked, and when
 CAUSES: Final = ("recipe-edit", "engine-kill", "engine-oom", "dockerd-restart")
+STOPPING: Final = ("request", "burst", "race", "operator-stop")  # a cause when it asks for a stop
 # faults during which a breach is expected: nothing is written, or Docker cannot be asked
 QUIET: Final = {
     "worker-kill": ("stale", "ack", "file_sd", "running"),
@@ -54,6 +55,19 @@ QUIET: Final = {
     "dockerd-stall": ("running",),
     "dockerd-restart": ("running",),
 }
+
+
+def caused(events: list[dict[str, Any]], engine: str, since: float) -> bool:
+    """Has a fault since the engine's last container been a cause to replace it? One that
+    replaces it outright, or one that asks for a stop: the start after it makes a new container,
+    whether or not a stopped state was written between (a start asked soon after the stop comes
+    in while the engine is still stopping)."""
+    return any(
+        e["start"] >= since - TOLERANCE
+        and e["engine"] in (engine, "*")
+        and (e["kind"] in CAUSES or (e["kind"] in STOPPING and e.get("stops")))
+        for e in events
+    )
 
 
 def excused(events: list[dict[str, Any]], engine: str, invariant: str, now: float) -> bool:
@@ -352,7 +366,7 @@ class Checker:
         running = container is not None and container.status == "running"
         if running and container is not None and container.id != engine.container_id:
             before = engine.container_id
-            if before is not None and not self._caused(engine):
+            if before is not None and not caused(self.events, engine.name, engine.causes_since):
                 self._violate(
                     {
                         "t": now,
@@ -372,18 +386,6 @@ class Checker:
         )
         if running and container is not None:
             self._check_spec(engine, container, status, now)
-
-    def _caused(self, engine: EngineTruth) -> bool:
-        since = engine.causes_since - TOLERANCE
-        return any(
-            e["start"] >= since
-            and e["engine"] in (engine.name, "*")
-            and (
-                e["kind"] in CAUSES
-                or (e["kind"] in ("request", "burst", "race") and e.get("stops"))
-            )
-            for e in self.events
-        )
 
     def _check_spec(
         self, engine: EngineTruth, container: Any, status: dict[str, Any], now: float

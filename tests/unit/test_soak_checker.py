@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.soak.checker import desired_document, excused
+from tests.soak.checker import caused, desired_document, excused
 from tests.soak.frontdoor_check import (
     COMMIT_S,
     WRITER_BACK_S,
@@ -61,6 +61,25 @@ def test_excused(
 def test_a_fault_under_way_excuses_until_it_ends() -> None:
     under_way = {"kind": "worker-stop", "engine": "a", "start": 100.0}  # no end yet
     assert excused([under_way], "a", "stale", 500.0)
+
+
+@pytest.mark.parametrize(
+    ("event", "engine", "since", "expected"),
+    [
+        ({"kind": "recipe-edit", "engine": "a", "start": 100.0}, "a", 90.0, True),
+        ({"kind": "engine-oom", "engine": "a", "start": 100.0}, "b", 90.0, False),  # another's
+        ({"kind": "dockerd-restart", "engine": "*", "start": 100.0}, "b", 90.0, True),
+        ({"kind": "recipe-edit", "engine": "a", "start": 80.0}, "a", 90.0, False),  # before it
+        # an operator who stops and starts the engine: a new container, stopped state or not
+        ({"kind": "operator-stop", "engine": "a", "start": 100.0, "stops": True}, "a", 90.0, True),
+        ({"kind": "request", "engine": "a", "start": 100.0, "stops": True}, "a", 90.0, True),
+        ({"kind": "request", "engine": "a", "start": 100.0, "stops": False}, "a", 90.0, False),
+        ({"kind": "disk-full", "engine": "*", "start": 100.0}, "a", 90.0, False),  # no reason
+        ({"kind": "gateway-kill", "engine": "*", "start": 100.0, "stops": False}, "a", 90.0, False),
+    ],
+)
+def test_caused(event: dict[str, Any], engine: str, since: float, expected: bool) -> None:
+    assert caused([event], engine, since) is expected
 
 
 # -- liveness: which faults touch which request, the bound, what excuses a failed --------------
