@@ -114,13 +114,18 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
 
 @contextlib.contextmanager
 def running_gateway(
-    work: Path, data_dir: Path, settings: str = "", listen: str = ""
+    work: Path,
+    data_dir: Path,
+    settings: str = "",
+    listen: str = "",
+    keys: tuple[str, str] | None = None,
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
     (TOML sections) after [listen] and [keys]. The probe is off unless `settings` name
-    [probe]: a test counts the requests and rows of its own callers."""
+    [probe]: a test counts the requests and rows of its own callers. `keys`: the owner and
+    inference keys (gateways that take the same clients share them); new ones if None."""
     work.mkdir(parents=True, exist_ok=True)
-    owner, inference = (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+    owner, inference = keys or (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
         (work / name).write_text(key + "\n")
         (work / name).chmod(0o600)
