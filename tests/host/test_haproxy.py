@@ -8,8 +8,8 @@ invalid-key limit behind HAProxy (the gateways trust its X-Forwarded-For, never 
 killed gateway's request in flight is answered 502 and never sent again, those sent to it dead
 go elsewhere, and it is marked down; a stopping one answers /healthz 503, is marked down for it,
 and finishes its stream; with none up, HAProxy answers 503 in the gateways' error shape. And the
-shipped file is a valid configuration as it ships, its commented TLS lines too. Every wait is on HAProxy's stats socket
-or an answer, never a sleep.
+shipped file is a valid configuration as it ships, its commented TLS lines too. Every wait is
+on HAProxy's stats socket or an answer, never a sleep.
 """
 
 from __future__ import annotations
