@@ -5,7 +5,8 @@ body_timeout_s of its headers, whether the client stalls or sends a byte at a ti
 with 408, and the connection is closed as soon as that answer is out: what the client sends on
 is not read (aiohttp would read and drop it for up to its lingering time). Only reading the
 body is bounded; the answer, however long it streams, is not. `peer` is who sent it: the
-connection's address.
+connection's address, or, on a connection from a trusted proxy ([listen] trusted_proxies), the
+client that proxy names in X-Forwarded-For.
 """
 
 from __future__ import annotations
