@@ -41,6 +41,8 @@ def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]]) -> None:
         ("/api/host/engines", "owner", "allowed"),
         ("/v1/chat/completions", "owner", "allowed"),
         ("/metrics", None, "open"),
+        ("/healthz", None, "open"),
+        ("/healthz/", None, "forbidden"),
         ("/v1/models", None, "forbidden"),
     ],
 )
