@@ -21,7 +21,7 @@ _JSON: Final = "application/json"
 _FRESH: Final = {"Cache-Control": "no-store"}
 
 
-class Health:
+class HealthCheck:
     """The one answer of /healthz: ok until the gateway's stop begins, then stopping."""
 
     def __init__(self, machine: str) -> None:
@@ -40,12 +40,12 @@ class Health:
         return web.Response(body=body, status=status, content_type=_JSON, headers=_FRESH)
 
 
-HEALTH: Final = web.AppKey("health", Health)
+HEALTH: Final = web.AppKey("health", HealthCheck)
 
 
-def routes(app: web.Application, machine: str) -> Health:
+def routes(app: web.Application, machine: str) -> HealthCheck:
     """`/healthz` on the app, and its turn to 503 when the app shuts down."""
-    health = app[HEALTH] = Health(machine)
+    health = app[HEALTH] = HealthCheck(machine)
     app.router.add_get(HEALTH_PATH, health.serve)
     app.on_shutdown.append(health.shutting_down)
     return health
