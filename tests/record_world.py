@@ -37,6 +37,7 @@ def row(
     wait_s: float = 0.01,
     ttft_s: float | None = 0.1,
     duration_s: float = 1.0,
+    machine: str | None = None,
 ) -> Row:
     return Row(
         at=at or datetime.now(UTC),
@@ -51,6 +52,7 @@ def row(
         wait_s=wait_s,
         ttft_s=ttft_s,
         duration_s=duration_s,
+        machine=machine,
     )
 
 
