@@ -114,17 +114,18 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
 
 @contextlib.contextmanager
 def running_gateway(
-    work: Path, data_dir: Path, settings: str = "", listen: str = ""
+    work: Path, data_dir: Path, settings: str = "", listen: str = "", port: int | None = None
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
-    (TOML sections) after [listen] and [keys]. The probe is off unless `settings` name
-    [probe]: a test counts the requests and rows of its own callers."""
+    (TOML sections) after [listen] and [keys], on `port` (a free one if None: a fleet's
+    settings name their own). The probe is off unless `settings` name [probe]: a test counts
+    the requests and rows of its own callers."""
     work.mkdir(parents=True, exist_ok=True)
     owner, inference = (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
         (work / name).write_text(key + "\n")
         (work / name).chmod(0o600)
-    port = free_port()
+    port = port or free_port()
     path = work / "gateway.toml"
     path.write_text(
         f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
