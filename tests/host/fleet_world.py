@@ -13,15 +13,23 @@ import contextlib
 import http.client
 import json
 import secrets
+import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from supervisor.host.fleet.forward import Peer, PeerClient
+from supervisor.host.fleet.peers import Peers
+from supervisor.host.keycheck import Identity
+from supervisor.host.proxy.body import FORWARDED
+from supervisor.host.web.refusal import Refusal
+from supervisor.host.web.responses import refusal_response
 from tests.gateway_proc import Gateway, running_gateway
 from tests.host.gateway_world import Upstream, serve_upstream, write_status
 from tests.postgres import Cluster
@@ -159,6 +167,37 @@ def post(
         return answer.status, json.loads(raw)
     except ValueError:
         return answer.status, raw.decode(errors="replace")
+
+
+@contextlib.asynccontextmanager
+async def origin(
+    peers_file: Path,
+    peer: Peer,
+    caller: Identity,
+    deadline_s: float = 60,
+    tls: ssl.SSLContext | None = None,
+) -> AsyncIterator[str]:
+    """Machine a's side: a small app that sends every request to `peer` as `caller`'s (the
+    forwarding client, as a gateway will use it); its URL."""
+    client = PeerClient(Peers.open(peers_file, "a"), tls)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:  # as the gateway's guard answers a refusal
+            return await client.send(request, body, peer=peer, caller=caller, deadline_s=deadline_s)
+        except Refusal as refusal:
+            return refusal_response(refusal)
+
+    app = web.Application()
+    for path in FORWARDED:
+        app.router.add_post(path, handle)
+    app.cleanup_ctx.append(client.session)
+    server = TestServer(app, handler_cancellation=True)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
 
 
 @contextlib.contextmanager

@@ -6,10 +6,9 @@ deadline ends the answer with an error, never a hang."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,20 +16,15 @@ from typing import Any
 import aiohttp
 import psycopg
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from supervisor.host.fleet.forward import Peer, PeerClient
-from supervisor.host.fleet.peers import Peers
+from supervisor.host.fleet.forward import Peer
 from supervisor.host.keycheck import Identity
-from supervisor.host.proxy.body import FORWARDED
-from supervisor.host.web.refusal import Refusal
-from supervisor.host.web.responses import refusal_response
 from tests.host.fleet_world import (
     CHAT,
     Fleet,
     machine_gateway,
     new_key_id,
+    origin,
     peer_headers,
     post,
     two_machines,
@@ -52,32 +46,6 @@ def fresh(fleet: Fleet) -> Iterator[None]:
     fleet.fresh()
     yield
     fleet.reset()
-
-
-@contextlib.asynccontextmanager
-async def origin(
-    fleet: Fleet, peer: Peer, caller: Identity, deadline_s: float = 60
-) -> AsyncIterator[str]:
-    """Machine a's side: a small app that sends every request to `peer` as `caller`'s."""
-    client = PeerClient(Peers.open(fleet.peers_file, "a"))
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        try:  # as the gateway's guard answers a refusal
-            return await client.send(request, body, peer=peer, caller=caller, deadline_s=deadline_s)
-        except Refusal as refusal:
-            return refusal_response(refusal)
-
-    app = web.Application()
-    for path in FORWARDED:
-        app.router.add_post(path, handle)
-    app.cleanup_ctx.append(client.session)
-    server = TestServer(app, handler_cancellation=True)
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
 
 
 def to_b(fleet: Fleet) -> Peer:
@@ -102,7 +70,10 @@ def test_an_answer_passes_through_as_it_comes_and_is_recorded_by_the_peer(fleet:
     who = caller()
 
     async def main() -> None:
-        async with origin(fleet, to_b(fleet), who) as url, aiohttp.ClientSession() as session:
+        async with (
+            origin(fleet.peers_file, to_b(fleet), who) as url,
+            aiohttp.ClientSession() as session,
+        ):
             stream = {**CHAT, "stream": True}
             async with session.post(url + CHATS, json=stream) as answer:
                 assert answer.status == 200
@@ -130,7 +101,10 @@ def test_the_peers_refusals_pass_through_as_they_are(fleet: Fleet) -> None:
 
     async def main() -> None:
         absent = {**CHAT, "model": "absent"}
-        async with origin(fleet, to_b(fleet), caller(over)) as url, aiohttp.ClientSession() as s:
+        async with (
+            origin(fleet.peers_file, to_b(fleet), caller(over)) as url,
+            aiohttp.ClientSession() as s,
+        ):
             async with s.post(url + CHATS, json=absent) as answer:
                 assert answer.status == 404
                 status, there = post(fleet.gateways["b"].url, "/fleet" + CHATS, direct, absent)
@@ -159,7 +133,10 @@ def test_a_client_that_leaves_closes_the_peers_stream(fleet: Fleet) -> None:
     upstream.hold = asyncio.Event()
 
     async def main() -> None:
-        async with origin(fleet, to_b(fleet), who) as url, aiohttp.ClientSession() as session:
+        async with (
+            origin(fleet.peers_file, to_b(fleet), who) as url,
+            aiohttp.ClientSession() as session,
+        ):
             answer = await session.post(url + CHATS, json={**CHAT, "stream": True})
             assert answer.status == 200
             first = await answer.content.readuntil(b"\n\n")
@@ -181,7 +158,7 @@ def test_a_peer_killed_mid_stream_ends_the_stream_with_an_error_event(
         async def main() -> list[str]:
             peer = Peer("b", doomed.url)
             async with (
-                origin(fleet, peer, caller()) as url,
+                origin(fleet.peers_file, peer, caller()) as url,
                 aiohttp.ClientSession() as session,
                 session.post(url + CHATS, json={**CHAT, "stream": True}) as answer,
             ):
@@ -214,7 +191,7 @@ def test_a_peer_that_cannot_be_reached_or_answers_nothing_is_503_naming_it(
             async with aiohttp.ClientSession() as session:
                 for peer, says in ((gone, "did not answer: "), (mute, "no answer within 0.5 s")):
                     async with (
-                        origin(fleet, peer, caller(), deadline_s=0.5) as url,
+                        origin(fleet.peers_file, peer, caller(), deadline_s=0.5) as url,
                         session.post(url + CHATS, json=CHAT) as answer,
                     ):
                         assert answer.status == 503
@@ -234,7 +211,7 @@ def test_the_deadline_ends_a_stream_begun_with_an_error_event(fleet: Fleet) -> N
 
     async def main() -> list[str]:
         async with (
-            origin(fleet, to_b(fleet), who, deadline_s=1.0) as url,
+            origin(fleet.peers_file, to_b(fleet), who, deadline_s=1.0) as url,
             aiohttp.ClientSession() as session,
             session.post(url + CHATS, json={**CHAT, "stream": True}) as answer,
         ):
