@@ -223,7 +223,7 @@ def claim(**changes: object) -> Claim:
         ),
         ({"exempt": "yes"}, Denial("X-Lucia-Key-Exempt is 1 or 0")),
         ({"budget": "-1"}, Denial("X-Lucia-Key-Budget is a whole number of tokens")),
-        ({"budget": "１２"}, Denial("X-Lucia-Key-Budget is a whole number of tokens")),
+        ({"budget": "\uff11\uff12"}, Denial("X-Lucia-Key-Budget is a whole number of tokens")),
         ({"budget": "0"}, Denial("X-Lucia-Key-Budget is 1 to 1000000000000000 tokens")),
     ],
 )
