@@ -9,7 +9,7 @@ import pytest
 import structlog
 
 from supervisor import redaction
-from supervisor.host.fleet.door import Claim, Denial, PeerCaller, judge, shown
+from supervisor.host.fleet.door import Denial, PeerCaller, PeerClaim, judge, shown
 from supervisor.host.fleet.peers import Peers, PeersRefused, PeerTable, load, parse, taken_by
 from tests.host.gateway_world import INFERENCE_KEY, KEYS, OWNER_KEY
 
@@ -175,7 +175,7 @@ def test_a_file_that_does_not_change_is_not_read_again(tmp_path: Path) -> None:
     assert peers.current() is first
 
 
-def claim(**changes: object) -> Claim:
+def claim(**changes: object) -> PeerClaim:
     fields: dict[str, object] = {
         "key": A,
         "machine": "a",
@@ -184,7 +184,7 @@ def claim(**changes: object) -> Claim:
         "budget": None,
     }
     fields.update(changes)
-    return Claim(**fields)  # type: ignore[arg-type]
+    return PeerClaim(**fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ class Denial:
 
 
 @dataclass(frozen=True)
-class Claim:
+class PeerClaim:
     """What a peer request's headers say, as they came."""
 
     key: str | None  # the bearer
@@ -82,7 +82,7 @@ class Claim:
     certified: bool = True  # a client certificate came, where one is asked for
 
 
-def judge(table: PeerTable | None, problem: str | None, claim: Claim) -> PeerCaller | Denial:
+def judge(table: PeerTable | None, problem: str | None, claim: PeerClaim) -> PeerCaller | Denial:
     """Pure: the caller a peer request carries, or why it is refused."""
     if table is None:
         return Denial(f"the peers file is refused: {problem}")
@@ -138,13 +138,13 @@ class PeerDoor:
     def machine(self) -> str:
         return self.peers.own
 
-    def claim(self, request: web.Request) -> Claim:
+    def claim(self, request: web.Request) -> PeerClaim:
         headers = request.headers
         certificate = True
         if self.certified:
             transport = request.transport
             certificate = bool(transport and transport.get_extra_info("peercert"))
-        return Claim(
+        return PeerClaim(
             presented_key(headers.get("Authorization")),
             headers.get(MACHINE),
             headers.get(KEY_ID),
