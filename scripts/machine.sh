@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare this machine for lucia-supervisor and its tests, as root: Debian packages (PostgreSQL
-# among them, for the record's tests), a running dockerd, journald and a systemd user manager
-# for each of two users (scripts/systemd-user.sh): `lucia`, the operator's (install.sh and the
-# demo), and `lucia-test` (LUCIA_TEST_USER), the tests' own, which never touch lucia's,
+# among them, for the record's tests, and HAProxy, for the fleet's one address), a running
+# dockerd, journald and a systemd user manager for each of two users (scripts/systemd-user.sh):
+# `lucia`, the operator's (install.sh and the demo), and `lucia-test` (LUCIA_TEST_USER), the
+# tests' own, which never touch lucia's,
 # the real llama-server image from Debian sid (scripts/llama-server-image.sh) and the project's
 # virtual environment in .venv. Safe to run again: it only does what is missing.
 set -euo pipefail
@@ -43,6 +44,8 @@ install_packages() {
     compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
     command -v chromium >/dev/null || missing+=(chromium)  # the operator's page is tested in it
     command -v chromedriver >/dev/null || missing+=(chromium-driver)
+    # one address for the fleet: the tests run it in front of three gateways (tests/haproxy.py)
+    command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
     /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     [ "${#missing[@]}" -eq 0 ] && return
     say "installing ${missing[*]} (log: $log_dir/apt.log)"

@@ -4,6 +4,10 @@
 with an owner and an inference key in files the test writes and an issued key from `keys create`
 (named `tests-<port>`, so that gateways one after another may share a data directory). The keys
 reach the gateway through files only; its log is kept, to be searched for them.
+
+Inside one of the fleet tests' machines (tests/machines.py) it is started with that machine's
+`prefix()` before its command and listens on the machine's `address`: the test, in the root
+namespace, reaches it there through the switch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from tests.standin import free_port
 class Gateway:
     """A running gateway: its URL, keys, data directory and log."""
 
-    url: str  # http://127.0.0.1:PORT
+    url: str  # http://ADDRESS:PORT (127.0.0.1 unless started with another)
     data_dir: Path
     owner: str
     inference: str
@@ -114,21 +118,30 @@ def _wait_listening(gateway: Gateway, timeout: float = 60) -> None:
 
 @contextlib.contextmanager
 def running_gateway(
-    work: Path, data_dir: Path, settings: str = "", listen: str = "", port: int | None = None
+    work: Path,
+    data_dir: Path,
+    settings: str = "",
+    listen: str = "",
+    address: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    keys: tuple[str, str] | None = None,
+    port: int | None = None,
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
-    (TOML sections) after [listen] and [keys], on `port` (a free one if None: a fleet's
-    settings name their own). The probe is off unless `settings` name [probe]: a test counts
-    the requests and rows of its own callers."""
+    (TOML sections) after [listen] and [keys]. The probe is off unless `settings` name
+    [probe]: a test counts the requests and rows of its own callers. It listens on `address`,
+    and `prefix` comes before its command (a machine's: `Machine.prefix()`). `keys`: the owner
+    and inference keys (gateways that take the same clients share them); new ones if None.
+    `port`: a free one if None (a fleet's settings name their own, in `advertise`)."""
     work.mkdir(parents=True, exist_ok=True)
-    owner, inference = (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+    owner, inference = keys or (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
         (work / name).write_text(key + "\n")
         (work / name).chmod(0o600)
     port = port or free_port()
     path = work / "gateway.toml"
     path.write_text(
-        f'[listen]\naddress = "127.0.0.1"\nport = {port}\n{listen}'
+        f'[listen]\naddress = "{address}"\nport = {port}\n{listen}'
         f'[keys]\nowner_file = "{work / "owner.key"}"\n'
         f'inference_file = "{work / "inference.key"}"\n'
         + settings
@@ -145,12 +158,12 @@ def running_gateway(
     ).stdout.strip()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*CLI, "gateway", "--settings", str(path), "--data-dir", str(data_dir)],
+            [*prefix, *CLI, "gateway", "--settings", str(path), "--data-dir", str(data_dir)],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    gateway = Gateway(f"http://127.0.0.1:{port}", data_dir, owner, inference, issued, log, proc)
+    gateway = Gateway(f"http://{address}:{port}", data_dir, owner, inference, issued, log, proc)
     try:
         _wait_listening(gateway)
         yield gateway

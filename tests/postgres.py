@@ -1,5 +1,9 @@
 """A PostgreSQL cluster of the tests' own: Debian's `postgresql` binaries, `initdb` into a temp
-directory, listening on 127.0.0.1 only on a free port, started and removed by the tests.
+directory, listening on 127.0.0.1 on a free port, started and removed by the tests.
+
+The fleet's tests also have it listen on the switch address of their machines (tests/machines.py)
+and trust the machines' subnet: `cluster(listen=(fleet.switch,), clients=(fleet.subnet,))`, and
+`dsn(name, host=fleet.switch)` is what a gateway inside a machine connects to.
 
 PostgreSQL refuses to run as root: as root the cluster belongs to, and runs as, Debian's
 `postgres` user. Each test that wants a clean record asks for a database of its own
@@ -16,7 +20,7 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,8 @@ class Cluster:
     port: int
     user: str | None  # the system user it runs as (root cannot), or None: this one
     frozen: list[int] = field(default_factory=list)
+    listen: tuple[str, ...] = ()  # addresses it listens on besides 127.0.0.1
+    clients: tuple[str, ...] = ()  # networks trusted besides loopback (pg_hba.conf)
 
     @property
     def data(self) -> Path:
@@ -72,10 +78,15 @@ class Cluster:
             "--no-locale",
             "--no-sync",
         )
+        if self.clients:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.writelines(f"host all all {network} trust\n" for network in self.clients)
 
     def start(self) -> None:
+        logged = self.log.stat().st_size if self.log.exists() else 0
+        addresses = ",".join(("127.0.0.1", *self.listen))
         options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.data}"
+            f"-p {self.port} -c listen_addresses={addresses} -c unix_socket_directories={self.data}"
         )
         done = self._run(
             "pg_ctl",
@@ -93,6 +104,12 @@ class Cluster:
         )
         if done.returncode != 0:
             raise RuntimeError(f"pg_ctl start: {done.stderr or done.stdout}: {self._tail()}")
+        with self.log.open("rb") as log:  # it starts on the addresses it could bind: not enough
+            log.seek(logged)
+            said = log.read().decode(errors="replace")
+        if "could not bind" in said:
+            self.stop("immediate")
+            raise RuntimeError(f"pg_ctl start: an address is not bound: {said[-2000:]}")
 
     def stop(self, mode: str = "fast") -> None:
         """fast: sessions ended, a clean shutdown; immediate: no checkpoint (the end)."""
@@ -133,23 +150,23 @@ class Cluster:
         except OSError:
             return ""
 
-    def dsn(self, database: str = "postgres") -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+    def dsn(self, database: str = "postgres", host: str = "127.0.0.1") -> str:
+        return f"postgresql://{SUPERUSER}@{host}:{self.port}/{database}"
 
-    def database(self) -> str:
-        """A new, empty database; its DSN."""
+    def database(self, host: str = "127.0.0.1") -> str:
+        """A new, empty database; its DSN, through `host` (one it listens on)."""
         import psycopg
 
         name = f"t_{uuid.uuid4().hex[:16]}"
         with psycopg.connect(self.dsn(), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
-        return self.dsn(name)
+        return self.dsn(name, host)
 
 
 @contextmanager
-def cluster() -> Iterator[Cluster]:
-    """A new cluster, started; stopped and removed at the end. RuntimeError without
-    PostgreSQL's binaries."""
+def cluster(listen: Sequence[str] = (), clients: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A new cluster, started, listening also on `listen` and trusting `clients` (networks);
+    stopped and removed at the end. RuntimeError without PostgreSQL's binaries."""
     found = bindir()
     if found is None:
         raise RuntimeError("no PostgreSQL here: Debian's postgresql (scripts/machine.sh)")
@@ -159,7 +176,7 @@ def cluster() -> Iterator[Cluster]:
         user = "postgres"
         account = pwd.getpwnam(user)
         os.chown(root, account.pw_uid, account.pw_gid)
-    made = Cluster(found, root, free_port(), user)
+    made = Cluster(found, root, free_port(), user, listen=tuple(listen), clients=tuple(clients))
     try:
         made.initdb()
         for attempt in range(5):  # the free port may be taken between the probe and the bind

@@ -41,6 +41,8 @@ def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]]) -> None:
         ("/api/host/engines", "owner", "allowed"),
         ("/v1/chat/completions", "owner", "allowed"),
         ("/metrics", None, "open"),
+        ("/healthz", None, "open"),
+        ("/healthz/", None, "forbidden"),
         ("/v1/models", None, "forbidden"),
         ("/fleet/v1/chat/completions", None, "peer"),  # its own peer key check (host/fleet)
         ("/fleet/v1/chat/completions", "owner", "peer"),

@@ -458,12 +458,42 @@ def test_only_the_usage_only_event_is_kept_back_however_the_stream_is_cut(
         ('[tiers]\n"-fast" = "tiny"', "tiers: alias '-fast' is not a served name: it starts"),
         ('[tiers]\n"a/../b" = "tiny"', "tiers: alias 'a/../b' is not a served name: it has '..'"),
         ('[tiers]\n"rápido" = "tiny"', "tiers: alias 'rápido' is not a served name"),
+        ('[fleet]\nmachine = "Spark 1"', "fleet.machine"),
+        ('[fleet]\nmachine = "spark"', "advertise must say where peers reach this gateway"),
+        ('[fleet]\nadvertise = "10.0.0.2:8400"', "fleet.advertise"),
+        ('[fleet]\nadvertise = "http://h:1/v1"', "fleet.advertise"),
+        ("[fleet]\nstale_s = 1", "fleet.stale_s"),
+        ("[fleet]\nstale_s = 3\npublish_s = 2", "at least twice publish_s"),
+        (
+            '[fleet]\nmachine = "spark"\nadvertise = "http://10.0.0.2:8400"',
+            "the fleet's catalog is in PostgreSQL, so [record] must be enabled with a dsn",
+        ),
+        (
+            '[fleet]\nmachine = "spark"\nadvertise = "http://10.0.0.2:8400"\n'
+            '[record]\nenabled = false\ndsn = "postgresql://db/lucia"',
+            "[record] must be enabled with a dsn",
+        ),
     ],
 )
 def test_bad_settings_name_the_setting(text: str, words: str) -> None:
     with pytest.raises(SettingsError, match=r"^gw\.toml: ") as caught:
         parse(text, "gw.toml")
     assert words in str(caught.value)
+
+
+def test_a_fleet_machine_on_postgresql() -> None:
+    settings = parse(
+        '[fleet]\nmachine = "spark-1"\nadvertise = "https://10.0.0.2:8400"\n'
+        '[record]\ndsn = "postgresql://lucia@db/lucia"',
+        "gw.toml",
+    )
+    assert settings.fleet.on
+    assert (settings.fleet.machine, settings.fleet.stale_s, settings.fleet.publish_s) == (
+        "spark-1",
+        10.0,
+        1.0,
+    )
+    assert not parse("", "gw.toml").fleet.on  # off by default
 
 
 def test_a_tier_alias_is_a_served_name_naming_any_model() -> None:

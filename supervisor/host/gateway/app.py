@@ -18,7 +18,7 @@ from aiohttp import web
 from supervisor.host.failures import FailureLimit
 from supervisor.host.fleet.door import PeerDoor
 from supervisor.host.fleet.peers import Peers
-from supervisor.host.gateway import listing, recording, spans
+from supervisor.host.gateway import health, listing, recording, spans
 from supervisor.host.gateway.prober import Prober
 from supervisor.host.gateway.settings import GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
@@ -39,7 +39,7 @@ from supervisor.host.proxy.reserve import Hold, Reservations
 from supervisor.host.proxy.starter import POLL_S, Starter
 from supervisor.host.proxy.usageapi import UsageApi
 from supervisor.host.web.auth import METRICS_PATH, Authenticator, Caller, allowed, check_bearer
-from supervisor.host.web.intake import answer_and_close, peer
+from supervisor.host.web.intake import TRUSTED, answer_and_close, peer
 from supervisor.host.web.refusal import Refusal
 from supervisor.host.web.responses import open_sse, refusal_response, send_error_event
 
@@ -368,6 +368,8 @@ def create_app(
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
     app.on_response_prepare.append(gateway.say_unrecorded)
+    app[TRUSTED] = settings.listen.proxies  # whose X-Forwarded-For names the client (peer)
+    health.routes(app, settings.fleet.machine)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/budget", gateway.budget)
     for path in body.FORWARDED:  # each body's bytes held from before it is read to its end

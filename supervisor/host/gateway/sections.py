@@ -29,6 +29,8 @@ DEFAULT_ADDRESS: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8400
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0  # a slowloris holds a connection no longer than this
 DEFAULT_BODY_TIMEOUT_S: Final = 60.0  # 16 MiB, the largest body, at 2.3 Mbit/s
+# the unit gives a stop 30 s (TimeoutStopSec): at most this drain, then 20 s for the streams
+MAX_DRAIN_S: Final = 5.0
 # 16 of the largest bodies (16 MiB) at once. The process holds up to about twice the bytes
 # counted (a body as it is joined, or beside what goes upstream in its place) and the document
 # of the one body parsed at a time (16 MiB of token ids: about 100 MiB): under a GiB in all
@@ -89,12 +91,23 @@ class Listen(_Section):
     header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0, le=3600)
     body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0, le=3600)
     bodies_bytes: int = Field(default=DEFAULT_BODIES_BYTES, ge=MIN_BODIES_BYTES, le=2**40)
+    # the load balancers (addresses or networks) whose X-Forwarded-For names the client
+    trusted_proxies: tuple[str, ...] = ()
+    drain_s: float = Field(default=0, ge=0, le=MAX_DRAIN_S)  # /healthz 503 this long at a stop
 
     @field_validator("address")
     @classmethod
     def _an_address(cls, value: str) -> str:
         ipaddress.ip_address(value)  # its ValueError says what is wrong
         return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        networks = tuple(ipaddress.ip_network(item, strict=False) for item in value)
+        if any(network.prefixlen == 0 for network in networks):
+            raise ValueError("a network of every address would let any client name its own")
+        return tuple(map(str, networks))
 
     @model_validator(mode="after")
     def _checked(self) -> Self:
@@ -109,6 +122,10 @@ class Listen(_Section):
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    @property
+    def proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(item) for item in self.trusted_proxies)
 
 
 class Keys(_Section):

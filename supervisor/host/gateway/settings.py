@@ -19,6 +19,14 @@ bodies_bytes = 268435456       # the bytes of request bodies held at once, over 
                                # before it is read (its Content-Length, else its route's limit)
                                # to its request's end. One that would pass it: 429 bodies_busy
                                # with Retry-After, unread, and its connection closed
+trusted_proxies = []           # the load balancers (addresses, or networks: "10.0.0.0/24")
+                               # whose X-Forwarded-For is believed: a request from one counts,
+                               # for the invalid-key limit and the page's sign-in, as from the
+                               # rightmost address the header names that no trusted proxy
+                               # holds; from any other address the header is ignored
+drain_s = 0                    # at a stop, /healthz answers 503 this long (at most 5 s) while
+                               # the gateway still serves, so a load balancer's health check
+                               # takes it out before it stops listening; 0: it stops at once
 
 [keys]
 owner_file = "~/.config/lucia/owner.key"

@@ -2,7 +2,8 @@
 
 The gateway asks an Authenticator (supervisor.host.keycheck.Verifier) for the caller of a
 presented key; `allowed` decides by role: the inference role may call /v1 only, the owner also
-the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text.
+the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text;
+nor does `/healthz`, a load balancer's health check, which says only whether the gateway serves.
 The operator's page (/page/) takes no bearer key: its own sign-in and session guard it.
 `/fleet/` is the peer route between the gateways of a fleet (host/fleet): no caller's key
 opens it, and it checks its peer keys itself.
@@ -31,6 +32,7 @@ V1: Final = "/v1/"
 HOST_API: Final = "/api/host/"
 PAGE: Final = "/page"
 METRICS_PATH: Final = "/metrics"
+HEALTH_PATH: Final = "/healthz"
 FLEET: Final = "/fleet/"
 
 
@@ -64,7 +66,7 @@ Access = Literal["open", "peer", "allowed", "forbidden"]
 
 def allowed(path: str, role: Role | None) -> Access:
     """Pure: whether a caller of this role (None: no valid key yet) may call this path."""
-    if path in {METRICS_PATH, PAGE} or path.startswith(PAGE + "/"):
+    if path in {METRICS_PATH, HEALTH_PATH, PAGE} or path.startswith(PAGE + "/"):
         return "open"
     if path.startswith(FLEET):
         return "peer"

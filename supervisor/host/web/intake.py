@@ -5,17 +5,24 @@ body_timeout_s of its headers, whether the client stalls or sends a byte at a ti
 with 408, and the connection is closed as soon as that answer is out: what the client sends on
 is not read (aiohttp would read and drop it for up to its lingering time). Only reading the
 body is bounded; the answer, however long it streams, is not. `peer` is who sent it: the
-connection's address.
+connection's address, or, on a connection from a trusted proxy ([listen] trusted_proxies), the
+client that proxy names in X-Forwarded-For.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import ipaddress
+from collections.abc import Callable, Sequence
+from typing import Final
 
 from aiohttp import web
 
 from supervisor.host.web.refusal import Refusal
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# the load balancers whose X-Forwarded-For is believed ([listen] trusted_proxies), on the app
+TRUSTED: Final = web.AppKey("trusted_proxies", tuple[Network, ...])
 
 
 def too_slow(request: web.Request, timeout_s: float, came: int) -> Refusal:
@@ -65,6 +72,42 @@ async def answer_and_close(request: web.Request, response: web.StreamResponse) -
 
 
 def peer(request: web.Request) -> str:
-    """The address of the connection's other end, as the socket says (no forwarding header is
-    believed: a client writes those itself)."""
-    return request.remote or ""
+    """Who sent the request: the address of the connection's other end, as the socket says;
+    when that is a trusted proxy, the client its X-Forwarded-For names (`client`)."""
+    remote = request.remote or ""
+    trusted = request.config_dict.get(TRUSTED, ())
+    if not trusted:
+        return remote
+    return client(remote, request.headers.getall("X-Forwarded-For", ()), trusted)
+
+
+def client(remote: str, forwarded: Sequence[str], trusted: Sequence[Network]) -> str:
+    """Pure: the client of a connection from `remote`. A forwarding header is believed only
+    from a trusted proxy, and only as far as trusted proxies wrote it: read from its right end
+    (each proxy adds the address it saw there), the first address no trusted proxy holds is
+    the client; what a client wrote itself stands left of that and is never reached. A
+    malformed entry ends the reading: the last address read stands."""
+    hops = [hop.strip() for line in forwarded for hop in line.split(",")]
+    found = remote
+    while hops and _within(found, trusted):
+        try:
+            found = str(_address(hops.pop()))
+        except ValueError:
+            break
+    return found
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address; an IPv4 one a dual-stack socket shows as ::ffff:a.b.c.d as itself."""
+    address = ipaddress.ip_address(text)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _within(text: str, trusted: Sequence[Network]) -> bool:
+    try:
+        address = _address(text)
+    except ValueError:
+        return False
+    return any(address in network for network in trusted)
