@@ -125,18 +125,20 @@ def running_gateway(
     address: str = "127.0.0.1",
     prefix: Sequence[str] = (),
     keys: tuple[str, str] | None = None,
+    port: int | None = None,
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`
     (TOML sections) after [listen] and [keys]. The probe is off unless `settings` name
     [probe]: a test counts the requests and rows of its own callers. It listens on `address`,
     and `prefix` comes before its command (a machine's: `Machine.prefix()`). `keys`: the owner
-    and inference keys (gateways that take the same clients share them); new ones if None."""
+    and inference keys (gateways that take the same clients share them); new ones if None.
+    `port`: a free one if None (a fleet's settings name their own, in `advertise`)."""
     work.mkdir(parents=True, exist_ok=True)
     owner, inference = keys or (secrets.token_urlsafe(32), secrets.token_urlsafe(32))
     for name, key in (("owner.key", owner), ("inference.key", inference)):
         (work / name).write_text(key + "\n")
         (work / name).chmod(0o600)
-    port = free_port()
+    port = port or free_port()
     path = work / "gateway.toml"
     path.write_text(
         f'[listen]\naddress = "{address}"\nport = {port}\n{listen}'

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from supervisor.host.record import batch, schema
 from supervisor.host.record.database import Database, Target
 from supervisor.host.record.row import Build, Row
 
@@ -37,6 +38,7 @@ def row(
     wait_s: float = 0.01,
     ttft_s: float | None = 0.1,
     duration_s: float = 1.0,
+    machine: str | None = None,
 ) -> Row:
     return Row(
         at=at or datetime.now(UTC),
@@ -51,6 +53,7 @@ def row(
         wait_s=wait_s,
         ttft_s=ttft_s,
         duration_s=duration_s,
+        machine=machine,
     )
 
 
@@ -137,3 +140,18 @@ def run_and_kill(target: Target, rows: int, log: Path) -> Killed:
     child.stdout.close()
     assert killed_at, f"the child ended by itself: {log.read_text()[-2000:]}"
     return Killed(answered, killed_at, log.read_text())
+
+
+V2_COLUMNS = 15  # batch.COLUMNS of schema version 2: every column but the machine
+
+
+def at_version_2(db: Database) -> None:
+    """A record as a lucia-supervisor of schema version 2 left it, with one row (prompt 1)."""
+    with db.transaction(migration=True):
+        db.execute("CREATE TABLE schema_version (version BIGINT NOT NULL)")
+        for statements in schema.MIGRATIONS[:2]:
+            for statement in statements:
+                db.execute(statement)
+        db.execute("INSERT INTO schema_version (version) VALUES (2)")
+        old = batch.values(row(prompt=1))[:V2_COLUMNS]
+        db.bulk("generations", batch.COLUMNS[:V2_COLUMNS], [old])

@@ -44,6 +44,8 @@ def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]]) -> None:
         ("/healthz", None, "open"),
         ("/healthz/", None, "forbidden"),
         ("/v1/models", None, "forbidden"),
+        ("/fleet/v1/chat/completions", None, "peer"),  # its own peer key check (host/fleet)
+        ("/fleet/v1/chat/completions", "owner", "peer"),
     ],
 )
 def test_what_each_role_may_call(path: str, role: str | None, access: str) -> None:
@@ -91,6 +93,24 @@ def test_the_role_table_end_to_end(
             assert "needs the owner key" in document["error"]["message"]
             assert "role is inference" in document["error"]["message"]
         assert w.desired() is None  # nothing refused wrote a request
+
+    run(tmp_path, scenario)
+
+
+@pytest.mark.parametrize("headers", [{}, AUTH, OWNER])
+def test_with_the_fleet_off_the_peer_route_is_404_and_refusals_name_no_machine(
+    tmp_path: Path, headers: dict[str, str]
+) -> None:
+    async def scenario(w: World) -> None:
+        write_status(w.data, "small", "running", url=w.upstream.url)
+        async with aiohttp.ClientSession(headers=headers) as s:
+            fleet = str(w.gateway.make_url("/fleet/v1/chat/completions"))
+            async with s.post(fleet, json=CHAT) as r:
+                assert r.status == 404
+            async with s.post(str(w.gateway.make_url("/v1/chat/completions")), json={}) as r:
+                error = (await r.json())["error"]
+                assert r.status == (401 if not headers else 400) and "machine" not in error
+        assert w.upstream.bodies == []
 
     run(tmp_path, scenario)
 

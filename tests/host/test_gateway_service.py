@@ -216,6 +216,39 @@ def test_bad_settings_or_keys_exit_78_with_the_rule(
     assert "short" not in done.stderr.replace("shorter", "")
 
 
+PEER_A, PEER_B = "p" * 40, "q" * 40
+
+
+@pytest.mark.parametrize(
+    ("lines", "mode", "words"),
+    [
+        (None, 0o600, "no such file"),
+        (f"a {PEER_A}\nb {PEER_B}\n", 0o644, "has mode 0644; a peers file is owner-only"),
+        (f"b {PEER_B}\n", 0o600, "this machine, a ([fleet] machine), has no line"),
+        (f"a {PEER_A}\nb {OWNER_KEY}\n", 0o600, "line 2: machine b's key is the owner key"),
+        (f"a {PEER_A}\nb {PEER_A}\n", 0o600, "line 2: machine b's key is machine a's too"),
+    ],
+)
+def test_a_bad_peers_file_exits_78_naming_it_never_a_key(
+    tmp_path: Path, lines: str | None, mode: int, words: str
+) -> None:
+    peers = tmp_path / "peers.keys"
+    if lines is not None:
+        peers.write_text(lines)
+        peers.chmod(mode)
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        '[record]\ndsn = "postgresql://lucia@127.0.0.1:1/none"\n'
+        f'[fleet]\nmachine = "a"\nadvertise = "http://127.0.0.1:1"\npeers_file = "{peers}"\n'
+        + _keys(tmp_path, OWNER_KEY, INFERENCE_KEY)
+    )
+    done = gateway("--settings", str(path), "--data-dir", str(tmp_path))
+    assert done.returncode == 78
+    assert str(peers) in done.stderr and words in done.stderr
+    for key in (PEER_A, PEER_B, OWNER_KEY):
+        assert key not in done.stderr
+
+
 def test_a_settings_file_named_must_exist(tmp_path: Path) -> None:
     done = gateway("--settings", str(tmp_path / "nowhere.toml"))
     assert done.returncode == 78

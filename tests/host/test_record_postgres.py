@@ -27,7 +27,16 @@ from supervisor.host.record.store import Store
 from supervisor.host.record.writer import COMMITTED_WITHIN_S, UNAVAILABLE, WriterTuning
 from supervisor.protocol.names import digest_form
 from tests.postgres import Cluster
-from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
+from tests.record_world import (
+    KEY,
+    OTHER,
+    at_version_2,
+    days_ago,
+    facts,
+    row,
+    run_and_kill,
+    until,
+)
 from tests.standin import free_port
 from tests.support import within
 
@@ -65,6 +74,22 @@ def test_the_schema_is_sqlites(postgres: Cluster, stores: Any, tmp_path: Path) -
     assert pg.query("SELECT version FROM schema_version") == [(schema.VERSION,)]
     pg.close()
     lite.close()
+
+
+def test_a_record_of_version_2_gains_the_machine_column_null_in_its_rows(
+    postgres: Cluster, stores: Any
+) -> None:
+    dsn = postgres.database()
+    db = open_postgres(dsn)
+    at_version_2(db)
+    store = stores(dsn)
+    assert store.available
+    assert store.record(row(prompt=2, machine="spark-1")) and store.record(row(prompt=3))
+    store.close()
+    found = db.query("SELECT prompt_tokens, machine FROM generations ORDER BY prompt_tokens")
+    assert found == [(1, None), (2, "spark-1"), (3, None)]
+    assert db.query("SELECT version FROM schema_version") == [(schema.VERSION,)]
+    db.close()
 
 
 def test_rows_and_totals_are_committed_together(postgres: Cluster, stores: Any) -> None:

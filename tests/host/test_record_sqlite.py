@@ -27,7 +27,16 @@ from supervisor.host.record.row import Build, Row, RowRefused, refused, tokens_o
 from supervisor.host.record.store import Store
 from supervisor.host.record.writer import COMMITTED_WITHIN_S, WriterTuning
 from supervisor.protocol.documents import RunningEngine
-from tests.record_world import KEY, OTHER, days_ago, facts, row, run_and_kill, until
+from tests.record_world import (
+    KEY,
+    OTHER,
+    at_version_2,
+    days_ago,
+    facts,
+    row,
+    run_and_kill,
+    until,
+)
 
 FAST = WriterTuning(backoff_s=0.05, backoff_max_s=0.5)
 
@@ -101,6 +110,24 @@ def test_a_schema_from_a_newer_version_is_not_written_to(tmp_path: Path, store_a
     assert f"version {schema.VERSION + 1}" in str(store.reason)
     assert not store.record(row())
     assert rows_in(path) == 0
+
+
+def test_a_record_of_version_2_gains_the_machine_column_null_in_its_rows(
+    tmp_path: Path, store_at: Any
+) -> None:
+    path = tmp_path / "r.sqlite3"
+    db = open_sqlite(path)
+    at_version_2(db)
+    db.close()
+    store = store_at(path)
+    assert store.available
+    assert store.record(row(prompt=2, machine="spark-1")) and store.record(row(prompt=3))
+    store.close()
+    db = open_sqlite(path)
+    found = db.query("SELECT prompt_tokens, machine FROM generations ORDER BY prompt_tokens")
+    assert found == [(1, None), (2, "spark-1"), (3, None)]
+    assert db.query("SELECT version FROM schema_version") == [(schema.VERSION,)]
+    db.close()
 
 
 def test_rows_and_totals_are_committed_together(tmp_path: Path, store_at: Any) -> None:

@@ -57,6 +57,7 @@ def test_a_row_has_these_fields_and_no_other() -> None:
         ("ttft_s", "float | None"),
         ("duration_s", "float"),
         ("usage_source", "str"),
+        ("machine", "str | None"),
     ]
     assert [f.name for f in dataclasses.fields(Build)] == [
         "engine_version",
@@ -88,6 +89,11 @@ PROSE = "tell me a story about zq-unique-7f3a"
         ({"ttft_s": -0.1}, "ttft_s"),
         ({"duration_s": math.inf}, "duration_s"),
         ({"at": datetime(2026, 5, 4, 12)}, "at"),
+        ({"machine": PROSE}, "machine"),
+        ({"machine": ""}, "machine"),
+        ({"machine": "Spark"}, "machine"),
+        ({"machine": "-b"}, "machine"),
+        ({"machine": "b" * 64}, "machine"),
     ],
 )
 def test_a_row_refuses_what_is_not_its_kind(change: dict[str, Any], names: str) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
+from supervisor.host.fleet.door import PeerDoor
+from supervisor.host.fleet.peers import Peers
 from supervisor.host.gateway import health, listing, recording, spans
 from supervisor.host.gateway.prober import Prober
 from supervisor.host.gateway.settings import GatewaySettings
@@ -73,19 +75,22 @@ class Gateway:
         spending: budgets.BudgetSpending,
         recorder: recording.Recorder | None = None,
         tracing: Tracing | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.settings = settings
+        self.machine = settings.fleet.machine or None  # named in refusals and rows, in a fleet
+        self.door = PeerDoor(peers, certified=settings.listen.tls) if peers else None
         self.tracing = tracing  # None: tracing off, and no OpenTelemetry object is made
         self.auth = auth
         self.failures = FailureLimit()  # invalid bearer keys per client address
         self.spending = spending
         self.reservations = Reservations()  # the bounds of requests in flight, per key and day
-        self.recorder = recorder
+        self.recorder = recording.stamped(recorder, self.machine)
         self.timing = timing
         self.catalog = Catalog(data_dir)
         self.starter = Starter(data_dir, settings.limits.load_wait_s, timing.poll_s)
         self.gates: dict[str, Gate] = {}
-        self.forwarder = Forwarder()
+        self.forwarder = Forwarder(self.machine)
         self.bodies = Bodies(
             settings.listen.bodies_bytes,
             settings.listen.body_timeout_s,
@@ -109,7 +114,7 @@ class Gateway:
             timeout_s=settings.probe.timeout_s,
             free=self.free,
             stopping=self.idle.stopping,
-            recorder=recorder,
+            recorder=self.recorder,
         )
         self.host_api = HostApi(
             data_dir,
@@ -171,10 +176,14 @@ class Gateway:
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if allowed(request.path, None) != "open":
+            access = allowed(request.path, None)
+            if access == "peer" and self.door is not None:  # else 404: no route
+                request[CALLER] = self.door.caller(request, self.failures)
+            elif access not in ("open", "peer"):
                 request[CALLER] = self.caller(request)
             return await handler(request)
         except Refusal as refusal:
+            refusal.machine = refusal.machine or self.machine
             self.metrics.refused(refusal.code)
             response = refusal_response(refusal)
             if refusal.close:
@@ -183,13 +192,10 @@ class Gateway:
 
     def caller(self, request: web.Request) -> Caller:
         """The verified caller, allowed this path (auth.check_bearer: 401, 429 or 403)."""
-        return check_bearer(
-            self.auth,
-            self.failures,
-            request.path,
-            request.headers.get("Authorization"),
-            peer(request),
-        )
+        door, path, address = self.door, request.path, peer(request)
+        misplaced = door.on_v1(path, address) if door is not None else None
+        auth = request.headers.get("Authorization")
+        return check_bearer(self.auth, self.failures, path, auth, address, elsewhere=misplaced)
 
     async def say_unrecorded(self, _: web.Request, response: web.StreamResponse) -> None:
         """Every response says when nothing is recorded and no budget is enforced."""
@@ -277,6 +283,7 @@ class Gateway:
                 trace.outcome = "client_gone"
             raise
         except Refusal as refusal:
+            refusal.machine = refusal.machine or self.machine
             trace.outcome = trace.outcome or "refused"
             trace.code = refusal.code
             sse = trace.answer  # a start's stream: its client has the headers already
@@ -319,25 +326,13 @@ class Gateway:
         if sse is not None:
             trace.began(sse)
         trace.starting = asyncio.get_running_loop().time()
-        url = await self._wait_start(engine, sse)
+        url = await self.starter.ready_telling(engine, sse, self.timing.keepalive_s)
         trace.started = asyncio.get_running_loop().time()
         self.idle.stopping.discard(engine)
         now = self.catalog.engine(engine)  # as it is now: its slots, once it runs
         trace.served_by = now.status
         self.follow(now)
         return url
-
-    async def _wait_start(self, engine: str, sse: web.StreamResponse | None) -> str:
-        waiting = asyncio.ensure_future(self.starter.ready(engine))
-        try:
-            while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self.timing.keepalive_s)
-                if done:
-                    return waiting.result()
-                if sse is not None:
-                    await sse.write(f": starting engine {engine}\n\n".encode())
-        finally:
-            waiting.cancel()  # only this caller's wait: the start is shielded
 
 
 GATEWAY: Final = web.AppKey("gateway", Gateway)
@@ -354,10 +349,12 @@ def create_app(
     recorder: recording.Recorder | None = None,
     sources: Sources | None = None,
     tracing: Tracing | None = None,
+    peers: Peers | None = None,
 ) -> web.Application:
     """The application; `spending` and `recorder` are the record (record.store.Store), or
     None: nothing is recorded and no budget is enforced; `sources` feed the operator's page
-    (memory from the ledger if none); `tracing`, when [tracing] is on (tracing.Tracing)."""
+    (memory from the ledger if none); `tracing`, when [tracing] is on (tracing.Tracing);
+    `peers`, in a fleet (fleet.peers: the peer route is served then)."""
     gateway = Gateway(
         settings,
         data_dir,
@@ -366,6 +363,7 @@ def create_app(
         spending=spending or budgets.NoRecord(),
         recorder=recorder,
         tracing=tracing,
+        peers=peers,
     )
     app = web.Application(middlewares=[gateway.guard], client_max_size=body.ANY_LIMIT)
     app[GATEWAY] = gateway
@@ -376,6 +374,8 @@ def create_app(
     app.router.add_get("/v1/budget", gateway.budget)
     for path in body.FORWARDED:  # each body's bytes held from before it is read to its end
         app.router.add_post(path, gateway.bodies.holding(gateway.forward))
+    if gateway.door is not None:  # /fleet/v1: the same, for a peer gateway's caller
+        gateway.door.routes(app, gateway.bodies.holding(gateway.forward))
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)

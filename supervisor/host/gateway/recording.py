@@ -11,7 +11,7 @@ rule) is its digest form, never a reason to lose the row, so its tokens are char
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from supervisor import logs
@@ -27,6 +27,22 @@ class Recorder(Protocol):
     """What the gateway asks of the record (record.store.Store): never blocks, never raises."""
 
     def record(self, row: Row) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Stamped:
+    """A recorder whose every row names the machine that served it (a fleet's)."""
+
+    recorder: Recorder
+    machine: str
+
+    def record(self, row: Row) -> bool:
+        return self.recorder.record(replace(row, machine=self.machine))
+
+
+def stamped(recorder: Recorder | None, machine: str | None) -> Recorder | None:
+    """The recorder, its rows naming `machine` when there is one (the fleet on)."""
+    return recorder if recorder is None or machine is None else Stamped(recorder, machine)
 
 
 def build_of(status: Status | None, model: str) -> Build:

@@ -240,6 +240,7 @@ class FleetSettings(_Section):
     peers_file: FilePath = Field(default_factory=lambda: config_home() / "peers.keys")
     stale_s: float = Field(default=DEFAULT_FLEET_STALE_S, ge=2, le=3600)  # a row older: unrouted
     publish_s: float = Field(default=DEFAULT_FLEET_PUBLISH_S, ge=0.2, le=60)  # at most this often
+    ca_file: FilePath | None = None  # with [listen] tls_cert: the CA of every gateway's cert
 
     @property
     def on(self) -> bool:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from supervisor import logs
+from supervisor.host.fleet.peers import Peers, taken_by
+from supervisor.host.fleet.tls import ask_for_peers
 from supervisor.host.gateway.app import create_app
 from supervisor.host.gateway.health import HEALTH
 from supervisor.host.gateway.sections import (
@@ -46,8 +48,9 @@ SHUTDOWN_S: Final = 20.0  # streams in flight get this long at a stop (the unit 
 log = logs.get("gateway")
 
 
-def tls_context(listen: Listen) -> ssl.SSLContext | None:
-    """The server's TLS context from the configured files; SettingsError naming the setting."""
+def tls_context(listen: Listen, ca_file: Path | None = None) -> ssl.SSLContext | None:
+    """The server's TLS context from the configured files, asking peers for a certificate
+    signed by `ca_file` when set (fleet.tls); SettingsError naming the setting."""
     if listen.tls_cert is None or listen.tls_key is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -55,12 +58,22 @@ def tls_context(listen: Listen) -> ssl.SSLContext | None:
     try:
         context.load_cert_chain(listen.tls_cert, listen.tls_key)
     except (OSError, ssl.SSLError) as exc:
-        detail = getattr(exc, "strerror", None) or str(exc)
         raise SettingsError(
             f"listen.tls_cert {listen.tls_cert}, listen.tls_key {listen.tls_key}: cannot be "
-            f"used: {detail}"
+            f"used: {_detail(exc)}"
         ) from None
+    if ca_file is not None:
+        try:
+            ask_for_peers(context, ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise SettingsError(
+                f"fleet.ca_file {ca_file}: cannot be used: {_detail(exc)}"
+            ) from None
     return context
+
+
+def _detail(exc: OSError | ssl.SSLError) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 class Service:
@@ -75,7 +88,12 @@ class Service:
         self.data_dir = data_dir
         self.auth = auth
         self.notifier = notifier or Notifier()
-        self.context = tls_context(settings.listen)  # before anything binds: exit 78 early
+        fleet = settings.fleet
+        self.context = tls_context(settings.listen, fleet.ca_file)  # before anything binds
+        # the peers file, read at start: a bad one is exit 78 too (fleet.peers)
+        self.peers = (
+            Peers.open(fleet.peers_file, fleet.machine, taken_by(auth)) if fleet.on else None
+        )
         self.stop = asyncio.Event()
         self.port: int | None = None  # the bound port, once listening (0 in settings: any)
         self.listening = asyncio.Event()
@@ -101,6 +119,7 @@ class Service:
             recorder=store,
             sources=sources,
             tracing=tracing,
+            peers=self.peers,
         )
         app_runner = runner(app, SHUTDOWN_S, listen.header_timeout_s)
         await app_runner.setup()

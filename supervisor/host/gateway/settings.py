@@ -126,6 +126,9 @@ advertise = ""                 # where the other gateways reach this one: http(s
 peers_file = "~/.config/lucia/peers.keys"   # every machine's peer key, one `name key` a line
 stale_s = 10                   # a machine not heard from this long is not routed to
 publish_s = 1                  # a changed engine reaches the catalog at most this often
+ca_file = "/etc/lucia/fleet-ca.crt"   # with [listen] tls_cert (and only then): the CA that
+                               # signed every gateway's certificate. The gateways then
+                               # authenticate each other by mutual TLS as well as peer keys
 ```
 """
 
@@ -215,6 +218,14 @@ class GatewaySettings(_Section):
             raise ValueError(
                 "fleet.machine is set: the fleet's catalog is in PostgreSQL, so [record] must be "
                 "enabled with a dsn"
+            )
+        if self.fleet.ca_file is not None and not self.listen.tls:
+            raise ValueError("fleet.ca_file is for mutual TLS: set [listen] tls_cert too")
+        if self.fleet.on and self.listen.tls and self.fleet.ca_file is None:
+            raise ValueError(
+                "fleet.machine and listen.tls_cert are set: the gateways authenticate each "
+                "other by mutual TLS, so [fleet] ca_file must name the CA that signed every "
+                "gateway's certificate"
             )
         return self
 

@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from supervisor.host.proxy.body import Prepared
+from supervisor.host.proxy.connections import BROKEN, Connections
 from supervisor.host.proxy.metrics import Outcome
 from supervisor.host.proxy.usage import AnswerScan, Counts, Source, UsageFilter
 from supervisor.host.web.refusal import Refusal
@@ -29,10 +30,6 @@ from supervisor.protocol.documents import Status, utc_now
 
 SSE: Final = "text/event-stream"
 DONE: Final = b"data: [DONE]"  # an OpenAI stream's last event
-_CONNECT_S: Final = 10.0
-_BROKEN: Final = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError)
-# a pooled connection the engine had closed: the request was not written, or no answer began
-_STALE: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 _PASSED_HEADERS: Final = ("Content-Type", "Content-Length")
 _JSON: Final = {"Content-Type": "application/json"}
 # a stream ended early: its engine's events read on, to count them, until it ends the stream
@@ -118,51 +115,27 @@ async def from_engine(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes |
             data = await anext(chunks)
         except StopAsyncIteration:
             return
-        except _BROKEN as exc:
+        except BROKEN as exc:
             yield Broke(exc)
             return
         yield data
 
 
-def _client(force_close: bool) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, force_close=force_close),
-        auto_decompress=False,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S),
-    )
-
-
 class Forwarder:
-    """Requests go on pooled connections. An engine may close one it announced it would keep
-    (llama-server does so after every streamed answer, though its head says keep-alive), and
-    the pool then hands out a closed connection: a request that fails so, before any answer
-    came, is sent once more on a new connection of its own (`retried` counts them)."""
+    """Requests go on pooled connections (connections.py: a request that finds its pooled
+    connection closed by the engine is sent once more on a new one). In a fleet, `machine` is
+    named in the error events it writes, as in every refusal."""
 
-    def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None
-        self.retried = 0
-
-    async def session(self, _: web.Application) -> AsyncIterator[None]:
-        """The app's cleanup context: one client session, one pool of connections, and one
-        that opens a connection per request for the retries."""
-        self._session, self._fresh = _client(force_close=False), _client(force_close=True)
-        try:
-            yield
-        finally:
-            await self._session.close()
-            await self._fresh.close()
+    def __init__(self, machine: str | None = None) -> None:
+        self.machine = machine
+        self.connections = Connections()
+        self.session = self.connections.session  # the app's cleanup context
 
     async def _post(
         self, url: str, data: bytes, context: dict[str, str] | None
     ) -> aiohttp.ClientResponse:
-        assert self._session is not None and self._fresh is not None
         headers = _JSON if context is None else {**_JSON, **context}
-        try:
-            return await self._session.post(url, data=data, headers=headers)
-        except _STALE:  # closed under us before any answer: never reached the engine's handler
-            self.retried += 1
-        return await self._fresh.post(url, data=data, headers=headers)
+        return await self.connections.post(url, data, headers)
 
     async def send(
         self,
@@ -192,6 +165,7 @@ class Forwarder:
         except TimeoutError:
             trace.outcome = "timed_out"
             refusal = timed_out(engine, deadline_s)
+            refusal.machine = self.machine
             response = trace.answer
             if response is None:  # not begun: the refusal is the answer
                 raise refusal from None
@@ -216,7 +190,7 @@ class Forwarder:
         trace.posted, trace.sent = True, asyncio.get_running_loop().time()
         try:
             upstream = await self._post(url + request.path, prepared.body, trace.context)
-        except _BROKEN as exc:
+        except BROKEN as exc:
             trace.outcome = "engine_failed"
             trace.posted = not isinstance(exc, aiohttp.ClientConnectorError)  # never connected
             raise unreachable(engine, exc) from None
@@ -229,7 +203,7 @@ class Forwarder:
                 # the client's stream is open (a start): the answer becomes an event
                 try:
                     content = await upstream.read()
-                except _BROKEN as exc:
+                except BROKEN as exc:
                     trace.outcome = "engine_failed"
                     raise unreachable(engine, exc) from None
                 scan = AnswerScan()
@@ -313,6 +287,7 @@ class Forwarder:
                         502,
                         "engine_failed",
                         f"engine {engine} broke off the stream: {describe(data.error)}",
+                        machine=self.machine,
                     )
                     await sse.write(usage.close() + b"data: " + error.encoded() + b"\n\n")
                     await sse.write_eof()
@@ -358,7 +333,7 @@ async def _drain(upstream: aiohttp.ClientResponse, usage: UsageFilter) -> None:
         async with asyncio.timeout(DRAIN_S):
             while data := await content.readany():
                 usage.drain(data)
-    except (TimeoutError, RuntimeError, OSError, *_BROKEN):
+    except (TimeoutError, RuntimeError, OSError, *BROKEN):
         return
     finally:
         upstream.close()

@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from aiohttp import web
+
 from supervisor.host.protocol import Superseded, classify, request
 from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import DesiredFile, Status, utc_now
@@ -119,6 +121,21 @@ class Starter:
             self._starts[engine] = task
             task.add_done_callback(lambda _: self._starts.pop(engine, None))
         return await asyncio.shield(task)
+
+    async def ready_telling(
+        self, engine: str, sse: web.StreamResponse | None, every_s: float
+    ) -> str:
+        """`ready`, a client's stream (if any) told this often that its engine is starting."""
+        waiting = asyncio.ensure_future(self.ready(engine))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=every_s)
+                if done:
+                    return waiting.result()
+                if sse is not None:
+                    await sse.write(f": starting engine {engine}\n\n".encode())
+        finally:
+            waiting.cancel()  # only this caller's wait: the start is shielded
 
     async def _start(self, engine: str) -> str:
         directory = engine_dir(self.data_dir, engine)

@@ -31,6 +31,7 @@ COLUMNS: Final = (
     "ttft_s",
     "duration_s",
     "usage_source",
+    "machine",
 )
 ADD_TOTAL: Final = (
     "INSERT INTO daily_totals (day, key_id, tokens, requests) VALUES (?, ?, ?, ?) "
@@ -60,6 +61,7 @@ def values(row: Row) -> tuple[object, ...]:
         row.ttft_s,
         row.duration_s,
         row.usage_source,
+        row.machine,
     )
 
 

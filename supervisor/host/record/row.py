@@ -8,7 +8,8 @@ served names (protocol.names) or, for a name from before that rule (a GGUF a lib
 held, served still), its digest form: the gateway gives a row `names.kept(name)`, so no row is
 ever lost for its name, and its tokens are charged to its key as any other's. There is no
 field for a prompt, a completion or a message: a refusal is kept as its code
-(`refused:rate_limited`), never its text.
+(`refused:rate_limited`), never its text. In a fleet, `machine` names the machine whose gateway
+served the request ([fleet] machine); None when the fleet is off.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ REFUSED: Final = "refused:"
 # whole), none (nothing was generated, or nothing said what)
 USAGE_SOURCES: Final = frozenset({"engine", "engine_partial", "counted", "bound", "none"})
 _REASON: Final = re.compile(r"[a-z0-9_]{1,64}")
+MACHINE: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # [fleet] machine
 
 
 class RowRefused(ValueError):
@@ -140,6 +142,7 @@ class Row:
     ttft_s: float | None  # to the first byte of the answer; None when none came
     duration_s: float
     usage_source: str = "none"  # USAGE_SOURCES
+    machine: str | None = None  # the fleet's machine that served it; None: no fleet
 
     def __post_init__(self) -> None:
         if not isinstance(self.at, datetime) or self.at.utcoffset() is None:
@@ -161,6 +164,10 @@ class Row:
         object.__setattr__(self, "duration_s", _seconds("duration_s", self.duration_s))
         if self.usage_source not in USAGE_SOURCES:
             raise RowRefused("usage_source: " + ", ".join(sorted(USAGE_SOURCES)))
+        if self.machine is not None and not (
+            isinstance(self.machine, str) and MACHINE.fullmatch(self.machine)
+        ):
+            raise RowRefused("machine: a machine's name (a-z, 0-9 and -, at most 63) or None")
 
     @property
     def day(self) -> date:

@@ -46,8 +46,12 @@ V1: Final = (
 # where a row's token counts came from (row.USAGE_SOURCES); NULL in a row written before it
 V2: Final = ("ALTER TABLE generations ADD COLUMN usage_source TEXT",)
 
+# the fleet's machine whose gateway served the row ([fleet] machine); NULL in a row written
+# before it, and by a gateway in no fleet
+V3: Final = ("ALTER TABLE generations ADD COLUMN machine TEXT",)
+
 # Version N is MIGRATIONS[N - 1]; a new version is a new entry at the end, never an edit.
-MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (V1, V2)
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (V1, V2, V3)
 VERSION: Final = len(MIGRATIONS)
 
 

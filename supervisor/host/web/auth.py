@@ -5,6 +5,8 @@ presented key; `allowed` decides by role: the inference role may call /v1 only, 
 the host API. `/metrics` needs no key: it holds counts and model names, never a key or a text;
 nor does `/healthz`, a load balancer's health check, which says only whether the gateway serves.
 The operator's page (/page/) takes no bearer key: its own sign-in and session guard it.
+`/fleet/` is the peer route between the gateways of a fleet (host/fleet): no caller's key
+opens it, and it checks its peer keys itself.
 
 A presented key that is no valid key is a failure of the connection's address (a FailureLimit,
 as the page's sign-in has): past the limit, that address's invalid keys get 429 with
@@ -18,6 +20,7 @@ the gateway never grants).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final, Literal, Protocol
 
 from supervisor.host.failures import FailureLimit
@@ -30,6 +33,7 @@ HOST_API: Final = "/api/host/"
 PAGE: Final = "/page"
 METRICS_PATH: Final = "/metrics"
 HEALTH_PATH: Final = "/healthz"
+FLEET: Final = "/fleet/"
 
 
 class Caller(Protocol):
@@ -57,13 +61,15 @@ class Authenticator(Protocol):
         ...
 
 
-Access = Literal["open", "allowed", "forbidden"]
+Access = Literal["open", "peer", "allowed", "forbidden"]
 
 
 def allowed(path: str, role: Role | None) -> Access:
     """Pure: whether a caller of this role (None: no valid key yet) may call this path."""
     if path in {METRICS_PATH, HEALTH_PATH, PAGE} or path.startswith(PAGE + "/"):
         return "open"
+    if path.startswith(FLEET):
+        return "peer"
     if role == "owner":
         return "allowed"
     return "allowed" if role == "inference" and path.startswith(V1) else "forbidden"
@@ -83,12 +89,18 @@ def check_bearer(
     path: str,
     authorization: str | None,
     address: str,
+    *,
+    elsewhere: Callable[[str], Refusal | None] | None = None,
 ) -> Caller:
     """The verified caller, allowed this path: else 401 (no valid key), 429 (invalid keys from
-    an address past its limit) or 403 (its role)."""
+    an address past its limit) or 403 (its role). `elsewhere` says whether a key that is no
+    caller's is a key of another door (a peer key: 403), before it counts as a failure."""
     key = presented_key(authorization)
     caller = auth.verify(key) if key is not None else None
     if caller is None:
+        misplaced = elsewhere(key) if elsewhere is not None and key is not None else None
+        if misplaced is not None:
+            raise misplaced
         wait = failures.blocked(address) if key is not None else 0.0
         if wait > 0:
             raise Refusal(

@@ -19,6 +19,7 @@ class Refusal(Exception):
         headers: dict[str, str] | None = None,
         details: dict[str, Any] | None = None,
         close: bool = False,
+        machine: str | None = None,
     ) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
@@ -28,10 +29,13 @@ class Refusal(Exception):
         self.headers = headers or {}
         self.details = details or {}  # beside `error` in the body, e.g. admission's counts
         self.close = close  # the connection is closed once the answer is out
+        self.machine = machine  # in a fleet: the machine that refuses, named in the error
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        if self.machine is not None:
+            error["machine"] = self.machine
         return {"error": error, **self.details}
 
     def encoded(self) -> bytes:

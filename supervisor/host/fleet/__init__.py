@@ -1,0 +1,1 @@
+"""Several machines as one service: peer keys, the peer route, forwarding to a peer."""
