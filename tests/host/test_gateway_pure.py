@@ -88,6 +88,23 @@ def test_include_usage_goes_before_the_clients_own_bytes(raw: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("raw", "model", "sent"),
+    [  # what a peer gateway is sent: the client's own bytes, nothing this side added
+        (b'{"model": "m", "stream": true, "prompt": "x"}', "m", None),
+        (b'{"model": "fast", "stream": true, "prompt": "x"}', "m", {"model": "m"}),
+        (b'{"stream": true, "prompt": "x"}', "m", {"model": "m"}),  # the default tier's
+    ],
+)
+def test_a_peer_is_sent_the_clients_body_naming_the_model(
+    raw: bytes, model: str, sent: dict[str, str] | None
+) -> None:
+    prepared = body.prepare(body.COMPLETIONS, raw, BOUNDS, default="m")
+    assert prepared.body != raw  # this side's stream_options and bound
+    out = body.as_sent(prepared, model)
+    assert out == raw if sent is None else json.loads(out) == {**json.loads(raw), **sent}
+
+
+@pytest.mark.parametrize(
     ("raw", "status", "words"),
     [
         (b'{"model": 1}', 400, "model must be a non-empty string"),

@@ -136,6 +136,13 @@ class Bodies:
             return body.with_model(prepared, model)
         return await self.off_loop(body.with_model, prepared, model)
 
+    async def as_sent(self, prepared: body.Prepared, model: str) -> bytes:
+        """body.as_sent: the client's body for a peer gateway, parsed again off the loop when
+        it is large."""
+        if len(prepared.raw) <= PARSE_INLINE:
+            return body.as_sent(prepared, model)
+        return await self.off_loop(body.as_sent, prepared, model)
+
     async def off_loop(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`work` in the parse thread. A request that ends meanwhile waits for a parse that
         has begun (its bytes are held until it ends); one not begun is dropped."""

@@ -59,6 +59,7 @@ class Prepared:
     prompt_estimate: int = 0  # the prompt's tokens, as body.py estimates them
     generation_bound: int = 0  # the most tokens it may generate, every sequence together
     sequences: int = 1  # how many it generates (n, best_of)
+    raw: bytes = b""  # the body as the client sent it (what a peer gateway prepares again)
 
     @property
     def reserve(self) -> int:
@@ -166,6 +167,7 @@ def prepare(
         prompt_estimate=estimate,
         generation_bound=many * settled.tokens,
         sequences=many,
+        raw=raw,
     )
 
 
@@ -177,6 +179,16 @@ def _with(raw: bytes, document: dict[str, Any], changes: dict[str, Any]) -> byte
         return json.dumps({**document, **changes}).encode()
     first = json.dumps(changes, separators=(",", ":"))[:-1].encode()  # without its closing }
     return first + b"," + raw.lstrip()[1:]
+
+
+def as_sent(prepared: Prepared, model: str) -> bytes:
+    """The client's body as it came, naming `model` (a tier alias resolved, or the default
+    tier's model for a body that named none): what a peer gateway is sent to prepare again."""
+    document = json.loads(prepared.raw)
+    if document.get("model") == model:
+        return prepared.raw
+    document["model"] = model
+    return json.dumps(document).encode()
 
 
 def with_model(prepared: Prepared, model: str) -> Prepared:
