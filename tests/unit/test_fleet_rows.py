@@ -13,7 +13,9 @@ from supervisor.host.fleet.rows import (
     MAX_DOCUMENT,
     PeerEngine,
     document,
+    engine_key,
     machine_document,
+    read_key,
     read_row,
     read_url,
     rows_of,
@@ -199,6 +201,20 @@ def test_a_row_reads_back_as_it_was_written_hostile_strings_as_data(row: PeerEng
     stored = document(row)
     assert stored.isascii() and "\x00" not in stored
     assert read_row(row.machine, row.engine, row.url, stored, row.heard) == row
+
+
+@pytest.mark.parametrize("name", ["small", *HOSTILE])
+def test_an_engines_key_is_ascii_and_reads_back_as_its_name(name: str) -> None:
+    key = engine_key(name)
+    assert key.isascii() and "\x00" not in key
+    assert read_key(key) == name
+
+
+@pytest.mark.parametrize(
+    "key", [None, 5, "small", '["small"]', "7", "null", '"a', " " * MAX_DOCUMENT]
+)
+def test_a_key_in_another_form_is_refused(key: object) -> None:
+    assert read_key(key) is None
 
 
 def good(**change: Any) -> str:

@@ -3,8 +3,9 @@
 A gateway publishes one row per engine of its data directory (`rows_of`): its models and what
 each serves, its state, build, weights, admission counts, slots, the memory plan's verdict and
 whether an operator stopped it, beside the machine's advertise URL. The catalog stores a row as
-one JSON document (`document`): every string in it is escaped as JSON does, so a name with a
-NUL, a quote or a terminal escape is stored, sent and read back as data. A row read from the
+one JSON document (`document`), keyed by the engine's name as a JSON string (`engine_key`):
+every string is escaped as JSON does, so a name with a NUL, a lone surrogate, a quote or a
+terminal escape is stored, sent and read back as data. A row read from the
 catalog was written by another machine (`read_row`): anything it does not hold in the form
 written here is refused (None), never guessed at, and a state this version does not know is
 `unavailable` (never routed to, still shown).
@@ -139,6 +140,22 @@ def document(row: PeerEngine) -> str:
         separators=(",", ":"),
         sort_keys=True,
     )
+
+
+def engine_key(engine: str) -> str:
+    """An engine's name as the catalog keys it: a JSON string (no NUL, no lone surrogate)."""
+    return json.dumps(engine)
+
+
+def read_key(text: object) -> str | None:
+    """An engine's name from its key; None when the key is not one."""
+    if not isinstance(text, str) or len(text) > MAX_DOCUMENT:
+        return None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, str) else None
 
 
 def machine_document(url: str) -> str:
