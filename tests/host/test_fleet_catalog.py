@@ -2,7 +2,7 @@
 by several catalogs of different machines: a change carried by NOTIFY, a killed gateway gone
 stale, a clean stop removing its rows, PostgreSQL stopped and started again, PostgreSQL frozen
 while the event loop goes on, hostile strings as data, tables of a newer version left alone,
-and a real gateway publishing its engines.
+a gateway publishing its engines, and a gateway process leaving the catalog as its stop begins.
 
 Every case shares the module's cluster (one that stops or freezes it stops or freezes it for
 the module), so tests/schedule.py keeps them in one process, as every module is a group."""
@@ -32,6 +32,7 @@ from supervisor.host.gateway.sections import FleetSettings
 from supervisor.host.proxy import body
 from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import utc_now
+from tests.gateway_proc import running_gateway
 from tests.host.gateway_world import AUTH, SETTINGS, Upstream, world, write_status
 from tests.postgres import Cluster
 
@@ -412,3 +413,33 @@ def test_a_gateway_publishes_its_engines_and_withdraws_them_at_its_stop(
             await seen(reader, lambda: "gw" not in machines(reader))  # withdrawn at its stop
 
     run(scenario())
+
+
+def test_a_gateway_process_leaves_the_catalog_as_its_stop_begins(
+    postgres: Cluster, tmp_path: Path
+) -> None:
+    """SIGTERM: the machine's rows go with /healthz's 503, before the drain and the shutdown."""
+    dsn = postgres.database()
+    data = tmp_path / "data"
+    data.mkdir()
+    write_status(data, "small", "stopped", models=("tiny",))
+    reader = notified("reader", dsn)
+    fleet = (
+        f'[record]\ndsn = "{dsn}"\n[fleet]\nmachine = "gw"\n'
+        'advertise = "http://127.0.0.1:8400"\nstale_s = 2\npublish_s = 0.2\n'
+    )
+    with running_gateway(tmp_path / "gw", data, fleet, listen="drain_s = 1\n") as gw:
+
+        async def scenario() -> None:
+            async with catalogs(reader):
+                await seen(reader, lambda: [r.engine for r in of(reader, "gw")] == ["small"])
+                gw.proc.send_signal(signal.SIGTERM)
+                await seen(reader, lambda: "gw" not in machines(reader))
+
+        run(scenario())
+        assert gw.proc.wait(60) == 0
+    said = gw.log_text()
+    assert said.count("fleet joined") == 1 and said.count("fleet left") == 1, said[-3000:]
+    assert "fleet unavailable" not in said
+    order = [said.index(line) for line in ("fleet left", "gateway draining", "gateway stopping")]
+    assert order == sorted(order), said[-3000:]
