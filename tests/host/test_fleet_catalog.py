@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -33,6 +34,7 @@ from supervisor.host.proxy import body
 from supervisor.host.web.refusal import Refusal
 from supervisor.protocol.documents import utc_now
 from tests.gateway_proc import running_gateway
+from tests.host.fleet_world import write_peers
 from tests.host.gateway_world import AUTH, SETTINGS, Upstream, world, write_status
 from tests.postgres import Cluster
 
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTIFIED = Timing(publish_s=0.05, beat_s=900, wait_s=5)
 
 
-def settings(machine: str, stale_s: float = 2.0) -> FleetSettings:
+def settings(machine: str, stale_s: float = 8.0) -> FleetSettings:
     return FleetSettings(
         machine=machine,
         advertise=f"http://{machine}.example:8400",
@@ -169,7 +171,7 @@ def test_a_killed_gateway_goes_stale_and_a_live_one_never_does(
 
                 def gone_stale() -> bool:
                     listed = machines(reader)
-                    if listed.get("reader") is not False:
+                    if listed and listed.get("reader") is not False:  # listed: available
                         ever_stale.append(listed)
                     return listed.get("gone") is True
 
@@ -241,8 +243,8 @@ def test_a_frozen_postgresql_never_stalls_the_event_loop(postgres: Cluster) -> N
     most, in a task of its own: a loop blocked on one would miss its ticks for the whole
     freeze (several wait_s), so the ticker's longest gap stays below wait_s."""
     dsn = postgres.database()
-    a = FleetCatalog(settings("a", stale_s=4), dsn, lambda: [engine("a")])
-    b = FleetCatalog(settings("b", stale_s=4), dsn, lambda: [engine("b")])
+    a = FleetCatalog(settings("a"), dsn, lambda: [engine("a")])
+    b = FleetCatalog(settings("b"), dsn, lambda: [engine("b")])
     gaps: list[float] = []
 
     async def ticker(stop: asyncio.Event) -> None:
@@ -369,7 +371,7 @@ def fleet_settings(dsn: str) -> str:
     return SETTINGS + (
         f'[record]\ndsn = "{dsn}"\n'
         '[fleet]\nmachine = "gw"\nadvertise = "http://127.0.0.1:8400"\n'
-        "stale_s = 2\npublish_s = 0.2\n"
+        "stale_s = 8\npublish_s = 0.2\n"
     )
 
 
@@ -424,9 +426,11 @@ def test_a_gateway_process_leaves_the_catalog_as_its_stop_begins(
     data.mkdir()
     write_status(data, "small", "stopped", models=("tiny",))
     reader = notified("reader", dsn)
+    peers = tmp_path / "peers.keys"
+    write_peers(peers, {"gw": secrets.token_urlsafe(32)})
     fleet = (
-        f'[record]\ndsn = "{dsn}"\n[fleet]\nmachine = "gw"\n'
-        'advertise = "http://127.0.0.1:8400"\nstale_s = 2\npublish_s = 0.2\n'
+        f'[record]\ndsn = "{dsn}"\n[fleet]\nmachine = "gw"\npeers_file = "{peers}"\n'
+        'advertise = "http://127.0.0.1:8400"\nstale_s = 8\npublish_s = 0.2\n'
     )
     with running_gateway(tmp_path / "gw", data, fleet, listen="drain_s = 1\n") as gw:
 

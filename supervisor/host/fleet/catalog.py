@@ -264,6 +264,7 @@ class FleetCatalog:
                 conn = await self._call(_connect(self.dsn, self.timing.wait_s), "a connection")
                 await self._call(conn.execute(f"LISTEN {tables.CHANNEL}"), "LISTEN")
                 self._everything = True  # what was said while nobody listened
+                self._up.discard("catalog")  # the other connection too, proved by that read
                 self._wake.set()
                 self._ready("listen")
                 delay = self.timing.retry_s
