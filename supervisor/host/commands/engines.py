@@ -171,6 +171,10 @@ def status_code(rows: Sequence[dict[str, object]]) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.fleet:
+        from supervisor.host.commands.fleet import cmd_fleet_status  # noqa: PLC0415
+
+        return cmd_fleet_status(args)
     data_dir = paths.data_dir(args.data_dir)
     names = args.names or engine_names(data_dir)
     now = utc_now()
@@ -225,6 +229,17 @@ def add_engines(
     st = sub.add_parser("status", parents=[common], help="show engines and their heartbeat")
     st.add_argument("names", nargs="*", type=engine_name, metavar="NAME")
     st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--fleet",
+        action="store_true",
+        help="every machine's engines, from the fleet's catalog (the gateway's [record] dsn)",
+    )
+    st.add_argument(
+        "--settings",
+        metavar="PATH",
+        help="with --fleet: the gateway's settings file (env LUCIA_GATEWAY_SETTINGS, default "
+        "~/.config/lucia/gateway.toml)",
+    )
     st.set_defaults(func=_cmd_status)
 
     wait = sub.add_parser("wait", parents=[common], help="wait for the current request's state")

@@ -18,7 +18,7 @@ from aiohttp import web
 from supervisor.host.failures import FailureLimit
 from supervisor.host.fleet.door import PeerDoor
 from supervisor.host.fleet.peers import Peers
-from supervisor.host.gateway import health, listing, recording, spans
+from supervisor.host.gateway import health, listing, membership, recording, spans
 from supervisor.host.gateway.prober import Prober
 from supervisor.host.gateway.settings import GatewaySettings
 from supervisor.host.page.memory import LedgerMemory
@@ -126,6 +126,7 @@ class Gateway:
             probed=self.prober.shown,
         )
         self.usage_api = UsageApi(data_dir, settings.record.target(data_dir))
+        self.fleet: membership.Fleet = None  # the fleet's catalog, with [fleet] on
 
     def counts(self) -> dict[str, tuple[int, int]]:
         return {name: (gate.running, gate.waiting) for name, gate in self.gates.items()}
@@ -394,4 +395,5 @@ def create_app(
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
     app.cleanup_ctx.append(gateway.prober.task)
+    gateway.fleet = membership.join(app, settings, gateway.catalog, gateway.counts)
     return app

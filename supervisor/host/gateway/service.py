@@ -4,10 +4,11 @@ It opens the record (which never fails the start: without it the gateway serves,
 nothing and enforces no budget, and says so), makes its tracing when `[tracing] endpoint` is
 set (OpenTelemetry is imported then only), listens (TLS from the configured files), says
 READY and pings the watchdog as a Type=notify unit, publishes its file_sd target, and stops on
-SIGTERM: `/healthz` answers 503 at once and, for `[listen] drain_s`, the gateway still listens
-and serves (a load balancer's health check takes it out meanwhile); then it stops listening,
-gives the requests in flight their time, commits what the record still holds and exports what
-tracing still holds (for a few seconds at most).
+SIGTERM: `/healthz` answers 503 at once, its machine's rows leave the fleet's catalog (with
+[fleet] on) and, for `[listen] drain_s`, the gateway still listens and serves (a load
+balancer's health check takes it out meanwhile); then it stops listening, gives the requests
+in flight their time, commits what the record still holds and exports what tracing still
+holds (for a few seconds at most).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiohttp import web
 from supervisor import logs
 from supervisor.host.fleet.peers import Peers, taken_by
 from supervisor.host.fleet.tls import ask_for_peers
-from supervisor.host.gateway.app import create_app
+from supervisor.host.gateway.app import GATEWAY, create_app
 from supervisor.host.gateway.health import HEALTH
 from supervisor.host.gateway.sections import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -137,6 +138,9 @@ class Service:
             self.listening.set()
             await self._watch()
             app[HEALTH].stop()
+            fleet = app[GATEWAY].fleet
+            if fleet is not None:  # the other machines send it nothing new either
+                await fleet.withdraw()
             if listen.drain_s > 0:
                 log.info("gateway draining: /healthz answers 503", seconds=listen.drain_s)
                 await asyncio.sleep(listen.drain_s)
