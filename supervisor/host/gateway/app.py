@@ -34,7 +34,7 @@ from supervisor.host.proxy.catalog import Catalog, CatalogEntry, route
 from supervisor.host.proxy.forward import Forwarder, Trace
 from supervisor.host.proxy.hostapi import HostApi
 from supervisor.host.proxy.idle import CHECK_S, IdleStop
-from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics, build_label
+from supervisor.host.proxy.metrics import CONTENT_TYPE, GatewayMetrics
 from supervisor.host.proxy.reserve import Hold, Reservations
 from supervisor.host.proxy.starter import POLL_S, Starter
 from supervisor.host.proxy.usageapi import UsageApi
@@ -221,13 +221,17 @@ class Gateway:
     # -- GET /v1/models ---------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        now = Catalog.now()
         listed = listing.models(
             engines=self.catalog.engines(),
             aliases=self.settings.aliases,
             default_tier=self.settings.default_tier,
             counts=self.counts(),
             marks=self.prober.health,
-            now=Catalog.now(),
+            now=now,
+            machine=self.machine,
+            peers=self.fleet.catalog.peers(now) if self.fleet is not None else (),
+            stale_s=self.settings.fleet.stale_s,
         )
         return web.json_response(listed)
 
@@ -248,11 +252,14 @@ class Gateway:
         stand = self.standing(request)
         room = self.reservations.room(stand)
         prepared = await self.bodies.take(request, room)  # its bytes held: see create_app
-        asked = prepared.model
+        asked, engines = prepared.model, self.catalog.engines()
+        if self.fleet is not None:  # in a fleet: a model no engine here serves goes to a peer
+            sent = await self.fleet.send(request, prepared, engines, request[CALLER])
+            if sent is not None:
+                return sent
         seen = Catalog.now()
-        engine, model = route(
-            asked, self.catalog.engines(), self.settings.aliases, seen, self.free, path=request.path
-        )
+        tiers = self.settings.aliases
+        engine, model = route(asked, engines, tiers, seen, self.free, path=request.path)
         if model != asked:  # a tier alias: the engine knows the model's own name
             prepared = await self.bodies.renamed(prepared, model)
         url = engine.url(seen) if engine.name not in self.idle.stopping else None
@@ -294,7 +301,7 @@ class Gateway:
             await send_error_event(sse, refusal.body())
             return sse
         finally:
-            self._record(trace, model, engine.name, request[CALLER].key_id)
+            recording.count(self.metrics, trace, model, engine.name, request[CALLER].key_id)
             now = asyncio.get_running_loop().time()
             row = recording.record(
                 self.recorder,
@@ -306,19 +313,6 @@ class Gateway:
             if done is not None:  # its span's attributes and figures
                 done.row, done.model = row, model
             self.reservations.release(hold)  # the row holds what it cost now
-
-    def _record(self, trace: Trace, model: str, engine: str, key: str) -> None:
-        """The request in the metrics; a handler ended without an outcome lost its client."""
-        m = self.metrics
-        outcome = trace.outcome or "client_gone"
-        m.child(m.requests, model, engine, outcome).inc()
-        now = asyncio.get_running_loop().time()
-        if trace.first_byte is not None:
-            build = build_label(trace.served_by)
-            m.child(m.ttft, engine, model, build).observe(trace.first_byte - trace.arrived)
-        if outcome != "refused":
-            m.child(m.duration, engine).observe(now - trace.arrived)
-        m.usage(model, engine, key, trace.usage)
 
     async def _start(self, request: web.Request, engine: str, stream: bool, trace: Trace) -> str:
         """Start an engine on demand, as a waiter in its gate: a stream's answer begins at once
@@ -395,5 +389,7 @@ def create_app(
     app.cleanup_ctx.append(gateway.idle.task)
     app.cleanup_ctx.append(gateway.follow_bounds)
     app.cleanup_ctx.append(gateway.prober.task)
-    gateway.fleet = membership.join(app, settings, gateway.catalog, gateway.counts)
+    gateway.fleet = membership.join(
+        app, settings, gateway.catalog, gateway.counts, peers=peers, bodies=gateway.bodies
+    )
     return app

@@ -14,14 +14,18 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from aiohttp import web
 
+from supervisor.host.fleet.forward import PeerClient
+from supervisor.host.fleet.peers import Peers
+from supervisor.host.fleet.tls import client_context
+from supervisor.host.gateway.outward import Outward
 from supervisor.host.gateway.settings import GatewaySettings
+from supervisor.host.proxy.bodies import Bodies
 from supervisor.host.proxy.catalog import Catalog
 
 if TYPE_CHECKING:
-    from supervisor.host.fleet.catalog import FleetCatalog
     from supervisor.host.fleet.rows import PeerEngine
 
-Fleet: TypeAlias = "FleetCatalog | None"  # the Gateway's: None with [fleet] off
+Fleet: TypeAlias = "Outward | None"  # the Gateway's: None with [fleet] off
 
 
 def join(
@@ -29,10 +33,14 @@ def join(
     settings: GatewaySettings,
     catalog: Catalog,
     counts: Callable[[], Mapping[str, tuple[int, int]]],
+    *,
+    peers: Peers | None,
+    bodies: Bodies,
 ) -> Fleet:
-    """The fleet's catalog, running with `app`; None when this gateway is in no fleet."""
+    """The fleet's catalog, running with `app`, and the way out to its peers (outward.py);
+    None when this gateway is in no fleet."""
     fleet = settings.fleet
-    if not fleet.on or settings.record.dsn is None:
+    if not fleet.on or settings.record.dsn is None or peers is None:
         return None
     from supervisor.host.fleet.catalog import FleetCatalog  # noqa: PLC0415 - psycopg: on only
     from supervisor.host.fleet.rows import rows_of  # noqa: PLC0415
@@ -43,4 +51,10 @@ def join(
     found = FleetCatalog(fleet, settings.record.dsn, rows)
     app.cleanup_ctx.append(found.task)
     app.on_shutdown.append(found.withdraw)
-    return found
+    listen = settings.listen
+    tls = None
+    if listen.tls_cert is not None and listen.tls_key is not None and fleet.ca_file is not None:
+        tls = client_context(listen.tls_cert, listen.tls_key, fleet.ca_file)
+    client = PeerClient(peers, tls)
+    app.cleanup_ctx.append(client.session)
+    return Outward(found, client, settings, bodies)

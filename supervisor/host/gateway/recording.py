@@ -11,11 +11,13 @@ rule) is its digest form, never a reason to lose the row, so its tokens are char
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from supervisor import logs
 from supervisor.host.proxy.forward import Trace
+from supervisor.host.proxy.metrics import GatewayMetrics, build_label
 from supervisor.host.record.row import Build, Row, RowRefused, refused, tokens_of
 from supervisor.protocol.documents import Status
 from supervisor.protocol.names import kept
@@ -107,3 +109,17 @@ def record(
     if recorder is not None:
         recorder.record(row)
     return row
+
+
+def count(metrics: GatewayMetrics, trace: Trace, model: str, engine: str, key: str) -> None:
+    """The request in the metrics; a handler ended without an outcome lost its client."""
+    m = metrics
+    outcome = trace.outcome or "client_gone"
+    m.child(m.requests, model, engine, outcome).inc()
+    now = asyncio.get_running_loop().time()
+    if trace.first_byte is not None:
+        build = build_label(trace.served_by)
+        m.child(m.ttft, engine, model, build).observe(trace.first_byte - trace.arrived)
+    if outcome != "refused":
+        m.child(m.duration, engine).observe(now - trace.arrived)
+    m.usage(model, engine, key, trace.usage)

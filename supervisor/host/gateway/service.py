@@ -140,7 +140,7 @@ class Service:
             app[HEALTH].stop()
             fleet = app[GATEWAY].fleet
             if fleet is not None:  # the other machines send it nothing new either
-                await fleet.withdraw()
+                await fleet.catalog.withdraw()
             if listen.drain_s > 0:
                 log.info("gateway draining: /healthz answers 503", seconds=listen.drain_s)
                 await asyncio.sleep(listen.drain_s)
