@@ -122,9 +122,10 @@ def running_gateway(
     data_dir: Path,
     settings: str = "",
     listen: str = "",
+    keys: tuple[str, str] | None = None,
+    *,
     address: str = "127.0.0.1",
     prefix: Sequence[str] = (),
-    keys: tuple[str, str] | None = None,
     port: int | None = None,
 ) -> Iterator[Gateway]:
     """The gateway over `data_dir`, with `listen` (TOML lines) in [listen] and `settings`

@@ -12,6 +12,7 @@ PostgreSQL refuses to run as root: as root the cluster belongs to, and runs as, 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -139,7 +140,8 @@ class Cluster:
 
     def thaw(self) -> None:
         for pid in self.frozen:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # a backend that was ending as it froze
+                os.kill(pid, signal.SIGCONT)
 
     def running(self) -> bool:
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from supervisor.host.fleet.peers import Peers
 from supervisor.host.gateway.app import GATEWAY, Gateway, Intervals, create_app
 from supervisor.host.gateway.recording import Recorder
 from supervisor.host.gateway.settings import GatewaySettings, parse
@@ -231,6 +232,7 @@ async def world(
     spending: BudgetSpending | None = None,
     recorder: Recorder | None = None,
     sources: Sources | None = None,
+    peers: Peers | None = None,
 ) -> AsyncIterator[World]:
     data = tmp_path / "data"
     data.mkdir()
@@ -244,6 +246,7 @@ async def world(
         spending=spending,
         recorder=recorder,
         sources=sources,
+        peers=peers,
     )
     gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()

@@ -28,6 +28,7 @@ from supervisor.host import protocol as host
 from supervisor.host.fleet import tables
 from supervisor.host.fleet.catalog import AVAILABLE, UNAVAILABLE, FleetCatalog, Timing
 from supervisor.host.fleet.choose import choose
+from supervisor.host.fleet.peers import Peers
 from supervisor.host.fleet.rows import PeerEngine
 from supervisor.host.gateway.sections import FleetSettings
 from supervisor.host.proxy import body
@@ -393,7 +394,10 @@ def test_a_gateway_publishes_its_engines_and_withdraws_them_at_its_stop(
 
     async def scenario() -> None:
         async with catalogs(reader):
-            async with world(tmp_path, fleet_settings(dsn), upstream) as w:
+            peers = tmp_path / "peers.keys"
+            write_peers(peers, {"gw": secrets.token_urlsafe(32)})
+            fleet = Peers.open(peers, "gw")
+            async with world(tmp_path, fleet_settings(dsn), upstream, peers=fleet) as w:
                 assert w.app.fleet is not None
                 write_status(w.data, "small", "running", url=upstream.url, slots={"tiny": 2})
                 write_status(w.data, "big", "stopped", models=("huge",))
