@@ -8,12 +8,12 @@ pulled, as a real engine would. The test holds and releases its streams, and cou
 it, on the process's stdin and stdout.
 
 Every machine's models are served through any gateway's address and through HAProxy's. A machine
-cut (`cut()`) while a stream another gateway forwarded to it is under way: that stream ends with
-an error event naming the machine (the forwarding gateway's deadline, configured short here),
-the machine's rows go stale within `[fleet] stale_s`, its own model is 503 `model_not_loaded`
-naming it and the model another machine serves too goes there; once mended it is fresh and
-served again. PostgreSQL frozen: each gateway serves its own model, forwards nothing, says
-`fleet unavailable` once, and the fleet comes back after the thaw.
+cut (`cut()`) while a stream another gateway forwarded to it is under way: its rows go stale
+within `[fleet] stale_s`, and that stream ends then with an error event naming the machine (the
+forwarding gateway's deadline, set longer than the client waits, plays no part); its own model
+is 503 `model_not_loaded` naming it and the model another machine serves too goes there; once
+mended it is fresh and served again. PostgreSQL frozen: each gateway serves its own model,
+forwards nothing, says `fleet unavailable` once, and the fleet comes back after the thaw.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ OWNER = "owner-key-" + "o" * 32
 INFERENCE = "inference-key-" + "i" * 32
 CHECKS = "250ms"  # HAProxy's checks, shortened from the shipped 1 s
 ROUTE = "/v1/chat/completions"
-# The forwarding gateway's clock on a peer's answer: max_wait_s + load_wait_s + deadline_s.
-MAX_WAIT_S, LOAD_WAIT_S, DEADLINE_S = 2, 2, 6
+# The forwarding gateway's clock on a peer's answer: max_wait_s + load_wait_s + deadline_s,
+# past the client's socket timeout: a cut machine's stream must end by its staleness alone.
+MAX_WAIT_S, LOAD_WAIT_S, DEADLINE_S = 2, 2, 120
 FORWARD_S = MAX_WAIT_S + LOAD_WAIT_S + DEADLINE_S
-BOUND_S = 60  # a client's socket timeout: a bound on a hang, well past FORWARD_S
+BOUND_S = 60  # a client's socket timeout: a bound on a hang, below FORWARD_S
 HEARTBEAT_S = 5.0  # each engine's status.json written again, as its worker's heartbeat is
 
 # The fast engine, served on argv[1] (a port of the kernel's, printed first). Each stdin line is
@@ -307,7 +308,7 @@ def test_a_cut_machine_ends_its_forwarded_stream_goes_stale_and_comes_back(fleet
         assert first.startswith(b"data: ") and b"tok" in first, first
         two.cut()
         try:
-            rest = answer.read()  # the forwarding gateway's deadline ends it: BOUND_S, a hang
+            rest = answer.read()  # ended once two is stale; past BOUND_S: a hang
         finally:
             cut.say("release")
     finally:
@@ -316,9 +317,8 @@ def test_a_cut_machine_ends_its_forwarded_stream_goes_stale_and_comes_back(fleet
         events = events_of(rest)
         assert events and events[-1] != "[DONE]", events
         ended = json.loads(events[-1])["error"]
-        assert ended["machine"] == two.name and ended["code"] == "timeout", ended
-        assert f"machine {two.name} did not finish" in ended["message"]
-        assert f"{FORWARD_S:g} s" in ended["message"]
+        assert ended["machine"] == two.name and ended["code"] == "machine_gone", ended
+        assert f"machine {two.name} is no longer heard from" in ended["message"]
         until(lambda: not fleet.where(one.name, "own-2")[two.name]["fresh"], 30, "two stale")
         assert fleet.where(three.name, "shared")[two.name]["fresh"] is False
         assert fleet.where(one.name, "own-3")[three.name]["fresh"] is True

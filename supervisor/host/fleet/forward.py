@@ -17,13 +17,16 @@ that breaks off ends a stream with an error event naming the machine, and cuts a
 short. One clock covers the dial, the peer's admission and start, and the whole answer: a peer
 that cannot be reached, or answers nothing within it, is 503 `model_not_loaded` naming the
 machine; once the answer began, a stream ends with an error event and a plain answer is cut off.
+A machine that goes silent (its network cut: no reset, no end) is not waited for on that clock:
+`gone` says when the fleet's catalog has not heard from it within [fleet] stale_s, and what it
+was sending ends then, with a `machine_gone` error event (a request not yet answered: 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -49,6 +52,16 @@ class Peer:
 
     machine: str
     url: str  # http(s)://host:port
+
+
+def went_silent(machine: str) -> Refusal:
+    return Refusal(
+        503,
+        "machine_gone",
+        f"machine {machine} is no longer heard from (the fleet's catalog has it stale): "
+        "what it was sending is cut off",
+        machine=machine,
+    )
 
 
 def not_reached(machine: str, why: str) -> Refusal:
@@ -112,22 +125,36 @@ class PeerClient:
         caller: Caller,
         deadline_s: float,
         context: dict[str, str] | None = None,
+        gone: Callable[[], bool] | None = None,
+        check_s: float = 1.0,
     ) -> web.StreamResponse:
         """Send the request to `peer` as `caller`'s and pass its answer on. `body`: what the
         client sent, the model named as the peer knows it (never body.Prepared.body, which
-        the peer prepares again); `context`: the W3C trace context to pass on, if any."""
+        the peer prepares again); `context`: the W3C trace context to pass on, if any;
+        `gone`: whether the machine went silent, asked every `check_s`."""
         table = self.peers.current()
         if table is None:
             raise not_reached(peer.machine, "this machine's peers file is refused")
         headers = peer_headers(table.own, table.own_key, caller)
         headers.update(context or {})
         answer = _Answer(request, peer.machine)
+        silent: asyncio.Task[bool] | None = None
         try:
-            async with asyncio.timeout(deadline_s):
-                await self._exchange(answer, f"{peer.url}{PREFIX}{request.path}", body, headers)
+            async with asyncio.timeout(deadline_s) as clock:
+                if gone is not None:
+                    silent = asyncio.create_task(_until_gone(clock, gone, check_s))
+                try:
+                    url = f"{peer.url}{PREFIX}{request.path}"
+                    await self._exchange(answer, url, body, headers)
+                finally:
+                    if silent is not None:
+                        silent.cancel()
         except TimeoutError:
-            refusal = ran_out(peer.machine, deadline_s)
+            lost = silent is not None and silent.done() and not silent.cancelled()
+            refusal = went_silent(peer.machine) if lost else ran_out(peer.machine, deadline_s)
             if answer.response is None:  # nothing came: as if it could not be reached
+                if lost:
+                    raise refusal from None
                 raise not_reached(peer.machine, f"no answer within {deadline_s:g} s") from None
             await answer.end(refusal)
         assert answer.response is not None
@@ -179,6 +206,14 @@ class _Answer:
             await send_error_event(self.response, refusal.body())
         elif self.request.transport is not None:
             self.request.transport.close()  # a short body tells the client
+
+
+async def _until_gone(clock: asyncio.Timeout, gone: Callable[[], bool], check_s: float) -> bool:
+    """Wait for the machine to go silent, then end the exchange now (its clock runs out)."""
+    while not gone():
+        await asyncio.sleep(check_s)
+    clock.reschedule(asyncio.get_running_loop().time())
+    return True
 
 
 async def _events(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes | Broke]:

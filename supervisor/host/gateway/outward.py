@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -95,4 +96,14 @@ class Outward:
             caller=caller,
             deadline_s=self.deadline_s(model),
             context=spans.passed_on(request.headers),
+            gone=partial(self.silent, engine.machine),
+            check_s=self.settings.fleet.stale_s / 4,
         )
+
+    def silent(self, machine: str) -> bool:
+        """Whether the catalog holds `machine` and has not heard from it within stale_s. A
+        machine that left it (a clean stop: its answers in flight go on), or a catalog that
+        is unavailable (nothing is known then), is not."""
+        now = Catalog.now()
+        rows = [peer for peer in self.catalog.peers(now) if peer.machine == machine]
+        return bool(rows) and not any(row.fresh(now, self.settings.fleet.stale_s) for row in rows)
