@@ -300,8 +300,8 @@ def floor_proxy(
 # -- the gateway -----------------------------------------------------------------------------
 
 
-def write_status(data: Path, url: str) -> None:
-    """The worker's side of the file protocol: the engine runs at `url` and serves MODEL."""
+def write_status(data: Path, url: str, model: str = MODEL) -> None:
+    """The worker's side of the file protocol: the engine runs at `url` and serves `model`."""
     now = utc_now()
     status = Status(
         generation=0,
@@ -310,7 +310,7 @@ def write_status(data: Path, url: str) -> None:
         message="running",
         url=url,
         checked_at=now,
-        models=(MODEL,),
+        models=(model,),
     )
     write_atomic(ensure_dir(data / ENGINE) / "status.json", dump(status))
 
@@ -341,11 +341,15 @@ def gateway(
     profile: Path | None,
     extra: str = "",
     root: Path = ROOT,
+    *,
+    port: int = 0,
+    model: str = MODEL,
 ) -> Iterator[tuple[str, int]]:
     """The real gateway service in its own process, in front of `upstream`; its url and pid.
     With `profile`, it runs under cProfile, whose figures are written there at its stop.
     `extra` is appended to its settings (a `[record]` section, say). `root`: the source tree
-    it runs from (another version's, for a baseline)."""
+    it runs from (another version's, for a baseline). `port`: 0, a free one; `model`: what
+    its one engine serves."""
     with tempfile.TemporaryDirectory(prefix="lucia-bench-gateway-") as tmp:
         home = Path(tmp)
         data = home / "data"
@@ -353,15 +357,15 @@ def gateway(
         for path, key in ((owner, OWNER_KEY), (inference, INFERENCE_KEY)):
             path.write_text(key + "\n")
             path.chmod(0o600)
-        port = free_port()
+        port = port or free_port()
         settings = home / "gateway.toml"
         settings.write_text(settings_text(port, owner, inference, running, extra))
-        write_status(data, upstream)
+        write_status(data, upstream, model)
         stop = threading.Event()
 
         def heartbeat() -> None:
             while not stop.wait(HEARTBEAT_S):
-                write_status(data, upstream)
+                write_status(data, upstream, model)
 
         beat = threading.Thread(target=heartbeat, daemon=True)
         beat.start()
