@@ -233,3 +233,41 @@ def test_without_the_database_each_gateway_serves_its_own_and_forwards_nothing(
         postgres.start()
     until(lambda: {m["machine"] for m in fleet.listed("a")} == set(SERVES), 60, "the fleet back")
     assert fleet.ask("a", "own-b")[0] == 200
+
+
+def test_one_of_two_machines_killed_mid_load_loses_only_its_own_streams(fleet: Three) -> None:
+    """A stream on b and one on c, both held; c killed: its stream ends with an error event
+    naming it, and b's, let go, ends whole."""
+    b, c = fleet.upstreams["b"], fleet.upstreams["c"]
+    b.hold, c.hold = asyncio.Event(), asyncio.Event()
+    answers: dict[str, tuple[int, Any]] = {}
+
+    def stream(name: str) -> threading.Thread:
+        runner = threading.Thread(
+            target=lambda: answers.__setitem__(name, fleet.ask("a", "shared", stream=True))
+        )
+        runner.start()
+        return runner
+
+    first = stream("first")
+    until(lambda: fleet.served("b") == 1, 30, "the first on b")
+    until(lambda: fleet.where("a", "shared")["b"]["running"] == 1, 30, "b's slot taken")
+    second = stream("second")
+    until(lambda: fleet.served("c") == 1, 30, "the second on c")
+    gone = fleet.gateways["c"]
+    os.kill(gone.proc.pid, signal.SIGKILL)
+    gone.proc.wait(30)
+    second.join(60)
+    fleet.engines.call(b.hold.set)
+    first.join(60)
+    fleet.engines.call(c.hold.set)
+    assert not first.is_alive() and not second.is_alive()
+    status, text = answers["second"]
+    assert status == 200
+    last = [line for line in str(text).splitlines() if line.startswith("data: ")][-1]
+    error = json.loads(last.removeprefix("data: "))["error"]
+    assert (error["code"], error["machine"]) == ("engine_failed", "c"), error
+    status, text = answers["first"]
+    assert status == 200
+    assert str(text).rstrip().endswith("data: [DONE]")
+    until(lambda: rows(fleet.dsn, "shared") == [("b", "ok", "shared")], 30, "b's row alone")
