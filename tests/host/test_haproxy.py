@@ -174,11 +174,12 @@ def post(
     document: dict[str, Any],
     key: str = INFERENCE,
     source: str = "127.0.0.1",
+    path: str = "/v1/chat/completions",
     **extra: str,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     connection = connect(url, source)
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **extra}
-    connection.request("POST", "/v1/chat/completions", json.dumps(document), headers)
+    connection.request("POST", path, json.dumps(document), headers)
     return connection, connection.getresponse()
 
 
@@ -336,11 +337,17 @@ def test_with_no_gateway_up_haproxy_answers_503_in_the_gateways_shape(tmp_path: 
         for name, _ in servers:
             assert state(proxy.wait_server(name, down, "down"))[1] == "L4CON"
         status, body = chat_answer(proxy.url)
+        connection, answer = post(proxy.url, CHAT, path="/fleet/v1/chat/completions")
+        try:  # the peer route is never carried, gateways up or not
+            peer_route = answer.status, json.loads(answer.read())["error"]["code"]
+        finally:
+            connection.close()
     assert (status, body["error"]["code"], body["error"]["type"]) == (
         503,
         "no_gateway",
         "server_error",
     )
+    assert peer_route == (404, "not_found")
 
 
 def test_requests_reach_every_gateway_and_leastconn_spreads_them(shared: Fleet) -> None:
