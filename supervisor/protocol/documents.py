@@ -40,14 +40,10 @@ DesiredState = Literal["running", "stopped"]
 Requester = Literal["operator", "gateway"]
 REQUESTERS: Final[tuple[Requester, ...]] = ("operator", "gateway")
 # an operator of another machine of a fleet, through that machine's page: `operator@<machine>`
-FLEET_OPERATOR: Final = r"^operator@[a-z0-9][a-z0-9-]{0,62}$"
-_BY_SCHEMA: Final = {
-    "anyOf": [
-        {"enum": list(REQUESTERS), "type": "string"},
-        {"pattern": FLEET_OPERATOR, "type": "string"},
-        {"type": "null"},
-    ]
-}
+FLEET_OPERATOR: Final = r"operator@[a-z0-9][a-z0-9-]{0,62}"
+_BY: Final[list[dict[str, Any]]] = [{"enum": list(REQUESTERS)}, {"pattern": f"^{FLEET_OPERATOR}$"}]
+_fleet = re.compile(FLEET_OPERATOR).fullmatch
+_BY_SCHEMA: Final = {"anyOf": [*({**by, "type": "string"} for by in _BY), {"type": "null"}]}
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
 STATES: Final[tuple[State, ...]] = ("starting", "running", "stopping", "stopped", "failed")
 SETTLED: Final[dict[DesiredState, State]] = {"running": "running", "stopped": "stopped"}
@@ -161,9 +157,7 @@ class DesiredFile(BaseModel):
     @field_validator("requested_by", mode="plain")
     @classmethod
     def _requester(cls, value: object) -> str | None:
-        if value is None or (type(value) is str and value in REQUESTERS):
-            return value
-        if type(value) is str and re.fullmatch(FLEET_OPERATOR[1:-1], value):
+        if value is None or (type(value) is str and (value in REQUESTERS or _fleet(value))):
             return value
         raise PydanticCustomError(
             "literal_error", "Input should be 'operator', 'gateway' or 'operator@<machine>'"

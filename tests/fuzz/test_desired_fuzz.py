@@ -589,7 +589,8 @@ SMALL = st.integers(0, 3)
 INDEX = st.integers(0, 255)  # taken modulo the length it indexes
 WANT = st.sampled_from(WANTS)
 # what a host writes for who asked and when: each said, null or left out
-REQUESTER = st.sampled_from([*REQUESTERS, "operator@b", "operator@B", None]).map(json.dumps) | st.none()
+SAID_BY = [*REQUESTERS, "operator@b", "operator@B", None]  # another machine's operator too
+REQUESTER = st.sampled_from(SAID_BY).map(json.dumps) | st.none()
 REQUEST_TIME = (
     st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))])).map(
         lambda at: json.dumps(at.isoformat())

@@ -1,5 +1,4 @@
-"""The owner API between the gateways of a fleet: Start and Stop of one machine's engine, asked
-from another machine's page.
+"""Start and Stop of one machine's engine, asked from another machine's page in a fleet.
 
 The page of machine a (signed in by its owner, its CSRF and origin rules kept) sends
 `POST /fleet/api/host/engines/NAME` with `{"desired": "running"|"stopped"}` to machine b's
