@@ -51,7 +51,7 @@ def request(
     data_dir: Path,
     name: str,
     desired: DesiredState,
-    by: Requester = "operator",
+    by: Requester | str = "operator",
     *,
     only_if: Callable[[DesiredFile | None], bool] | None = None,
 ) -> int:

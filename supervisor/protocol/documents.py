@@ -39,6 +39,11 @@ MAX_SLOTS: Final = 100_000  # requests one model holds at once, as a worker publ
 DesiredState = Literal["running", "stopped"]
 Requester = Literal["operator", "gateway"]
 REQUESTERS: Final[tuple[Requester, ...]] = ("operator", "gateway")
+# an operator of another machine of a fleet, through that machine's page: `operator@<machine>`
+FLEET_OPERATOR: Final = r"operator@[a-z0-9][a-z0-9-]{0,62}"
+_BY: Final[list[dict[str, Any]]] = [{"enum": list(REQUESTERS)}, {"pattern": f"^{FLEET_OPERATOR}$"}]
+_fleet = re.compile(FLEET_OPERATOR).fullmatch
+_BY_SCHEMA: Final = {"anyOf": [*({**by, "type": "string"} for by in _BY), {"type": "null"}]}
 State = Literal["starting", "running", "stopping", "stopped", "failed"]
 STATES: Final[tuple[State, ...]] = ("starting", "running", "stopping", "stopped", "failed")
 SETTLED: Final[dict[DesiredState, State]] = {"running": "running", "stopped": "stopped"}
@@ -122,12 +127,13 @@ class DesiredFile(BaseModel):
     schema_version: Literal[1] = Field(alias="schemaVersion")
     generation: int = Field(ge=0, le=MAX_GENERATION)
     desired: DesiredState
-    requested_by: Requester | None = Field(
+    requested_by: Annotated[str | None, WithJsonSchema(_BY_SCHEMA)] = Field(
         default=None,
         alias="requestedBy",
-        description="Who wrote this generation: `operator` (the CLI, the host API, the page) or "
-        "`gateway` (a start on demand, an idle stop, a swap); absent (or null) in files from "
-        "older hosts, whose `stopped` counts as an operator's.",
+        description="Who wrote this generation: `operator` (the CLI, the host API, the page), "
+        "`operator@<machine>` (the page of another machine of a fleet) or `gateway` (a start on "
+        "demand, an idle stop, a swap); absent (or null) in files from older hosts, whose "
+        "`stopped` counts as an operator's.",
     )
     requested_at: Annotated[
         datetime | None,
@@ -147,6 +153,15 @@ class DesiredFile(BaseModel):
         if type(value) is not int:
             raise PydanticCustomError("literal_error", "Input should be 1")
         return value
+
+    @field_validator("requested_by", mode="plain")
+    @classmethod
+    def _requester(cls, value: object) -> str | None:
+        if value is None or (type(value) is str and (value in REQUESTERS or _fleet(value))):
+            return value
+        raise PydanticCustomError(
+            "literal_error", "Input should be 'operator', 'gateway' or 'operator@<machine>'"
+        )
 
     @field_validator("requested_at", mode="plain")
     @classmethod

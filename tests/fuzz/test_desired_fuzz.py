@@ -70,6 +70,7 @@ KEYS = ("schemaVersion", "generation", "desired")
 OPTIONAL = ("requestedBy", "requestedAt")  # absent or null: not said
 WANTS = ("running", "stopped")
 REQUESTERS = ("operator", "gateway")
+FLEET = re.compile(r"operator@[a-z0-9][a-z0-9-]{0,62}")  # another machine's operator
 # RFC 3339 as the contract takes it, with each part's range checked by hand below
 TIME = re.compile(
     r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
@@ -216,7 +217,7 @@ def _schema_problems(fields: dict[str, Any]) -> list[str]:
     if "desired" in fields and not (type(want) is str and want in WANTS):
         problems.append("desired: ")
     by, at = (fields.get(key) for key in OPTIONAL)
-    if by is not None and not (type(by) is str and by in REQUESTERS):
+    if by is not None and not (type(by) is str and (by in REQUESTERS or FLEET.fullmatch(by))):
         problems.append("requestedBy: ")
     if at is not None and _time(at) is None:
         problems.append("requestedAt: ")
@@ -588,7 +589,8 @@ SMALL = st.integers(0, 3)
 INDEX = st.integers(0, 255)  # taken modulo the length it indexes
 WANT = st.sampled_from(WANTS)
 # what a host writes for who asked and when: each said, null or left out
-REQUESTER = st.sampled_from([*REQUESTERS, None]).map(json.dumps) | st.none()
+SAID_BY = [*REQUESTERS, "operator@b", "operator@B", None]  # another machine's operator too
+REQUESTER = st.sampled_from(SAID_BY).map(json.dumps) | st.none()
 REQUEST_TIME = (
     st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))])).map(
         lambda at: json.dumps(at.isoformat())

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from supervisor.host.failures import FailureLimit
 from supervisor.host.fleet.door import PeerDoor
+from supervisor.host.fleet.owner import PeerOwner
 from supervisor.host.fleet.peers import Peers
 from supervisor.host.gateway import health, listing, membership, recording, spans
 from supervisor.host.gateway.prober import Prober
@@ -371,6 +372,7 @@ def create_app(
         app.router.add_post(path, gateway.bodies.holding(gateway.forward))
     if gateway.door is not None:  # /fleet/v1: the same, for a peer gateway's caller
         gateway.door.routes(app, gateway.bodies.holding(gateway.forward))
+        PeerOwner(gateway.host_api, settings.listen.body_timeout_s).routes(app)  # Start, Stop
     app.router.add_get(METRICS_PATH, gateway.serve_metrics)
     gateway.host_api.routes(app)
     gateway.usage_api.routes(app)
@@ -380,6 +382,7 @@ def create_app(
         data_dir,
         sources or Sources(LedgerMemory(data_dir)),
         sessions=Sessions(settings.page.session_s),
+        fleet=lambda: gateway.fleet,
     )
     app[PAGE_OF] = page
     app.router.add_get(PAGE, to_page)

@@ -29,6 +29,8 @@ from aiohttp import web
 from supervisor import paths
 from supervisor.host import keys
 from supervisor.host.models.control import ACTIONS
+from supervisor.host.page.machines import PATH as MACHINE_ENGINE
+from supervisor.host.page.machines import Fleet, Machines
 from supervisor.host.page.memory import outdated_by
 from supervisor.host.page.models import LibraryRefused, ModelsSection
 from supervisor.host.page.origin import foreign
@@ -121,6 +123,7 @@ class Page:
         *,
         sessions: Sessions,
         limit: SignInLimit | None = None,
+        fleet: Callable[[], Fleet | None] = lambda: None,
     ) -> None:
         self.auth = auth
         self.host_api = host_api
@@ -128,6 +131,7 @@ class Page:
         self.sources = sources
         self.sessions = sessions
         self.limit = limit or SignInLimit()
+        self.machines = Machines(fleet)  # the other machines of a fleet (machines.py)
         self.files = {path: (_static(name), kind) for path, (name, kind) in FILES.items()}
 
     def app(self) -> web.Application:
@@ -139,6 +143,7 @@ class Page:
         app.router.add_get("/api/session", self.session)
         app.router.add_get("/api/overview", self.overview)
         app.router.add_post("/api/engines/{name}", self.host_api.set_desired)
+        app.router.add_post(MACHINE_ENGINE, self.machine_engine)
         app.router.add_post("/api/keys", self.create_key)
         app.router.add_post("/api/keys/{id}/revoke", self.revoke_key)
         app.router.add_post("/api/models", self.add_model)
@@ -253,7 +258,13 @@ class Page:
             row["heartbeatAge"] = _age(status["checkedAt"], now) if status else None
             row["memoryOutdatedBy"] = outdated_by(statuses, row["name"])
         rest = await asyncio.to_thread(self._files, now)
-        return web.json_response({"now": _iso(now), "engines": engines, **rest})
+        fleet = self.machines.overview()
+        return web.json_response({"now": _iso(now), "engines": engines, "fleet": fleet, **rest})
+
+    async def machine_engine(self, request: web.Request) -> web.Response:
+        """Start or Stop another machine's engine: JSON, as every change the page sends."""
+        _require_json(request)
+        return await self.machines.set_desired(request)
 
     def _files(self, now: datetime) -> dict[str, Any]:
         """The sections read from files and sources, off the loop."""

@@ -98,8 +98,12 @@ class HostApi:
 
     async def set_desired(self, request: web.Request) -> web.Response:
         raw = await read_body(request, _BODY_LIMIT, self.body_timeout_s, too_large)
-        desired = wanted(raw)
-        name = request.match_info["name"]
+        answer = await self.apply(request.match_info["name"], wanted(raw), "operator")
+        return web.json_response(answer, status=202)
+
+    async def apply(self, name: str, desired: str, by: str) -> dict[str, Any]:
+        """Ask for engine `name` in state `desired`, as `by` (an operator: `operator`, or
+        `operator@<machine>` through another machine of a fleet); 400 or 404 naming why."""
         try:
             check_name(name)
         except BadName as exc:
@@ -111,13 +115,11 @@ class HostApi:
                 "engine_not_found",
                 f"no engine {name} has a worker here. Engines: {', '.join(known) or 'none'}",
             )
-        generation = await asyncio.to_thread(request_state, self.data_dir, name, desired)
+        generation = await asyncio.to_thread(request_state, self.data_dir, name, desired, by)
         self.idle.starter.started.pop(name, None)  # the operator's from now on
         self.idle.stopping.discard(name)
-        return web.json_response(
-            {"engine": name, "desired": desired, "generation": generation}, status=202
-        )
+        return {"engine": name, "desired": desired, "generation": generation}
 
 
-def request_state(data_dir: Path, name: str, desired: str) -> int:
-    return request(data_dir, name, "running" if desired == "running" else "stopped", "operator")
+def request_state(data_dir: Path, name: str, desired: str, by: str = "operator") -> int:
+    return request(data_dir, name, "running" if desired == "running" else "stopped", by)

@@ -95,6 +95,8 @@ async function refresh() {
     showProblem("");
     if (changed("engines", engineShape(data.engines))) drawEngines(data.engines);
     drawAges(data.engines);
+    if (changed("fleet", fleetShape(data.fleet))) drawFleet(data.fleet);
+    drawHeard(data.fleet);
     if (changed("memory", data.memory)) drawMemory(data.memory);
     drawPlanAges();
     if (changed("keys", data.keys)) drawKeys(data.keys);
@@ -178,8 +180,11 @@ function planLine(item, plan, button, outdatedBy) {
 
 // what desired.json says was last asked, by whom and when (an older host's names no one)
 function asked(desired) {
-  const who = desired.requestedBy === "operator" ? "an operator"
-    : desired.requestedBy === "gateway" ? "the gateway" : "a host that did not say who";
+  const by = desired.requestedBy || "";
+  const who = by === "operator" ? "an operator"
+    : by === "gateway" ? "the gateway"
+    : by.startsWith("operator@") ? "the operator of machine " + by.slice("operator@".length)
+    : "a host that did not say who";
   const when = desired.requestedAt ? " at " + desired.requestedAt : "";
   return desired.desired + " (generation " + desired.generation + "), by " + who + when;
 }
@@ -245,6 +250,79 @@ async function ask(name, desired) {
     await call("POST", "engines/" + encodeURIComponent(name), { desired });
     refresh();
   } catch (error) { showProblem(name + ": " + error.message); }
+}
+
+// the other machines of a fleet: each one's engines as it published them, all of it as text
+function fleetShape(fleet) {
+  // what the section shows, less the age of each heartbeat (updated in place)
+  return fleet ? { ...fleet, machines: fleet.machines.map((m) => ({ ...m, heardAge: null })) } : null;
+}
+
+function drawFleet(fleet) {
+  const section = $("fleet");
+  section.hidden = !fleet;
+  if (!fleet) return;
+  const box = $("machine-list");
+  clear(box);
+  if (!fleet.available) {
+    box.appendChild(el("p", "stale", "The fleet's catalog is not available: other machines are not shown."));
+    return;
+  }
+  if (!fleet.machines.length) { box.appendChild(el("p", "muted", "No other machine is in the fleet's catalog.")); return; }
+  for (const machine of fleet.machines) {
+    const group = el("div", "machine" + (machine.stale ? " machine-stale" : ""));
+    group.dataset.machine = machine.name;
+    const title = el("h3");
+    title.appendChild(el("span", "name", machine.name));
+    if (machine.stale) title.appendChild(el("span", "stale", "stale"));
+    title.appendChild(el("span", "heard muted"));
+    group.appendChild(title);
+    if (!machine.engines.length) group.appendChild(el("p", "muted", "No engine published."));
+    for (const row of machine.engines) group.appendChild(peerEngine(machine, row));
+    box.appendChild(group);
+  }
+}
+
+function peerEngine(machine, row) {
+  const item = el("div", "engine peer-engine");
+  item.dataset.engine = row.name;
+  const title = el("h4");
+  title.appendChild(el("span", "name", row.name));
+  title.appendChild(el("span", "state state-" + row.state, row.state));
+  item.appendChild(title);
+  const list = el("dl");
+  field(list, "models", row.models.join(", "));
+  field(list, "running", row.running + (row.slots === null ? "" : " of " + row.slots + " slots") + ", " + row.waiting + " waiting");
+  field(list, "build", row.build);
+  field(list, "weights", row.weights);
+  field(list, "memory plan", row.fits === null ? null : row.fits ? "fits" : "cannot fit: " + row.plan);
+  if (row.stoppedByOperator) field(list, "asked", "stopped by an operator");
+  item.appendChild(list);
+  for (const desired of ["running", "stopped"]) {
+    const button = el("button", "act-" + desired, desired === "running" ? "Start" : "Stop");
+    button.type = "button";
+    button.disabled = machine.stale;
+    if (machine.stale) button.title = "machine " + machine.name + " is stale: its gateway is not asked";
+    button.addEventListener("click", () => askMachine(machine.name, row.name, desired));
+    item.appendChild(button);
+  }
+  return item;
+}
+
+function drawHeard(fleet) {
+  if (!fleet || !fleet.available) return;
+  for (const machine of fleet.machines) {
+    const group = document.querySelector('.machine[data-machine="' + CSS.escape(machine.name) + '"]');
+    const heard = group ? group.querySelector(".heard") : null;
+    if (heard) heard.textContent = "last heard " + Math.round(machine.heardAge) + " s ago";
+  }
+}
+
+async function askMachine(machine, name, desired) {
+  try {
+    await call("POST", "machines/" + encodeURIComponent(machine) + "/engines/" + encodeURIComponent(name), { desired });
+    refresh();
+  } catch (error) { showProblem(machine + " / " + name + ": " + error.message); }
 }
 
 const RESERVES = [["os", "OS"], ["services", "services"], ["voice", "voice"], ["runtime", "runtime"]];
