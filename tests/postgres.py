@@ -134,9 +134,11 @@ class Cluster:
 
     def freeze(self) -> None:
         """SIGSTOP the server and every backend: a server that neither fails nor answers."""
-        self.frozen = self._processes()
-        for pid in self.frozen:
-            os.kill(pid, signal.SIGSTOP)
+        self.frozen = []
+        for pid in self._processes():
+            with contextlib.suppress(ProcessLookupError):  # a backend whose client just left
+                os.kill(pid, signal.SIGSTOP)
+                self.frozen.append(pid)
 
     def thaw(self) -> None:
         for pid in self.frozen:
