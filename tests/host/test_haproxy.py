@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import http.client
 import json
 import re
@@ -31,15 +30,12 @@ from typing import Any, TypeVar
 
 import pytest
 from aiohttp.test_utils import TestServer
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from tests import haproxy
 from tests.gateway_proc import Gateway, metric, running_gateway
 from tests.haproxy import HAProxy, state
 from tests.host.gateway_world import SETTINGS, Upstream, serve_upstream, write_status
+from tests.host.test_gateway_service import self_signed
 from tests.standin import free_port
 
 T = TypeVar("T")
@@ -262,31 +258,12 @@ def test_the_render_fails_on_a_file_without_the_lines_it_renders(tmp_path: Path)
         haproxy.render(without, "127.0.0.1:3", [("a", "127.0.0.1:1")], tmp_path / "s")
 
 
-def self_signed(where: Path) -> tuple[Path, Path]:
+def haproxy_pem(where: Path) -> tuple[Path, Path]:
     """A certificate with its key in one PEM (as HAProxy's crt takes it), and the certificate
     alone (as a ca-file)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lucia-fleet-test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    private = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    (where / "lucia.pem").write_bytes(pem + private)
-    (where / "lucia-ca.pem").write_bytes(pem)
-    return where / "lucia.pem", where / "lucia-ca.pem"
+    cert, key = self_signed(where)
+    (where / "lucia.pem").write_bytes(cert.read_bytes() + key.read_bytes())
+    return where / "lucia.pem", cert
 
 
 COMMENTED = ("bind", "http-request", "server", "frontend", "backend", "mode", "balance", "option")
@@ -318,7 +295,7 @@ def in_force(text: str) -> str:
 def test_the_commented_tls_lines_are_valid_in_force(tmp_path: Path) -> None:
     """Terminated at HAProxy, re-encrypted to the gateways, or passed through: each commented
     line, once in force (with a certificate of the test's), is a valid configuration."""
-    pem, ca = self_signed(tmp_path)
+    pem, ca = haproxy_pem(tmp_path)
     text = uncommented(haproxy.SHIPPED.read_text(), pem, ca)
     for wanted in ("ssl crt", "ssl verify required", "frontend lucia-tls", "mode tcp"):
         assert wanted in in_force(text), wanted
