@@ -19,8 +19,16 @@ streams (goal: at least 0.9x). The table's CPU lines are A's per request on the 
 and B's on the local one, from /proc. The load generator (this process), the upstream, both
 gateways and PostgreSQL share the machine's cores: on one machine the forwarded path pays A's
 CPU out of the cores B and the upstream use, which a fleet of separate machines does not.
-`--profile PATH` runs A under cProfile. Prints tables and the goals met or MISSED; asserts
-nothing about timings.
+`--profile PATH` runs A under cProfile.
+
+`--pin` emulates separate machines on this one: every thread of gateway A on one CPU of the
+bench's own, and everything else (B, the upstream, the PostgreSQL cluster and this process, the
+load generator) on the others, for every path of the run, so the local path is measured with
+the same CPUs B, the upstream and the client have when A forwards. What it emulates: A's CPU
+not taken from B's. What it does not: a network between the machines (the hop from A to B is
+loopback, with no latency or bandwidth of a real link), nor separate memory, caches or kernels.
+It needs at least 2 CPUs. Prints tables and the goals met or MISSED; asserts nothing about
+timings.
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -153,6 +162,52 @@ def fleet_goals(results: dict[int, dict[str, Samples]], mode: str) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class Split:
+    """Which CPUs gateway A gets under `--pin`, and which everything else gets."""
+
+    a: frozenset[int]
+    rest: frozenset[int]
+
+
+def split_cpus(cpus: Iterable[int]) -> Split:
+    """Pure: the highest CPU of `cpus` for A, the others for the rest; SystemExit with fewer
+    than 2 (there is nothing to split)."""
+    ordered = sorted(set(cpus))
+    if len(ordered) < 2:
+        raise SystemExit(
+            f"--pin: this process may run on {len(ordered)} CPU(s) ({ordered}); pinning gateway A "
+            "apart from the rest needs at least 2"
+        )
+    return Split(a=frozenset(ordered[-1:]), rest=frozenset(ordered[:-1]))
+
+
+def pin(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process `pid` onto `cpus`, until no new one appears (a thread made later
+    inherits its maker's CPUs)."""
+    done: set[int] = set()
+    while fresh := {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done:
+        for tid in fresh:
+            with suppress(ProcessLookupError):  # the thread ended since the listing
+                os.sched_setaffinity(tid, cpus)
+        done |= fresh
+
+
+def affinity(pid: int) -> str:
+    """The CPUs each thread of `pid` may run on, as `cpus 1 (5 threads)`, one part per set."""
+    sets: dict[tuple[int, ...], int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            key = tuple(sorted(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            continue
+        sets[key] = sets.get(key, 0) + 1
+    return "; ".join(
+        f"cpus {','.join(map(str, cpus))} ({n} thread{'s' * (n != 1)})"
+        for cpus, n in sorted(sets.items())
+    )
+
+
 def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.fleet_forward_bench", description=__doc__
@@ -163,6 +218,13 @@ def parser_of() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds per level")
     parser.add_argument("--modes", default=",".join(MODES), help="streamed, plain or both")
     parser.add_argument("--profile", type=Path, help="run gateway A under cProfile, to PATH")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="emulate separate machines: gateway A on one CPU, B, the upstream, PostgreSQL and "
+        "the load generator on the others, for every path; no network between them (loopback); "
+        "needs 2 CPUs or more",
+    )
     return parser
 
 
@@ -179,20 +241,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parser_of().parse_args(argv)
     levels = [int(n) for n in args.streams.split(",")]
     modes = modes_of(args.modes)
+    split = split_cpus(os.sched_getaffinity(0)) if args.pin else None
+    if split is not None:  # before any child or thread: each inherits this process's CPUs
+        pin(os.getpid(), split.rest)
+    pinned = (
+        f"; pinned: A on cpus {sorted(split.a)}, the rest on {sorted(split.rest)}" if split else ""
+    )
     began, load = time.monotonic(), os.getloadavg()
     print(
         f"{machine()}; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.tokens} tokens an "
         f"answer, {args.requests} requests per path and level, {args.rounds} rounds; "
-        f"{', '.join(modes)}",
+        f"{', '.join(modes)}{pinned}",
         flush=True,
     )
     verdicts: list[str] = []
     running = 2 * max(levels)
     with (
         postgres(True) as pg,
-        fast_upstream(args.tokens, 0.0) as (upstream, _),
+        fast_upstream(args.tokens, 0.0) as (upstream, upstream_pid),
         fleet_of_two(upstream, pg[0] if pg else "", running, args.profile) as (urls, pids),
     ):
+        if split is not None:
+            pin(pids["forwarded"], split.a)
+            named = {
+                "gateway a": pids["forwarded"],
+                "gateway b": pids["local"],
+                "upstream": upstream_pid,
+                "load generator (this)": os.getpid(),
+            }
+            if pg is not None:
+                named["postgres (postmaster)"] = pg[1]
+            for name, pid in named.items():
+                print(f"affinity: {name}, pid {pid}: {affinity(pid)}", flush=True)
         for mode in modes:
             print(f"\n{mode}:", flush=True)
             data = body(args.tokens, "fast", stream=mode == "streamed")

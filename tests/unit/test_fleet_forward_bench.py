@@ -1,5 +1,6 @@
 """bench/fleet_forward_bench.py's pure parts: the settings it gives each machine, when a gateway
-has seen the serving machine, its options, and the goals it prints met or MISSED."""
+has seen the serving machine, its options, the CPUs `--pin` splits, and the goals it prints met
+or MISSED."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet_forward_bench import MODES, fleet_goals, fleet_section, modes_of, parser_of, serves
+from bench.fleet_forward_bench import (
+    MODES,
+    Split,
+    fleet_goals,
+    fleet_section,
+    modes_of,
+    parser_of,
+    serves,
+    split_cpus,
+)
 from bench.gateway_figures import Samples
 from bench.gateway_parts import settings_text
 from supervisor.host.gateway.settings import parse
@@ -85,7 +95,12 @@ def test_failed_answers_are_said_and_a_level_not_run_speaks_to_no_goal() -> None
 
 def test_the_options_default_to_the_issue_s_levels_and_both_modes() -> None:
     args = parser_of().parse_args([])
-    assert (args.streams, args.modes, args.profile) == ("1,64", "streamed,plain", None)
+    assert (args.streams, args.modes, args.profile, args.pin) == (
+        "1,64",
+        "streamed,plain",
+        None,
+        False,
+    )
     assert modes_of(args.modes) == list(MODES)
     assert parser_of().parse_args(["--profile", "a.prof"]).profile == Path("a.prof")
 
@@ -98,3 +113,34 @@ def test_a_mode_that_is_not_one_is_refused_by_name(text: str) -> None:
 
 def test_one_mode_alone_is_taken() -> None:
     assert modes_of(" plain ") == ["plain"]
+
+
+def test_pin_is_a_flag_that_takes_no_value() -> None:
+    assert parser_of().parse_args(["--pin", "--streams", "64"]).pin is True
+    with pytest.raises(SystemExit):
+        parser_of().parse_args(["--pin=1"])
+
+
+@pytest.mark.parametrize(
+    ("cpus", "a", "rest"),
+    [
+        ({0, 1}, {1}, {0}),
+        ([1, 0], {1}, {0}),  # the order given does not matter
+        ({0, 1, 2, 3}, {3}, {0, 1, 2}),
+        ({2, 5, 7}, {7}, {2, 5}),  # a cpuset's own numbers, not 0..n-1
+        ([4, 4, 9], {9}, {4}),
+    ],
+)
+def test_pin_gives_a_the_highest_cpu_and_the_rest_every_other(
+    cpus: list[int] | set[int], a: set[int], rest: set[int]
+) -> None:
+    split = split_cpus(cpus)
+    assert split == Split(a=frozenset(a), rest=frozenset(rest))
+    assert not split.a & split.rest
+    assert split.a | split.rest == set(cpus)
+
+
+@pytest.mark.parametrize("cpus", [set(), {3}, [0, 0]])
+def test_pin_is_refused_with_fewer_than_two_cpus(cpus: list[int] | set[int]) -> None:
+    with pytest.raises(SystemExit, match=r"--pin: .* needs at least 2"):
+        split_cpus(cpus)
