@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -217,3 +218,18 @@ def two_machines(postgres: Cluster, work: Path) -> Iterator[Fleet]:
             yield Fleet(dsn, peers, keys, engines, upstreams, {"a": a, "b": b})
     finally:
         engines.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(postgres: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Machines a and b, for a module's tests (two_machines)."""
+    with two_machines(postgres, tmp_path_factory.mktemp("fleet")) as made:
+        yield made
+
+
+@pytest.fixture(autouse=True)
+def fresh(fleet: Fleet) -> Iterator[None]:
+    """Each test of a module that imports it: the engines fresh, their holds let go after."""
+    fleet.fresh()
+    yield
+    fleet.reset()

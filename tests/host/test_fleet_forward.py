@@ -8,44 +8,32 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psycopg
-import pytest
 
 from supervisor.host.fleet.forward import Peer
 from supervisor.host.keycheck import Identity
 from tests.host.fleet_world import (
     CHAT,
     Fleet,
+    fleet,
+    fresh,
     machine_gateway,
     new_key_id,
     origin,
     peer_headers,
     post,
-    two_machines,
 )
-from tests.postgres import Cluster
 from tests.standin import free_port
 
 CHATS = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def fleet(postgres: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with two_machines(postgres, tmp_path_factory.mktemp("fleet")) as made:
-        yield made
-
-
-@pytest.fixture(autouse=True)
-def fresh(fleet: Fleet) -> Iterator[None]:
-    fleet.fresh()
-    yield
-    fleet.reset()
+__all__ = ["fleet", "fresh"]  # the fixtures, imported: machines a and b
 
 
 def to_b(fleet: Fleet) -> Peer:

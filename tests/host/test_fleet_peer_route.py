@@ -10,7 +10,6 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,29 +20,19 @@ import pytest
 from tests.host.fleet_world import (
     CHAT,
     Fleet,
+    fleet,
+    fresh,
     new_key_id,
     peer_headers,
     post,
-    two_machines,
     write_peers,
 )
-from tests.postgres import Cluster
 from tests.record_world import until
 
 ROUTE = "/fleet/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def fleet(postgres: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with two_machines(postgres, tmp_path_factory.mktemp("fleet")) as made:
-        yield made
-
-
-@pytest.fixture(autouse=True)
-def fresh(fleet: Fleet) -> Iterator[None]:
-    fleet.fresh()
-    yield
-    fleet.reset()
+__all__ = ["fleet", "fresh"]  # the fixtures, imported: machines a and b
 
 
 def test_a_peer_request_is_served_by_this_machines_engine_and_recorded_once_naming_it(
