@@ -270,7 +270,7 @@ PY
 if [ ! -e "$gateway_settings" ]; then
     # written only when the user has none; the key files are at their default places
     "$as_user" sh -c 'umask 077; cat >"$1"' gateway-settings "$gateway_settings" <<TOML
-# the demo's gateway: on loopback, every other setting at its default (see the README)
+# the demo's gateway: on loopback, every other setting at its default (see docs/gateway.md)
 [listen]
 address = "127.0.0.1"
 port = ${LUCIA_DEMO_GATEWAY_PORT:-18400}

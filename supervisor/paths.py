@@ -22,7 +22,7 @@ def _xdg(variable: str, fallback: str) -> Path:
 
 
 def lucia_share() -> Path:
-    """install.sh's share directory: venv, recipes, README, the host's data."""
+    """install.sh's share directory: venv, recipes, README and docs, the host's data."""
     return _xdg("XDG_DATA_HOME", "~/.local/share") / "lucia"
 
 

@@ -1,4 +1,4 @@
-"""The worker rules (README: The protocol), one suite run once per engine against the real dockerd.
+"""The worker rules (docs/protocol.md), one suite run once per engine against the real dockerd.
 
 An engine is done when it passes this suite: acknowledgement, heartbeat, cancel, readiness,
 death with exit code, adoption, replacement, lease, gateway-only port, file_sd, refused input,

@@ -252,7 +252,7 @@ def test_the_shipped_file_is_valid_as_it_ships(tmp_path: Path) -> None:
 def test_the_render_fails_on_a_file_without_the_lines_it_renders(tmp_path: Path) -> None:
     text = haproxy.SHIPPED.read_text()
     for line in ("    balance leastconn\n", "    default-server inter 1s fall 2 rise 2\n"):
-        assert line in text, "the shipped file says what the README says it does"
+        assert line in text, "the shipped file says what docs/fleet.md says it does"
     without = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("server "))
     with pytest.raises(AssertionError, match="server"):
         haproxy.render(without, "127.0.0.1:3", [("a", "127.0.0.1:1")], tmp_path / "s")

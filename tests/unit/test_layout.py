@@ -128,10 +128,11 @@ def test_only_the_connector_and_its_helpers_import_torch_and_vllm(
     assert sorted(importers - allowed) == []
 
 
-def readme_layout() -> list[str]:
-    """The paths the README's Layout block names: one entry a line, its first word, two spaces
-    of indent per folder level (a folder's name ends in /; its line stands for its package)."""
-    text = (ROOT / "README.md").read_text()
+def documented_layout() -> list[str]:
+    """The paths docs/architecture.md's Layout block names: one entry a line, its first word,
+    two spaces of indent per folder level (a folder's name ends in /; its line stands for its
+    package)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     after = text[text.index("\n## Layout\n") :]
     block = after[after.index("```\n") + 4 :]
     folders: list[str] = []
@@ -140,7 +141,7 @@ def readme_layout() -> list[str]:
         if not line.strip():
             continue
         depth, rest = divmod(len(line) - len(line.lstrip(" ")), 2)
-        assert rest == 0 and depth <= len(folders), f"README Layout: misindented: {line!r}"
+        assert rest == 0 and depth <= len(folders), f"Layout: misindented: {line!r}"
         del folders[depth:]
         name = line.split()[0]
         paths.append("".join(folders) + name)
@@ -161,11 +162,11 @@ def package_files() -> set[str]:
     return found
 
 
-def test_the_readme_layout_names_every_module_and_nothing_else() -> None:
-    named = readme_layout()
-    assert len(named) == len(set(named)), "README Layout names a path twice"
+def test_the_documented_layout_names_every_module_and_nothing_else() -> None:
+    named = documented_layout()
+    assert len(named) == len(set(named)), "the Layout names a path twice"
     inside = {path for path in named if path.startswith("supervisor/")}
-    assert sorted(package_files() - inside) == [], "add these to the README's Layout"
-    assert sorted(inside - package_files()) == [], "these are in the README's Layout, not here"
+    assert sorted(package_files() - inside) == [], "add these to the Layout in docs/architecture.md"
+    assert sorted(inside - package_files()) == [], "in docs/architecture.md, not here"
     outside = [path for path in named if not path.startswith("supervisor/")]
     assert [path for path in outside if not (ROOT / path).exists()] == []

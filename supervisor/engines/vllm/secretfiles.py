@@ -6,7 +6,7 @@ environment.
 huggingface_hub reads its token from `HF_TOKEN_PATH`; the KV tier plugin reads its cache key
 from `LUCIA_KV_KEY_FILE`. A directory, not the file, is mounted: a rewritten file (a new inode) is
 then what the container reads too. Any other secret stays in the environment (vLLM has no file
-form for it; the README says so).
+form for it; docs/recipes/vllm.md says so).
 """
 
 from __future__ import annotations
