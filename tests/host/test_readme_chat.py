@@ -1,0 +1,70 @@
+"""The README's first chat, its blocks run as written (the demo's address swapped for the test
+gateway's) against the real gateway process, in front of a fast engine of the test's own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+from tests.fixtures import ROOT
+from tests.gateway_proc import running_gateway
+from tests.host.gateway_world import Upstream, serve_upstream, write_status
+
+DEMO_URL = "http://127.0.0.1:18400"  # where the demo's gateway listens, as the README says
+
+
+def first_chat() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## A first chat\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.*?)```", section, re.S)
+
+
+def test_the_readme_names_the_demo_gateways_address() -> None:
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    assert "port = ${LUCIA_DEMO_GATEWAY_PORT:-18400}" in demo and 'address = "127.0.0.1"' in demo
+    issue, *asking = first_chat()
+    assert "keys create" in issue and issue.startswith("KEY=$(")
+    assert len(asking) == 2 and all(DEMO_URL in block and "$KEY" in block for block in asking)
+
+
+def test_the_readme_first_chat_runs_as_written(tmp_path: Path) -> None:
+    _, with_openai, with_curl = first_chat()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    up = Upstream()
+    server = asyncio.run_coroutine_threadsafe(serve_upstream(up), loop).result(60)
+    try:
+        data = tmp_path / "data"
+        write_status(data, "demo-router", "running", url=up.url, generation=1)
+        with running_gateway(tmp_path / "gateway", data) as gateway:
+            shown = []
+            for block in (with_openai, with_curl):
+                done = subprocess.run(
+                    ["bash", "-euo", "pipefail", "-c", block.replace(DEMO_URL, gateway.url)],
+                    check=False,
+                    cwd=ROOT,
+                    env={**os.environ, "KEY": gateway.issued},
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stdout + done.stderr
+                shown.append(done.stdout)
+            log = gateway.log.read_text()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+    assert "CompletionUsage(completion_tokens=3" in shown[0], shown[0]
+    answer = json.loads(shown[1])
+    assert answer["object"] == "chat.completion" and answer["model"] == "tiny"
+    assert [body["messages"] for body in up.bodies] == [[{"role": "user", "content": "Hello"}]] * 2
+    assert all(body["max_tokens"] == 16 for body in up.bodies)
+    assert gateway.issued not in log
