@@ -1,5 +1,6 @@
 """The README's first chat, its blocks run as written (the demo's address swapped for the test
-gateway's) against the real gateway process, in front of a fast engine of the test's own."""
+gateway's, and the clone's .venv for the tests' own interpreter) against the real gateway
+process, in front of a fast engine of the test's own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +24,11 @@ def first_chat() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("\n## A first chat\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```sh\n(.*?)```", section, re.S)
+
+
+def as_here(block: str, url: str) -> str:
+    assert ".venv/bin/python " in block or "curl " in block, block
+    return block.replace(DEMO_URL, url).replace(".venv/bin/python ", f"{sys.executable} ")
 
 
 def test_the_readme_names_the_demo_gateways_address() -> None:
@@ -46,7 +53,7 @@ def test_the_readme_first_chat_runs_as_written(tmp_path: Path) -> None:
             shown = []
             for block in (with_openai, with_curl):
                 done = subprocess.run(
-                    ["bash", "-euo", "pipefail", "-c", block.replace(DEMO_URL, gateway.url)],
+                    ["bash", "-euo", "pipefail", "-c", as_here(block, gateway.url)],
                     check=False,
                     cwd=ROOT,
                     env={**os.environ, "KEY": gateway.issued},
