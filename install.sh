@@ -128,16 +128,27 @@ render_unit() {
     rm -f "$tmp"
 }
 
-# The source's docs/ tree as $home_share/docs: files 0644, folders 0755, each file placed only
-# when it differs; an installed file or folder the source no longer has is removed.
+# A folder (mode 0755) made or corrected only when it is missing or its mode differs; counted.
+place_dir() {
+    local to=$1
+    if [ -d "$to" ] && [ "$(stat -c %a "$to")" = 755 ]; then
+        return
+    fi
+    install -d -m 0755 "$to"
+    say "installed $to/"
+    changed=$((changed + 1))
+}
+
+# The source's docs/ tree as $home_share/docs: files 0644, folders 0755, each placed only when
+# it differs; an installed file or folder the source no longer has is removed.
 install_docs() {
     [ -d "$src/docs" ] || return 0
     local from rel
-    install -d -m 0755 "$home_share/docs"
+    place_dir "$home_share/docs"
     while IFS= read -r -d '' from; do
         rel=${from#"$src/docs/"}
         if [ -d "$from" ]; then
-            install -d -m 0755 "$home_share/docs/$rel"
+            place_dir "$home_share/docs/$rel"
         else
             place "$from" "$home_share/docs/$rel" 0644
         fi
@@ -198,10 +209,10 @@ install_all() {
 cli=$venv/bin/lucia-supervisor
 
 # The engine containers this installation's workers made, one line each, `|` between: the
-# container, its engine and how it is known as this installation's: `labelled` (its lucia.data label is this
-# installation's data directory) or `named` (made before containers carried that label, its
-# lucia.name is an engine of this data directory). Another installation's are never listed.
-# Fails when Docker cannot be asked.
+# container, its engine and how it is known as this installation's: `labelled` (its lucia.data
+# label is this installation's data directory) or `named` (made before containers carried that
+# label, its lucia.name is an engine of this data directory). Another installation's are never
+# listed. Fails when Docker cannot be asked.
 installation_containers() {
     local listing container name dir ours
     command -v docker >/dev/null || return 1
@@ -256,7 +267,7 @@ purge_refused() {
 # Remove paths; any that cannot be removed whole (an engine container that ran as root leaves
 # files the user cannot remove) is named with its first such file, and the script fails.
 remove_all() {
-    local path stuck=()
+    local path first stuck=()
     for path in "$@"; do
         [ -e "$path" ] || continue
         if rm -rf -- "$path" 2>/dev/null; then
@@ -265,13 +276,14 @@ remove_all() {
             stuck+=("$path")
         fi
     done
-    [ "${#stuck[@]}" -eq 0 ] && return 0
-    die "could not remove all of ${stuck[*]}: $(find "${stuck[@]}" ! -user "$(id -u)" -print -quit 2>/dev/null || true) and what is left belong to another user (files an engine container wrote as root); remove them with: sudo rm -rf ${stuck[*]}"
+    [ "${#stuck[@]}" -gt 0 ] || return 0
+    first=$(find "${stuck[@]}" ! -user "$(id -u)" -print -quit 2>/dev/null || true)
+    die "could not remove all of ${stuck[*]}${first:+ ($first belongs to uid $(stat -c %u "$first"): an engine container that ran as root writes files so)}; remove what is left with: sudo rm -rf ${stuck[*]}"
 }
 
 uninstall_all() {
     [ "$(id -u)" -ne 0 ] || die "run this as the user who owns the services, not as root (for example: sudo -iu lucia $src/install.sh --uninstall)"
-    local path unit name out found container unit_files=() dropins=() installed=() data_paths=()
+    local path name out found container unit_files=() dropins=() installed=() data_paths=()
     for path in "$units"/lucia-*.service; do
         if [ -f "$path" ]; then unit_files+=("$path"); fi
     done
@@ -324,7 +336,14 @@ uninstall_all() {
         say "purged: no lucia unit, program or data is left for $(id -un)"
         return 0
     fi
-    say "kept the data: $home_share (host/data: the engines' files, the keys' digests, the record; models: the model library), $state, $config (gateway.toml, key files, machine.toml)"
+    local kept=() joined
+    if [ -e "$home_share" ]; then kept+=("$home_share (host/data: the engines' files, the keys' digests, the record; models: the model library)"); fi
+    if [ -e "$state" ]; then kept+=("$state (the workers' state)"); fi
+    if [ -e "$config" ]; then kept+=("$config (gateway.toml, key files, machine.toml)"); fi
+    if [ "${#kept[@]}" -gt 0 ]; then
+        joined=$(printf '%s, ' "${kept[@]}")
+        say "kept the data: ${joined%, }"
+    fi
     if [ "${#dropins[@]}" -gt 0 ]; then
         say "kept the units' drop-ins: ${dropins[*]}"
     fi
@@ -340,7 +359,9 @@ uninstall_all() {
     else
         say "uninstalling never stops an engine: any engine container keeps running (Docker could not be asked which are this installation's)"
     fi
-    say "to remove the data too: $src/install.sh --uninstall --purge (refused while an engine container of this installation exists)"
+    if [ "$((${#kept[@]} + ${#dropins[@]}))" -gt 0 ]; then
+        say "to remove the data too: $src/install.sh --uninstall --purge (refused while an engine container of this installation exists)"
+    fi
 }
 
 if [ "$uninstall" = yes ]; then
