@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Install lucia-supervisor for the current (non-root) user: a virtual environment, the recipes,
-# one systemd user unit per recipe, and the data directories. Idempotent: a second run changes
-# nothing. The services are left installed but stopped and not enabled unless --enable is given.
+# one systemd user unit per recipe, the documentation and the data directories. Idempotent: a
+# second run changes nothing. The services are left installed but stopped and not enabled unless
+# --enable is given.
 #
-#   ./install.sh [--enable] [--recipe FILE]...     install (or update)
-#   ./install.sh --uninstall                       remove units and environment; keep the data
+#   ./install.sh [--enable] [--recipe FILE]...   install (or update)
+#   ./install.sh --uninstall                     stop, disable and remove every lucia unit, and
+#                                                remove the venv, the recipes and the documentation;
+#                                                keep the data (engine containers keep running)
+#   ./install.sh --uninstall --purge             the same, then remove the data too; refused while
+#                                                an engine container of this installation exists
 set -euo pipefail
 
 src=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -13,18 +18,21 @@ venv=$home_share/venv
 recipes=$home_share/recipes
 data=$home_share/host/data
 state=${XDG_STATE_HOME:-$HOME/.local/state}/lucia
+config=${XDG_CONFIG_HOME:-$HOME/.config}/lucia
 units=${XDG_CONFIG_HOME:-$HOME/.config}/systemd/user
 python=${PYTHON:-python3}
 
 enable=no
 uninstall=no
+purge=no
 extra_recipes=()
 changed=0
 
 say() { printf 'install.sh: %s\n' "$*"; }
 warn() { printf 'install.sh: warning: %s\n' "$*" >&2; }
 die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,8s/^# \{0,1\}//p' "$0"; exit 2; }
+# The usage: the header's comment, from its second line to the first line that is not a comment.
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 2; }
 
 # No exit under set -e is silent: the line, the command and its exit status (a pipeline's too).
 # A command substitution's failure is reported once, by the line that used it.
@@ -42,12 +50,19 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --enable) enable=yes ;;
         --uninstall) uninstall=yes ;;
+        --purge) purge=yes ;;
         --recipe) [ $# -ge 2 ] || usage; extra_recipes+=("$2"); shift ;;
         -h|--help) usage ;;
         *) printf 'install.sh: unknown argument %s\n' "$1" >&2; usage ;;
     esac
     shift
 done
+if [ "$uninstall" = yes ] && { [ "$enable" = yes ] || [ "${#extra_recipes[@]}" -gt 0 ]; }; then
+    printf 'install.sh: --uninstall takes no --enable or --recipe\n' >&2; usage
+fi
+if [ "$purge" = yes ] && [ "$uninstall" = no ]; then
+    printf 'install.sh: --purge removes the data of an uninstall: ./install.sh --uninstall --purge\n' >&2; usage
+fi
 
 systemctl_user() { systemctl --user "$@"; }
 
@@ -113,6 +128,40 @@ render_unit() {
     rm -f "$tmp"
 }
 
+# A folder (mode 0755) made or corrected only when it is missing or its mode differs; counted.
+place_dir() {
+    local to=$1
+    if [ -d "$to" ] && [ "$(stat -c %a "$to")" = 755 ]; then
+        return
+    fi
+    install -d -m 0755 "$to"
+    say "installed $to/"
+    changed=$((changed + 1))
+}
+
+# The source's docs/ tree as $home_share/docs: files 0644, folders 0755, each placed only when
+# it differs; an installed file or folder the source no longer has is removed.
+install_docs() {
+    [ -d "$src/docs" ] || return 0
+    local from rel
+    place_dir "$home_share/docs"
+    while IFS= read -r -d '' from; do
+        rel=${from#"$src/docs/"}
+        if [ -d "$from" ]; then
+            place_dir "$home_share/docs/$rel"
+        else
+            place "$from" "$home_share/docs/$rel" 0644
+        fi
+    done < <(find "$src/docs" -mindepth 1 \( -type d -o -type f \) -print0 | sort -z)
+    while IFS= read -r -d '' from; do
+        rel=${from#"$home_share/docs/"}
+        [ ! -e "$src/docs/$rel" ] || continue
+        rm -rf "$from"
+        say "removed $from (no longer in $src/docs)"
+        changed=$((changed + 1))
+    done < <(find "$home_share/docs" -mindepth 1 -depth -print0)
+}
+
 install_all() {
     check
     install -d -m 0750 "$home_share" "$home_share/host" "$data"
@@ -120,6 +169,7 @@ install_all() {
     install -d -m 0755 "$recipes" "$units"
     install_venv
     place "$src/README.md" "$home_share/README.md" 0644
+    install_docs
     local recipe name
     for recipe in "$src"/recipes/*.toml "${extra_recipes[@]}"; do
         [ -f "$recipe" ] || die "no such recipe file: $recipe"
@@ -154,18 +204,164 @@ install_all() {
     say "start one with: systemctl --user start lucia-NAME; request it with: $venv/bin/lucia-supervisor request NAME running --wait"
 }
 
-uninstall_all() {
-    [ "$(id -u)" -ne 0 ] || die "run this as the user who owns the services, not as root"
-    local unit
-    for unit in "$units"/lucia-*.service; do
-        [ -f "$unit" ] || continue
-        systemctl_user disable --now "$(basename "$unit")" 2>/dev/null || true
-        rm -f "$unit"
-        say "removed $unit (its engine container, if any, keeps running: request stopped first to stop it)"
+# -- uninstall ------------------------------------------------------------------------------------
+
+cli=$venv/bin/lucia-supervisor
+
+# The engine containers this installation's workers made, one line each, `|` between: the
+# container, its engine and how it is known as this installation's: `labelled` (its lucia.data
+# label is this installation's data directory) or `named` (made before containers carried that
+# label, its lucia.name is an engine of this data directory). Another installation's are never
+# listed. Fails when Docker cannot be asked.
+installation_containers() {
+    local listing container name dir ours
+    command -v docker >/dev/null || return 1
+    listing=$(docker ps -a --filter label=lucia.managed=true \
+        --format '{{.Names}}|{{.Label "lucia.name"}}|{{.Label "lucia.data"}}' 2>/dev/null) || return 1
+    ours=$(realpath -m -- "$data")
+    while IFS='|' read -r container name dir; do
+        [ -n "$container" ] || continue
+        if [ -n "$dir" ]; then
+            if [ "$(realpath -m -- "$dir")" = "$ours" ]; then
+                printf '%s|%s|labelled\n' "$container" "$name"
+            fi
+        elif [[ "$name" =~ ^[a-z0-9][a-z0-9_.-]*$ ]] && [ -d "$data/$name" ]; then
+            printf '%s|%s|named\n' "$container" "$name"
+        fi
+    done <<<"$listing"
+}
+
+# The command that stops an engine container: its worker's request while the worker is
+# installed (it stops and removes the container), else docker's.
+stop_command() {
+    local container=$1 name=$2
+    if [ -f "$units/lucia-$name.service" ] && [ -x "$cli" ]; then
+        if [ "$(systemctl_user is-active "lucia-$name.service" 2>/dev/null || true)" = active ]; then
+            echo "$cli request $name stopped --wait"
+        else
+            echo "systemctl --user start lucia-$name && $cli request $name stopped --wait"
+        fi
+    else
+        echo "docker stop $container && docker rm $container (no worker of $name is installed)"
+    fi
+}
+
+# --purge refused while an engine container of this installation exists: the data holds what it
+# mounts (its model, its KV tiers, its secrets). True, having said so with each container and the
+# command that stops it, when there is one; $1 says what was done before.
+purge_refused() {
+    local found container name how note
+    found=$(installation_containers) \
+        || die "--purge refused, $1: Docker cannot be asked whether an engine container of this installation still exists, and the data holds what such a container mounts; start dockerd (or let $(id -un) reach it) and run this again"
+    [ -n "$found" ] || return 1
+    printf 'install.sh: --purge refused, %s: engine containers of this installation still exist, and the data holds what they mount; stop each, then run %s --uninstall --purge again:\n' \
+        "$1" "$src/install.sh" >&2
+    while IFS='|' read -r container name how; do
+        note=""
+        [ "$how" = labelled ] || note="; unlabelled, made before containers named their installation, it has the name of one of its engines"
+        printf 'install.sh:   %s (engine %s%s): %s\n' "$container" "$name" "$note" "$(stop_command "$container" "$name")" >&2
+    done <<<"$found"
+    return 0
+}
+
+# Remove paths; any that cannot be removed whole (an engine container that ran as root leaves
+# files the user cannot remove) is named with its first such file, and the script fails.
+remove_all() {
+    local path first stuck=()
+    for path in "$@"; do
+        [ -e "$path" ] || continue
+        if rm -rf -- "$path" 2>/dev/null; then
+            say "removed $path"
+        else
+            stuck+=("$path")
+        fi
     done
-    systemctl_user daemon-reload 2>/dev/null || true
-    rm -rf "$venv" "$recipes" "$home_share/README.md"
-    say "removed $venv and $recipes; kept the data in $data and $state"
+    [ "${#stuck[@]}" -gt 0 ] || return 0
+    first=$(find "${stuck[@]}" ! -user "$(id -u)" -print -quit 2>/dev/null || true)
+    die "could not remove all of ${stuck[*]}${first:+ ($first belongs to uid $(stat -c %u "$first"): an engine container that ran as root writes files so)}; remove what is left with: sudo rm -rf ${stuck[*]}"
+}
+
+uninstall_all() {
+    [ "$(id -u)" -ne 0 ] || die "run this as the user who owns the services, not as root (for example: sudo -iu lucia $src/install.sh --uninstall)"
+    local path name out found container unit_files=() dropins=() installed=() data_paths=()
+    for path in "$units"/lucia-*.service; do
+        if [ -f "$path" ]; then unit_files+=("$path"); fi
+    done
+    for path in "$units"/lucia-*.service.d; do
+        if [ -d "$path" ]; then dropins+=("$path"); fi
+    done
+    for path in "$venv" "$recipes" "$home_share/README.md" "$home_share/docs"; do
+        if [ -e "$path" ]; then installed+=("$path"); fi
+    done
+    for path in "$home_share" "$state" "$config"; do
+        if [ -e "$path" ]; then data_paths+=("$path"); fi
+    done
+    if [ "${#unit_files[@]}" -eq 0 ] && [ "${#installed[@]}" -eq 0 ] \
+        && { [ "$purge" = no ] || [ "$((${#data_paths[@]} + ${#dropins[@]}))" -eq 0 ]; }; then
+        say "nothing to remove: no lucia unit, venv, recipes or documentation is installed for $(id -un)$([ "$purge" = no ] || echo ', and no data is left')"
+        [ "$purge" = yes ] || [ "${#data_paths[@]}" -eq 0 ] \
+            || say "the data is kept in ${data_paths[*]}; to remove it: $src/install.sh --uninstall --purge"
+        return 0
+    fi
+    if [ "$purge" = yes ] && purge_refused "nothing removed"; then
+        exit 1
+    fi
+
+    if [ "${#unit_files[@]}" -gt 0 ]; then
+        systemctl_user show-environment >/dev/null 2>&1 \
+            || die "no systemd user manager answers for $(id -un), so its lucia units cannot be stopped; nothing removed (is XDG_RUNTIME_DIR=/run/user/$(id -u) set? log in through a session, or: sudo loginctl enable-linger $(id -un))"
+        for path in "${unit_files[@]}"; do
+            name=$(basename "$path")
+            if ! out=$(systemctl_user disable --now "$name" 2>&1); then
+                warn "systemctl --user disable --now $name: $out"
+            fi
+            rm -f "$path"
+            say "stopped, disabled and removed $name"
+        done
+        systemctl_user daemon-reload
+        # a unit still loaded without its file, and the failed ones' records
+        systemctl_user stop 'lucia-*.service' >/dev/null 2>&1 || true
+        systemctl_user reset-failed 'lucia-*.service' >/dev/null 2>&1 || true
+        say "systemd reloaded"
+    fi
+    if [ "${#installed[@]}" -gt 0 ]; then
+        remove_all "${installed[@]}"
+    fi
+
+    if [ "$purge" = yes ]; then
+        if purge_refused "the units, venv, recipes and documentation are removed, the data is kept"; then
+            exit 1
+        fi
+        remove_all "$home_share" "$state" "$config" "${dropins[@]}"
+        say "purged: no lucia unit, program or data is left for $(id -un)"
+        return 0
+    fi
+    local kept=() joined
+    if [ -e "$home_share" ]; then kept+=("$home_share (host/data: the engines' files, the keys' digests, the record; models: the model library)"); fi
+    if [ -e "$state" ]; then kept+=("$state (the workers' state)"); fi
+    if [ -e "$config" ]; then kept+=("$config (gateway.toml, key files, machine.toml)"); fi
+    if [ "${#kept[@]}" -gt 0 ]; then
+        joined=$(printf '%s, ' "${kept[@]}")
+        say "kept the data: ${joined%, }"
+    fi
+    if [ "${#dropins[@]}" -gt 0 ]; then
+        say "kept the units' drop-ins: ${dropins[*]}"
+    fi
+    if found=$(installation_containers); then
+        if [ -z "$found" ]; then
+            say "no engine container of this installation exists (uninstalling never stops one)"
+        else
+            say "uninstalling never stops an engine: these engine containers of this installation are kept:"
+            while IFS='|' read -r container name _; do
+                say "  $container (engine $name): stop it with: $(stop_command "$container" "$name")"
+            done <<<"$found"
+        fi
+    else
+        say "uninstalling never stops an engine: any engine container keeps running (Docker could not be asked which are this installation's)"
+    fi
+    if [ "$((${#kept[@]} + ${#dropins[@]}))" -gt 0 ]; then
+        say "to remove the data too: $src/install.sh --uninstall --purge (refused while an engine container of this installation exists)"
+    fi
 }
 
 if [ "$uninstall" = yes ]; then

@@ -7,6 +7,7 @@ from typing import Final
 PREFIX: Final = "lucia."
 MANAGED: Final = "lucia.managed"  # "true" on every container and network lucia creates
 NAME: Final = "lucia.name"  # the worker's name (the data directory's engine name)
+DATA: Final = "lucia.data"  # the worker's data directory: which user's installation made it
 ENGINE: Final = "lucia.engine"  # the engine kind: tensorfold, llama-router
 GENERATION: Final = "lucia.generation"  # the request the container was started for
 IMAGE_ID: Final = "lucia.image.id"  # the image id it was created from
@@ -23,5 +24,6 @@ TIERS_BASE: Final = "lucia.tiers.base"  # on KV tier images: the base image id
 TIERS_VERSION: Final = "lucia.tiers.version"  # on KV tier images: the plugin's version
 TIERS_DIGEST: Final = "lucia.tiers.digest"  # on KV tier images: a digest of the plugin's files
 
-# Bookkeeping that changes without changing what runs: never part of the fingerprint.
-BOOKKEEPING: Final = frozenset({GENERATION, FINGERPRINT})
+# Bookkeeping that changes without changing what runs: never part of the fingerprint (a
+# container made before DATA existed is adopted as it is, never replaced for the label).
+BOOKKEEPING: Final = frozenset({GENERATION, FINGERPRINT, DATA})

@@ -69,6 +69,7 @@ class ContainerEngine(Generic[R, P]):
         self.recipe = recipe
         self.runtime = runtime
         self.state_dir = state_dir
+        self.data_dir = data_dir
         self.container_name = f"lucia-{name}"
         self.last: Look[P] | None = None  # the last look, set by observe only
         with contextlib.suppress(RecipeError):  # mask an adopted engine's output from the start
@@ -308,6 +309,8 @@ class ContainerEngine(Generic[R, P]):
                 labels.IMAGE_ID: found.image.id,
                 labels.IMAGE_REF: found.ref,
                 labels.MODEL: recipe.model,
+                # install.sh --purge finds this installation's containers by it
+                **({labels.DATA: str(self.data_dir)} if self.data_dir is not None else {}),
                 **self.extra_labels(),
             },
             command=self.command(),

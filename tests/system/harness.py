@@ -216,7 +216,8 @@ def machine_settings(home: Path) -> Iterator[Path]:
     """The test user's ~/.config/lucia/machine.toml, written as that user (0600) for the body of
     the `with` and removed after it; one it had before is put back. It holds the settings every
     worker the tests start gets (DEFAULT_MACHINE: the host's memory, a small reserve), not the
-    default reserves (18 GiB), which leave this machine less than an engine beside a demo."""
+    default reserves (18 GiB), which leave this machine less than an engine beside a demo.
+    The one it had before is put back even where a purge removed ~/.config/lucia."""
     path = home / ".config/lucia/machine.toml"
     before = path.read_text() if path.exists() else None
     as_user(
@@ -236,7 +237,7 @@ def machine_settings(home: Path) -> Iterator[Path]:
             as_user(
                 "sh",
                 "-c",
-                'umask 077 && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+                'umask 077 && mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
                 "machine-settings",
                 str(path),
                 input=before,

@@ -1,11 +1,13 @@
 """The product as operators meet it: systemctl --user, journalctl and the CLI, all real.
 
 The tests run in order against one installation (installing takes a while): each leaves the
-unit and the engine in the state the next one starts from.
+unit and the engine in the state the next one starts from. The last ones uninstall it, then purge
+its data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import docker
 import pytest
@@ -22,6 +25,7 @@ import pytest
 from supervisor.host.protocol import classify
 from supervisor.protocol.documents import parse_status
 from tests.system.harness import (
+    RUN_ID,
     Installation,
     as_user,
     running_prometheus,
@@ -68,6 +72,15 @@ def test_installed_inactive_disabled_and_valid(installation: Installation) -> No
     assert (installation.data_dir.stat().st_mode & 0o777) == 0o750
     state = installation.home / ".local/state/lucia"
     assert (state.stat().st_mode & 0o777) == 0o700
+    # the documentation beside the README: the source's docs/ tree, files 0644, folders 0755
+    docs, installed_docs = installation.source / "docs", installation.share / "docs"
+    assert any(docs.iterdir()), "the project's docs/ is the tree install.sh installs"
+    tree = {path.relative_to(docs) for path in docs.rglob("*")}
+    assert {path.relative_to(installed_docs) for path in installed_docs.rglob("*")} == tree
+    for relative in tree:
+        source, copy = docs / relative, installed_docs / relative
+        assert (copy.stat().st_mode & 0o777) == (0o755 if source.is_dir() else 0o644), copy
+        assert source.is_dir() or copy.read_bytes() == source.read_bytes()
 
 
 def test_a_second_install_changes_nothing(installation: Installation) -> None:
@@ -290,18 +303,159 @@ def test_stop_leaves_the_engine_running_and_the_status_goes_stale(
     systemctl("start", installation.unit)
 
 
+# -- uninstall and purge: last, since they remove what the tests above used ---------------------
+
+
+def _install_sh(installation: Installation, *args: str) -> subprocess.CompletedProcess[str]:
+    return as_user(str(installation.source / "install.sh"), *args, check=False)
+
+
+def _units_dir(installation: Installation) -> Path:
+    return installation.home / ".config/systemd/user"
+
+
+def _lucia_units(installation: Installation) -> list[str]:
+    return sorted(path.name for path in _units_dir(installation).glob("lucia-*.service"))
+
+
+def _state(installation: Installation) -> Path:
+    return installation.home / ".local/state/lucia"
+
+
+def _config(installation: Installation) -> Path:
+    return installation.home / ".config/lucia"
+
+
+def _dropin(installation: Installation) -> Path:
+    return _units_dir(installation) / f"{installation.unit}.d" / "local.conf"
+
+
+def test_purge_is_refused_while_an_engine_container_of_the_installation_exists(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
+    """Before anything is removed, units included: the data holds what the engine mounts. The
+    engine's container names its installation's data directory, which is how it is known."""
+    installation.request("running", "--wait", "--timeout", "120")
+    engine = _engine(docker_client, installation)
+    assert engine["Config"]["Labels"]["lucia.data"] == str(installation.data_dir)
+    units = _lucia_units(installation)
+    assert {installation.unit, "lucia-gateway.service", "lucia-models.service"} <= set(units)
+    refused = _install_sh(installation, "--uninstall", "--purge")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "nothing removed" in refused.stderr
+    assert f"{installation.container} (engine {installation.name})" in refused.stderr
+    assert f"{installation.cli} request {installation.name} stopped --wait" in refused.stderr
+    assert not refused.stdout  # it says nothing was done, and did nothing
+    assert _lucia_units(installation) == units
+    assert show(installation.unit, "ActiveState") == "active"
+    for kept in (
+        Path(installation.cli),
+        installation.share / "recipes" / f"{installation.name}.toml",
+        installation.share / "README.md",
+        installation.share / "docs",
+        installation.engine_dir / "status.json",
+        _state(installation),
+        _config(installation) / "machine.toml",
+    ):
+        assert kept.exists(), kept
+    after = _engine(docker_client, installation)
+    assert (after["Id"], after["State"]["Running"]) == (engine["Id"], True)
+
+
 def test_uninstall_removes_units_and_environment_and_keeps_the_data(
     installation: Installation, docker_client: docker.DockerClient
 ) -> None:
-    """Last: it removes what the tests above used."""
+    """Every lucia unit stopped, disabled and removed, systemd reloaded; the venv, recipes and
+    documentation removed; the data, its settings and the units' drop-ins kept, and the output
+    says where they are and what purges them. A second uninstall finds nothing to remove."""
     installation.request("stopped", "--wait", "--timeout", "120")
+    with pytest.raises(docker.errors.NotFound):  # a stopped engine's worker removes its container
+        docker_client.containers.get(installation.container)
+    as_user("mkdir", "-p", str(_dropin(installation).parent))
+    as_user(
+        "sh",
+        "-c",
+        'printf "[Service]\\nEnvironment=X=1\\n" > "$1"',
+        "dropin",
+        str(_dropin(installation)),
+    )
+    systemctl("enable", installation.unit)
+    wants = _units_dir(installation) / "default.target.wants"
+    assert (wants / installation.unit).is_symlink()
     status_before = (installation.engine_dir / "status.json").read_text()
-    result = as_user(str(installation.source / "install.sh"), "--uninstall")
+    result = _install_sh(installation, "--uninstall")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"stopped, disabled and removed {installation.unit}" in result.stdout
     assert "kept the data" in result.stdout
-    units = installation.home / ".config/systemd/user"
-    assert not list(units.glob("lucia-*.service"))
-    assert not (installation.share / "venv").exists()
-    assert not (installation.share / "recipes").exists()
+    for kept in (installation.share, _state(installation), _config(installation)):
+        assert str(kept) in result.stdout
+    assert "no engine container of this installation exists" in result.stdout
+    assert f"{installation.source}/install.sh --uninstall --purge" in result.stdout
+    assert not _lucia_units(installation)
+    assert not list(wants.glob("lucia-*"))
+    for unit in (installation.unit, "lucia-gateway.service", "lucia-models.service"):
+        assert show(unit, "LoadState") == "not-found", unit
+        assert systemctl("is-active", unit, check=False).stdout.strip() != "active"
+    for gone in ("venv", "recipes", "README.md", "docs"):
+        assert not (installation.share / gone).exists(), gone
     assert (installation.engine_dir / "status.json").read_text() == status_before
-    assert (installation.home / ".local/state/lucia").is_dir()
-    assert systemctl("is-active", installation.unit, check=False).stdout.strip() != "active"
+    assert _state(installation).is_dir()
+    assert (_config(installation) / "machine.toml").is_file()
+    assert _dropin(installation).is_file()
+    again = _install_sh(installation, "--uninstall")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to remove" in again.stdout
+
+
+def test_purge_removes_the_data_and_nothing_it_did_not_make(
+    installation: Installation, docker_client: docker.DockerClient
+) -> None:
+    """With no engine container of the installation left, the data goes too: the share, the state
+    and ~/.config/lucia, and the units' drop-ins. Another installation's container, even one with
+    an engine's name, and files beside the data stay. An unlabelled container with one of its
+    engines' names (made before containers named their installation) is taken for its own."""
+    home = installation.home
+    markers = [
+        home / ".local/share" / f"lucia-systest-marker-{RUN_ID}",
+        home / ".local/state" / f"lucia-systest-marker-{RUN_ID}",
+        home / ".config" / f"lucia-systest-marker-{RUN_ID}",
+    ]
+    for marker in markers:
+        as_user("sh", "-c", 'echo marker > "$1"', "marker", str(marker))
+    engine = {"lucia.managed": "true", "lucia.name": installation.name}
+    elsewhere = "/home/another-user/.local/share/lucia/host/data"
+    other = docker_client.containers.create(
+        installation.image_tag,
+        ["true"],
+        name=f"lucia-systest-other-{RUN_ID}",
+        labels={**engine, "lucia.data": elsewhere},
+    )
+    unlabelled = docker_client.containers.create(
+        installation.image_tag, ["true"], name=f"lucia-systest-unlabelled-{RUN_ID}", labels=engine
+    )
+    try:
+        refused = _install_sh(installation, "--uninstall", "--purge")
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"{unlabelled.name} (engine {installation.name}; unlabelled" in refused.stderr
+        assert f"docker stop {unlabelled.name} && docker rm {unlabelled.name}" in refused.stderr
+        assert other.name not in refused.stderr
+        assert installation.data_dir.is_dir() and _config(installation).is_dir()
+        unlabelled.remove()
+
+        purged = _install_sh(installation, "--uninstall", "--purge")
+        assert purged.returncode == 0, purged.stdout + purged.stderr
+        for gone in (installation.share, _state(installation), _config(installation)):
+            assert f"removed {gone}" in purged.stdout
+            assert not gone.exists(), gone
+        assert not _dropin(installation).parent.exists()
+        assert all(marker.read_text() == "marker\n" for marker in markers)
+        assert docker_client.containers.get(other.id).labels["lucia.data"] == elsewhere
+        again = _install_sh(installation, "--uninstall", "--purge")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "nothing to remove" in again.stdout
+    finally:
+        for marker in markers:
+            as_user("rm", "-f", str(marker), check=False)
+        for container in (other, unlabelled):
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True)

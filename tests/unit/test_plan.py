@@ -1122,6 +1122,9 @@ def test_every_setting_is_in_the_fingerprint(change: dict[str, Any], setting: st
 def test_bookkeeping_labels_are_not_in_the_fingerprint() -> None:
     stamped = replace(SPEC, labels={**SPEC.labels, labels.GENERATION: "7", labels.FINGERPRINT: "x"})
     assert stamped.fingerprint() == SPEC.fingerprint()
+    # a container made before it carried its data directory is adopted, never replaced for it
+    located = replace(SPEC, labels={**SPEC.labels, labels.DATA: "/home/u/.local/share/lucia/x"})
+    assert located.fingerprint() == SPEC.fingerprint()
     assert replace(SPEC, environment={"CONTEXT": "200000"}).fingerprint() == SPEC.fingerprint()
 
 
