@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from supervisor.cli import build_parser
+from supervisor.engines.registry import kinds
 from supervisor.host.gateway.settings import GatewaySettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,4 +235,61 @@ def test_every_gateway_setting_has_its_home_in_the_gateway_page() -> None:
         for key in field.default_factory.model_fields
         if key not in documented.get(name, set())
     ]
+    assert missing == []
+
+
+RECIPE_PAGES = {"tensorfold": "tensorfold.md", "llama-router": "llama-router.md", "vllm": "vllm.md"}
+# sections whose keys are at home on another page: the memory plan's figures
+SECTION_HOMES = {"memory": DOCS / "memory-plan.md"}
+
+
+def key_rows(text: str) -> dict[str, str]:
+    """A recipe page's table: each section's row text ("" for the top level)."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        row = re.match(r"\| (top level|`\[[^|]*\]`(?: or `\[[^|]*\]`)*) \| (.*) \|$", line)
+        if row:
+            for section in re.findall(r"\[([^\]]+)\]", row.group(1)) or [""]:
+                found[section] = found.get(section, "") + row.group(2)
+    return found
+
+
+def recipe_keys(model: type[BaseModel], section: str = "") -> Iterator[tuple[str, str]]:
+    """(section, key) for every key of a recipe schema, sections dotted as TOML has them."""
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        inner = _models(field.annotation)
+        for each in inner:
+            yield from recipe_keys(each, f"{section}.{key}" if section else key)
+        if not inner:
+            yield section, key
+
+
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [found for arg in typing.get_args(annotation) for found in _models(arg)]
+
+
+@pytest.mark.parametrize("kind", sorted(RECIPE_PAGES))
+def test_every_recipe_key_has_its_home_in_the_recipe_pages(kind: str) -> None:
+    rows = [
+        key_rows((DOCS / "recipes" / page).read_text())
+        for page in (RECIPE_PAGES[kind], "README.md")
+    ]
+
+    def documented(section: str, key: str) -> bool:
+        if section == "" and (key in rows[0] or key in rows[1]):
+            return True  # a table of its own, as [settings] and [secrets] have
+        if section in SECTION_HOMES:
+            return re.search(rf"\b{key} = ", SECTION_HOMES[section].read_text()) is not None
+        while True:  # a sub-table's keys may be in its parent's row ([tiers.nvme] in [tiers])
+            if any(re.search(rf"`{key}(`| =)", table.get(section, "")) for table in rows):
+                return True
+            if "." not in section:
+                return False
+            section = section.rsplit(".", 1)[0]
+
+    schema = kinds()[kind].recipe
+    missing = [f"[{s}] {k}" if s else k for s, k in recipe_keys(schema) if not documented(s, k)]
     assert missing == []
