@@ -527,20 +527,25 @@ class Engine(EngineDirs):
         with contextlib.closing(docker.from_env(timeout=30)) as cli:
             return str(cli.networks.get(self.network).attrs["IPAM"]["Config"][0]["Gateway"])
 
-    def request(self, desired: str, by: Requester = "operator") -> int:
-        """The next generation, as an operator writes it (the CLI), or as the gateway does
+    def request(self, desired: str, by: Requester = "operator", wait_s: float | None = None) -> int:
+        """The next generation, as an operator writes it (the CLI; with `wait_s`, its `--wait
+        --timeout`, and the answer it waited for must have come), or as the gateway does
         (`by="gateway"`: a stop for idling, after which traffic may start it again)."""
         if by == "gateway":
             return host_request(self.data_dir, self.name, desired, "gateway")  # type: ignore[arg-type]
+        waits = () if wait_s is None else ("--wait", "--timeout", f"{wait_s:g}")
+        data = str(self.data_dir)
         # as the host application, which knows its engines: no recipe or status may exist yet
         out = subprocess.run(
-            [*CLI, "request", self.name, desired, "--create", "--data-dir", str(self.data_dir)],
+            [*CLI, "request", self.name, desired, "--create", *waits, "--data-dir", data],
             cwd=ROOT,
-            check=True,
+            check=False,
             capture_output=True,
             text=True,
+            timeout=None if wait_s is None else wait_s + 60,
         )
-        return int(out.stdout.strip())
+        assert out.returncode == 0, out.stdout + out.stderr
+        return int(out.stdout.split()[0])
 
     def status(self) -> dict[str, Any] | None:
         try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.fixtures import CLI, ROOT, Engine
+from tests.fixtures import Engine
 from tests.gateway_proc import Gateway, running_gateway
 from tests.host.fleet_world import fleet_settings, write_peers
 from tests.integration.test_gateway_exempt_router import router
@@ -190,17 +189,7 @@ def desired(router: Engine) -> dict[str, Any]:
 def test_the_operators_stop_on_b_is_bs_refusal_through_a_and_nothing_starts(
     fleet: Fleet, router: Engine
 ) -> None:
-    stop = ("request", router.name, "stopped", "--wait", "--timeout", "120")
-    done = subprocess.run(
-        [*CLI, *stop, "--data-dir", str(router.data_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    generation = int(done.stdout.split()[0])
+    generation = router.request("stopped", wait_s=120)
     before = len(fleet.rows())
     for _ in range(2):
         with pytest.raises(openai.InternalServerError) as refused:

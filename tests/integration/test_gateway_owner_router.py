@@ -155,26 +155,7 @@ def test_the_engine_the_gateway_stopped_for_idling_is_started_again(
 
 def test_an_operators_stop_is_kept(router: Engine, gateway: Gateway) -> None:
     """`lucia-supervisor request NAME stopped --wait`, as measured on the demo."""
-    done = subprocess.run(
-        [
-            *CLI,
-            "request",
-            router.name,
-            "stopped",
-            "--wait",
-            "--timeout",
-            "120",
-            "--data-dir",
-            str(router.data_dir),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    generation = int(done.stdout.split()[0])
+    generation = router.request("stopped", wait_s=120)
     stopped = router.status()
     assert stopped is not None and (stopped["generation"], stopped["state"]) == (
         generation,
