@@ -155,9 +155,10 @@ def peer_headers(
 def post(
     url: str, path: str, headers: dict[str, str], body: dict[str, Any] | None = None
 ) -> tuple[int, Any]:
-    """A POST's status and its JSON (or text) body, over a connection of its own."""
-    port = int(url.rsplit(":", 1)[1])
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    """A POST's status and its JSON (or text) body, over a connection of its own to the host
+    and port of `url` (http://ADDRESS:PORT: loopback, or a machine's address)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
         connection.request("POST", path, body=json.dumps(body or CHAT), headers=headers)
         answer = connection.getresponse()

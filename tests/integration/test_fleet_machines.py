@@ -37,7 +37,7 @@ import pytest
 from tests import haproxy
 from tests.fixtures import ROOT
 from tests.gateway_proc import Gateway, running_gateway
-from tests.host.fleet_world import write_peers
+from tests.host.fleet_world import post, write_peers
 from tests.host.gateway_world import write_status
 from tests.machines import Machine, Machines, machines
 from tests.postgres import Cluster, bindir, cluster
@@ -48,6 +48,7 @@ OWNER = "owner-key-" + "o" * 32
 INFERENCE = "inference-key-" + "i" * 32
 CHECKS = "250ms"  # HAProxy's checks, shortened from the shipped 1 s
 ROUTE = "/v1/chat/completions"
+HEADERS = {"Authorization": f"Bearer {INFERENCE}", "Content-Type": "application/json"}
 # The forwarding gateway's clock on a peer's answer: max_wait_s + load_wait_s + deadline_s,
 # past the client's socket timeout: a cut machine's stream must end by its staleness alone.
 MAX_WAIT_S, LOAD_WAIT_S, DEADLINE_S = 2, 2, 120
@@ -180,9 +181,9 @@ class Fleet:
         return {m["machine"]: m for m in self.listed(via) if m["id"] == model}
 
 
-def chat(model: str, **more: Any) -> bytes:
+def chat(model: str, **more: Any) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-    return json.dumps({**body, **more}).encode()
+    return {**body, **more}
 
 
 def connection(url: str) -> http.client.HTTPConnection:
@@ -192,18 +193,7 @@ def connection(url: str) -> http.client.HTTPConnection:
 
 def ask(url: str, model: str) -> tuple[int, Any]:
     """A chat's status and its JSON (or text) body, over a connection of its own."""
-    conn = connection(url)
-    try:
-        headers = {"Authorization": f"Bearer {INFERENCE}", "Content-Type": "application/json"}
-        conn.request("POST", ROUTE, body=chat(model), headers=headers)
-        answer = conn.getresponse()
-        raw = answer.read()
-    finally:
-        conn.close()
-    try:
-        return answer.status, json.loads(raw)
-    except ValueError:
-        return answer.status, raw.decode(errors="replace")
+    return post(url, ROUTE, HEADERS, chat(model))
 
 
 @contextlib.contextmanager
@@ -300,8 +290,7 @@ def test_a_cut_machine_ends_its_forwarded_stream_goes_stale_and_comes_back(fleet
     cut.say("hold")
     conn = connection(origin.url)
     try:
-        headers = {"Authorization": f"Bearer {INFERENCE}", "Content-Type": "application/json"}
-        conn.request("POST", ROUTE, body=chat("own-2", stream=True), headers=headers)
+        conn.request("POST", ROUTE, body=json.dumps(chat("own-2", stream=True)), headers=HEADERS)
         answer = conn.getresponse()
         assert answer.status == 200
         first = answer.readline()  # the engine's first chunk, through one from two
