@@ -4,18 +4,17 @@ process, in front of a fast engine of the test's own."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from tests.fixtures import ROOT
 from tests.gateway_proc import running_gateway
-from tests.host.gateway_world import Upstream, serve_upstream, write_status
+from tests.host.fleet_world import EngineLoop
+from tests.host.gateway_world import Upstream, write_status
 
 DEMO_URL = "http://127.0.0.1:18400"  # where the demo's gateway listens, as the README says
 
@@ -41,12 +40,9 @@ def test_the_readme_names_the_demo_gateways_address() -> None:
 
 def test_the_readme_first_chat_runs_as_written(tmp_path: Path) -> None:
     _, with_openai, with_curl = first_chat()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    up = Upstream()
-    server = asyncio.run_coroutine_threadsafe(serve_upstream(up), loop).result(60)
+    engines = EngineLoop()
     try:
+        up = engines.serve(Upstream())
         data = tmp_path / "data"
         write_status(data, "demo-router", "running", url=up.url, generation=1)
         with running_gateway(tmp_path / "gateway", data) as gateway:
@@ -65,10 +61,7 @@ def test_the_readme_first_chat_runs_as_written(tmp_path: Path) -> None:
                 shown.append(done.stdout)
             log = gateway.log.read_text()
     finally:
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+        engines.close()
     assert "CompletionUsage(completion_tokens=3" in shown[0], shown[0]
     answer = json.loads(shown[1])
     assert answer["object"] == "chat.completion" and answer["model"] == "tiny"
